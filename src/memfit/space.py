@@ -1,0 +1,138 @@
+"""Which configurations to consider: the candidate dataclass and the search space.
+
+A `Candidate` is one point of the search space: every knob that changes memory or
+speed of a training step. It is shared by `estimate` (predict), `probe` (measure),
+`select` (choose) and `train` (run), so each of them speaks about the same thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Method = Literal["sft", "dpo"]
+Finetune = Literal["full", "lora", "qlora"]
+Precision = Literal["bf16", "fp16", "fp32"]
+Attn = Literal["flash", "sdpa", "eager"]
+RefMode = Literal["precomputed", "model", "adapter"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One training configuration. Field names match `memfit estimate` flags."""
+
+    zero: int = 2  # ZeRO stage 0|1|2|3
+    offload_optimizer: Literal["none", "cpu"] = "none"  # optimizer states (+fp32 master) on the host
+    offload_param: Literal["none", "cpu"] = "none"  # ZeRO-3 parameter offload to the host
+    pin_memory: bool = False  # page-locked host buffers for offload (faster, costs host RAM)
+    offload_ratio: float = 1.0  # ZeRO-3 offload_optimizer.ratio: fraction of optimizer states offloaded
+    grad_ckpt: bool = False  # gradient (activation) checkpointing per decoder layer
+    attn: Attn = "sdpa"  # attention implementation
+    finetune: Finetune = "full"  # full fine-tuning, LoRA or QLoRA
+    lora_rank: int = 16  # LoRA rank r (ignored for full)
+    micro_batch: int = 1  # sequences per rank per forward (DPO: pairs, i.e. 2x sequences)
+    seq_len: int = 2048  # tokens per sequence (padded worst case)
+    grad_accum: int = 1  # micro steps per optimizer step
+    precision: Precision = "bf16"  # compute/weights dtype; fp32 master weights kept by DeepSpeed
+    ref: RefMode = "model"  # DPO reference: frozen copy, LoRA adapter disabled, or precomputed log-probs
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("invalid candidate: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Combinations DeepSpeed or peft cannot run, in the user's words."""
+        out = []
+        if self.zero not in (0, 1, 2, 3):
+            out.append(f"zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.offload_param != "none" and self.zero != 3:
+            out.append("parameter offload (offload_param=cpu) needs ZeRO-3")
+        if self.offload_optimizer != "none" and self.zero == 0:
+            out.append("optimizer offload needs ZeRO stage 1, 2 or 3")
+        if self.offload_ratio != 1.0 and not (self.zero == 3 and self.offload_optimizer == "cpu"):
+            out.append("offload_ratio needs ZeRO-3 with offload_optimizer=cpu")
+        if not 0.0 < self.offload_ratio <= 1.0:
+            out.append(f"offload_ratio must be in (0, 1], got {self.offload_ratio}")
+        if self.finetune != "full" and self.lora_rank < 1:
+            out.append(f"lora_rank must be >= 1, got {self.lora_rank}")
+        if self.ref == "adapter" and self.finetune == "full":
+            out.append("ref=adapter needs finetune=lora or qlora (the reference is the adapter-free model)")
+        for name in ("micro_batch", "seq_len", "grad_accum"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Candidate:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown candidate keys {unknown}; allowed: {sorted(known)}")
+        return cls(**dict(d))
+
+    @property
+    def id(self) -> str:
+        """Short, stable, readable id used as the `{cand}` wildcard and in file names."""
+        parts = [f"z{self.zero}"]
+        if self.offload_optimizer != "none":
+            parts.append("oo" + (f"{self.offload_ratio:g}" if self.offload_ratio != 1.0 else ""))
+        if self.offload_param != "none":
+            parts.append("op")
+        if self.offload_optimizer != "none" or self.offload_param != "none":
+            parts.append("pin" if self.pin_memory else "nopin")
+        parts.append("gc" if self.grad_ckpt else "nogc")
+        parts.append(self.attn)
+        parts.append(self.finetune if self.finetune == "full" else f"{self.finetune}{self.lora_rank}")
+        parts.append(f"mb{self.micro_batch}")
+        parts.append(f"s{self.seq_len}")
+        parts.append(self.precision)
+        parts.append(f"ref-{self.ref}")
+        return "-".join(parts)
+
+    def digest(self) -> str:
+        return hashlib.sha1(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def enumerate_space(axes: Mapping[str, Iterable[Any]], fixed: Mapping[str, Any] | None = None) -> Iterator[Candidate]:
+    """Cartesian product of `axes` (field -> values) over `fixed` fields.
+
+    Combinations that DeepSpeed cannot run (see `Candidate.problems`) are skipped,
+    and duplicates that only differ in a field that does not apply (pin_memory
+    without offload, lora_rank with full fine-tuning) are produced once.
+    """
+    fixed = dict(fixed or {})
+    known = {f.name for f in dataclasses.fields(Candidate)}
+    for key in list(axes) + list(fixed):
+        if key not in known:
+            raise ValueError(f"unknown search-space key {key!r}; allowed: {sorted(known)}")
+    names = list(axes)
+    seen: set[Candidate] = set()
+    for values in itertools.product(*(list(axes[n]) for n in names)):
+        d = {**fixed, **dict(zip(names, values, strict=True))}
+        try:
+            cand = Candidate(**d)
+        except ValueError:
+            continue
+        cand = _canonical(cand)
+        if cand not in seen:
+            seen.add(cand)
+            yield cand
+
+
+def _canonical(c: Candidate) -> Candidate:
+    """Reset fields that have no effect in this combination, so equal configs compare equal."""
+    changes: dict[str, Any] = {}
+    if c.offload_optimizer == "none" and c.offload_param == "none" and c.pin_memory:
+        changes["pin_memory"] = False
+    if c.finetune == "full" and c.lora_rank != Candidate.lora_rank:
+        changes["lora_rank"] = Candidate.lora_rank
+    return dataclasses.replace(c, **changes) if changes else c
