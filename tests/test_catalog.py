@@ -361,3 +361,22 @@ def test_gpu_yaml_missing_field_is_an_error(tmp_path):
     bad.write_text(yaml.safe_dump({"x1": {"memory_mib": 1024, "bf16": True}}))
     with pytest.raises(ValueError, match="missing"):
         catalog.load_gpus(bad)
+
+
+def test_text_only_gemma3_config(tmp_path):
+    # google/gemma-3-1b-it style: model_type gemma3_text at the top level, no vision tower
+    cfg = {
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+    }
+    arch = catalog.model(_write(tmp_path, cfg))
+    assert arch.vision_params == 0 and arch.tie_word_embeddings
+    assert arch.num_params() == _count(_meta_model(arch.to_hf_config())) == 999_885_952

@@ -377,7 +377,8 @@ def arch_from_hf_config(
         text = dict(cfg["text_config"])
         if model_type == "gemma3":
             text.setdefault("model_type", "gemma3_text")
-            vision_params = _gemma3_vision_params(cfg, text, where)
+            if isinstance(cfg.get("vision_config"), dict):
+                vision_params = _gemma3_vision_params(cfg, text, where)
         cfg, model_type = text, str(text.get("model_type", model_type)).lower()
     if model_type == "gemma3":  # text-only gemma3 config without a text_config
         model_type = "gemma3_text"
