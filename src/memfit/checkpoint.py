@@ -1,0 +1,190 @@
+"""Checkpoints that are either whole or ignored, and resume from the newest whole one.
+
+Layout under `<run>/checkpoints/`:
+
+    step00000100/            DeepSpeed shards (model, optimizer, scheduler) + memfit files
+        rng.rank{r}.pt       per-rank RNG states (Python, NumPy, torch, CUDA where present)
+        memfit.json          step, consumed samples, world size, the resolved run config
+        COMPLETE             written by rank 0 after every rank finished: the publish mark
+    latest                   the newest complete tag (DeepSpeed's own pointer format)
+
+A crash mid-save leaves a directory without COMPLETE; `latest_valid` skips it and
+falls back to the previous checkpoint with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+COMPLETE = "COMPLETE"
+# Fields of the run config that must match for a checkpoint to continue the same run.
+MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmup_steps", "min_lr_ratio", "dpo", "data_dir")
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to `path` via a temporary file and rename (readers never see half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def replace_dir(src: Path, dest: Path) -> None:
+    """Move a finished directory into place, replacing an older one."""
+    if dest.exists():
+        old = dest.with_name(dest.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dest, old)
+        os.replace(src, dest)
+        shutil.rmtree(old)
+    else:
+        os.replace(src, dest)
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(engine, root: Path, step: int, client_state: dict[str, Any], keep_last: int, run_config: dict[str, Any]) -> Path:
+    """Save on every rank, publish on rank 0 once all ranks are done, then rotate."""
+    root = Path(root)
+    tag = tag_for(step)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        meta = {"step": step, "world_size": world, "run_config": run_config, **client_state}
+        write_json_atomic(root / tag / "memfit.json", meta)
+        write_text_atomic(root / tag / COMPLETE, tag + "\n")
+        write_text_atomic(root / "latest", tag)
+        for old in complete_tags(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(root / old, ignore_errors=True)
+    _barrier()
+    return root / tag
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Published checkpoints, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / COMPLETE).exists())
+
+
+def latest_valid(root: Path, log: Callable[[str], None] = print) -> tuple[Path, str] | None:
+    """The newest published checkpoint; warns when `latest` points at a broken one."""
+    root = Path(root)
+    tags = complete_tags(root)
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.exists() else None
+    if named and named in tags and _looks_whole(root / named):
+        return root, named
+    for tag in reversed(tags):
+        if _looks_whole(root / tag):
+            if named:
+                log(f"warning: checkpoint {root / named} is incomplete or corrupt; falling back to {root / tag}")
+            return root, tag
+    if named:
+        log(f"warning: no valid checkpoint under {root} ('latest' names {named}); starting fresh")
+    return None
+
+
+def _looks_whole(path: Path) -> bool:
+    try:
+        meta = json.loads((path / "memfit.json").read_text())
+    except (OSError, ValueError):
+        return False
+    world = int(meta.get("world_size", 1))
+    return all((path / f"rng.rank{r}.pt").exists() for r in range(world))
+
+
+def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Path) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    diffs = [
+        f"{k}: checkpoint {meta['run_config'].get(k)!r} != now {run_config.get(k)!r}"
+        for k in MUST_MATCH
+        if meta["run_config"].get(k) != run_config.get(k)
+    ]
+    if int(meta["world_size"]) != world:
+        diffs.append(f"world size: checkpoint {meta['world_size']} != now {world}")
+    if diffs:
+        raise ValueError(
+            f"checkpoint {where} belongs to a different run and was not loaded:\n  "
+            + "\n  ".join(diffs)
+            + "\nDelete it (or the run directory) to start fresh."
+        )
+
+
+def load(engine, root: Path, tag: str, run_config: dict[str, Any]) -> dict[str, Any]:
+    """Refuse a checkpoint of another run, then load shards, scheduler and RNG states."""
+    root = Path(root)
+    meta = json.loads((root / tag / "memfit.json").read_text())
+    check_compatible(meta, run_config, root / tag)
+    path, _client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
+    set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
+    return meta
+
+
+def truncate_metrics(path: Path, step: int, source: Path | None = None) -> None:
+    """Keep metric rows up to `step` (the resumed run rewrites what came after)."""
+    path = Path(path)
+    src = path if path.exists() else source
+    if src is None or not Path(src).exists():
+        return
+    rows = [line for line in Path(src).read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, "".join(r + "\n" for r in rows))

@@ -1,0 +1,671 @@
+"""DeepSpeed SFT and DPO training, one rank per process; probes run the same step.
+
+Launch all ranks of a run on one node (what the `train` and `probe_candidate` rules do):
+
+    memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
+
+which runs `python -m torch.distributed.run --standalone --nproc-per-node 2 -m memfit.cli
+train --config ...`. On a GPU node `--nproc` is the number of GPUs; under SLURM the
+same entry point runs once per task.
+
+The loop reads top to bottom: strategy -> model -> reference -> data -> DeepSpeed ->
+resume -> fit -> export (OpenRLHF's `train()` order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit import checkpoint, dsconfig
+from memfit.losses import IGNORE_INDEX, DPOConfig, dpo_loss, sequence_logps, sft_loss
+from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
+from memfit.space import Candidate
+
+OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
+
+
+@dataclass
+class RunConfig:
+    """Everything one training (or probe) run needs; written as `run.json` by the workflow."""
+
+    method: str  # sft | dpo
+    model_path: str  # HF model directory the policy starts from
+    data_dir: str  # output of prepare_data: train.parquet, eval.parquet, stats.json
+    out_dir: str  # run directory: metrics.jsonl, checkpoints/, model/
+    candidate: dict[str, Any]  # a `Candidate` as a dict: ZeRO, offload, micro batch, seq_len ...
+    lr: float = 1e-3  # peak learning rate
+    epochs: float = 1.0  # passes over the training rows (ignored when max_steps is set)
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    warmup_steps: int = 10  # linear warmup steps
+    min_lr_ratio: float = 0.1  # cosine decays to this fraction of lr
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # global gradient-norm clip
+    seed: int = 0
+    log_every: int = 10  # steps between log lines
+    eval_every: int = 50  # steps between held-out evaluations (and at the end)
+    save_every: int = 100  # steps between checkpoints (and at the end); 0 disables
+    keep_last: int = 2  # checkpoints kept after rotation
+    resume: str = "auto"  # auto: newest valid checkpoint in out_dir/checkpoints, else fresh; never; or a checkpoint dir
+    stop_after_step: int | None = None  # stop (as if killed) after this step: used to test resume
+    export: bool = True  # save the final model to out_dir/model (HF format, safetensors)
+    lora_alpha: float | None = None  # default 2 * rank
+    lora_dropout: float = 0.0
+    lora_targets: str | list[str] = "all-linear"  # peft target_modules
+    dpo: dict[str, Any] = field(default_factory=dict)  # DPOConfig fields: beta, loss_type, label_smoothing
+    ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
+    probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        d = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown run config keys {unknown}")
+        return cls(**d)
+
+    def save(self, path: str | Path) -> None:
+        checkpoint.write_json_atomic(Path(path), dataclasses.asdict(self))
+
+    @property
+    def cand(self) -> Candidate:
+        return Candidate.from_dict(self.candidate)
+
+
+# --------------------------------------------------------------------------- distributed
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _init_distributed() -> None:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    # gloo on the CPU accelerator (ccl only where oneCCL is installed), nccl on CUDA.
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _all_reduce_sum(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def _all_reduce_max(values: list[float]) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", "0"))))
+
+
+# --------------------------------------------------------------------------- model
+ATTN_IMPL = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
+DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def check_hardware(cand: Candidate) -> None:
+    """Refuse what this machine cannot run, before loading anything."""
+    if cand.attn == "flash":
+        if not torch.cuda.is_available():
+            raise RuntimeError("attn=flash needs a CUDA GPU (FlashAttention-2); use sdpa or eager on the CPU")
+        major, _ = torch.cuda.get_device_capability()
+        if major < 8:  # FlashAttention-2 README: Ampere, Ada or Hopper (sm80+)
+            raise RuntimeError("attn=flash needs compute capability >= 8.0 (FlashAttention-2)")
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("attn=flash needs the flash-attn package (pip install '.[gpu]')") from e
+    if cand.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        raise RuntimeError("bf16 is not supported on this GPU (needs Ampere or newer); use fp16")
+    if cand.finetune == "qlora" and not torch.cuda.is_available():
+        raise RuntimeError("finetune=qlora needs bitsandbytes on a CUDA GPU; it cannot run on the CPU")
+
+
+def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any] | None = None):
+    """A HF causal LM with the candidate's attention, dtype, checkpointing and adapters."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPL[cand.attn], "dtype": DTYPE[cand.precision]}
+    if cand.finetune == "qlora" and trainable:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=DTYPE[cand.precision],
+            # peft's ZeRO-3 + QLoRA recipe: a storage dtype ZeRO-3 can shard.
+            bnb_4bit_quant_storage=DTYPE[cand.precision],
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False
+    if not trainable:
+        model.eval()
+        model.requires_grad_(False)
+        return model
+    if cand.grad_ckpt:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cand.finetune in ("lora", "qlora"):
+        from peft import LoraConfig, get_peft_model
+
+        lora = lora or {}
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cand.lora_rank,
+                lora_alpha=lora.get("alpha") or 2 * cand.lora_rank,
+                lora_dropout=lora.get("dropout", 0.0),
+                target_modules=lora.get("targets", "all-linear"),
+                task_type="CAUSAL_LM",
+            ),
+        )
+        if cand.grad_ckpt:
+            model.enable_input_require_grads()
+    return model
+
+
+# --------------------------------------------------------------------------- data
+def _load_rows(data_dir: str, split: str) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(Path(data_dir) / f"{split}.parquet").to_pylist()
+
+
+def _pad(seqs: list[list[int]], value: int, length: int | None = None) -> torch.Tensor:
+    n = length or max(len(s) for s in seqs)
+    out = torch.full((len(seqs), n), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        s = s[:n]
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate(method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded tensors. DPO: chosen rows then rejected rows, one forward (OpenRLHF's concatenated_forward)."""
+    if method == "sft":
+        ids = [r["input_ids"] for r in rows]
+        labels = [r["labels"] for r in rows]
+    else:
+        ids, labels = [], []
+        for key in ("chosen_ids", "rejected_ids"):
+            for r in rows:
+                p, y = list(r["prompt_ids"]), list(r[key])
+                ids.append(p + y)
+                labels.append([IGNORE_INDEX] * len(p) + y)
+    input_ids = _pad(ids, pad_id, pad_to)
+    return {
+        "input_ids": input_ids,
+        "labels": _pad(labels, IGNORE_INDEX, pad_to),
+        "attention_mask": _pad([[1] * len(s) for s in ids], 0, pad_to),
+    }
+
+
+class Schedule:
+    """Which rows each rank sees at each step: a pure function of (seed, step), so resume is exact.
+
+    Each epoch is a fresh permutation (seed + epoch); a step consumes one global batch
+    (micro_batch x grad_accum x world) in order; the tail of an epoch shorter than a
+    global batch is skipped (counted in `rows_skipped_per_epoch`).
+    """
+
+    def __init__(self, n_rows: int, micro: int, accum: int, world: int, seed: int) -> None:
+        self.n, self.micro, self.accum, self.world, self.seed = n_rows, micro, accum, world, seed
+        self.global_batch = micro * accum * world
+        self.steps_per_epoch = n_rows // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{n_rows} training rows are fewer than one global batch "
+                f"({micro} micro x {accum} accum x {world} ranks = {self.global_batch})"
+            )
+        self.rows_skipped_per_epoch = n_rows - self.steps_per_epoch * self.global_batch
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def micro_batches(self, step: int, rank: int) -> Iterator[list[int]]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng(self.seed + epoch).permutation(self.n))
+        base = k * self.global_batch
+        for m in range(self.accum):
+            start = base + (m * self.world + rank) * self.micro
+            yield self._perm[1][start : start + self.micro].tolist()
+
+
+# --------------------------------------------------------------------------- one step
+class StepRunner:
+    """Forward + loss for one micro batch; the same code for training, evaluation and probes."""
+
+    def __init__(self, cfg: RunConfig, engine, ref_engine, pad_id: int) -> None:
+        self.cfg, self.engine, self.ref, self.pad_id = cfg, engine, ref_engine, pad_id
+        self.method = cfg.method
+        self.dpo = DPOConfig(**cfg.dpo) if cfg.method == "dpo" else None
+        self.device = _device()
+
+    def loss(self, rows: list[dict[str, Any]], pad_to: int | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
+        """Mean loss over the micro batch, summed metrics (to average later) and scored tokens."""
+        batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to).items()}
+        out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        tokens = int(batch["attention_mask"].sum())
+        if self.method == "sft":
+            loss, _ = sft_loss(out.logits, batch["labels"])
+            return loss, {"loss": loss.item() * len(rows)}, tokens
+        assert self.dpo is not None
+        average = self.dpo.loss_type == "ipo"
+        logps = sequence_logps(out.logits, batch["labels"], average=average)
+        n = len(rows)
+        if self.cfg.cand.ref == "precomputed":
+            ref = torch.tensor(
+                [r["ref_chosen_logps"] for r in rows] + [r["ref_rejected_logps"] for r in rows],
+                device=logps.device,
+                dtype=logps.dtype,
+            )
+        else:
+            with torch.no_grad():
+                if self.cfg.cand.ref == "adapter":
+                    with self.engine.module.disable_adapter():
+                        ref_out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                else:
+                    ref_out = self.ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                ref = sequence_logps(ref_out.logits, batch["labels"], average=average)
+        losses, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.dpo)
+        sums = {"loss": float(losses.sum())} | {k: float(v.sum()) for k, v in metrics.items()}
+        return losses.mean(), sums, tokens
+
+
+# --------------------------------------------------------------------------- the run
+class Run:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.cand = cfg.cand
+        self.rank, self.world = _rank(), _world()
+        self.out = Path(cfg.out_dir)
+        self.ckpt_root = self.out / "checkpoints"
+        self.metrics_path = self.out / "metrics.jsonl"
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+    def setup(self) -> None:
+        import deepspeed
+        from transformers import AutoTokenizer
+
+        cfg, cand = self.cfg, self.cand
+        check_hardware(cand)
+        torch.manual_seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+        self.train_rows = _load_rows(cfg.data_dir, "train")
+        self.eval_rows = _load_rows(cfg.data_dir, "eval")
+        self.schedule = Schedule(len(self.train_rows), cand.micro_batch, cand.grad_accum, self.world, cfg.seed)
+        if cfg.probe_steps:
+            self.total_steps = cfg.probe_steps
+        elif cfg.max_steps:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = max(1, math.floor(cfg.epochs * self.schedule.steps_per_epoch))
+
+        ds_cfg = dsconfig.build(
+            cand,
+            self.world,
+            lr=cfg.lr,
+            total_steps=self.total_steps,
+            warmup_steps=min(cfg.warmup_steps, self.total_steps // 2),
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+            min_lr_ratio=cfg.min_lr_ratio,
+            hidden_size=_hidden_size(cfg.model_path),
+        )
+        self.ds_config = ds_cfg
+        hf_ds = None
+        if cand.zero == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # Keeps a global weakref that makes from_pretrained partition weights as it loads
+            # (zero.Init): no rank ever holds the whole model. Must stay alive until initialize.
+            hf_ds = HfDeepSpeedConfig(ds_cfg)
+        lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
+        model = load_model(cfg.model_path, cand, trainable=True, lora=lora)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)
+
+        self.ref_engine = None
+        if cfg.method == "dpo" and cand.ref == "model":
+            ref_path = cfg.ref_model_path or cfg.model_path
+            ref_cfg = {
+                "train_micro_batch_size_per_gpu": cand.micro_batch,
+                "gradient_accumulation_steps": cand.grad_accum,
+                "bf16": ds_cfg["bf16"],
+                "fp16": ds_cfg["fp16"],
+                # The frozen reference is sharded like the policy under ZeRO-3 (OpenRLHF's
+                # get_eval_ds_config); ZeRO 0-2 keep a full replica per rank.
+                "zero_optimization": {"stage": 3 if cand.zero == 3 else 0},
+            }
+            if cand.zero == 3 and cand.offload_param != "none":
+                ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cand.pin_memory}
+            ref_hf = HfDeepSpeedConfigIf(ref_cfg) if cand.zero == 3 else None
+            ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False)
+            self.ref_engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
+            self.ref_engine.eval()
+            del ref_hf
+        del hf_ds
+        self.runner = StepRunner(cfg, self.engine, self.ref_engine, self.pad_id)
+
+    # -- evaluation ----------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """Means over every held-out row; every rank runs the same number of forwards (ZeRO-3)."""
+        rows = self.eval_rows
+        micro = self.cand.micro_batch
+        mine = list(range(self.rank, len(rows), self.world))
+        n_batches = math.ceil(math.ceil(len(rows) / self.world) / micro) if rows else 0
+        sums: dict[str, float] = {}
+        count = 0.0
+        self.engine.eval()
+        with torch.no_grad():
+            for b in range(n_batches):
+                idx = mine[b * micro : (b + 1) * micro]
+                real = len(idx)
+                batch = [rows[i] for i in idx] if idx else [rows[0]]  # dummy forward keeps ranks in step
+                loss, m, _ = self.runner.loss(batch)
+                if real:
+                    for k, v in m.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    count += real
+        self.engine.train()
+        keys = sorted(sums) if sums else ["loss"]
+        totals = _all_reduce_sum([sums.get(k, 0.0) for k in keys] + [count])
+        n = max(totals[-1], 1.0)
+        return {k: totals[i] / n for i, k in enumerate(keys)}
+
+    # -- one optimizer step --------------------------------------------------
+    def train_step(self, step: int, probe_rows: list[dict[str, Any]] | None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        sums: dict[str, float] = {}
+        rows_seen = 0
+        tokens = 0
+        for idx in self.schedule.micro_batches(step, self.rank):
+            rows = probe_rows if probe_rows is not None else [self.train_rows[i] for i in idx]
+            pad_to = self.cand.seq_len if probe_rows is not None else None
+            loss, m, tok = self.runner.loss(rows, pad_to=pad_to)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss {float(loss)} at step {step + 1} on rank {self.rank}")
+            self.engine.backward(loss)
+            self.engine.step()
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+            rows_seen += len(rows)
+            tokens += tok
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        keys = sorted(sums)
+        totals = _all_reduce_sum([sums[k] for k in keys] + [rows_seen])
+        out = {k: totals[i] / totals[-1] for i, k in enumerate(keys)}
+        out["tokens_per_s"] = tokens / dt  # non-padding tokens per second, this rank
+        out["step_time_s"] = dt
+        return out
+
+    # -- the loop -------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        start_step = 0
+        if not cfg.probe_steps:
+            start_step = self.maybe_resume()
+        probe_rows = self._worst_case_rows() if cfg.probe_steps else None
+
+        tracker = None if torch.cuda.is_available() else AllocationTracker(_device())
+        reset_device_peaks()
+        step_times: list[float] = []
+        peaks: list[tuple[int, int | None]] = []
+        bar = tqdm(
+            total=self.total_steps,
+            initial=start_step,
+            desc=f"{cfg.method}{' probe' if cfg.probe_steps else ''}",
+            disable=self.rank != 0,
+            file=sys.stderr,
+            mininterval=2.0,
+        )
+        if tracker is not None:
+            tracker.__enter__()
+        try:
+            if start_step == 0 and not cfg.probe_steps and self.eval_rows:
+                self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
+            for step in range(start_step, self.total_steps):
+                m = self.train_step(step, probe_rows)
+                pk = device_peaks(tracker)
+                peaks.append((pk.allocated, pk.reserved))
+                step_times.append(m["step_time_s"])
+                done = step + 1
+                alloc, reserved, rss = _all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
+                row = {
+                    "step": done,
+                    "split": "train",
+                    **m,
+                    "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else cfg.lr,
+                    "grad_norm": _float_or_none(self.engine.get_global_grad_norm()),
+                    "peak_allocated_bytes": int(alloc),
+                    "peak_reserved_bytes": int(reserved) if pk.reserved is not None else None,
+                    "host_rss_bytes": int(rss),
+                }
+                if not cfg.probe_steps:
+                    self._write_metrics(row)
+                    if done % cfg.log_every == 0 or done == self.total_steps:
+                        self.log(_log_line(row))
+                    if cfg.eval_every and (done % cfg.eval_every == 0 or done == self.total_steps) and self.eval_rows:
+                        ev = self.evaluate()
+                        self._write_metrics({"step": done, "split": "eval", **ev})
+                        self.log(f"step {done}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+                    if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
+                        self.save(done)
+                bar.update(1)
+                if cfg.stop_after_step is not None and done >= cfg.stop_after_step:
+                    self.log(f"stopping after step {done} (stop_after_step)")
+                    return {"stopped_at": done}
+        finally:
+            bar.close()
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+        summary = self._summary(step_times, peaks)
+        if cfg.probe_steps:
+            return summary
+        if cfg.export:
+            self.export()
+        return summary
+
+    def _summary(self, step_times: list[float], peaks: list[tuple[int, int | None]]) -> dict[str, Any]:
+        alloc = max((p[0] for p in peaks), default=0)
+        reserved = max((p[1] or 0 for p in peaks), default=0)
+        rss = device_peaks(None).host_rss
+        mx = _all_reduce_max([alloc, reserved, rss])
+        host_sum = _all_reduce_sum([rss])[0]
+        steady = step_times[1:] or step_times
+        return {
+            "world_size": self.world,
+            "steps": len(step_times),
+            "peak_allocated_bytes": int(mx[0]),
+            "peak_reserved_bytes": int(mx[1]) if torch.cuda.is_available() else None,
+            "host_rss_bytes_max_rank": int(mx[2]),
+            "host_rss_bytes_node": int(host_sum),
+            "first_step_time_s": step_times[0] if step_times else None,
+            "step_time_s": statistics.median(steady) if steady else None,
+            "device": str(_device()),
+            "memory_source": "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "AllocationTracker (live tensor storages)",
+        }
+
+    def _worst_case_rows(self) -> list[dict[str, Any]]:
+        stats = json.loads((Path(self.cfg.data_dir) / "stats.json").read_text())
+        idx = stats["worst_case_rows"][: self.cand.micro_batch]
+        rows = [self.train_rows[i] for i in idx]
+        while len(rows) < self.cand.micro_batch:
+            rows.append(rows[len(rows) % len(idx)])
+        return rows
+
+    # -- metrics, checkpoints, export ---------------------------------------
+    def _write_metrics(self, row: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def save(self, step: int) -> None:
+        checkpoint.save(
+            self.engine,
+            self.ckpt_root,
+            step,
+            client_state={"step": step, "consumed_samples": step * self.schedule.global_batch},
+            keep_last=self.cfg.keep_last,
+            run_config=dataclasses.asdict(self.cfg),
+        )
+
+    def maybe_resume(self) -> int:
+        cfg = self.cfg
+        if cfg.resume == "never":
+            return 0
+        if cfg.resume == "auto":
+            found = checkpoint.latest_valid(self.ckpt_root, log=self.log)
+            if found is None:
+                if self.rank == 0 and self.metrics_path.exists():
+                    self.metrics_path.unlink()  # a fresh start must not append to a dead run's curve
+                return 0
+            root, tag = found
+        else:
+            p = Path(cfg.resume)
+            root, tag = p.parent, p.name
+        state = checkpoint.load(self.engine, root, tag, run_config=dataclasses.asdict(cfg))
+        step = int(state["step"])
+        if self.rank == 0:
+            checkpoint.truncate_metrics(self.metrics_path, step, source=root.parent / "metrics.jsonl")
+        self.log(f"resumed from {root / tag} at step {step}")
+        return step
+
+    def export(self) -> None:
+        """Final model in HF format (safetensors). ZeRO-3 gathers the partitioned weights first."""
+        import torch.distributed as dist
+
+        dest = self.out / "model"
+        module = self.engine.module
+        if self.cand.zero == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls
+        else:
+            state = None
+        if self.rank == 0:
+            tmp = self.out / "model.tmp"
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            if self.cand.finetune in ("lora", "qlora"):
+                if state is not None:
+                    module.load_state_dict(state, strict=False)
+                merged = module.merge_and_unload()
+                merged.save_pretrained(tmp, safe_serialization=True)
+            else:
+                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            self.tokenizer.save_pretrained(tmp)
+            checkpoint.replace_dir(tmp, dest)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _hidden_size(model_path: str) -> int | None:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return cfg.get("hidden_size") or cfg.get("text_config", {}).get("hidden_size")
+
+
+def _float_or_none(x: Any) -> float | None:
+    if x is None:
+        return None
+    return float(x.item() if hasattr(x, "item") else x)
+
+
+def _log_line(row: dict[str, Any]) -> str:
+    parts = [f"step {row['step']}: loss {row['loss']:.4f}"]
+    if "rewards/accuracies" in row:
+        parts.append(f"acc {row['rewards/accuracies']:.2f}, margin {row['rewards/margins']:.3f}")
+    parts.append(f"{row['tokens_per_s'] / 1e3:.1f}k tok/s")
+    parts.append(f"lr {row['lr']:.2e}")
+    parts.append(f"peak {row['peak_allocated_bytes'] / 2**20:.1f} MiB")
+    return ", ".join(parts)
+
+
+def HfDeepSpeedConfigIf(cfg: dict[str, Any]):  # noqa: N802 - mirrors the class it builds
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(cfg)
+
+
+# --------------------------------------------------------------------------- entry points
+def run_rank(cfg: RunConfig) -> dict[str, Any]:
+    if cfg.expandable_segments:
+        # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    _init_distributed()
+    run = Run(cfg)
+    try:
+        run.setup()
+        return run.fit()
+    except torch.OutOfMemoryError as e:
+        marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"rank": run.rank, "error": str(e)[:2000]}))
+        raise SystemExit(OOM_EXIT_CODE) from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="memfit train", description="Run one training rank (use `memfit launch` for all).")
+    ap.add_argument("--config", required=True, help="run config JSON (RunConfig fields)")
+    args = ap.parse_args(argv)
+    cfg = RunConfig.load(args.config)
+    summary = run_rank(cfg)
+    if _rank() == 0:
+        name = "probe.rank0.json" if cfg.probe_steps else "summary.json"
+        checkpoint.write_json_atomic(Path(cfg.out_dir) / name, summary)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
