@@ -225,7 +225,10 @@ def test_all_rows_dropped_is_an_error_not_an_empty_dataset(tok_dir, tmp_path):
 GOOD_DPO = {"prompt": "Q", "chosen": "1", "rejected": "2"}
 BAD_INPUTS = {
     # name: (method, file bytes, line, key or None, words the message must contain)
-    "missing chosen": ("dpo", [GOOD_DPO, {"prompt": "Q", "rejected": "2"}], 2, "chosen", "missing"),
+    "missing chosen": ("dpo", [GOOD_DPO, {"prompt": "Q", "rejected": "2"}], 2, "chosen",
+                       "missing (DPO rows need"),
+    "missing prompt": ("dpo", [{"chosen": "1", "rejected": "2"}], 1, "prompt", "missing (DPO rows need"),
+    "missing response": ("sft", [{"prompt": "p"}], 1, "response", "missing (SFT rows need"),
     "empty prompt": ("dpo", [GOOD_DPO, GOOD_DPO, {**GOOD_DPO, "prompt": " "}], 3, "prompt", "empty"),
     "prompt not a string": ("sft", [{"prompt": 5, "response": "r"}], 1, "prompt", "expected a string, got int"),
     "null response": ("sft", [{"prompt": "p", "response": None}], 1, "response", "got null"),
@@ -318,3 +321,13 @@ def test_saved_hf_dataset_with_messages(tok_dir, tmp_path):
     s = data.prepare("sft", tmp_path / "ds", tok_dir, tmp_path / "o", max_len=64, eval_fraction=0.0,
                      seed=0, progress=True)
     assert s["rows_kept"] == {"train": 2, "eval": 0}
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path):
+    plain = demo.train_tokenizer(DEMO)
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path / "tok")
+    src = _jsonl(tmp_path / "s.jsonl", [{"prompt": "p", "response": "r"}])
+    with pytest.raises(ValueError, match="no chat_template"):
+        data.prepare("sft", src, tmp_path / "tok", tmp_path / "o", max_len=32, eval_fraction=0.1, seed=0)
+    assert not (tmp_path / "o").exists()

@@ -237,9 +237,17 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _string(src: _Source, row: int, record: dict, key: str, *, non_empty: bool = False) -> str:
+NEEDS = {
+    "sft": "SFT rows need 'prompt' and 'response', or 'messages'",
+    "dpo": "DPO rows need 'prompt', 'chosen' and 'rejected' (strings)",
+}
+
+
+def _string(src: _Source, row: int, record: dict, key: str, method: str, *,
+            non_empty: bool = False) -> str:
     if key not in record:
-        raise DataError(src.path, _missing_message(record, key), row, key, src.unit)
+        raise DataError(src.path, f"missing ({NEEDS[method]}; the row has keys {sorted(record)})",
+                        row, key, src.unit)
     value = record[key]
     if not isinstance(value, str):
         raise DataError(src.path, f"expected a string, got {_type_name(value)}", row, key, src.unit)
@@ -248,21 +256,11 @@ def _string(src: _Source, row: int, record: dict, key: str, *, non_empty: bool =
     return value
 
 
-def _missing_message(record: dict, key: str) -> str:
-    if key in ("response", "prompt") and "messages" not in record:
-        needs = "SFT rows need 'prompt' and 'response', or 'messages'"
-    elif key in ("chosen", "rejected", "prompt"):
-        needs = "DPO rows need 'prompt', 'chosen' and 'rejected'"
-    else:
-        needs = "required"
-    return f"missing ({needs}; row has keys {sorted(record)})"
-
-
 def _sft_conversation(src: _Source, row: int, record: dict) -> tuple[list[dict], str]:
     """(prompt messages, final assistant response) of one SFT row."""
     if "messages" not in record:
-        prompt = _string(src, row, record, "prompt", non_empty=True)
-        response = _string(src, row, record, "response")
+        prompt = _string(src, row, record, "prompt", "sft", non_empty=True)
+        response = _string(src, row, record, "response", "sft")
         return [{"role": "user", "content": prompt}], response
     messages = record["messages"]
 
@@ -300,7 +298,8 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike):
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if not tok.chat_template:
-        raise ValueError(f"tokenizer at {tokenizer_dir} has no chat_template")
+        raise ValueError(f"tokenizer at {tokenizer_dir} has no chat_template (a base model's "
+                         "tokenizer?): set one in its tokenizer_config.json or chat_template.jinja")
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {tokenizer_dir} has no eos_token")
     return tok
@@ -374,9 +373,9 @@ def _tokenize_sft(tok, chunk, src, max_len, min_response, dropped, truncated, se
 def _tokenize_dpo(tok, chunk, src, max_len, min_response, dropped, truncated, seed, out: _Builder):
     convs, chosens, rejecteds, rows = [], [], [], []
     for row, record in chunk:
-        prompt = _string(src, row, record, "prompt", non_empty=True)
-        chosen = _string(src, row, record, "chosen")
-        rejected = _string(src, row, record, "rejected")
+        prompt = _string(src, row, record, "prompt", "dpo", non_empty=True)
+        chosen = _string(src, row, record, "chosen", "dpo")
+        rejected = _string(src, row, record, "rejected", "dpo")
         if not chosen.strip():
             dropped["empty_chosen"] += 1
         elif not rejected.strip():
