@@ -1,0 +1,168 @@
+"""Ground truth: real training steps of small Llama- and Qwen2-shaped models on the CPU,
+measured with `memory.AllocationTracker`, against `estimate()`'s allocated peak.
+
+What the ground truth covers: transformers' own modeling code (eager and SDPA attention,
+gradient checkpointing, peft LoRA), memfit's losses (SFT cross-entropy, DPO with the
+concatenated chosen+rejected forward and a frozen reference model), plain
+`torch.optim.AdamW` over fp32 weights on one rank, i.e. ZeRO stage 0 without DeepSpeed,
+measured over two full steps (the first with lazy Adam state, the second with it resident)
+exactly as the trainer's `loss()` runs them. It does not cover DeepSpeed's bf16/ZeRO buffers
+(checked against DeepSpeed's own formulas in test_estimate.py), CUDA kernels' workspaces or the
+allocator's fragmentation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+import pytest
+import torch
+
+from memfit.catalog import GPU, ModelArch
+from memfit.estimate import Settings, estimate
+from memfit.losses import DPOConfig, dpo_loss, sequence_logps, sft_loss
+from memfit.memory import AllocationTracker
+from memfit.space import Candidate
+
+CPU = GPU(
+    name="cpu", memory_bytes=64 * 2**30, bf16=True, flash_attn2=False, compute_capability="0.0",
+    tflops_bf16=1.0, tflops_fp16=1.0, tflops_fp32=1.0, memory_bandwidth_gbs=50.0,
+    host_link_gbs=50.0, interconnect_gbs=10.0, typical_gpus_per_node=1,
+    typical_host_memory_gb=64.0, source="test",
+)
+
+SHAPES = {
+    # Llama-shaped: GQA (4 heads, 2 KV heads), SwiGLU, untied embeddings
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_layers=2,
+                  num_attention_heads=4, num_kv_heads=2, head_dim=16, vocab_size=512,
+                  tie_word_embeddings=False, attention_bias=False),
+    # Qwen2-shaped: q/k/v biases, MHA-ish GQA, tied embeddings, larger vocabulary
+    "qwen2": dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_layers=3,
+                  num_attention_heads=6, num_kv_heads=2, head_dim=16, vocab_size=1024,
+                  tie_word_embeddings=True, attention_bias=True),
+}
+
+
+def make_arch(kind: str) -> ModelArch:
+    return ModelArch(name=f"tiny-{kind}", max_position_embeddings=4096, **SHAPES[kind])
+
+
+def build_model(kind: str, attn: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    s = SHAPES[kind]
+    C, M = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = C(hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+            num_hidden_layers=s["num_layers"], num_attention_heads=s["num_attention_heads"],
+            num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab_size"],
+            max_position_embeddings=4096, tie_word_embeddings=s["tie_word_embeddings"],
+            attn_implementation=attn, use_cache=False)
+    torch.manual_seed(0)
+    return M(cfg)
+
+
+def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
+    """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build_model(kind, cand.attn)
+    ref = build_model(kind, cand.attn).eval().requires_grad_(False) if (
+        method == "dpo" and cand.ref == "model") else None
+    if cand.finetune == "lora":
+        model = get_peft_model(model, LoraConfig(r=cand.lora_rank, lora_alpha=2 * cand.lora_rank,
+                                                 target_modules="all-linear", lora_dropout=0.0))
+    model.train()
+    if cand.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                            foreach=False)
+    V = SHAPES[kind]["vocab_size"]
+    g = torch.Generator().manual_seed(1)
+    b = cand.micro_batch * (2 if method == "dpo" else 1)
+
+    def loss_fn(ids, mask, labels):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+        if method == "sft":
+            return sft_loss(out.logits, labels)[0]
+        logps = sequence_logps(out.logits, labels)
+        with torch.no_grad():
+            if cand.ref == "adapter":
+                with model.disable_adapter():
+                    ref_out = model(input_ids=ids, attention_mask=mask)
+            else:
+                ref_out = ref(input_ids=ids, attention_mask=mask)
+            ref_lp = sequence_logps(ref_out.logits, labels)
+        n = cand.micro_batch
+        losses, _ = dpo_loss(logps[:n], logps[n:], ref_lp[:n], ref_lp[n:], DPOConfig())
+        return losses.mean()
+
+    with AllocationTracker() as t:
+        for _ in range(steps):
+            ids = torch.randint(0, V, (b, cand.seq_len), generator=g)
+            mask = torch.ones_like(ids)
+            loss = loss_fn(ids, mask, ids.clone())
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return t.peak_bytes
+
+
+def predict(kind: str, method: str, cand: Candidate) -> int:
+    e = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=Settings(optimizer_impl="single"))
+    return e.peak_allocated_bytes
+
+
+def _cases():
+    base = Candidate(zero=0, precision="fp32", attn="sdpa", micro_batch=1, seq_len=64, ref="precomputed")
+    cases = []
+    for kind in ("llama", "qwen2"):
+        for method in ("sft", "dpo"):
+            for finetune in ("full", "lora"):
+                for attn in ("sdpa", "eager"):
+                    for gc in (False, True):
+                        for mb, s in ((1, 32), (2, 128), (4, 256)):
+                            ref = "precomputed" if method == "sft" else ("model" if finetune == "full" else "adapter")
+                            cases.append((kind, method, dataclasses.replace(
+                                base, finetune=finetune, attn=attn, grad_ckpt=gc, micro_batch=mb,
+                                seq_len=s, ref=ref)))
+    return cases
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def results():
+    out = []
+    for kind, method, cand in CASES:
+        m = measure(kind, method, cand)
+        p = predict(kind, method, cand)
+        out.append((kind, method, cand, m, p, (p - m) / m))
+    return out
+
+
+def test_every_case_within_5_percent(results):
+    bad = [f"{k} {me} {c.id}: measured {m} predicted {p} ({e:+.1%})" for k, me, c, m, p, e in results
+           if abs(e) > 0.05]
+    assert not bad, "\n".join(bad)
+
+
+def test_median_within_2_percent(results):
+    med = statistics.median(abs(r[-1]) for r in results)
+    assert med <= 0.02, f"median |error| {med:.2%}"
+
+
+if __name__ == "__main__":
+    import sys
+
+    errs = []
+    for kind, method, cand in CASES:
+        if len(sys.argv) > 1 and not all(a in f"{kind} {method} {cand.id}" for a in sys.argv[1:]):
+            continue
+        m = measure(kind, method, cand)
+        p = predict(kind, method, cand)
+        errs.append((p - m) / m)
+        print(f"{kind:6} {method} {cand.id:60} measured {m:>10} predicted {p:>10} {errs[-1]:+.1%}")
+    print(f"median |err| {statistics.median(abs(e) for e in errs):.2%} max {max(abs(e) for e in errs):.2%}")
