@@ -1,0 +1,219 @@
+"""memfit.report: the HTML page a user opens after a run (or a plan) — what it must say and show."""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from memfit import __version__, report
+
+GiB = 2**30
+MiB = 2**20
+WINNER = "z2-nogc-sdpa-full-mb4-s32-fp32-ref-model"
+OOM = "z0-nogc-sdpa-full-mb16-s32-fp32-ref-model"
+HOSTILE = 'exit code 1; see <script>alert("x")</script> & more'
+
+
+def _cand(zero: int, mb: int, ga: int) -> dict:
+    return {
+        "zero": zero, "offload_optimizer": "none", "offload_param": "none", "pin_memory": False,
+        "offload_ratio": 1.0, "grad_ckpt": False, "attn": "sdpa", "finetune": "full", "lora_rank": 16,
+        "micro_batch": mb, "seq_len": 32, "grad_accum": ga, "precision": "fp32", "ref": "model",
+    }  # fmt: skip
+
+
+def _pred(alloc: int, total: int, step: float) -> dict:
+    return {
+        "peak_allocated_bytes": alloc, "peak_reserved_bytes": alloc, "device_total_bytes": total,
+        "host_bytes": 3 * GiB, "step_time_s": step, "fits": True,
+    }  # fmt: skip
+
+
+def _write(path: Path, obj) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+def _dpo_run(root: Path, *, plan_only: bool = False, reason: str = "probe oom: CPU out of memory") -> dict:
+    """A DPO run on `cpu` with two candidates: the winner, and one whose probe ran out of memory."""
+    run = root / "results" / "demo-tiny" / "cpu" / "dpo"
+    winner = {
+        "id": WINNER, "candidate": _cand(2, 4, 4), "predicted": _pred(150 * MiB, 180 * MiB, 0.42),
+        "source": "predicted" if plan_only else "measured", "fits": True,
+        "reason": "selected: fastest that fits", "device_bytes": 160 * MiB, "host_bytes": 2 * GiB,
+        "step_time_s": 0.5, "tokens_per_s": 4096.0,
+    }  # fmt: skip
+    loser = {
+        "id": OOM, "candidate": _cand(0, 16, 1), "predicted": _pred(900 * MiB, 1 * GiB, 0.3),
+        "source": "probe", "fits": False, "reason": reason,
+    }  # fmt: skip
+    if not plan_only:
+        winner["probe"] = {
+            "status": "ok", "peak_allocated_bytes": 160 * MiB, "peak_reserved_bytes": None,
+            "host_rss_bytes_node": 2 * GiB, "step_time_s": 0.5, "first_step_time_s": 1.4,
+            "device": "cpu", "memory_source": "AllocationTracker (live tensor storages)",
+        }  # fmt: skip
+        loser["probe"] = {"status": "oom", "peak_allocated_bytes": None, "peak_reserved_bytes": None, "error": reason}
+    selected = {
+        "model": "demo-tiny", "gpu": "cpu", "method": "dpo", "selected": winner,
+        "budget": {"device_bytes": 4 * GiB, "host_bytes": 16 * GiB, "headroom": 0.1},
+        "plan_only": plan_only, "launch": "memfit launch --config results/demo-tiny/cpu/dpo/run.json --nproc 2",
+        "candidates": [winner, loser],
+    }  # fmt: skip
+    breakdown = {"params": 20 * MiB, "grads": 20 * MiB, "optimizer": 80 * MiB, "activations": 30 * MiB,
+                 "logits": 10 * MiB, "reference": 20 * MiB, "temporaries": 5 * MiB, "overheads": 0}  # fmt: skip
+    table = {"world_size": 2, "budget": selected["budget"], "rows": [
+        {"id": WINNER, "candidate": winner["candidate"], "breakdown": breakdown, "notes": ["fp32 on the CPU"]},
+        {"id": OOM, "candidate": loser["candidate"], "breakdown": {k: 4 * v for k, v in breakdown.items()}},
+    ]}  # fmt: skip
+    paths = {"selected": _write(run / "selected.json", selected)}
+    _write(run / "candidates.json", table)
+    if plan_only:
+        return paths
+    metrics = []
+    for step in range(1, 9):
+        metrics.append({
+            "step": step, "split": "train", "loss": 0.69 - 0.03 * step, "lr": 1e-4, "grad_norm": 1.0,
+            "tokens_per_s": 4000.0 + step, "step_time_s": 0.5, "peak_allocated_bytes": 158 * MiB,
+            "peak_reserved_bytes": None, "host_rss_bytes": GiB, "rewards/chosen": 0.01 * step,
+            "rewards/rejected": -0.01 * step, "rewards/accuracies": 0.5 + 0.05 * step,
+            "rewards/margins": 0.02 * step, "logps/chosen": -10.0, "logps/rejected": -12.0,
+        })  # fmt: skip
+        if step % 4 == 0:
+            metrics.append({"step": step, "split": "eval", "loss": 0.7 - 0.02 * step,
+                            "rewards/accuracies": 0.5 + 0.04 * step, "rewards/margins": 0.015 * step})  # fmt: skip
+    _write(run / "train" / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
+    paths["summary"] = _write(run / "train" / "summary.json", {
+        "world_size": 2, "steps": 8, "peak_allocated_bytes": 158 * MiB, "peak_reserved_bytes": None,
+        "host_rss_bytes_max_rank": GiB, "host_rss_bytes_node": 2 * GiB, "first_step_time_s": 1.3,
+        "step_time_s": 0.5, "device": "cpu", "memory_source": "AllocationTracker (live tensor storages)",
+    })  # fmt: skip
+    paths["resume"] = _write(run / "verify_resume.json", {
+        "from_step": 4, "final_step": 8, "steps_compared": 4, "missing_steps": [],
+        "max_rel_loss_diff": 0.031, "losses_bitwise_equal": False, "weights_max_abs_diff": 0.002,
+        "weights_bitwise_equal": False, "passed": False,
+        "resumed_from": "results/demo-tiny/cpu/dpo/train/checkpoints/step00000004", "rtol": 1e-5,
+    })  # fmt: skip
+    paths["data"] = _write(root / "results" / "demo-tiny" / "data" / "dpo" / "stats.json", {
+        "method": "dpo", "source": "data/demo/dpo.jsonl", "max_len": 32, "rows_read": 1000,
+        "rows_kept": {"train": 940, "eval": 50}, "dropped": {"blank": 2, "prompt_too_long": 8},
+        "truncated": {"chosen": 31, "rejected": 12},
+        "length": {"min": 9, "mean": 17.5, "p50": 17, "p90": 24, "p99": 31, "max": 32},
+        "worst_case_rows": [3, 7], "tokens": 34000,
+    })  # fmt: skip
+    return paths
+
+
+def _render(tmp_path: Path, paths: dict) -> str:
+    out = tmp_path / "results" / "report.html"
+    report.write_report(
+        selected=[str(paths["selected"])],
+        summaries=[str(paths["summary"])] if "summary" in paths else [],
+        resume=[str(paths["resume"])] if "resume" in paths else [],
+        data_stats=[str(paths["data"])] if "data" in paths else [],
+        out_html=str(out),
+    )
+    return out.read_text()
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> str:
+    tmp = tmp_path_factory.mktemp("report")
+    return _render(tmp, _dpo_run(tmp, reason=HOSTILE))
+
+
+def _text(page: str) -> str:
+    """The page's visible text, roughly: tags dropped, whitespace collapsed."""
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", page)))
+
+
+def test_page_is_one_self_contained_file(page):
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", page, re.I)
+    assert not re.search(r"<(script|link|iframe)\b", page, re.I)
+    assert "<style>" in page
+
+
+def test_names_what_ran_and_the_selected_candidate(page):
+    text = _text(page)
+    assert "demo-tiny" in text and "cpu" in text and "dpo" in text and __version__ in text
+    # the selected configuration in words, and how to launch it
+    assert "ZeRO-2" in text and "micro batch 4 × grad accum 4 × 2 ranks = 32 rows per step" in text
+    assert "seq len 32 tokens" in text and "fp32" in text and "frozen reference model" in text
+    assert "memfit launch --config results/demo-tiny/cpu/dpo/run.json --nproc 2" in text
+    # the selection table highlights the winner
+    row = re.search(r'<tr class="selected">(.*?)</tr>', page, re.S)
+    assert row and WINNER in row.group(1)
+
+
+def test_every_loser_has_its_reason_escaped(page):
+    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", page, re.S) if OOM in r)
+    assert "probe oom" in row and "OOM" in row
+    assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; more" in row
+    assert "<script>" not in page
+
+
+def test_plots_are_embedded_images(page):
+    images = re.findall(r'<img class="plot" alt="([^"]*)" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    alts = [alt for alt, _ in images]
+    for what in ("memory per candidate", "predicted memory breakdown", "training curves", "training peak vs probe peak", "length distribution"):
+        assert any(a.startswith(what) for a in alts), f"no {what!r} plot in {alts}"
+    assert all(data.startswith("iVBORw0KGgo") for _, data in images)  # the PNG signature
+
+
+def test_failed_resume_check_is_said_plainly(page):
+    text = _text(page)
+    assert "Resume check did NOT pass" in text
+    assert "max relative loss difference 0.031 > tolerance 1e-05" in text
+    assert re.search(r"resume check</th>.*?<td class=\"bad\">FAILED</td>", page, re.S | re.I)
+
+
+def test_training_memory_and_data_figures_with_units(page):
+    text = _text(page)
+    assert "158.0 MiB" in text and "160.0 MiB" in text  # training and probe peak
+    assert "0.99× the probe" in text
+    assert "1,000" in text and "prompt_too_long" in text and "chosen" in text  # rows read, dropped, truncated
+    assert "4,005 tok/s" in text or "4,004 tok/s" in text
+    assert "4.00 GiB per device, 10% headroom kept free: 3.60 GiB usable" in text
+
+
+def test_plan_only_run_without_training_or_resume(tmp_path):
+    page = _render(tmp_path, _dpo_run(tmp_path, plan_only=True))
+    text = _text(page)
+    assert "Plan only" in text and "Not trained: plan only" in text and "Not run: plan only" in text
+    assert WINNER in text and "No data statistics" in text
+    assert 'alt="memory per candidate' in page
+
+
+def test_malformed_input_raises_naming_the_file_and_leaves_no_page(tmp_path):
+    paths = _dpo_run(tmp_path)
+    out = tmp_path / "results" / "report.html"
+    out.write_text("previous report")
+    paths["resume"].write_text('{"passed": tru')  # half-written JSON
+    with pytest.raises(report.ReportError, match=re.escape(str(paths["resume"]))):
+        report.write_report([paths["selected"]], [paths["summary"]], [paths["resume"]], [paths["data"]], out)
+    assert out.read_text() == "previous report"
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".report.html")] == []
+
+    paths["resume"].write_text("[]")
+    with pytest.raises(report.ReportError, match="must be a JSON object"):
+        report.write_report([paths["selected"]], [], [paths["resume"]], [], out)
+    with pytest.raises(report.ReportError, match="does not exist"):
+        report.write_report([tmp_path / "nope" / "selected.json"], [], [], [], tmp_path / "new.html")
+    assert not (tmp_path / "new.html").exists()
+
+
+def test_robust_to_missing_keys_and_unmatched_inputs(tmp_path):
+    """A bare selected.json, and a resume check from elsewhere that failed: still shown, never hidden."""
+    sel = _write(tmp_path / "a" / "selected.json", {"model": "m", "gpu": "g", "method": "sft", "selected": {"id": "x"}})
+    stray = _write(tmp_path / "b" / "verify_resume.json", {"passed": False, "missing_steps": [[8, "train"]]})
+    out = tmp_path / "r.html"
+    report.write_report(str(sel), [], [stray], [], out)
+    text = _text(out.read_text())
+    assert "Inputs not matched to a run" in text and "1 step(s) missing after resume" in text
+    assert "No training summary was given" in text
