@@ -154,6 +154,7 @@ def test_names_what_ran_and_the_selected_candidate(page):
 def test_every_loser_has_its_reason_escaped(page):
     row = next(r for r in re.findall(r"<tr>(.*?)</tr>", page, re.S) if OOM in r)
     assert "probe oom" in row and "OOM" in row
+    assert "0.300 s (predicted)" in row  # its own figures died with the probe: the prediction, marked
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp; more" in row
     assert "<script>" not in page
 

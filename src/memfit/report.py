@@ -346,6 +346,11 @@ def _bar_rows(run: Run) -> list[dict[str, Any]]:
     return run.rows[:MAX_BARS]
 
 
+def _shown_of(run: Run) -> str:
+    n = len(run.rows)
+    return f'<p class="muted">Showing the {MAX_BARS} best ranked of {n} candidates; the table lists all.</p>' if n > MAX_BARS else ""
+
+
 def _style_ticks(ax, rows: list[dict[str, Any]], selected_id: Any) -> None:
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([_label(r.get("id", "?")) for r in rows], fontsize=7)
@@ -389,8 +394,8 @@ def memory_chart(run: Run) -> str:
     _style_ticks(ax, rows, (run.selected or {}).get("id"))
     ax.set_xlabel(f"{what} per device ({uname})")
     ax.set_title(f"Memory per candidate: {run.title}", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
-    return _img(fig, f"memory per candidate, {run.title}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars reach the budget
+    return _img(fig, f"memory per candidate, {run.title}") + _shown_of(run)
 
 
 def breakdown_chart(run: Run) -> str:
@@ -418,8 +423,8 @@ def breakdown_chart(run: Run) -> str:
     _style_ticks(ax, rows, (run.selected or {}).get("id"))
     ax.set_xlabel(f"predicted device memory at the peak ({uname})")
     ax.set_title(f"Predicted breakdown: {run.title}", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right", ncol=2)
-    return _img(fig, f"predicted memory breakdown per candidate, {run.title}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _img(fig, f"predicted memory breakdown per candidate, {run.title}") + _shown_of(run)
 
 
 def curves_chart(metrics: list[dict[str, Any]], title: str) -> str:
@@ -466,7 +471,9 @@ def curves_chart(metrics: list[dict[str, Any]], title: str) -> str:
 
 def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str) -> str:
     """Peak allocated and reserved: predicted vs probe vs training, side by side."""
-    kinds = [k for k in ("peak_allocated_bytes", "peak_reserved_bytes") if any(_num(f.get(k)) is not None for _, f in figures)]
+    # Only what was measured: a predicted reserved peak alone (the CPU reports none) compares nothing.
+    measured = figures[1:]
+    kinds = [k for k in ("peak_allocated_bytes", "peak_reserved_bytes") if any(_num(f.get(k)) is not None for _, f in measured)]
     if not kinds:
         return ""
     unit, uname = _unit_for(f.get(k) for _, f in figures for k in kinds)
@@ -702,13 +709,15 @@ def _selection_table(run: Run) -> str:
         else:
             measured = ("not probed", "n muted")
         verdict, vcls = _verdict(r, sid)
-        step = _secs(r.get("step_time_s") if r.get("step_time_s") is not None else pred.get("step_time_s"))
+        # A row judged without figures of its own (probe failed, cannot run) shows the prediction, marked.
+        step = _or_predicted(r.get("step_time_s"), pred.get("step_time_s"), _secs)
+        host = _or_predicted(r.get("host_bytes"), pred.get("host_bytes"), _bytes)
         cells.append([
             (str(rank), "n"),
             f"<code>{_e(r.get('id', '?'))}</code>",
             (_e(_bytes(pred.get("device_total_bytes"))), "n"),
             measured,
-            (_e(_bytes(r.get("host_bytes") if r.get("host_bytes") is not None else pred.get("host_bytes"))), "n"),
+            (_e(host), "n"),
             (_e(step), "n"),
             (_e(_tps(r.get("tokens_per_s"))), "n"),
             _e(r.get("source", "—")),
@@ -716,8 +725,14 @@ def _selection_table(run: Run) -> str:
             _e(r.get("reason") or "—"),
         ])
         classes.append("selected" if r.get("id") == sid else "")
-    header = ["#", "candidate", "predicted device", "measured peak (probe)", "host per node", "step time", "throughput", "judged on", "verdict", "reason"]
+    header = ["#", "candidate", "predicted device total", "measured peak (probe)", "host per node", "step time", "throughput", "judged on", "verdict", "reason"]
     return _table(header, cells, classes)
+
+
+def _or_predicted(value: Any, predicted: Any, fmt) -> str:
+    if value is not None:
+        return fmt(value)
+    return f"{fmt(predicted)} (predicted)" if predicted is not None else "—"
 
 
 def _training_table(summary: dict[str, Any], metrics: list[dict[str, Any]] | None = None) -> str:
