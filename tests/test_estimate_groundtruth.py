@@ -26,21 +26,49 @@ from memfit.memory import AllocationTracker
 from memfit.space import Candidate
 
 CPU = GPU(
-    name="cpu", memory_bytes=64 * 2**30, bf16=True, flash_attn2=False, compute_capability="0.0",
-    tflops_bf16=1.0, tflops_fp16=1.0, tflops_fp32=1.0, memory_bandwidth_gbs=50.0,
-    host_link_gbs=50.0, interconnect_gbs=10.0, typical_gpus_per_node=1,
-    typical_host_memory_gb=64.0, source="test",
+    name="cpu",
+    memory_bytes=64 * 2**30,
+    bf16=True,
+    flash_attn2=False,
+    compute_capability="0.0",
+    tflops_bf16=1.0,
+    tflops_fp16=1.0,
+    tflops_fp32=1.0,
+    memory_bandwidth_gbs=50.0,
+    host_link_gbs=50.0,
+    interconnect_gbs=10.0,
+    typical_gpus_per_node=1,
+    typical_host_memory_gb=64.0,
+    source="test",
 )
 
 SHAPES = {
     # Llama-shaped: GQA (4 heads, 2 KV heads), SwiGLU, untied embeddings
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_layers=2,
-                  num_attention_heads=4, num_kv_heads=2, head_dim=16, vocab_size=512,
-                  tie_word_embeddings=False, attention_bias=False),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=512,
+        tie_word_embeddings=False,
+        attention_bias=False,
+    ),
     # Qwen2-shaped: q/k/v biases, MHA-ish GQA, tied embeddings, larger vocabulary
-    "qwen2": dict(model_type="qwen2", hidden_size=96, intermediate_size=256, num_layers=3,
-                  num_attention_heads=6, num_kv_heads=2, head_dim=16, vocab_size=1024,
-                  tie_word_embeddings=True, attention_bias=True),
+    "qwen2": dict(
+        model_type="qwen2",
+        hidden_size=96,
+        intermediate_size=256,
+        num_layers=3,
+        num_attention_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=1024,
+        tie_word_embeddings=True,
+        attention_bias=True,
+    ),
 }
 
 
@@ -53,11 +81,19 @@ def build_model(kind: str, attn: str):
 
     s = SHAPES[kind]
     C, M = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    cfg = C(hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
-            num_hidden_layers=s["num_layers"], num_attention_heads=s["num_attention_heads"],
-            num_key_value_heads=s["num_kv_heads"], head_dim=s["head_dim"], vocab_size=s["vocab_size"],
-            max_position_embeddings=4096, tie_word_embeddings=s["tie_word_embeddings"],
-            attn_implementation=attn, use_cache=False)
+    cfg = C(
+        hidden_size=s["hidden_size"],
+        intermediate_size=s["intermediate_size"],
+        num_hidden_layers=s["num_layers"],
+        num_attention_heads=s["num_attention_heads"],
+        num_key_value_heads=s["num_kv_heads"],
+        head_dim=s["head_dim"],
+        vocab_size=s["vocab_size"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=s["tie_word_embeddings"],
+        attn_implementation=attn,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     return M(cfg)
 
@@ -67,16 +103,27 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
     from peft import LoraConfig, get_peft_model
 
     model = build_model(kind, cand.attn)
-    ref = build_model(kind, cand.attn).eval().requires_grad_(False) if (
-        method == "dpo" and cand.ref == "model") else None
+    ref = (
+        build_model(kind, cand.attn).eval().requires_grad_(False)
+        if (method == "dpo" and cand.ref == "model")
+        else None
+    )
     if cand.finetune == "lora":
-        model = get_peft_model(model, LoraConfig(r=cand.lora_rank, lora_alpha=2 * cand.lora_rank,
-                                                 target_modules="all-linear", lora_dropout=0.0))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=cand.lora_rank,
+                lora_alpha=2 * cand.lora_rank,
+                target_modules="all-linear",
+                lora_dropout=0.0,
+            ),
+        )
     model.train()
     if cand.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                            foreach=False)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False
+    )
     V = SHAPES[kind]["vocab_size"]
     g = torch.Generator().manual_seed(1)
     b = cand.micro_batch * (2 if method == "dpo" else 1)
@@ -110,12 +157,16 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
 
 
 def predict(kind: str, method: str, cand: Candidate) -> int:
-    e = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=Settings(optimizer_impl="single"))
+    e = estimate(
+        make_arch(kind), CPU, 1, 1, method, cand, settings=Settings(optimizer_impl="single")
+    )
     return e.peak_allocated_bytes
 
 
 def _cases():
-    base = Candidate(zero=0, precision="fp32", attn="sdpa", micro_batch=1, seq_len=64, ref="precomputed")
+    base = Candidate(
+        zero=0, precision="fp32", attn="sdpa", micro_batch=1, seq_len=64, ref="precomputed"
+    )
     cases = []
     for kind in ("llama", "qwen2"):
         for method in ("sft", "dpo"):
@@ -123,10 +174,26 @@ def _cases():
                 for attn in ("sdpa", "eager"):
                     for gc in (False, True):
                         for mb, s in ((1, 32), (2, 128), (4, 256)):
-                            ref = "precomputed" if method == "sft" else ("model" if finetune == "full" else "adapter")
-                            cases.append((kind, method, dataclasses.replace(
-                                base, finetune=finetune, attn=attn, grad_ckpt=gc, micro_batch=mb,
-                                seq_len=s, ref=ref)))
+                            ref = (
+                                "precomputed"
+                                if method == "sft"
+                                else ("model" if finetune == "full" else "adapter")
+                            )
+                            cases.append(
+                                (
+                                    kind,
+                                    method,
+                                    dataclasses.replace(
+                                        base,
+                                        finetune=finetune,
+                                        attn=attn,
+                                        grad_ckpt=gc,
+                                        micro_batch=mb,
+                                        seq_len=s,
+                                        ref=ref,
+                                    ),
+                                )
+                            )
     return cases
 
 
@@ -144,8 +211,11 @@ def results():
 
 
 def test_every_case_within_5_percent(results):
-    bad = [f"{k} {me} {c.id}: measured {m} predicted {p} ({e:+.1%})" for k, me, c, m, p, e in results
-           if abs(e) > 0.05]
+    bad = [
+        f"{k} {me} {c.id}: measured {m} predicted {p} ({e:+.1%})"
+        for k, me, c, m, p, e in results
+        if abs(e) > 0.05
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -165,4 +235,6 @@ if __name__ == "__main__":
         p = predict(kind, method, cand)
         errs.append((p - m) / m)
         print(f"{kind:6} {method} {cand.id:60} measured {m:>10} predicted {p:>10} {errs[-1]:+.1%}")
-    print(f"median |err| {statistics.median(abs(e) for e in errs):.2%} max {max(abs(e) for e in errs):.2%}")
+    print(
+        f"median |err| {statistics.median(abs(e) for e in errs):.2%} max {max(abs(e) for e in errs):.2%}"
+    )

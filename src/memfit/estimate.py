@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +77,9 @@ class Estimate:
     """The prediction for one configuration on one rank. Bytes unless the name says otherwise."""
 
     peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
-    peak_reserved_bytes: int = 0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
+    peak_reserved_bytes: int = (
+        0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
+    )
     device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
     device_memory_bytes: int = 0  # the device's whole memory (or the budget)
     host_bytes: int = 0  # host RAM per node at its peak
@@ -138,7 +139,12 @@ def param_layout(arch: ModelArch) -> ParamLayout:
             tensors.append(q_out + 2 * kv_out)
         if getattr(arch, "attention_out_bias", False) and name in ("o_proj", "dense"):
             tensors.append(h)
-        if getattr(arch, "mlp_bias", False) and name in ("gate_proj", "up_proj", "down_proj", "gate_up_proj"):
+        if getattr(arch, "mlp_bias", False) and name in (
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "gate_up_proj",
+        ):
             tensors.append(o)
     tensors += [h] * getattr(arch, "norms_per_layer", 2)
     if arch.qk_norm:
@@ -199,17 +205,25 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
     out = []
     is_cpu = gpu.name == "cpu"
     if cand.precision == "bf16" and not gpu.bf16:
-        out.append(f"{gpu.name} has no bf16 support (compute capability {gpu.compute_capability}); use fp16 or fp32")
+        out.append(
+            f"{gpu.name} has no bf16 support (compute capability {gpu.compute_capability}); use fp16 or fp32"
+        )
     if cand.attn == "flash" and (is_cpu or not gpu.flash_attn2):
         out.append(
             f"FlashAttention-2 does not run on {gpu.name}"
-            + ("" if is_cpu else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})")
+            + (
+                ""
+                if is_cpu
+                else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})"
+            )
             + "; use sdpa or eager"
         )
     if cand.finetune == "qlora" and is_cpu:
         out.append("QLoRA's bitsandbytes 4-bit kernels need a CUDA GPU; use lora on cpu")
     if (cand.offload_optimizer != "none" or cand.offload_param != "none") and is_cpu:
-        out.append("offloading to the host from the host (gpu=cpu) has no meaning; use offload none")
+        out.append(
+            "offloading to the host from the host (gpu=cpu) has no meaning; use offload none"
+        )
     return out
 
 
@@ -266,7 +280,11 @@ def zero3_subgroups(arch: ModelArch, world: int, sub_group_size: int) -> tuple[i
 
 
 def model_states(
-    arch: ModelArch, cand: Candidate, world: int, ranks_per_node: int, settings: Settings,
+    arch: ModelArch,
+    cand: Candidate,
+    world: int,
+    ranks_per_node: int,
+    settings: Settings,
     method: str = "sft",
 ) -> _States:
     """Per-rank model states under DeepSpeed ZeRO stage 0-3 with optional offload.
@@ -306,7 +324,9 @@ def model_states(
     # weights with adapters disabled for ref=adapter, nothing for precomputed log-probs.
     ref_bytes = 0
     if method == "dpo" and cand.ref == "model":
-        ref_bytes = weight_bytes  # DeepSpeed wraps it in an inference engine with the same ZeRO stage
+        ref_bytes = (
+            weight_bytes  # DeepSpeed wraps it in an inference engine with the same ZeRO stage
+        )
 
     if cand.finetune != "full" and cand.zero in (1, 2):
         # ZeRO-1/2 only partition what the optimizer owns; frozen base weights stay replicated.
@@ -355,7 +375,9 @@ def model_states(
             n = len(groups)
             # stage3.py `_create_fp32_partitions`: sub-group i goes to the host when
             # i >= int((1 - ratio) * n_subgroups); the rest stays on the device.
-            on_device = sum(g for i, g in enumerate(groups) if i < int((1 - cand.offload_ratio) * n))
+            on_device = sum(
+                g for i, g in enumerate(groups) if i < int((1 - cand.offload_ratio) * n)
+            )
             on_host = sum(groups) - on_device
             frac = on_host / max(sum(groups), 1)
             s.offload_fraction = frac
@@ -369,7 +391,9 @@ def model_states(
             # device keeps master/m/v (12) and the fp32 grad (4) of the device sub-groups
             s.optimizer = 12 * on_device
             s.grads = 4 * on_device
-            s.host_optimizer = 12 * on_host + 4 * T // N  # + grad_partitions_flat_buffer on the host
+            s.host_optimizer = (
+                12 * on_host + 4 * T // N
+            )  # + grad_partitions_flat_buffer on the host
             if cand.pin_memory:
                 s.host_pinned = sum(_pow2(4 * g) for g in groups if g) + _pow2(4 * T // N)
                 s.host_pinned -= 4 * on_device if on_device else 0
@@ -411,15 +435,22 @@ def _bucket(settings: Settings, arch: ModelArch, kind: str) -> int:
 @dataclass
 class _Acts:
     saved: int = 0  # everything autograd keeps after the forward (incl. the logits terms)
-    per_layer: int = 0  # one decoder layer's saved tensors (recomputed per layer with checkpointing)
+    per_layer: int = (
+        0  # one decoder layer's saved tensors (recomputed per layer with checkpointing)
+    )
     logits_saved: int = 0  # logits + fp32 log-softmax kept for the backward
     logits_bwd_extra: int = 0  # the loss backward's two fp32 [tokens, vocab] gradients
     layer_bwd: int = 0  # transient gradients inside one layer's backward
+    mlp_bwd: int = 0  # ... at the MLP's backward (runs first)
+    attn_bwd: int = 0  # ... at the attention's backward (MLP tensors already freed)
     final: int = 0  # the final norm's saved tensors (freed before the layers' backward)
     kept_per_layer: int = 0  # what stays saved per layer until its backward
     recompute: int = 0  # checkpointing: one layer's recomputed tensors during its backward
-    attention_scores: int = 0  # eager only: the s x s probabilities of all layers (for the breakdown)
+    attention_scores: int = (
+        0  # eager only: the s x s probabilities of all layers (for the breakdown)
+    )
     ref_forward: int = 0  # DPO reference forward transient (no_grad)
+    forward: int = 0  # the policy forward's peak (last layer's attention call)
 
 
 def activations(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> _Acts:
@@ -476,7 +507,9 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     # attention
     layer += d * t * qd + 2 * d * t * kvd  # rotated q, k; v
     if arch.qk_norm:  # Qwen3/Gemma-3 per-head RMSNorm on q and k before rotary
-        layer += 4 * t * (qd + kvd) + (d * t * (qd + kvd) if norm_w else 0) + 4 * b * sq * (nh + nkv)
+        layer += (
+            4 * t * (qd + kvd) + (d * t * (qd + kvd) if norm_w else 0) + 4 * b * sq * (nh + nkv)
+        )
     if cand.attn == "eager":
         probs = 4 * b * nh * sq * sq + (d * b * nh * sq * sq if d < 4 else 0)
         a.attention_scores = arch.num_layers * probs
@@ -524,24 +557,48 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     # the recomputed layer shares its input with the checkpoint (no copy in fp32)
     a.recompute = layer - (4 * t * h if d == 4 else 0) if cand.grad_ckpt else 0
     # Transient gradients inside a layer's backward, on top of the layer's saved tensors.
-    # MLP backward (runs first): the gradient of silu(gate)*up and of one factor (2dti), the
-    # gradient of the hidden state and of the residual branch (2dth).
-    mlp_extra = 2 * d * t * i + 2 * d * t * h
+    # MLP backward (runs first): the gradient of silu(gate)*up and of one factor (2dti) and the
+    # gradient of the hidden state (dth).
+    mlp_extra = 2 * d * t * i + d * t * h
     # attention backward (after the MLP's saved tensors and the second norm's are freed):
     # eager: the gradients of the probabilities and of the scores (s x s, the latter fp32);
     # sdpa/flash: the gradients of q, k and v.
     mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + rmsnorm(True)
     if cand.attn == "eager":
-        attn_extra = (d + 4) * b * nh * sq * sq + d * t * (qd + 2 * kvd) + 2 * d * t * h
+        # at the softmax backward: the probabilities' and the scores' gradients, the gradient of
+        # v and of the hidden state; o_proj's input and the repeated v are already freed
+        attn_extra = (d + 4) * b * nh * sq * sq + d * t * qd + d * t * h
+        attn_extra -= d * t * qd * ((1 if trainable(o_name) else 0) + (1 if nkv < nh else 0))
     else:
         attn_extra = 2 * d * t * (qd + 2 * kvd) + 2 * d * t * h
-    a.layer_bwd = max(mlp_extra, attn_extra - mlp_saved)
-    # DPO reference forward under no_grad (after the policy forward, as TRL and OpenRLHF do):
-    # its logits, the fp32 copy and log-softmax, plus one layer's intermediates.
+    a.mlp_bwd, a.attn_bwd = mlp_extra, attn_extra - mlp_saved
+    a.layer_bwd = max(a.mlp_bwd, a.attn_bwd)
+    # Forward transients of one attention call: eager materialises the scores (matmul output,
+    # scaled copy, masked copy: two alive at a time; the softmax output is fp32) next to the
+    # additive mask transformers builds once per forward ([b, 1, s, s] in the model dtype,
+    # masking_utils.eager_mask) and the repeat_kv'd keys/values; sdpa/flash only q, k, v, out.
+    if cand.attn == "eager":
+        mask = d * b * sq * sq
+        attn_fwd = max(2 * d, d + 4) * b * nh * sq * sq + mask + d * t * (3 * qd + 2 * kvd)
+        if cand.grad_ckpt:
+            a.saved += mask  # the checkpoint keeps the mask among the layer's inputs
+    else:
+        attn_fwd = d * t * (2 * qd + 2 * kvd)
+    a.forward = (
+        kept
+        - (a.kept_per_layer if not cand.grad_ckpt else 0)
+        + rope
+        + ids
+        + attn_fwd
+        + 2 * d * t * h
+    )
+    # DPO reference forward under no_grad, after the policy forward (memfit's train.py, as TRL and
+    # OpenRLHF do): the policy's saved tensors and logits (the output is still referenced), then
+    # either one reference attention call or the reference's logits, their fp32 copy in 16-bit
+    # training and its log-softmax.
     if method == "dpo" and cand.ref in ("model", "adapter"):
-        # the policy's logits (still referenced), the reference's logits, their fp32 copy in
-        # 16-bit training, and the reference's log-softmax
-        a.ref_forward = (2 * d + (4 if d < 4 else 0) + 4) * t * V
+        ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
+        a.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
     return a
 
 
@@ -638,32 +695,61 @@ def estimate(
     # -- forward/backward: the peak is at the loss backward (all activations + logit gradients)
     # or inside the first or last layer's backward (gradients grow while activations shrink).
     head_grad = (d * lay.lm_head if cand.finetune == "full" else 0) if cand.zero < 2 else 0
-    layer_grad = d * lay.per_layer if (cand.finetune == "full" and cand.zero < 2) else 0
+    layer_grad = 0
+    if cand.zero < 2:  # ZeRO-2/3 move gradients into their partitions as they arrive
+        layer_grad = d * (lay.per_layer if cand.finetune == "full" else T // arch.num_layers)
     # while the layers run backward, the logits and the final norm's tensors are gone
     layers_kept = ac.saved - ac.logits_saved - ac.final
     p_loss = ac.saved + ac.logits_bwd_extra
-    p_top = layers_kept + ac.recompute + ac.layer_bwd + head_grad + layer_grad
+    # inside a layer's backward the weight gradients of that layer appear part by part: at the
+    # MLP's peak only down_proj's, at the attention's the MLP's and o_proj's
+    if layer_grad and cand.finetune == "full":
+        mlp_lin = sum(i * o for n, i, o in lay.linear_shapes if n in ("down_proj", "dense_4h_to_h"))
+        att_lin = sum(
+            i * o
+            for n, i, o in lay.linear_shapes
+            if n not in ("q_proj", "k_proj", "v_proj", "query_key_value")
+        )
+        inlayer = max(ac.mlp_bwd + d * mlp_lin, ac.attn_bwd + d * (att_lin + arch.hidden_size))
+    else:
+        inlayer = ac.layer_bwd + layer_grad
+    p_top = layers_kept + ac.recompute + inlayer + head_grad
     grads_bottom = head_grad + (arch.num_layers - 1) * layer_grad
-    p_bottom = (layers_kept - (arch.num_layers - 1) * ac.kept_per_layer + ac.recompute + ac.layer_bwd
-                + grads_bottom + layer_grad)
+    p_bottom = (
+        layers_kept
+        - (arch.num_layers - 1) * ac.kept_per_layer
+        + ac.recompute
+        + inlayer
+        + grads_bottom
+    )
     dyn_grads_all = st.grads_dynamic
     if cand.finetune == "full" and cand.zero < 2:
         # embedding_dense_backward's [V, h] gradient arrives last (twice when tied: accumulated)
         p_end = dyn_grads_all + (d * lay.embed if arch.tie_word_embeddings else 0)
     else:
         p_end = 0
-    fb_parts = {"loss_backward": p_loss, "top_layer_backward": p_top,
-                "bottom_layer_backward": p_bottom, "backward_end": p_end}
-    fb_where = max(fb_parts, key=fb_parts.get)
-    fb_dynamic = fb_parts[fb_where]
-    forward_backward = static + gathered + fb_dynamic
+    fb_parts = {
+        "forward": ac.forward,
+        "loss_backward": p_loss,
+        "top_layer_backward": p_top,
+        "bottom_layer_backward": p_bottom,
+        "backward_end": p_end,
+    }
 
     # -- optimizer step: all gradients present; torch's single-tensor AdamW holds sqrt(v) and the
     # denominator for the largest tensor, foreach AdamW a full copy of v (torch/optim/adamw.py
     # `_multi_tensor_adamw`: torch._foreach_sqrt), DeepSpeed's FusedAdam nothing.
     impl = settings.optimizer_impl or ("single" if is_cpu else "fused")
-    on_dev = st.optimizer_resident_fraction if cand.zero == 3 else (0.0 if cand.offload_optimizer == "cpu" else 1.0)
-    biggest_T = (lay.largest_module if cand.finetune == "full" else max(cand.lora_rank * max(i, o) for _, i, o in lora_targets(arch, settings)))
+    on_dev = (
+        st.optimizer_resident_fraction
+        if cand.zero == 3
+        else (0.0 if cand.offload_optimizer == "cpu" else 1.0)
+    )
+    biggest_T = (
+        lay.largest_module
+        if cand.finetune == "full"
+        else max(cand.lora_rank * max(i, o) for _, i, o in lora_targets(arch, settings))
+    )
     opt_tmp = {"single": 2 * 4 * biggest_T, "foreach": 4 * T, "fused": 0}[impl]
     if cand.zero >= 1:
         opt_tmp = 0 if impl == "fused" else int(opt_tmp * on_dev / max(world, 1))
@@ -680,7 +766,7 @@ def estimate(
     ref_fw = static + gathered + ac.saved + ac.ref_forward if ac.ref_forward else 0
 
     phases = {
-        "forward_backward": forward_backward,
+        **{k: static + gathered + v for k, v in fb_parts.items()},
         "optimizer_step": optimizer_step,
         "resume": resume,
     }
@@ -692,8 +778,16 @@ def estimate(
     est.peak_allocated_bytes = int(peak)
 
     # breakdown at the peak phase
-    bd = {"params": st.params, "grads": st.grads, "optimizer": st.optimizer, "activations": 0,
-          "logits": 0, "reference": 0, "temporaries": st.buckets, "overheads": 0}
+    bd = {
+        "params": st.params,
+        "grads": st.grads,
+        "optimizer": st.optimizer,
+        "activations": 0,
+        "logits": 0,
+        "reference": 0,
+        "temporaries": st.buckets,
+        "overheads": 0,
+    }
     if method == "dpo" and cand.ref == "model":
         ref_part = st.params - (st.params * 0)  # split below
         ratio_ref = 0.5 if cand.finetune == "full" else None
@@ -706,16 +800,20 @@ def estimate(
             ref_part = st.params // 2
         bd["params"] -= ref_part
         bd["reference"] = ref_part
-    if est.peak_phase == "forward_backward":
+    if est.peak_phase in fb_parts:
+        fb_where = est.peak_phase
         bd["temporaries"] += gathered
-        if fb_where == "loss_backward":
+        if fb_where == "forward":
+            bd["activations"] = ac.forward
+        elif fb_where == "loss_backward":
             bd["activations"] = ac.saved - ac.logits_saved
             bd["logits"] = ac.logits_saved + ac.logits_bwd_extra
         elif fb_where == "backward_end":
             bd["grads"] += dyn_grads_all
             bd["temporaries"] += p_end - dyn_grads_all
         else:
-            g = head_grad + (layer_grad if fb_where == "top_layer_backward" else grads_bottom + layer_grad)
+            fb_dynamic = fb_parts[fb_where]
+            g = head_grad if fb_where == "top_layer_backward" else grads_bottom
             bd["grads"] += g
             bd["activations"] = fb_dynamic - g
     elif est.peak_phase == "optimizer_step":
@@ -762,12 +860,16 @@ def estimate(
         pass
     est.time_breakdown = step_time(arch, cand, gpu, method, num_gpus, num_nodes, st, settings)
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
-    tokens = cand.micro_batch * cand.seq_len * cand.grad_accum * world * (2 if method == "dpo" else 1)
+    tokens = (
+        cand.micro_batch * cand.seq_len * cand.grad_accum * world * (2 if method == "dpo" else 1)
+    )
     est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
     return est
 
 
-def _host(arch, cand, gpu, st: _States, ranks_per_node, world, settings, device_peak) -> tuple[dict, dict]:
+def _host(
+    arch, cand, gpu, st: _States, ranks_per_node, world, settings, device_peak
+) -> tuple[dict, dict]:
     """Host RAM per node. Per rank: the process itself (CUDA/NCCL/Python, ~3 GiB on GPU nodes,
     0.6 GiB for a CPU rank: measured RSS of `import deepspeed, transformers`), the offloaded
     states, pinned buffers (power-of-two rounded), and the transient phases:
@@ -790,13 +892,19 @@ def _host(arch, cand, gpu, st: _States, ranks_per_node, world, settings, device_
     load = steady + d * P
     init_pin = g * st.host_pin_source if cand.pin_memory else 0
     phases = {"steady": steady, "load": load, "resume": resume, "init": steady + init_pin}
-    bd = {"process": g * proc, "offloaded_optimizer": g * st.host_optimizer,
-          "offloaded_params": g * st.host_params, "pinned_rounding": g * pinned_extra,
-          "checkpoint_resume": g * (shard + module_file)}
+    bd = {
+        "process": g * proc,
+        "offloaded_optimizer": g * st.host_optimizer,
+        "offloaded_params": g * st.host_params,
+        "pinned_rounding": g * pinned_extra,
+        "checkpoint_resume": g * (shard + module_file),
+    }
     return {k: int(v) for k, v in bd.items()}, {k: int(v) for k, v in phases.items()}
 
 
-def step_time(arch, cand, gpu: GPU, method, num_gpus, num_nodes, st: _States, settings) -> dict[str, float]:
+def step_time(
+    arch, cand, gpu: GPU, method, num_gpus, num_nodes, st: _States, settings
+) -> dict[str, float]:
     """Seconds per optimizer step, good enough to rank candidates (calibrated by probes later).
 
     compute: 6 FLOPs per parameter per token (Kaplan et al. 2020, sec. 2.1) plus attention
@@ -814,7 +922,9 @@ def step_time(arch, cand, gpu: GPU, method, num_gpus, num_nodes, st: _States, se
     seqs = cand.micro_batch * (2 if method == "dpo" else 1)
     tokens = seqs * cand.seq_len
     nonembed = P - lay.embed
-    per_tok_fwd = 2 * nonembed + 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
+    per_tok_fwd = (
+        2 * nonembed + 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
+    )
     mult = 3.0 if cand.finetune == "full" else 2.0
     if cand.grad_ckpt:
         mult += 1.0
@@ -849,17 +959,38 @@ def step_time(arch, cand, gpu: GPU, method, num_gpus, num_nodes, st: _States, se
         offload += cand.grad_accum * passes * d * P / world / (gpu.host_link_gbs * 1e9)
     # a step's fixed overhead (launches, Python, optimizer bookkeeping)
     overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
-    opt = 0.0 if cand.offload_optimizer == "cpu" else 16 * T / world / (gpu.memory_bandwidth_gbs * 1e9)
-    return {"compute": compute, "communication": comm, "offload": offload, "optimizer": opt,
-            "overhead": overhead}
+    opt = (
+        0.0
+        if cand.offload_optimizer == "cpu"
+        else 16 * T / world / (gpu.memory_bandwidth_gbs * 1e9)
+    )
+    return {
+        "compute": compute,
+        "communication": comm,
+        "offload": offload,
+        "optimizer": opt,
+        "overhead": overhead,
+    }
 
 
 def _check_arch(arch: ModelArch) -> None:
-    missing = [f for f in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
-                           "num_kv_heads", "head_dim", "vocab_size")
-               if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0]
+    missing = [
+        f
+        for f in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        )
+        if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
+    ]
     if missing:
-        raise EstimateError(f"model {arch.name!r} lacks {', '.join(missing)}: the estimate needs them")
+        raise EstimateError(
+            f"model {arch.name!r} lacks {', '.join(missing)}: the estimate needs them"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -880,7 +1011,9 @@ def estimate_space(
     """`estimate()` of every candidate: the estimate JSON plus "candidate" and "id"."""
     out = []
     for cand in candidates:
-        e = estimate(arch, gpu, num_gpus, num_nodes, method, cand, host_memory_gb, budget_bytes, settings)
+        e = estimate(
+            arch, gpu, num_gpus, num_nodes, method, cand, host_memory_gb, budget_bytes, settings
+        )
         row = e.to_dict()
         row["candidate"] = cand.to_dict()
         row["id"] = cand.id
@@ -913,7 +1046,9 @@ def fit(
 
     def at(v: int) -> Estimate:
         c = dataclasses.replace(cand, **{maximize: v})
-        return estimate(arch, gpu, num_gpus, num_nodes, method, c, host_memory_gb, budget_bytes, settings)
+        return estimate(
+            arch, gpu, num_gpus, num_nodes, method, c, host_memory_gb, budget_bytes, settings
+        )
 
     first = at(1)
     if first.invalid:
@@ -939,20 +1074,30 @@ def fit(
 
 
 def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=(
-        "Largest seq_len or micro_batch that fits." if maximize else
-        "Predict peak GPU memory, host memory and step time of one fine-tuning configuration."))
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Largest seq_len or micro_batch that fits."
+            if maximize
+            else "Predict peak GPU memory, host memory and step time of one fine-tuning configuration."
+        ),
+    )
     if maximize:
         p.add_argument("--maximize", required=True, choices=["seq_len", "micro_batch"])
-    p.add_argument("--model", required=True, help="catalog name, a HF config.json, or a model directory")
+    p.add_argument(
+        "--model", required=True, help="catalog name, a HF config.json, or a model directory"
+    )
     p.add_argument("--gpu", required=True, help="GPU catalog name, or cpu")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) per node")
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--method", choices=["sft", "dpo"], default="sft")
     p.add_argument("--finetune", choices=["full", "lora", "qlora"], default="full")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-targets", default=None,
-                   help="comma-separated linear names (default: every linear of the decoder layer)")
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated linear names (default: every linear of the decoder layer)",
+    )
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -964,14 +1109,28 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     p.add_argument("--offload-param", choices=["none", "cpu"], default="none")
     p.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--offload-ratio", type=float, default=1.0)
-    p.add_argument("--sub-group-size", type=int, default=DEFAULT_SETTINGS.sub_group_size,
-                   help="ZeRO-3 optimizer sub-group size, elements")
-    p.add_argument("--ref", choices=["precomputed", "model", "adapter"], default=None,
-                   help="DPO reference (default: model for full, adapter for LoRA)")
+    p.add_argument(
+        "--sub-group-size",
+        type=int,
+        default=DEFAULT_SETTINGS.sub_group_size,
+        help="ZeRO-3 optimizer sub-group size, elements",
+    )
+    p.add_argument(
+        "--ref",
+        choices=["precomputed", "model", "adapter"],
+        default=None,
+        help="DPO reference (default: model for full, adapter for LoRA)",
+    )
     p.add_argument("--host-memory-gb", type=float, default=None, help="RAM per node, GB")
-    p.add_argument("--budget-gb", type=float, default=None, help="use this many GB as the device memory")
-    p.add_argument("--expandable-segments", action=argparse.BooleanOptionalAction, default=False,
-                   help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    p.add_argument(
+        "--budget-gb", type=float, default=None, help="use this many GB as the device memory"
+    )
+    p.add_argument(
+        "--expandable-segments",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return p
 
@@ -990,17 +1149,30 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         ref = "precomputed" if ref == "adapter" and args.finetune == "full" else ref
     try:
         cand = Candidate(
-            zero=args.zero, offload_optimizer=args.offload_optimizer, offload_param=args.offload_param,
-            pin_memory=args.pin_memory, offload_ratio=args.offload_ratio, grad_ckpt=args.grad_ckpt,
-            attn=args.attn, finetune=args.finetune, lora_rank=args.lora_rank,
-            micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
-            precision=args.precision, ref=ref,
+            zero=args.zero,
+            offload_optimizer=args.offload_optimizer,
+            offload_param=args.offload_param,
+            pin_memory=args.pin_memory,
+            offload_ratio=args.offload_ratio,
+            grad_ckpt=args.grad_ckpt,
+            attn=args.attn,
+            finetune=args.finetune,
+            lora_rank=args.lora_rank,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            grad_accum=args.grad_accum,
+            precision=args.precision,
+            ref=ref,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
-    settings = dataclasses.replace(DEFAULT_SETTINGS, lora_targets=targets, sub_group_size=args.sub_group_size,
-                                   expandable_segments=args.expandable_segments)
+    settings = dataclasses.replace(
+        DEFAULT_SETTINGS,
+        lora_targets=targets,
+        sub_group_size=args.sub_group_size,
+        expandable_segments=args.expandable_segments,
+    )
     return arch, g, cand, settings
 
 
@@ -1008,8 +1180,15 @@ def _gib(n: int | float) -> str:
     return f"{n / GIB:,.2f} GiB"
 
 
-def render(e: Estimate, arch: ModelArch, g: GPU, cand: Candidate, num_gpus: int, num_nodes: int,
-           method: str) -> str:
+def render(
+    e: Estimate,
+    arch: ModelArch,
+    g: GPU,
+    cand: Candidate,
+    num_gpus: int,
+    num_nodes: int,
+    method: str,
+) -> str:
     """The human-readable table."""
     lines = [
         f"{arch.name} {method} {cand.finetune} on {num_nodes}x{num_gpus} {g.name}  [{cand.id}]",
@@ -1022,11 +1201,19 @@ def render(e: Estimate, arch: ModelArch, g: GPU, cand: Candidate, num_gpus: int,
     lines.append(f"per GPU at the peak ({e.peak_phase.replace('_', ' ')}):")
     for k, v in e.breakdown.items():
         lines.append(f"  {k:<14}{_gib(v):>14}")
-    lines.append(f"  {'allocated':<14}{_gib(e.peak_allocated_bytes):>14}   (torch.cuda.max_memory_allocated)")
-    lines.append(f"  {'reserved':<14}{_gib(e.peak_reserved_bytes):>14}   (torch.cuda.max_memory_reserved)")
-    lines.append(f"  {'device total':<14}{_gib(e.device_total_bytes):>14}   (nvidia-smi) of {_gib(e.device_memory_bytes)}")
-    lines.append(f"host RAM per node {_gib(e.host_bytes)} of {_gib(e.host_memory_bytes)}"
-                 f"  (peak in {max(e.host_phases, key=e.host_phases.get)})")
+    lines.append(
+        f"  {'allocated':<14}{_gib(e.peak_allocated_bytes):>14}   (torch.cuda.max_memory_allocated)"
+    )
+    lines.append(
+        f"  {'reserved':<14}{_gib(e.peak_reserved_bytes):>14}   (torch.cuda.max_memory_reserved)"
+    )
+    lines.append(
+        f"  {'device total':<14}{_gib(e.device_total_bytes):>14}   (nvidia-smi) of {_gib(e.device_memory_bytes)}"
+    )
+    lines.append(
+        f"host RAM per node {_gib(e.host_bytes)} of {_gib(e.host_memory_bytes)}"
+        f"  (peak in {max(e.host_phases, key=e.host_phases.get)})"
+    )
     lines.append(f"step time {e.step_time_s:.3f} s  ({e.tokens_per_s:,.0f} tokens/s)")
     for n in e.notes:
         lines.append(f"note: {n}")
@@ -1037,8 +1224,11 @@ def render(e: Estimate, arch: ModelArch, g: GPU, cand: Candidate, num_gpus: int,
     else:
         why.append(f"device margin {_gib(e.margin_bytes)}")
     if g.name != "cpu":
-        why.append(f"host short by {_gib(-e.host_margin_bytes)}" if e.host_margin_bytes < 0
-                   else f"host margin {_gib(e.host_margin_bytes)}")
+        why.append(
+            f"host short by {_gib(-e.host_margin_bytes)}"
+            if e.host_margin_bytes < 0
+            else f"host margin {_gib(e.host_margin_bytes)}"
+        )
     lines.append(f"verdict: {verdict} ({', '.join(why)})")
     return "\n".join(lines)
 
@@ -1050,8 +1240,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         arch, g, cand, settings = _from_args(args)
         budget = int(args.budget_gb * 1e9) if args.budget_gb else None
-        e = estimate(arch, g, args.num_gpus, args.num_nodes, args.method, cand, args.host_memory_gb,
-                     budget, settings)
+        e = estimate(
+            arch,
+            g,
+            args.num_gpus,
+            args.num_nodes,
+            args.method,
+            cand,
+            args.host_memory_gb,
+            budget,
+            settings,
+        )
     except EstimateError as exc:
         print(f"memfit estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -1071,8 +1270,18 @@ def fit_main(argv: list[str] | None = None) -> int:
     try:
         arch, g, cand, settings = _from_args(args)
         budget = int(args.budget_gb * 1e9) if args.budget_gb else None
-        best, e = fit(arch, g, args.num_gpus, args.num_nodes, args.method, cand, args.maximize,
-                      args.host_memory_gb, budget, settings)
+        best, e = fit(
+            arch,
+            g,
+            args.num_gpus,
+            args.num_nodes,
+            args.method,
+            cand,
+            args.maximize,
+            args.host_memory_gb,
+            budget,
+            settings,
+        )
     except EstimateError as exc:
         print(f"memfit fit: error: {exc}", file=sys.stderr)
         return 2
@@ -1087,12 +1296,30 @@ def fit_main(argv: list[str] | None = None) -> int:
         if best == 0:
             print(f"nothing fits: even {args.maximize}=1 needs more memory")
             if e is not None:
-                print(render(e, arch, g, dataclasses.replace(cand, **{args.maximize: 1}),
-                             args.num_gpus, args.num_nodes, args.method))
+                print(
+                    render(
+                        e,
+                        arch,
+                        g,
+                        dataclasses.replace(cand, **{args.maximize: 1}),
+                        args.num_gpus,
+                        args.num_nodes,
+                        args.method,
+                    )
+                )
         else:
             print(f"largest {args.maximize} that fits: {best}\n")
-            print(render(e, arch, g, dataclasses.replace(cand, **{args.maximize: best}),
-                         args.num_gpus, args.num_nodes, args.method))
+            print(
+                render(
+                    e,
+                    arch,
+                    g,
+                    dataclasses.replace(cand, **{args.maximize: best}),
+                    args.num_gpus,
+                    args.num_nodes,
+                    args.method,
+                )
+            )
     return 0 if best > 0 else 1
 
 
