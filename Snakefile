@@ -1,0 +1,26 @@
+# memfit: fine-tune LLMs (SFT, DPO) on DeepSpeed without out-of-memory surprises.
+#   snakemake --cores all                  the embedded CPU default (config/config.yaml)
+#   snakemake --cores all --profile slurm  the same DAG on a SLURM cluster
+
+
+from snakemake.utils import min_version
+
+min_version("8.20")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/plan.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        all_outputs(),

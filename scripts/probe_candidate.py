@@ -1,0 +1,18 @@
+"""Snakemake script: probe_candidate -> memfit.pipeline.probe_candidate."""
+
+from memfit.pipeline import log_to, probe_candidate
+
+log_to(snakemake.log[0])
+w = snakemake.wildcards
+probe_candidate(
+    snakemake.config,
+    w.model,
+    w.gpu,
+    w.method,
+    w.cand,
+    snakemake.input.candidates,
+    snakemake.params.model_path,
+    snakemake.params.data_dir,
+    snakemake.output[0],
+    snakemake.log[0],
+)

@@ -1,0 +1,13 @@
+"""Snakemake script: report -> memfit.report.write_report."""
+
+from memfit.pipeline import log_to
+from memfit.report import write_report
+
+log_to(snakemake.log[0])
+write_report(
+    selected=snakemake.input.selected,
+    summaries=snakemake.input.summaries,
+    resume=snakemake.input.resume,
+    data_stats=snakemake.input.data,
+    out_html=snakemake.output[0],
+)

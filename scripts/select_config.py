@@ -1,0 +1,18 @@
+"""Snakemake script: select_config -> memfit.pipeline.select_config."""
+
+from memfit.pipeline import log_to, select_config
+
+log_to(snakemake.log[0])
+w = snakemake.wildcards
+select_config(
+    snakemake.config,
+    w.model,
+    w.gpu,
+    w.method,
+    snakemake.input.candidates,
+    snakemake.input.probes,
+    snakemake.params.model_path,
+    snakemake.params.data_dir,
+    snakemake.params.train_dir,
+    dict(snakemake.output.items()),
+)

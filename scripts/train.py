@@ -1,0 +1,6 @@
+"""Snakemake script: train -> memfit.pipeline.train (resumes from the newest checkpoint)."""
+
+from memfit.pipeline import log_to, train
+
+log_to(snakemake.log[0])
+train(snakemake.input.run, snakemake.params.nproc, snakemake.log[0])

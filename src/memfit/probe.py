@@ -1,0 +1,69 @@
+"""What a configuration really uses: a few real training steps on the worst-case batch.
+
+A probe runs the training step of `memfit.train` (same model, same DeepSpeed config,
+same loss) for `steps` optimizer steps on the longest rows of the data, padded to the
+candidate's `seq_len`, on every rank, and records peak allocated/reserved memory,
+host RSS and step time. Running out of memory is a result, not a crash: the probe
+writes `"status": "oom"` and the workflow goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from memfit import checkpoint
+from memfit.launch import launch
+from memfit.train import OOM_EXIT_CODE, RunConfig
+
+
+def run_probe(
+    run: RunConfig,
+    nproc: int,
+    out_json: Path,
+    log: Path | None = None,
+    steps: int = 3,
+    timeout_s: float = 900,
+    prediction: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Probe `run.candidate`; write and return the result (status ok | oom | error | timeout)."""
+    out_json = Path(out_json)
+    work = Path(tempfile.mkdtemp(prefix="probe-", dir=out_json.parent if out_json.parent.exists() else None))
+    try:
+        cfg = dataclasses.replace(run, out_dir=str(work), probe_steps=steps, export=False, resume="never", save_every=0)
+        cfg_path = work / "run.json"
+        cfg.save(cfg_path)
+        result: dict[str, Any] = {"id": cfg.cand.id, "candidate": cfg.candidate, "world_size": nproc, "steps": steps}
+        try:
+            rc = launch(cfg_path, nproc, log=log, timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        ooms = sorted(work.glob("oom.rank*.json"))
+        if rc == 0:
+            result |= json.loads((work / "probe.rank0.json").read_text()) | {"status": "ok"}
+        elif rc is None:
+            result |= {"status": "timeout", "error": f"probe did not finish within {timeout_s:.0f} s"}
+        elif ooms or rc in (OOM_EXIT_CODE, -signal.SIGKILL, 128 + signal.SIGKILL):
+            # A CUDA OOM writes a marker; a host OOM is the kernel's SIGKILL.
+            detail = json.loads(ooms[0].read_text())["error"] if ooms else f"killed (exit {rc}): host out of memory?"
+            result |= {"status": "oom", "error": detail}
+        else:
+            result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
+        if prediction is not None:
+            result["predicted"] = {k: prediction.get(k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
+        checkpoint.write_json_atomic(out_json, result)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _tail(log: Path | None, n: int = 40) -> str:
+    if log is None or not Path(log).exists():
+        return ""
+    return "\n".join(Path(log).read_text(errors="replace").splitlines()[-n:])

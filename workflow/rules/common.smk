@@ -1,0 +1,110 @@
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+
+from memfit.pipeline import validate_config, world_size  # noqa: E402
+from memfit.space import Candidate  # noqa: E402
+
+# Schema plus catalog names, files and method sections: a bad config stops here,
+# before any job starts, naming the key and the allowed values.
+validate_config(config)
+
+MODELS = list(config["models"])
+GPUS = list(config["gpus"])
+METHODS = list(config["methods"])
+PLAN_ONLY = bool(config.get("plan_only", False))
+ON_GPU = any(g != "cpu" for g in GPUS)
+# GPU clusters run rules in the pinned CUDA env; the CPU default in the CPU env.
+CONDA_ENV = "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml"
+
+
+wildcard_constraints:
+    model="|".join(MODELS) if MODELS else "[a-z0-9._-]+",
+    gpu="[a-z0-9._-]+",
+    method="sft|dpo",
+    cand="[A-Za-z0-9.-]+",
+
+
+def run_dir(w):
+    return f"results/{w.model}/{w.gpu}/{w.method}"
+
+
+def model_dir(w):
+    """The model's weights directory (built by build_demo_model when the config says so)."""
+    return config["models"][w.model]["path"]
+
+
+def build_config(w):
+    return config["models"][w.model]["build"]
+
+
+def model_input(w):
+    m = config["models"][w.model]
+    return [] if PLAN_ONLY and not m.get("build") else [m["path"]]
+
+
+def policy_dir(w):
+    """What training starts from: the base model for SFT, the SFT output for DPO."""
+    if w.method == "dpo" and "sft" in METHODS:
+        return f"results/{w.model}/{w.gpu}/sft/train/model"
+    return model_dir(w)
+
+
+def policy_input(w):
+    if w.method == "dpo" and "sft" in METHODS:
+        return [f"results/{w.model}/{w.gpu}/sft/train/model/model.safetensors"]
+    return model_input(w)
+
+
+def data_input(w):
+    return [] if PLAN_ONLY else [f"results/{w.model}/data/{w.method}/stats.json"]
+
+
+def data_source(w):
+    return config["data"][w.method]
+
+
+def probe_outputs(w):
+    """The probes estimate_candidates chose (a checkpoint: known once it has run)."""
+    table = checkpoints.estimate_candidates.get(**w).output[0]
+    import json
+
+    ids = json.loads(Path(table).read_text())["probe"]
+    return [f"results/{w.model}/{w.gpu}/{w.method}/probes/{i}.json" for i in ids]
+
+
+def nproc(w):
+    return int(config["num_gpus"])
+
+
+def rank_threads(w):
+    # CPU ranks each use one core; a GPU job asks for a few cores per GPU.
+    return int(config["num_gpus"]) * (1 if w.gpu == "cpu" else 4)
+
+
+def gpu_resources(w):
+    return 0 if w.gpu == "cpu" else int(config["num_gpus"])
+
+
+def report_inputs(name):
+    """Per-run files the report reads; a plan-only run has no training outputs."""
+    if PLAN_ONLY:
+        return []
+    return expand(
+        "results/{model}/{gpu}/{method}/{name}",
+        model=MODELS,
+        gpu=GPUS,
+        method=METHODS,
+        name=name,
+    )
+
+
+def data_stats_inputs():
+    if PLAN_ONLY:
+        return []
+    return expand("results/{model}/data/{method}/stats.json", model=MODELS, method=METHODS)
+
+
+def all_outputs():
+    return ["results/report.html"]

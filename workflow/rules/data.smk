@@ -1,0 +1,38 @@
+rule build_demo_model:
+    # Only for models whose config entry has `build:` (the embedded demo): a random-init
+    # model from a HF config, with a tokenizer trained on the bundled data.
+    input:
+        config=build_config,
+        sft=config["data"].get("sft", []),
+        dpo=config["data"].get("dpo", []),
+    output:
+        directory("resources/{model}"),
+    log:
+        "logs/{model}/build_demo_model.log",
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/build_demo_model.py"
+
+
+rule prepare_data:
+    input:
+        model=model_input,
+        source=data_source,
+    output:
+        train="results/{model}/data/{method}/train.parquet",
+        eval="results/{model}/data/{method}/eval.parquet",
+        stats="results/{model}/data/{method}/stats.json",
+    params:
+        tokenizer=model_dir,
+        max_len=config["data"]["max_len"],
+        eval_fraction=config["data"].get("eval_fraction", 0.05),
+        seed=config["data"].get("seed", 0),
+    log:
+        "logs/{model}/data/{method}/prepare_data.log",
+    benchmark:
+        "benchmarks/{model}/data/{method}/prepare_data.tsv"
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/prepare_data.py"

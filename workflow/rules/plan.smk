@@ -1,0 +1,63 @@
+checkpoint estimate_candidates:
+    # Predict memory and speed of every candidate of the search space; pick the probes.
+    input:
+        model=model_input,
+        data=data_input,
+    output:
+        "results/{model}/{gpu}/{method}/candidates.json",
+    log:
+        "logs/{model}/{gpu}/{method}/estimate_candidates.log",
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/estimate_candidates.py"
+
+
+rule probe_candidate:
+    # A few real training steps on the worst-case batch; OOM is recorded, not raised.
+    input:
+        candidates="results/{model}/{gpu}/{method}/candidates.json",
+        model=model_input,
+        data=data_input,
+    output:
+        "results/{model}/{gpu}/{method}/probes/{cand}.json",
+    params:
+        model_path=model_dir,
+        data_dir="results/{model}/data/{method}",
+    log:
+        "logs/{model}/{gpu}/{method}/probes/{cand}.log",
+    benchmark:
+        "benchmarks/{model}/{gpu}/{method}/probes/{cand}.tsv"
+    threads: rank_threads
+    resources:
+        gpu=gpu_resources,
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/probe_candidate.py"
+
+
+rule select_config:
+    # Fastest candidate that fits (measured beats predicted); why each other one lost.
+    input:
+        candidates="results/{model}/{gpu}/{method}/candidates.json",
+        probes=probe_outputs,
+    output:
+        selected=report(
+            "results/{model}/{gpu}/{method}/selected.json",
+            caption="../report/selected.rst",
+            category="Selection",
+        ),
+        ds_config="results/{model}/{gpu}/{method}/ds_config.json",
+        run="results/{model}/{gpu}/{method}/run.json",
+        launch="results/{model}/{gpu}/{method}/launch.sh",
+    params:
+        model_path=policy_dir,
+        data_dir="results/{model}/data/{method}",
+        train_dir="results/{model}/{gpu}/{method}/train",
+    log:
+        "logs/{model}/{gpu}/{method}/select_config.log",
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/select_config.py"

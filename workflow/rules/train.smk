@@ -1,0 +1,45 @@
+rule train:
+    # DeepSpeed SFT or DPO with the selected configuration. Checkpoints live beside the
+    # outputs and are not declared, so a re-run after a crash resumes from the newest one.
+    input:
+        run="results/{model}/{gpu}/{method}/run.json",
+        policy=policy_input,
+        data="results/{model}/data/{method}/stats.json",
+    output:
+        summary="results/{model}/{gpu}/{method}/train/summary.json",
+        weights="results/{model}/{gpu}/{method}/train/model/model.safetensors",
+    params:
+        nproc=nproc,
+    log:
+        "logs/{model}/{gpu}/{method}/train.log",
+    benchmark:
+        "benchmarks/{model}/{gpu}/{method}/train.tsv"
+    threads: rank_threads
+    resources:
+        gpu=gpu_resources,
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/train.py"
+
+
+rule verify_resume:
+    # Resume the finished run from its previous checkpoint; compare with the uninterrupted run.
+    input:
+        run="results/{model}/{gpu}/{method}/run.json",
+        summary="results/{model}/{gpu}/{method}/train/summary.json",
+    output:
+        "results/{model}/{gpu}/{method}/verify_resume.json",
+    params:
+        nproc=nproc,
+    log:
+        "logs/{model}/{gpu}/{method}/verify_resume.log",
+    benchmark:
+        "benchmarks/{model}/{gpu}/{method}/verify_resume.tsv"
+    threads: rank_threads
+    resources:
+        gpu=gpu_resources,
+    conda:
+        CONDA_ENV
+    script:
+        "../../scripts/verify_resume.py"
