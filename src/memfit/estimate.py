@@ -97,6 +97,7 @@ class Estimate:
     time_breakdown: dict[str, float] = field(default_factory=dict)
     params_total: int = 0
     params_trainable: int = 0
+    eager_attention_extra_bytes: int = 0  # eager only: device bytes over the same config with sdpa
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
@@ -241,7 +242,7 @@ class _States:
     buckets: int = 0  # device: ZeRO reduce/all-gather buckets, prefetch
     host_optimizer: int = 0  # host per rank: offloaded master/m/v/fp32 grads
     host_params: int = 0  # host per rank: offloaded 16-bit params
-    host_pinned: int = 0  # host per rank: pinned buffers after power-of-two rounding
+    host_pinned: int = 0  # host per rank: bytes pinned buffers take beyond their size (rounding)
     host_pin_source: int = 0  # host per rank: largest unpinned source copied into pinned memory
     optimizer_resident_fraction: float = 1.0  # share of optimizer states on the device
     offload_fraction: float = 0.0  # share actually offloaded (ZeRO-3 ratio, sub-group granularity)
@@ -361,7 +362,8 @@ def model_states(
             s.grads, s.optimizer = 0, 0
             if cand.pin_memory:
                 # single_partition_of_fp32_groups and the averaged-gradient buffer are pinned
-                s.host_pinned = 2 * _pow2(4 * T // N) + 8 * T // N
+                # fp32 master partition and the averaged-gradient partition are pinned
+                s.host_pinned = 2 * (_pow2(4 * T // N) - 4 * T // N)
                 s.host_pin_source = 4 * T // N
     else:  # stage 3: everything partitioned, the reference too
         s.params = (weight_bytes + adapter_bytes + ref_bytes) // N
@@ -395,15 +397,19 @@ def model_states(
                 12 * on_host + 4 * T // N
             )  # + grad_partitions_flat_buffer on the host
             if cand.pin_memory:
-                s.host_pinned = sum(_pow2(4 * g) for g in groups if g) + _pow2(4 * T // N)
-                s.host_pinned -= 4 * on_device if on_device else 0
+                # the host sub-groups' fp32 master buffers and grad_partitions_flat_buffer
+                host_groups = [
+                    g for i, g in enumerate(groups) if i >= int((1 - cand.offload_ratio) * n)
+                ]
+                s.host_pinned = sum(_pow2(4 * g) - 4 * g for g in host_groups)
+                s.host_pinned += _pow2(4 * T // N) - 4 * T // N
                 s.host_pin_source = 4 * max(groups)
         if offload_par:
             # partitioned 16-bit params live on the host, fetched per layer
             s.host_params = s.params
             s.params = 0
             if cand.pin_memory:
-                s.host_pinned += _pow2(s.host_params)
+                s.host_pinned += _pow2(s.host_params) - s.host_params
         pb = _bucket(settings, arch, "prefetch")
         s.buckets += d * min(pb, settings.stage3_max_live_parameters)
     # Reduce buckets (stage_1_and_2.py setup_buckets / stage3.py IPG buffer): one buffer of
@@ -828,18 +834,31 @@ def estimate(
         bd["reference"] += 0
 
     # reserved: fragmentation of the shape-varying part
-    transient = ac.saved + ac.logits_bwd_extra + ac.layer_bwd
+    transient = ac.saved + ac.logits_bwd_extra + ac.layer_bwd + ac.recompute
     frag = _fragmentation(transient, settings, is_cpu)
     est.peak_reserved_bytes = est.peak_allocated_bytes + frag
     ov = _device_overheads(gpu, world, num_gpus)
     est.device_total_bytes = est.peak_reserved_bytes + sum(ov.values())
     bd["overheads"] = frag + sum(ov.values())
     est.breakdown = {k: int(v) for k, v in bd.items()}
-    if cand.attn == "eager" and ac.attention_scores:
+    if cand.attn == "eager":
+        # what the materialised scores cost: the same configuration with a fused kernel
+        fused = estimate(
+            arch,
+            gpu,
+            num_gpus,
+            num_nodes,
+            method,
+            dataclasses.replace(cand, attn="sdpa"),
+            host_memory_gb,
+            budget_bytes,
+            settings,
+        )
+        est.eager_attention_extra_bytes = est.device_total_bytes - fused.device_total_bytes
+        kept = "one recomputed layer's" if cand.grad_ckpt else "every layer's"
         est.notes.append(
-            f"eager attention keeps the {cand.seq_len}x{cand.seq_len} probabilities of every layer: "
-            f"{ac.attention_scores / GIB:.2f} GiB of the activations"
-            + ("" if cand.grad_ckpt else "")
+            f"eager attention keeps {kept} {cand.seq_len}x{cand.seq_len} attention probabilities: "
+            f"+{est.eager_attention_extra_bytes / GIB:.2f} GiB on the device versus sdpa/flash"
         )
 
     # host RAM per node
@@ -884,7 +903,7 @@ def _host(
     T = trainable_params(arch, cand, settings)
     proc = int((0.6 if is_cpu else 3.0) * GIB)
     offl = st.host_optimizer + st.host_params
-    pinned_extra = max(st.host_pinned - (offl if st.host_pinned else 0), 0)
+    pinned_extra = st.host_pinned
     steady = g * (proc + offl + pinned_extra)
     shard = 12 * T // (world if cand.zero >= 1 else 1)
     module_file = d * P if cand.zero < 3 else d * P // world
