@@ -8,7 +8,11 @@ from snakemake.utils import min_version
 min_version("8.20")
 
 
-configfile: "config/config.yaml"
+# The embedded default, unless the user names their own with --configfile (which then
+# replaces it instead of being merged into it: a cluster config must not inherit the demo model).
+if not workflow.overwrite_configfiles:
+
+    configfile: "config/config.yaml"
 
 
 report: "workflow/report/workflow.rst"

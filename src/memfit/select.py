@@ -15,6 +15,14 @@ from typing import Any
 GiB = 2**30
 
 
+def fmt_bytes(n: float) -> str:
+    """Binary units a person reads at a glance: 85.0 MiB, 1.23 GiB."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 @dataclass(frozen=True)
 class Budget:
     device_bytes: int  # usable memory of one device (rank)
@@ -77,11 +85,11 @@ def _verdict(dev: int, host: int, step_time: float | None, budget: Budget, cand,
     if dev > budget.device_limit_bytes:
         out |= {
             "fits": False,
-            "reason": f"does not fit: {dev / GiB:.2f} GiB {source} > {budget.device_limit_bytes / GiB:.2f} GiB "
-            f"({budget.device_bytes / GiB:.2f} GiB less {budget.headroom:.0%} headroom)",
+            "reason": f"does not fit: {fmt_bytes(dev)} {source} > {fmt_bytes(budget.device_limit_bytes)} "
+            f"({fmt_bytes(budget.device_bytes)} less {budget.headroom:.0%} headroom)",
         }
     elif host > budget.host_bytes:
-        out |= {"fits": False, "reason": f"host RAM: {host / GiB:.2f} GiB {source} > {budget.host_bytes / GiB:.2f} GiB"}
+        out |= {"fits": False, "reason": f"host RAM: {fmt_bytes(host)} {source} > {fmt_bytes(budget.host_bytes)}"}
     else:
         out |= {"fits": True, "reason": ""}
     return out

@@ -103,7 +103,9 @@ def report_inputs(name):
 def data_stats_inputs():
     if PLAN_ONLY:
         return []
-    return expand("results/{model}/data/{method}/stats.json", model=MODELS, method=METHODS)
+    return expand(
+        "results/{model}/data/{method}/stats.json", model=MODELS, method=METHODS
+    )
 
 
 def all_outputs():

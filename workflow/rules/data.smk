@@ -23,16 +23,16 @@ rule prepare_data:
         train="results/{model}/data/{method}/train.parquet",
         eval="results/{model}/data/{method}/eval.parquet",
         stats="results/{model}/data/{method}/stats.json",
-    params:
-        tokenizer=model_dir,
-        max_len=config["data"]["max_len"],
-        eval_fraction=config["data"].get("eval_fraction", 0.05),
-        seed=config["data"].get("seed", 0),
     log:
         "logs/{model}/data/{method}/prepare_data.log",
     benchmark:
         "benchmarks/{model}/data/{method}/prepare_data.tsv"
     conda:
         CONDA_ENV
+    params:
+        tokenizer=model_dir,
+        max_len=config["data"]["max_len"],
+        eval_fraction=config["data"].get("eval_fraction", 0.05),
+        seed=config["data"].get("seed", 0),
     script:
         "../../scripts/prepare_data.py"

@@ -21,18 +21,18 @@ rule probe_candidate:
         data=data_input,
     output:
         "results/{model}/{gpu}/{method}/probes/{cand}.json",
-    params:
-        model_path=model_dir,
-        data_dir="results/{model}/data/{method}",
     log:
         "logs/{model}/{gpu}/{method}/probes/{cand}.log",
     benchmark:
         "benchmarks/{model}/{gpu}/{method}/probes/{cand}.tsv"
+    conda:
+        CONDA_ENV
     threads: rank_threads
     resources:
         gpu=gpu_resources,
-    conda:
-        CONDA_ENV
+    params:
+        model_path=model_dir,
+        data_dir="results/{model}/data/{method}",
     script:
         "../../scripts/probe_candidate.py"
 
@@ -51,13 +51,13 @@ rule select_config:
         ds_config="results/{model}/{gpu}/{method}/ds_config.json",
         run="results/{model}/{gpu}/{method}/run.json",
         launch="results/{model}/{gpu}/{method}/launch.sh",
-    params:
-        model_path=policy_dir,
-        data_dir="results/{model}/data/{method}",
-        train_dir="results/{model}/{gpu}/{method}/train",
     log:
         "logs/{model}/{gpu}/{method}/select_config.log",
     conda:
         CONDA_ENV
+    params:
+        model_path=policy_dir,
+        data_dir="results/{model}/data/{method}",
+        train_dir="results/{model}/{gpu}/{method}/train",
     script:
         "../../scripts/select_config.py"

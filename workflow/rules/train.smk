@@ -8,17 +8,17 @@ rule train:
     output:
         summary="results/{model}/{gpu}/{method}/train/summary.json",
         weights="results/{model}/{gpu}/{method}/train/model/model.safetensors",
-    params:
-        nproc=nproc,
     log:
         "logs/{model}/{gpu}/{method}/train.log",
     benchmark:
         "benchmarks/{model}/{gpu}/{method}/train.tsv"
+    conda:
+        CONDA_ENV
     threads: rank_threads
     resources:
         gpu=gpu_resources,
-    conda:
-        CONDA_ENV
+    params:
+        nproc=nproc,
     script:
         "../../scripts/train.py"
 
@@ -30,16 +30,16 @@ rule verify_resume:
         summary="results/{model}/{gpu}/{method}/train/summary.json",
     output:
         "results/{model}/{gpu}/{method}/verify_resume.json",
-    params:
-        nproc=nproc,
     log:
         "logs/{model}/{gpu}/{method}/verify_resume.log",
     benchmark:
         "benchmarks/{model}/{gpu}/{method}/verify_resume.tsv"
+    conda:
+        CONDA_ENV
     threads: rank_threads
     resources:
         gpu=gpu_resources,
-    conda:
-        CONDA_ENV
+    params:
+        nproc=nproc,
     script:
         "../../scripts/verify_resume.py"

@@ -1,0 +1,26 @@
+import os
+from pathlib import Path
+
+import pytest
+
+# No downloads, ever: models come from the repo or local paths.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> Path:
+    """The embedded demo model, built once per test session (about 2 s)."""
+    from memfit.demo import build_demo_model
+
+    out = tmp_path_factory.mktemp("demo") / "demo-tiny"
+    build_demo_model(REPO / "config/models/demo-tiny.json", REPO / "data/demo", out)
+    return out

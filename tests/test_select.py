@@ -1,0 +1,74 @@
+import pytest
+
+from memfit.select import Budget, choose, judge
+
+MiB = 2**20
+
+
+def est(cid, micro, dev_mib, step_s, fits=True, invalid=False, reason=""):
+    cand = {"micro_batch": micro, "grad_accum": 8 // micro, "seq_len": 32}
+    return {
+        "id": cid,
+        "candidate": cand,
+        "peak_allocated_bytes": dev_mib * MiB,
+        "peak_reserved_bytes": dev_mib * MiB,
+        "device_total_bytes": dev_mib * MiB,
+        "host_bytes": 100 * MiB,
+        "step_time_s": step_s,
+        "fits": fits,
+        "invalid": invalid,
+        "reason": reason,
+    }
+
+
+def probe(cid, status="ok", alloc_mib=0, step_s=1.0):
+    return {
+        "id": cid,
+        "status": status,
+        "peak_allocated_bytes": alloc_mib * MiB,
+        "peak_reserved_bytes": None,
+        "host_rss_bytes_node": 500 * MiB,
+        "step_time_s": step_s,
+        "error": "CUDA out of memory" if status == "oom" else "",
+    }
+
+
+BUDGET = Budget(device_bytes=100 * MiB, host_bytes=1024 * MiB, headroom=0.1)
+
+
+def test_fastest_measured_candidate_that_fits_wins_and_every_loser_has_a_reason():
+    estimates = [est("a", 1, 40, 1.0), est("b", 2, 60, 0.5), est("c", 4, 85, 0.2), est("d", 8, 85, 0.1)]
+    probes = {
+        "a": probe("a", alloc_mib=42, step_s=1.0),
+        "b": probe("b", alloc_mib=70, step_s=0.6),
+        "c": probe("c", alloc_mib=95, step_s=0.3),  # measured over the 90 MiB limit
+    }
+    best, ranked = choose(judge(estimates, probes, BUDGET, world=2, method="sft"))
+    assert best["id"] == "b"
+    reasons = {r["id"]: r["reason"] for r in ranked}
+    assert reasons["b"].startswith("selected")
+    assert reasons["a"].startswith("slower")
+    assert "does not fit" in reasons["c"] and "measured" in reasons["c"]
+    assert reasons["d"].startswith("not probed")  # predicted to fit, yet measured beats predicted
+    assert ranked[0]["id"] == "b"
+
+
+def test_oom_probe_is_a_loss_not_a_crash():
+    estimates = [est("a", 1, 40, 1.0), est("b", 2, 60, 0.5)]
+    probes = {"a": probe("a", alloc_mib=42), "b": probe("b", status="oom")}
+    best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="dpo"))
+    assert best["id"] == "a"
+    assert "probe oom" in next(r for r in ranked if r["id"] == "b")["reason"]
+
+
+def test_without_probes_the_prediction_decides_and_invalid_rows_say_why():
+    estimates = [est("a", 1, 40, 1.0), est("b", 2, 95, 0.1), est("v", 2, 10, 0.01, invalid=True, reason="no bf16 on v100")]
+    best, ranked = choose(judge(estimates, {}, BUDGET, world=1, method="sft"))
+    assert best["id"] == "a" and best["source"] == "predicted"
+    assert "cannot run here: no bf16 on v100" in next(r for r in ranked if r["id"] == "v")["reason"]
+
+
+def test_nothing_fits_names_every_candidate():
+    estimates = [est("a", 1, 400, 1.0), est("b", 2, 600, 0.5)]
+    with pytest.raises(RuntimeError, match=r"no candidate fits(.|\n)*a: does not fit(.|\n)*b: does not fit"):
+        choose(judge(estimates, {}, BUDGET, world=1, method="sft"))

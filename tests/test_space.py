@@ -1,0 +1,42 @@
+import pytest
+
+from memfit.space import Candidate, enumerate_space
+
+
+def test_candidate_refuses_combinations_deepspeed_cannot_run():
+    with pytest.raises(ValueError, match="parameter offload.*needs ZeRO-3"):
+        Candidate(zero=2, offload_param="cpu")
+    with pytest.raises(ValueError, match="offload_ratio needs ZeRO-3 with offload_optimizer=cpu"):
+        Candidate(zero=3, offload_ratio=0.5)
+    with pytest.raises(ValueError, match="optimizer offload needs ZeRO stage"):
+        Candidate(zero=0, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match="ref=adapter needs finetune=lora"):
+        Candidate(ref="adapter")
+    Candidate(zero=3, offload_optimizer="cpu", offload_ratio=0.3)  # partial offload is fine
+
+
+def test_enumerate_skips_invalid_and_collapses_irrelevant_knobs():
+    cands = list(
+        enumerate_space(
+            {"zero": [0, 2, 3], "offload_optimizer": ["none", "cpu"], "pin_memory": [False, True]},
+            fixed={"seq_len": 64},
+        )
+    )
+    # zero=0 cannot offload; pin_memory only matters with offload: 1 + 2*(1 + 2) = 7
+    assert len(cands) == 7
+    assert len({c.id for c in cands}) == 7
+    assert all(c.seq_len == 64 for c in cands)
+    assert not any(c.zero == 0 and c.offload_optimizer == "cpu" for c in cands)
+
+
+def test_unknown_axis_is_named():
+    with pytest.raises(ValueError, match="unknown search-space key 'zero_stage'"):
+        list(enumerate_space({"zero_stage": [1]}))
+
+
+def test_roundtrip_and_id_are_stable():
+    c = Candidate(zero=3, offload_optimizer="cpu", pin_memory=True, grad_ckpt=True, micro_batch=4, seq_len=2048)
+    assert Candidate.from_dict(c.to_dict()) == c
+    assert c.id == "z3-oo-pin-gc-sdpa-full-mb4-s2048-bf16-ref-model"
+    with pytest.raises(ValueError, match="unknown candidate keys"):
+        Candidate.from_dict({**c.to_dict(), "stage": 3})
