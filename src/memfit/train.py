@@ -655,6 +655,11 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*|.*reduce_scatter_tensor.*")
     ap = argparse.ArgumentParser(prog="memfit train", description="Run one training rank (use `memfit launch` for all).")
     ap.add_argument("--config", required=True, help="run config JSON (RunConfig fields)")
     args = ap.parse_args(argv)

@@ -1,0 +1,139 @@
+"""Real DeepSpeed runs on the CPU accelerator with 2 ranks (gloo): the trainer users run."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from memfit.launch import launch
+from memfit.train import RunConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data(demo_model, tmp_path_factory, repo):
+    from memfit.data import prepare
+
+    root = tmp_path_factory.mktemp("data")
+    for method in ("sft", "dpo"):
+        prepare(method, repo / f"data/demo/{method}.jsonl", demo_model, root / method, max_len=32, eval_fraction=0.05)
+    return root
+
+
+def base_run(demo_model, data, out, method="sft", **cand):
+    return RunConfig(
+        method=method,
+        model_path=str(demo_model),
+        data_dir=str(data / method),
+        out_dir=str(out),
+        candidate={"zero": 2, "precision": "fp32", "seq_len": 32, "micro_batch": 8, "grad_accum": 1, **cand},
+        max_steps=6,
+        lr=3e-3,
+        warmup_steps=2,
+        save_every=3,
+        eval_every=3,
+        log_every=1,
+        dpo={"beta": 0.1} if method == "dpo" else {},
+    )
+
+
+def run(cfg: RunConfig) -> list[dict]:
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    cfg.save(Path(cfg.out_dir) / "run.json")
+    rc = launch(Path(cfg.out_dir) / "run.json", 2, log=Path(cfg.out_dir) / "log.txt", timeout_s=600)
+    assert rc == 0, (Path(cfg.out_dir) / "log.txt").read_text()[-3000:]
+    return [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(rows, split="train"):
+    return [r["loss"] for r in rows if r["split"] == split]
+
+
+@pytest.fixture(scope="module")
+def zero3_run(demo_model, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("z3")
+    return out, run(base_run(demo_model, data, out, zero=3))
+
+
+def test_sft_learns_and_zero_stages_agree(demo_model, data, tmp_path, zero3_run):
+    _, ref_rows = zero3_run
+    ref = losses(ref_rows)
+    assert len(ref) == 6
+    ev = losses(ref_rows, "eval")
+    assert ev[-1] < ev[0] * 0.8, f"held-out loss did not fall: {ev}"
+    for stage in (0, 2):
+        got = losses(run(base_run(demo_model, data, tmp_path / f"z{stage}", zero=stage)))
+        assert got == pytest.approx(ref, rel=1e-4), f"ZeRO-{stage} differs from ZeRO-3"
+
+
+def test_optimizer_offload_trains_the_same(demo_model, data, tmp_path, zero3_run):
+    _, ref_rows = zero3_run
+    got = losses(run(base_run(demo_model, data, tmp_path / "off", zero=2, offload_optimizer="cpu")))
+    assert got == pytest.approx(losses(ref_rows), rel=1e-4)
+
+
+def test_resume_after_interruption_continues_exactly(demo_model, data, tmp_path, zero3_run):
+    ref_dir, ref_rows = zero3_run
+    cfg = base_run(demo_model, data, tmp_path / "resumed", zero=3)
+    first = run(dataclasses.replace(cfg, stop_after_step=4))  # "killed" after step 4; checkpoint at 3
+    assert max(r["step"] for r in first) == 4
+    assert not (tmp_path / "resumed/model").exists()
+    rows = run(cfg)  # resume: auto picks step 3 and re-does step 4
+    assert [(r["step"], r["split"]) for r in rows] == [(r["step"], r["split"]) for r in ref_rows]
+    assert losses(rows) == losses(ref_rows)  # bit for bit
+    a = load_file(str(ref_dir / "model/model.safetensors"))
+    b = load_file(str(tmp_path / "resumed/model/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(demo_model, data, tmp_path, zero3_run):
+    ref_dir, _ = zero3_run
+    cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "other", zero=3, micro_batch=4, grad_accum=2),
+                              resume=str(ref_dir / "checkpoints/step00000003"))
+    Path(cfg.out_dir).mkdir(parents=True)
+    cfg.save(Path(cfg.out_dir) / "run.json")
+    rc = launch(Path(cfg.out_dir) / "run.json", 2, log=Path(cfg.out_dir) / "log.txt", timeout_s=600)
+    assert rc != 0
+    assert "belongs to a different run" in (Path(cfg.out_dir) / "log.txt").read_text()
+
+
+def test_dpo_with_frozen_reference_reports_trl_metrics(demo_model, data, tmp_path):
+    rows = run(base_run(demo_model, data, tmp_path / "dpo", method="dpo", zero=3, micro_batch=4, grad_accum=2))
+    train = [r for r in rows if r["split"] == "train"]
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+        assert key in train[0], key
+    # policy == reference at step 1: the first loss is log(2) exactly as in the DPO paper
+    assert train[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
+    assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert (tmp_path / "dpo/model/model.safetensors").exists()
+
+
+def test_lora_exports_a_merged_model_transformers_loads(demo_model, data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rows = run(base_run(demo_model, data, tmp_path / "lora", finetune="lora", lora_rank=8, grad_ckpt=True))
+    assert losses(rows)[-1] < losses(rows)[0]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "lora/model")
+    base = AutoModelForCausalLM.from_pretrained(demo_model)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in base.parameters())
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
+    assert any("q_proj" in n for n in changed) and not any("norm" in n for n in changed)
+
+
+def test_probe_measures_peak_memory_and_step_time(demo_model, data, tmp_path):
+    from memfit.probe import run_probe
+
+    cfg = base_run(demo_model, data, tmp_path / "probe", zero=2, micro_batch=16)
+    res = run_probe(cfg, nproc=2, out_json=tmp_path / "probe.json", log=tmp_path / "probe.log", steps=2)
+    assert res["status"] == "ok", res
+    from transformers import AutoModelForCausalLM
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(demo_model).parameters())
+    # fp32 weights + grads + 2 Adam moments, partly sharded over 2 ranks, plus activations
+    assert res["peak_allocated_bytes"] > params * 4 * 2
+    assert res["step_time_s"] > 0
+    assert json.loads((tmp_path / "probe.json").read_text())["id"] == cfg.cand.id
