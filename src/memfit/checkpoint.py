@@ -150,8 +150,9 @@ def _looks_whole(path: Path) -> bool:
     return all((path / f"rng.rank{r}.pt").exists() for r in range(world))
 
 
-def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Path) -> None:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Path, world: int | None = None) -> None:
+    """Raise ValueError naming each difference when `meta`'s run is not `run_config`'s."""
+    world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
     diffs = [
         f"{k}: checkpoint {meta['run_config'].get(k)!r} != now {run_config.get(k)!r}"
         for k in MUST_MATCH

@@ -38,7 +38,7 @@ def model_source(config: dict[str, Any], model: str) -> str:
 def budget(config: dict[str, Any], gpu_name: str) -> Budget:
     gpu = catalog.gpu(gpu_name)
     if gpu.name == "cpu":
-        device = int(float(config["cpu_memory_gib"]) * GiB)
+        device = int(float(config["cpu_memory_mib"]) * 2**20)
     else:
         device = gpu.memory_bytes
     host_gib = config.get("host_memory_gib") or gpu.typical_host_memory_gb * 1e9 / GiB
@@ -191,10 +191,33 @@ def train(run_json: Path, nproc: int, log: Path) -> dict[str, Any]:
     from memfit.launch import launch
 
     run = RunConfig.load(run_json)
+    set_aside_stale_checkpoints(run, Path(log))
     rc = launch(Path(run_json), nproc, log=Path(log))
     if rc != 0:
         raise RuntimeError(f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint.")
     return json.loads((Path(run.out_dir) / "summary.json").read_text())
+
+
+def set_aside_stale_checkpoints(run: RunConfig, log: Path) -> None:
+    """Snakemake re-runs `train` when the selected configuration changed: checkpoints of the
+    previous configuration cannot continue this run, so they move to `checkpoints.previous`
+    (replacing an older one) instead of blocking the run; a crash of the same run resumes."""
+    ckpts = Path(run.out_dir) / "checkpoints"
+    found = checkpoint.latest_valid(ckpts, log=lambda _msg: None)
+    if found is None:
+        return
+    meta = json.loads((found[0] / found[1] / "memfit.json").read_text())
+    try:
+        checkpoint.check_compatible(meta, dataclasses.asdict(run), found[0] / found[1], world=int(meta["world_size"]))
+        return
+    except ValueError as e:
+        reason = str(e).splitlines()[1:-1]
+    dest = ckpts.with_name("checkpoints.previous")
+    shutil.rmtree(dest, ignore_errors=True)
+    ckpts.rename(dest)
+    (Path(run.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
+    with open(log, "a") as f:
+        f.write(f"configuration changed; moved old checkpoints to {dest}:\n" + "\n".join(reason) + "\n")
 
 
 def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5) -> dict[str, Any]:

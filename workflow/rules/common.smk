@@ -74,6 +74,39 @@ def probe_outputs(w):
     return [f"results/{w.model}/{w.gpu}/{w.method}/probes/{i}.json" for i in ids]
 
 
+def estimate_settings(w):
+    """Every config value estimate_candidates reads: a change re-runs the estimate."""
+    keys = (
+        "search",
+        "num_gpus",
+        "num_nodes",
+        "cpu_memory_mib",
+        "host_memory_gib",
+        "headroom",
+        "plan_only",
+    )
+    return {k: config.get(k) for k in keys} | {
+        "probe": config["probe"],
+        "global_batch": config["train"]["global_batch"],
+        "max_len": config["data"]["max_len"],
+    }
+
+
+def train_settings(w):
+    """Every config value the run config is made of: a change re-runs select_config and train."""
+    common = (
+        "global_batch",
+        "seed",
+        "save_every",
+        "keep_last",
+        "eval_every",
+        "log_every",
+    )
+    return {k: config["train"].get(k) for k in common} | {
+        w.method: config["train"][w.method]
+    }
+
+
 def nproc(w):
     return int(config["num_gpus"])
 

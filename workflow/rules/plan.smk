@@ -9,6 +9,8 @@ checkpoint estimate_candidates:
         "logs/{model}/{gpu}/{method}/estimate_candidates.log",
     conda:
         CONDA_ENV
+    params:
+        settings=estimate_settings,
     script:
         "../../scripts/estimate_candidates.py"
 
@@ -59,5 +61,6 @@ rule select_config:
         model_path=policy_dir,
         data_dir="results/{model}/data/{method}",
         train_dir="results/{model}/{gpu}/{method}/train",
+        settings=train_settings,
     script:
         "../../scripts/select_config.py"
