@@ -1230,6 +1230,11 @@ def render(
         f"  {'device total':<14}{_gib(e.device_total_bytes):>14}   (nvidia-smi) of {_gib(e.device_memory_bytes)}"
     )
     lines.append(
+        "allocated by phase: "
+        + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in e.phases.items())
+        + " GiB"
+    )
+    lines.append(
         f"host RAM per node {_gib(e.host_bytes)} of {_gib(e.host_memory_bytes)}"
         f"  (peak in {max(e.host_phases, key=e.host_phases.get)})"
     )
