@@ -11,6 +11,8 @@ STAMP  := $(VENV)/.memfit-installed
 export DS_ACCELERATOR ?= cpu
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# DeepSpeed's JIT-compiled CPU ops are built into the venv (memfit.launch looks there too).
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
 .PHONY: demo test lint install ops
 

@@ -26,6 +26,8 @@ def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
         env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # DeepSpeed's JIT-compiled ops live with the environment that built them (`make ops`).
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
     return env
