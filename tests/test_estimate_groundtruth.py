@@ -133,14 +133,14 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
         out = model(input_ids=ids, attention_mask=mask, use_cache=False)
         if method == "sft":
             return sft_loss(out.logits, labels)[0]
-        logps = sequence_logps(out.logits, labels)
+        logps, _ = sequence_logps(out.logits, labels)
         with torch.no_grad():
             if cand.ref == "adapter":
                 with model.disable_adapter():
                     ref_out = model(input_ids=ids, attention_mask=mask)
             else:
                 ref_out = ref(input_ids=ids, attention_mask=mask)
-            ref_lp = sequence_logps(ref_out.logits, labels)
+            ref_lp, _ = sequence_logps(ref_out.logits, labels)
         n = cand.micro_batch
         losses, _ = dpo_loss(logps[:n], logps[n:], ref_lp[:n], ref_lp[n:], DPOConfig())
         return losses.mean()

@@ -41,13 +41,10 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, 
     return -logps.sum() / max(n, 1), n
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
-    """Sum (or mean, for IPO) of response-token log-probs per sequence: log pi(y|x)."""
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of response-token log-probs per sequence, log pi(y|x), and the response lengths."""
     logps, mask = token_logps(logits, labels)
-    total = logps.sum(-1)
-    if average:
-        return total / mask.sum(-1).clamp(min=1)
-    return total
+    return logps.sum(-1), mask.sum(-1)
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,13 @@ def dpo_loss(
     ref_chosen: torch.Tensor,
     ref_rejected: torch.Tensor,
     cfg: DPOConfig,
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-pair DPO losses (mean taken by the caller) and TRL-named metrics per pair."""
+    """Per-pair DPO losses (mean taken by the caller) and TRL-named metrics per pair.
+
+    Log-probs are sums over response tokens; IPO also needs the response lengths.
+    """
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if cfg.loss_type == "sigmoid":
         # DPO Eq. 7; cDPO label smoothing (Mitchell 2023, "A note on DPO with noisy preferences"),
@@ -78,9 +80,12 @@ def dpo_loss(
         eps = cfg.label_smoothing
         losses = -F.logsigmoid(cfg.beta * logits) * (1 - eps) - F.logsigmoid(-cfg.beta * logits) * eps
     elif cfg.loss_type == "ipo":
-        # IPO, Azar et al. 2023, Eq. 17: (h - 1/(2 tau))^2 with tau = beta, on length-averaged
-        # log-probs (TRL averages log-probs for ipo; callers pass averages).
-        losses = (logits - 1 / (2 * cfg.beta)) ** 2
+        # IPO, Azar et al. 2023, Eq. 17: (h - 1/(2 tau))^2 with tau = beta, where h uses
+        # log-ratios averaged over each response's tokens (TRL's `ipo`, confirmed with the authors).
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("the ipo loss needs chosen_tokens and rejected_tokens (response lengths)")
+        h = (policy_chosen - ref_chosen) / chosen_tokens.clamp(min=1) - (policy_rejected - ref_rejected) / rejected_tokens.clamp(min=1)
+        losses = (h - 1 / (2 * cfg.beta)) ** 2
     else:
         # Hinge loss from SLiC (Zhao et al. 2023), as in TRL: relu(1 - beta * logits).
         losses = torch.relu(1 - cfg.beta * logits)

@@ -286,8 +286,7 @@ class StepRunner:
             loss, _ = sft_loss(out.logits, batch["labels"])
             return loss, {"loss": loss.item() * len(rows)}, tokens
         assert self.dpo is not None
-        average = self.dpo.loss_type == "ipo"
-        logps = sequence_logps(out.logits, batch["labels"], average=average)
+        logps, lengths = sequence_logps(out.logits, batch["labels"])
         n = len(rows)
         if self.cfg.cand.ref == "precomputed":
             ref = torch.tensor(
@@ -302,8 +301,8 @@ class StepRunner:
                         ref_out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
                 else:
                     ref_out = self.ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-                ref = sequence_logps(ref_out.logits, batch["labels"], average=average)
-        losses, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.dpo)
+                ref, _ = sequence_logps(ref_out.logits, batch["labels"])
+        losses, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.dpo, lengths[:n], lengths[n:])
         sums = {"loss": float(losses.sum())} | {k: float(v.sum()) for k, v in metrics.items()}
         return losses.mean(), sums, tokens
 
