@@ -31,29 +31,78 @@ def test_regenerating_data_reproduces_committed_files(tmp_path):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
 
 
+def _parse(prompt: str) -> tuple[str, tuple[int, ...]]:
+    """The task and its numbers, read back from the prompt text."""
+    numbers = tuple(int(n) for n in re.findall(r"\d+", prompt))
+    for task, words in (("larger", ("larger", "bigger")), ("smaller", ("smaller", "less")),
+                        ("after", ("after", "follows")), ("before", ("before", "precedes"))):
+        if any(w in prompt for w in words):
+            return task, numbers
+    raise AssertionError(prompt)
+
+
 def _solve(prompt: str) -> int:
-    a, op, b = re.search(r"(\d+) ([+-]) (\d+)", prompt).groups()
-    return int(a) + int(b) if op == "+" else int(a) - int(b)
+    task, numbers = _parse(prompt)
+    return {"larger": max, "smaller": min, "after": lambda n: n[0] + 1,
+            "before": lambda n: n[0] - 1}[task](numbers)
 
 
-def test_sft_rows_are_correct_unique_arithmetic():
+def _problem_keys(rows: list[dict]) -> list[tuple]:
+    """(task, numbers), the two numbers of a comparison in order: "a or b" is "b or a"."""
+    keys = []
+    for r in rows:
+        task, numbers = _parse(r["prompt"])
+        keys.append((task, tuple(sorted(numbers)) if task in ("larger", "smaller") else numbers))
+    return keys
+
+
+def test_sft_rows_are_correct_unique_problems():
     rows = _rows("sft.jsonl")
-    assert len(rows) == demo.N_SFT == 3000
+    assert len(rows) == demo.N_SFT == 5600
     assert all(set(r) == {"prompt", "response"} for r in rows)
-    assert all(int(r["response"]) == _solve(r["prompt"]) >= 0 for r in rows)
-    assert len({re.search(r"\d+ [+-] \d+", r["prompt"]).group() for r in rows}) == len(rows)
+    assert all(r["response"] == str(_solve(r["prompt"])) for r in rows)
+    keys = _problem_keys(rows)
+    assert len(set(keys)) == len(rows)
+    # every task is there, in its share
+    counts = {t: sum(k[0] == t for k in keys) for t in demo.TASKS}
+    assert counts == {t: demo.N_SFT * demo.TASK_SHARE[t] // 8 for t in demo.TASKS}
+    for task, numbers in keys:
+        lo, hi = demo.COUNT_RANGE if task in ("after", "before") else demo.COMPARE_RANGE
+        assert all(lo <= n <= hi for n in numbers)
+        if task in ("larger", "smaller"):
+            assert numbers[0] != numbers[1]
 
 
 def test_dpo_rows_prefer_the_right_answer_over_a_plausible_mistake():
     rows = _rows("dpo.jsonl")
-    assert len(rows) == demo.N_DPO == 3000
+    assert len(rows) == demo.N_DPO == 1600
+    kinds = set()
     for r in rows:
+        assert set(r) == {"prompt", "chosen", "rejected"}
+        task, numbers = _parse(r["prompt"])
         right = _solve(r["prompt"])
-        assert int(r["chosen"]) == right
+        assert r["chosen"] == str(right)
         wrong = int(r["rejected"])
         assert wrong != right and wrong >= 0
-        # off by one, a carry/borrow error (10), or swapped digits
-        assert abs(wrong - right) in (1, 10) or str(wrong) == str(right)[::-1]
+        if task in ("larger", "smaller"):
+            assert wrong == sum(numbers) - right  # the other number
+        else:
+            n = numbers[0]
+            step = right - n
+            # the number itself, a step the wrong way, two steps, a forgotten carry/borrow
+            kind = {n: "same", n - step: "wrong_way", n + 2 * step: "two_steps",
+                    n - 9 * step: "carry"}[wrong]
+            if kind == "carry":
+                assert n % 10 == (9 if step == 1 else 0)
+            kinds.add(kind)
+    assert kinds == {"same", "wrong_way", "two_steps", "carry"}
+
+
+def test_dpo_problems_are_disjoint_from_sft_problems():
+    # DPO's held-out pairs must be problems the SFT model never trained on
+    sft, dpo = _problem_keys(_rows("sft.jsonl")), _problem_keys(_rows("dpo.jsonl"))
+    assert len(set(dpo)) == len(dpo)
+    assert not set(sft) & set(dpo)
 
 
 def test_model_and_tokenizer_load_with_auto_classes(built):
@@ -102,7 +151,7 @@ def test_forward_pass_gives_finite_loss(built):
     with torch.no_grad():
         out = model(**batch, labels=batch["input_ids"])
     assert out.logits.shape == (*batch["input_ids"].shape, len(tok))
-    assert torch.isfinite(out.loss) and 4.0 < out.loss.item() < 7.0  # ~ln(277) at random init
+    assert torch.isfinite(out.loss) and 4.0 < out.loss.item() < 7.0  # ~ln(vocab) at random init
 
 
 def test_rebuild_is_byte_identical_and_atomic(built, tmp_path):

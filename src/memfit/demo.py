@@ -7,13 +7,17 @@ Nothing here downloads anything. Two commands regenerate every demo input:
         --out resources/demo-tiny
 
 Dataset (`data/demo/`, committed; regeneration is byte-for-byte identical, a test checks it):
-  - `sft.jsonl`: 3000 rows `{"prompt": "What is 37 + 45?", "response": "82"}`.
-  - `dpo.jsonl`: 3000 rows `{"prompt", "chosen", "rejected"}`: chosen is the right answer,
-    rejected a plausible mistake (off by one, a dropped or spurious carry/borrow, swapped
-    digits). Problems are unique within each file; the two files may share problems (DPO
-    starts from the SFT model, as in a real SFT -> DPO pipeline).
-  Operands are 0..49, operations + and - (never a negative result), so a ~3M-parameter model
-  shows falling loss and a growing DPO margin within a couple of CPU minutes.
+  - `sft.jsonl`: 5600 rows `{"prompt": "Which is larger, 37 or 52?", "response": "52"}`.
+  - `dpo.jsonl`: 1600 rows `{"prompt", "chosen", "rejected"}`: chosen is the right answer,
+    rejected a plausible mistake (the other number; the number itself, a step the wrong way
+    or two steps; a forgotten carry/borrow, `after 379` -> `370`).
+  Four questions: which of two different two-digit numbers is larger / smaller (3/8 of the rows
+  each), and what comes after / before a three-digit number (1/8 each). Every answer is the
+  question's digits copied with at most a local change, so a ~3M-parameter model learns the
+  procedure, not a table: SFT eval loss per response token falls from ~5.8 to well under 1 and
+  DPO reward accuracy on held-out pairs passes 0.8 within a couple of CPU minutes.
+  Problems are unique within each file and the two files ask disjoint problems, so DPO's
+  pairs, held-out ones included, are problems the SFT model never saw.
 
 Tokenizer: byte-level BPE (any text encodes, no unknown tokens) with every digit a token of
 its own (numbers are never merged, so arithmetic is learnable digit by digit), trained on the
@@ -38,11 +42,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 DATA_SEED = 0  # the committed data/demo files are generated with this seed
-N_SFT = 3000
-N_DPO = 3000
-MAX_OPERAND = 49
+N_SFT = 5600
+N_DPO = 1600
+COUNT_RANGE = (100, 999)  # after/before ask about three-digit numbers: 900 problems each
+COMPARE_RANGE = (10, 99)  # larger/smaller compare two different two-digit numbers
 
-PROMPT_TEMPLATES = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?")
+# Four questions about numbers 0..999, each answered by copying digits with at most a small
+# local change: a tiny model learns them as procedures (not a lookup table), so it answers
+# numbers it has never seen.
+TASKS = ("after", "before", "larger", "smaller")
+PROMPT_TEMPLATES = {
+    "after": ("What comes after {a}?", "What number follows {a}?"),
+    "before": ("What comes before {a}?", "What number precedes {a}?"),
+    "larger": ("Which is larger, {a} or {b}?", "Which is bigger: {a} or {b}?"),
+    "smaller": ("Which is smaller, {a} or {b}?", "Which is less: {a} or {b}?"),
+}
+TASK_SHARE = {"after": 1, "before": 1, "larger": 3, "smaller": 3}  # eighths of each file
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
@@ -70,68 +85,82 @@ CHAT_TEMPLATE = (
 # --------------------------------------------------------------------------- data
 
 
-def _problem(rng: random.Random) -> tuple[int, str, int]:
-    op = rng.choice("+-")
-    a, b = rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND)
-    if op == "-" and b > a:
-        a, b = b, a
-    return a, op, b
+Problem = tuple[str, int, int]  # (task, a, b); b is 0 for after/before
 
 
-def _unique_problems(rng: random.Random, n: int) -> list[tuple[int, str, int]]:
-    seen: set[tuple[int, str, int]] = set()
+def _problems(rng: random.Random, task: str, n: int) -> list[Problem]:
+    """`n` different problems of one task."""
+    if task in ("after", "before"):
+        return [(task, a, 0) for a in rng.sample(range(COUNT_RANGE[0], COUNT_RANGE[1] + 1), n)]
+    seen: set[tuple[int, int]] = set()
     out = []
     while len(out) < n:
-        p = _problem(rng)
-        if p not in seen:
-            seen.add(p)
-            out.append(p)
+        a, b = rng.sample(range(COMPARE_RANGE[0], COMPARE_RANGE[1] + 1), 2)  # two different numbers
+        if (min(a, b), max(a, b)) not in seen:  # "a or b" and "b or a" are one problem
+            seen.add((min(a, b), max(a, b)))
+            out.append((task, a, b))
     return out
 
 
-def _answer(a: int, op: str, b: int) -> int:
-    return a + b if op == "+" else a - b
+def _answer(task: str, a: int, b: int) -> int:
+    return {"after": a + 1, "before": a - 1, "larger": max(a, b), "smaller": min(a, b)}[task]
 
 
-def _wrong_answer(rng: random.Random, a: int, op: str, b: int) -> int:
-    """A mistake a learner makes: off by one, a carry/borrow error, or swapped digits."""
-    right = _answer(a, op, b)
-    kind = rng.choice(("off_by_one", "carry", "swap"))
-    wrong = -1
+def _wrong_answer(rng: random.Random, task: str, a: int, b: int) -> int:
+    """A mistake a learner makes, always checkable against the question.
+
+    after/before: the number itself (forgot to count), a step the wrong way, a step of two,
+    or the carry/borrow forgotten when the last digit wraps (`39 -> 30`, `40 -> 49`);
+    larger/smaller: the other number.
+    """
+    if task in ("larger", "smaller"):
+        return a + b - _answer(task, a, b)
+    step = 1 if task == "after" else -1
+    kinds = ["same", "wrong_way", "two_steps"]
+    if a % 10 == (9 if step == 1 else 0):
+        kinds += ["carry", "carry"]  # the classic mistake where it can happen
+    kind = rng.choice(kinds)
     if kind == "carry":
-        carried = (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
-        # forgot the carry (+) / borrow (-), or invented one that is not there
-        if op == "+":
-            wrong = right - 10 if carried else right + 10
-        else:
-            wrong = right + 10 if carried else right - 10
-    elif kind == "swap" and right >= 10 and right % 10 != 0:  # 30 -> "03" is no mistake
-        wrong = int(str(right)[::-1])
-    if wrong < 0 or wrong == right:
-        step = rng.choice((-1, 1))
-        wrong = right + step if right + step >= 0 else right - step
+        wrong = a - 9 if step == 1 else a + 9  # 39 -> 30, 40 -> 49: only the last digit moved
+    elif kind == "wrong_way":
+        wrong = a - step
+    elif kind == "two_steps":
+        wrong = a + 2 * step
+    else:
+        wrong = a
+    if wrong < 0 or wrong == a + step:
+        wrong = a
     return wrong
 
 
-def _prompt(rng: random.Random, a: int, op: str, b: int) -> str:
-    return rng.choice(PROMPT_TEMPLATES).format(a=a, op=op, b=b)
+def _prompt(rng: random.Random, task: str, a: int, b: int) -> str:
+    return rng.choice(PROMPT_TEMPLATES[task]).format(a=a, b=b)
 
 
 def generate_data(seed: int = DATA_SEED) -> tuple[list[dict], list[dict]]:
-    """The SFT and DPO rows, deterministic in `seed` (Python's `random`, stable across versions)."""
+    """The SFT and DPO rows, deterministic in `seed` (Python's `random`, stable across versions).
+
+    The two files ask about different problems, so DPO (and its held-out split) only sees
+    numbers the SFT model has not been trained on.
+    """
     rng = random.Random(seed)
-    sft = [
-        {"prompt": _prompt(rng, a, op, b), "response": str(_answer(a, op, b))}
-        for a, op, b in _unique_problems(rng, N_SFT)
-    ]
+    sft_problems: list[Problem] = []
+    dpo_problems: list[Problem] = []
+    for task in TASKS:
+        n_sft, n_dpo = N_SFT * TASK_SHARE[task] // 8, N_DPO * TASK_SHARE[task] // 8
+        problems = _problems(rng, task, n_sft + n_dpo)
+        sft_problems += problems[:n_sft]
+        dpo_problems += problems[n_sft:]
+    rng.shuffle(sft_problems)
+    rng.shuffle(dpo_problems)
+    sft = [{"prompt": _prompt(rng, *p), "response": str(_answer(*p))} for p in sft_problems]
     dpo = []
-    for a, op, b in _unique_problems(rng, N_DPO):
-        prompt = _prompt(rng, a, op, b)
+    for p in dpo_problems:
         dpo.append(
             {
-                "prompt": prompt,
-                "chosen": str(_answer(a, op, b)),
-                "rejected": str(_wrong_answer(rng, a, op, b)),
+                "prompt": _prompt(rng, *p),
+                "chosen": str(_answer(*p)),
+                "rejected": str(_wrong_answer(rng, *p)),
             }
         )
     return sft, dpo
