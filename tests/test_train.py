@@ -137,3 +137,35 @@ def test_probe_measures_peak_memory_and_step_time(demo_model, data, tmp_path):
     assert res["peak_allocated_bytes"] > params * 4 * 2
     assert res["step_time_s"] > 0
     assert json.loads((tmp_path / "probe.json").read_text())["id"] == cfg.cand.id
+
+
+def test_sigterm_checkpoints_the_current_step_and_the_rerun_resumes(demo_model, data, tmp_path, zero3_run):
+    """What SLURM does before a wall-time kill: SIGTERM to the job; memfit saves and exits to be resumed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from memfit.train import PREEMPTED_EXIT_CODE
+
+    _, ref_rows = zero3_run
+    cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "sig", zero=3), save_every=0)
+    Path(cfg.out_dir).mkdir(parents=True)
+    cfg.save(Path(cfg.out_dir) / "run.json")
+    code = (
+        "import sys; from pathlib import Path; from memfit.launch import launch; "
+        f"sys.exit(launch(Path('{cfg.out_dir}/run.json'), 2, log=Path('{cfg.out_dir}/log.txt')))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    metrics = Path(cfg.out_dir) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and '"step": 2,' in metrics.read_text()):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == PREEMPTED_EXIT_CODE
+    log = (Path(cfg.out_dir) / "log.txt").read_text()
+    assert "signal received: checkpointed step" in log
+    assert list((Path(cfg.out_dir) / "checkpoints").glob("step*/COMPLETE"))  # saved although save_every=0
+    rows = run(cfg)  # the re-run resumes and finishes the same trajectory
+    assert "resumed from" in (Path(cfg.out_dir) / "log.txt").read_text()
+    assert losses(rows) == losses(ref_rows)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -49,16 +51,51 @@ def command(config: Path, nproc: int) -> list[str]:
 
 
 def launch(config: Path, nproc: int, log: Path | None = None, timeout_s: float | None = None) -> int:
-    """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code."""
+    """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code.
+
+    SIGTERM and SIGUSR1 sent to this process (SLURM's warning before the wall-time kill) are
+    forwarded to the ranks, which checkpoint at the end of the current step and exit.
+    """
     cmd = command(config, nproc)
     threads = max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else None
-    if log is None:
-        return subprocess.run(cmd, env=launch_env(threads), timeout=timeout_s).returncode
-    Path(log).parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        return subprocess.run(cmd, env=launch_env(threads), stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+    out = None
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "a")  # noqa: SIM115 - closed below
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+    proc = subprocess.Popen(cmd, env=launch_env(threads), stdout=out, stderr=subprocess.STDOUT if out else None)
+    forwarded = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            # torchrun turns SIGTERM into SIGTERM to every rank (then SIGKILL after 30 s);
+            # it has no handler for SIGUSR1, so that one is forwarded as SIGTERM too.
+            forwarded[sig] = signal.signal(sig, lambda _signum, _frame: proc.send_signal(signal.SIGTERM))
+    try:
+        rc = proc.wait(timeout=timeout_s)
+        if rc != 0 and _preempted(config):
+            from memfit.train import PREEMPTED_EXIT_CODE
+
+            return PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
+        return rc
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+        if out is not None:
+            out.close()
+
+
+def _preempted(config: Path) -> bool:
+    import json
+
+    from memfit.train import PREEMPTED_MARKER
+
+    out_dir = json.loads(Path(config).read_text()).get("out_dir")
+    return bool(out_dir) and (Path(out_dir) / PREEMPTED_MARKER).exists()
 
 
 def main(argv: list[str] | None = None) -> int:

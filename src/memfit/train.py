@@ -19,8 +19,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,6 +38,13 @@ from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.space import Candidate
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
+PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
+PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; torchrun itself exits 1
+_STOP_REQUESTED = threading.Event()
+
+
+def _request_stop(signum, _frame) -> None:
+    _STOP_REQUESTED.set()
 
 
 @dataclass
@@ -443,12 +452,18 @@ class Run:
         return out
 
     # -- the loop -------------------------------------------------------------
+    def _stop_signal_received(self) -> bool:
+        """True on every rank once any rank got SIGTERM/SIGUSR1 (one all-reduce per step)."""
+        return bool(_all_reduce_max([float(_STOP_REQUESTED.is_set())])[0])
+
     def fit(self) -> dict[str, Any]:
         from tqdm import tqdm
 
         cfg = self.cfg
         start_step = 0
         if not cfg.probe_steps:
+            if self.rank == 0:
+                (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
             start_step = self.maybe_resume()
         probe_rows = self._worst_case_rows() if cfg.probe_steps else None
 
@@ -497,6 +512,15 @@ class Run:
                     if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
                         self.save(done)
                 bar.update(1)
+                if not cfg.probe_steps and self._stop_signal_received():
+                    # SLURM sends SIGTERM (or --signal=USR1@secs) before the wall-time kill:
+                    # checkpoint now, exit non-zero, and the re-run resumes from here.
+                    if not (cfg.save_every and done % cfg.save_every == 0):
+                        self.save(done)
+                    self.log(f"signal received: checkpointed step {done}; exiting to be resumed")
+                    if self.rank == 0:
+                        checkpoint.write_json_atomic(self.out / PREEMPTED_MARKER, {"step": done})
+                    raise SystemExit(PREEMPTED_EXIT_CODE)
                 if cfg.stop_after_step is not None and done >= cfg.stop_after_step:
                     self.log(f"stopping after step {done} (stop_after_step)")
                     return {"stopped_at": done}
@@ -641,6 +665,9 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
     if cfg.expandable_segments:
         # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if not cfg.probe_steps:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, _request_stop)
     _init_distributed()
     run = Run(cfg)
     try:
