@@ -684,7 +684,10 @@ def estimate(
     host_gb = host_memory_gb if host_memory_gb is not None else gpu.typical_host_memory_gb
     is_cpu = gpu.name == "cpu"
     est.device_memory_bytes = int(budget_bytes if budget_bytes is not None else gpu.memory_bytes)
-    est.host_memory_bytes = int(host_gb * 1e9) if not is_cpu else est.device_memory_bytes
+    # On `cpu` the device is the host: one pool, unless the caller gives a per-rank tensor
+    # budget (the workflow's `cpu_memory_mib`), which is then checked like a GPU's memory.
+    one_pool = is_cpu and budget_bytes is None
+    est.host_memory_bytes = est.device_memory_bytes if one_pool else int(host_gb * 1e9)
     problems = hardware_problems(gpu, cand)
     if problems:
         est.invalid, est.reason = True, "; ".join(problems)
@@ -865,7 +868,7 @@ def estimate(
     hb, hph = _host(arch, cand, gpu, st, num_gpus, world, settings, est.peak_allocated_bytes)
     est.host_breakdown, est.host_phases = hb, hph
     est.host_bytes = max(hph.values())
-    if is_cpu:
+    if one_pool:
         # the "device" is the host: every rank's peak plus the processes' own memory
         need = num_gpus * est.device_total_bytes + est.host_bytes
         est.margin_bytes = est.device_memory_bytes - need
