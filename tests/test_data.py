@@ -66,7 +66,7 @@ def test_sft_columns_and_exact_prompt_mask(sft_out, tok):
     for split in ("train", "eval"):
         assert pq.read_schema(sft_out / f"{split}.parquet").remove_metadata() == data.SCHEMAS["sft"]
     rows = data.load_split(sft_out, "train") + data.load_split(sft_out, "eval")
-    assert sorted(r["row"] for r in rows) == list(range(1, 3001))
+    assert sorted(r["row"] for r in rows) == list(range(1, len(source) + 1))
     for r in rows[:300]:
         src = source[r["row"] - 1]
         prompt = _prompt_ids(tok, [{"role": "user", "content": src["prompt"]}])
@@ -80,8 +80,8 @@ def test_sft_columns_and_exact_prompt_mask(sft_out, tok):
 
 def test_sft_stats(sft_out):
     s = _stats(sft_out)
-    assert (s["method"], s["max_len"], s["rows_read"]) == ("sft", 64, 3000)
-    assert s["rows_kept"] == {"train": 2700, "eval": 300}
+    assert (s["method"], s["max_len"], s["rows_read"]) == ("sft", 64, 5600)
+    assert s["rows_kept"] == {"train": 5040, "eval": 560}
     assert set(s["dropped"]) == set(data.DROP_REASONS["sft"]) and sum(s["dropped"].values()) == 0
     assert s["truncated"] == {"response": 0}
     train = data.load_split(sft_out, "train")
@@ -98,8 +98,8 @@ def test_dpo_columns_lengths_and_eos(dpo_out, tok):
     for split in ("train", "eval"):
         assert pq.read_schema(dpo_out / f"{split}.parquet").remove_metadata() == data.SCHEMAS["dpo"]
     s = _stats(dpo_out)
-    assert s["rows_read"] == 3000 and sum(s["rows_kept"].values()) == 3000
     source = [json.loads(line) for line in (DEMO / "dpo.jsonl").read_text().splitlines()]
+    assert s["rows_read"] == len(source) == 1600 and sum(s["rows_kept"].values()) == 1600
     for r in data.load_split(dpo_out, "eval"):
         src = source[r["row"] - 1]
         assert r["prompt_ids"] == _prompt_ids(tok, [{"role": "user", "content": src["prompt"]}])

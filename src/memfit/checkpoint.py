@@ -25,45 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.atomic import write_json_atomic, write_text_atomic
+
 COMPLETE = "COMPLETE"
 # Fields of the run config that must match for a checkpoint to continue the same run.
 MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmup_steps", "min_lr_ratio", "dpo", "data_dir")
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON to `path` via a temporary file and rename (readers never see half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def replace_dir(src: Path, dest: Path) -> None:
-    """Move a finished directory into place, replacing an older one."""
-    if dest.exists():
-        old = dest.with_name(dest.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(dest, old)
-        os.replace(src, dest)
-        shutil.rmtree(old)
-    else:
-        os.replace(src, dest)
 
 
 def tag_for(step: int) -> str:

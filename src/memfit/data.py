@@ -83,6 +83,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from memfit.atomic import replace_dir
+
 IGNORE_INDEX = -100  # torch.nn.CrossEntropyLoss(ignore_index=-100), used by HF causal-LM losses
 WORST_CASE_ROWS = 256  # how many longest train rows stats.json lists
 PROGRESS_MIN_ROWS = 5000  # show a progress bar from this many rows on
@@ -543,13 +545,7 @@ def _write_atomic(out: Path, train: pa.Table, evals: pa.Table, stats: dict) -> N
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -41,6 +41,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from memfit.atomic import replace_dir
+
 DATA_SEED = 0  # the committed data/demo files are generated with this seed
 N_SFT = 5600
 N_DPO = 1600
@@ -285,7 +287,7 @@ def build_demo_model(
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _normalize_modes(tmp)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -299,17 +301,6 @@ def _normalize_modes(directory: Path) -> None:
     os.chmod(directory, 0o777 & ~umask)
     for f in directory.iterdir():
         os.chmod(f, 0o666 & ~umask)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished `src` to `dst`, replacing an older `dst` with two renames."""
-    if dst.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-        os.replace(dst, old / dst.name)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 # ----------------------------------------------------------------------------- CLI

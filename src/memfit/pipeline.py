@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit import catalog, checkpoint
+from memfit.atomic import write_json_atomic
 from memfit.select import Budget, choose, judge
 from memfit.space import Candidate, enumerate_space
 from memfit.train import RunConfig
@@ -103,7 +104,7 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
         "probe": probe,
         "rows": rows,
     }
-    checkpoint.write_json_atomic(out_json, result)
+    write_json_atomic(out_json, result)
     return result
 
 
@@ -167,7 +168,7 @@ def select_config(config, model, gpu, method, candidates_json, probe_jsons, mode
         min_lr_ratio=run.min_lr_ratio,
         hidden_size=table["arch"]["hidden_size"],
     )
-    checkpoint.write_json_atomic(out["ds_config"], ds)
+    write_json_atomic(out["ds_config"], ds)
     cmd = f"memfit launch --config {shlex.quote(str(out['run']))} --nproc {int(config['num_gpus'])}"
     Path(out["launch"]).write_text(
         "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
@@ -183,7 +184,7 @@ def select_config(config, model, gpu, method, candidates_json, probe_jsons, mode
         "launch": cmd,
         "candidates": ranked,
     }
-    checkpoint.write_json_atomic(out["selected"], selected)
+    write_json_atomic(out["selected"], selected)
     return selected
 
 
@@ -239,7 +240,7 @@ def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: f
         raise RuntimeError(f"resumed run failed (exit code {rc}); see {log}")
     result = compare_runs(Path(run.out_dir), work, int(tag.removeprefix("step")), rtol)
     result |= {"resumed_from": str(ckpts / tag), "rtol": rtol}
-    checkpoint.write_json_atomic(out_json, result)
+    write_json_atomic(out_json, result)
     shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return result
 

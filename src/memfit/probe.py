@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from memfit import checkpoint
+from memfit.atomic import write_json_atomic
 from memfit.launch import launch
 from memfit.train import OOM_EXIT_CODE, RunConfig
 
@@ -57,7 +57,7 @@ def run_probe(
             result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
         if prediction is not None:
             result["predicted"] = {k: prediction.get(k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
-        checkpoint.write_json_atomic(out_json, result)
+        write_json_atomic(out_json, result)
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)

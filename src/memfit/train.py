@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from memfit import checkpoint, dsconfig
+from memfit.atomic import replace_dir, write_json_atomic
 from memfit.losses import IGNORE_INDEX, DPOConfig, dpo_loss, sequence_logps, sft_loss
 from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.space import Candidate
@@ -89,7 +90,7 @@ class RunConfig:
         return cls(**d)
 
     def save(self, path: str | Path) -> None:
-        checkpoint.write_json_atomic(Path(path), dataclasses.asdict(self))
+        write_json_atomic(Path(path), dataclasses.asdict(self))
 
     @property
     def cand(self) -> Candidate:
@@ -519,7 +520,7 @@ class Run:
                         self.save(done)
                     self.log(f"signal received: checkpointed step {done}; exiting to be resumed")
                     if self.rank == 0:
-                        checkpoint.write_json_atomic(self.out / PREEMPTED_MARKER, {"step": done})
+                        write_json_atomic(self.out / PREEMPTED_MARKER, {"step": done})
                     raise SystemExit(PREEMPTED_EXIT_CODE)
                 if cfg.stop_after_step is not None and done >= cfg.stop_after_step:
                     self.log(f"stopping after step {done} (stop_after_step)")
@@ -628,7 +629,7 @@ class Run:
             else:
                 module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
-            checkpoint.replace_dir(tmp, dest)
+            replace_dir(tmp, dest)
         if dist.is_initialized():
             dist.barrier()
 
@@ -693,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = run_rank(cfg)
     if _rank() == 0:
         name = "probe.rank0.json" if cfg.probe_steps else "summary.json"
-        checkpoint.write_json_atomic(Path(cfg.out_dir) / name, summary)
+        write_json_atomic(Path(cfg.out_dir) / name, summary)
     import torch.distributed as dist
 
     if dist.is_initialized():
