@@ -72,3 +72,18 @@ def test_nothing_fits_names_every_candidate():
     estimates = [est("a", 1, 400, 1.0), est("b", 2, 600, 0.5)]
     with pytest.raises(RuntimeError, match=r"no candidate fits(.|\n)*a: does not fit(.|\n)*b: does not fit"):
         choose(judge(estimates, {}, BUDGET, world=1, method="sft"))
+
+
+def test_probes_keep_a_low_memory_fallback():
+    from memfit.pipeline import probe_choice
+
+    ranked = [
+        {"id": "fast", "device_total_bytes": 90},
+        {"id": "second", "device_total_bytes": 80},
+        {"id": "third", "device_total_bytes": 85},
+        {"id": "small", "device_total_bytes": 10},
+    ]
+    assert probe_choice(ranked, 3) == ["fast", "second", "small"]
+    assert probe_choice(ranked, 1) == ["fast"]
+    assert probe_choice(ranked[:2], 4) == ["fast", "second"]
+    assert probe_choice([], 3) == []

@@ -92,7 +92,7 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
         (r for r in rows if r["fits"] and not r["invalid"]),
         key=lambda r: -r["tokens_per_s"] if r.get("tokens_per_s") else r["step_time_s"],
     )
-    probe = [] if config.get("plan_only") else [r["id"] for r in ranked[: int(config["probe"]["top_k"])]]
+    probe = [] if config.get("plan_only") else probe_choice(ranked, int(config["probe"]["top_k"]))
     result = {
         "model": model,
         "gpu": gpu,
@@ -106,6 +106,17 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
     }
     write_json_atomic(out_json, result)
     return result
+
+
+def probe_choice(ranked: list[dict[str, Any]], top_k: int) -> list[str]:
+    """The fastest candidates predicted to fit, the last place going to the one predicted to need
+    the least memory: if the prediction is optimistic for the fast ones, a measured fallback exists."""
+    chosen = [r["id"] for r in ranked[:top_k]]
+    if top_k > 1 and ranked:
+        smallest = min(ranked, key=lambda r: r["device_total_bytes"])["id"]
+        if smallest not in chosen:
+            chosen[-1] = smallest
+    return chosen
 
 
 def run_config(config: dict[str, Any], model: str, gpu: str, method: str, cand: dict[str, Any], model_path: str, data_dir: str, out_dir: str) -> RunConfig:

@@ -388,6 +388,10 @@ class Run:
                 # get_eval_ds_config); ZeRO 0-2 keep a full replica per rank.
                 "zero_optimization": {"stage": 3 if cand.zero == 3 else 0},
             }
+            if cand.zero == 3 and (h := _hidden_size(ref_path)):
+                # the same persistence threshold and prefetch bucket as the policy's
+                ref_cfg["zero_optimization"].update(dsconfig.bucket_sizes(h, 3))
+                ref_cfg["zero_optimization"].pop("reduce_bucket_size", None)
             if cand.zero == 3 and cand.offload_param != "none":
                 ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cand.pin_memory}
             ref_hf = HfDeepSpeedConfigIf(ref_cfg) if cand.zero == 3 else None
