@@ -62,16 +62,67 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, root: Path, step: int, client_state: dict[str, Any], keep_last: int, run_config: dict[str, Any]) -> Path:
-    """Save on every rank, publish on rank 0 once all ranks are done, then rotate."""
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written; the previous one is left as it was."""
+
+
+def _min_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def ensure_free_space(root: Path, needed_bytes: int) -> None:
+    """Refuse to start a save that cannot finish (every rank decides the same way)."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if _min_over_ranks(free - needed_bytes) < 0:
+        raise CheckpointError(
+            f"not enough disk for a checkpoint under {root}: {needed_bytes / 2**30:.2f} GiB needed "
+            f"(the last checkpoint's size + 10%), {free / 2**30:.2f} GiB free. The previous checkpoint "
+            "is intact; free space or lower keep_last, then re-run to resume."
+        )
+
+
+def save(
+    engine,
+    root: Path,
+    step: int,
+    client_state: dict[str, Any],
+    keep_last: int,
+    run_config: dict[str, Any],
+    expected_bytes: int = 0,
+) -> Path:
+    """Save on every rank, publish on rank 0 once all ranks are done, then rotate.
+
+    Before writing, the free disk is checked against the newest checkpoint's size (or
+    `expected_bytes` for the first one) plus 10%. After writing, rank 0 records every file's size
+    in memfit.json (the manifest `latest_valid` checks, so a truncated shard is noticed), then the
+    COMPLETE mark and the `latest` pointer.
+    """
     root = Path(root)
     tag = tag_for(step)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    done = complete_tags(root)
+    previous = dir_bytes(root / done[-1]) if done else expected_bytes
+    ensure_free_space(root, int(previous * 1.1))
+    if _rank() == 0 and (root / tag).exists():
+        shutil.rmtree(root / tag)  # a stale copy of this step (a run resumed from an earlier one)
+    _barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
-        meta = {"step": step, "world_size": world, "run_config": run_config, **client_state}
+        manifest = {str(p.relative_to(root / tag)): p.stat().st_size for p in sorted((root / tag).rglob("*")) if p.is_file()}
+        meta = {"step": step, "world_size": world, "run_config": run_config, "files": manifest, **client_state}
         write_json_atomic(root / tag / "memfit.json", meta)
         write_text_atomic(root / tag / COMPLETE, tag + "\n")
         write_text_atomic(root / "latest", tag)
@@ -108,10 +159,15 @@ def latest_valid(root: Path, log: Callable[[str], None] = print) -> tuple[Path, 
 
 
 def _looks_whole(path: Path) -> bool:
+    """Every file the manifest lists is there with its recorded size."""
     try:
         meta = json.loads((path / "memfit.json").read_text())
     except (OSError, ValueError):
         return False
+    for rel, size in meta.get("files", {}).items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return False
     world = int(meta.get("world_size", 1))
     return all((path / f"rng.rank{r}.pt").exists() for r in range(world))
 

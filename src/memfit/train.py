@@ -586,7 +586,16 @@ class Run:
             client_state={"step": step, "consumed_samples": step * self.schedule.global_batch},
             keep_last=self.cfg.keep_last,
             run_config=dataclasses.asdict(self.cfg),
+            expected_bytes=self._checkpoint_bytes(),
         )
+
+    def _checkpoint_bytes(self) -> int:
+        """What the first checkpoint writes: 16-bit (or fp32) weights plus fp32 master weights and
+        two Adam moments for the trainable ones (12 bytes/param, ZeRO paper Sec. 3.1)."""
+        params = list(self.engine.module.parameters())
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+        return total * DTYPE[self.cand.precision].itemsize + trainable * 12
 
     def maybe_resume(self) -> int:
         cfg = self.cfg
