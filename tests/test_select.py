@@ -87,3 +87,10 @@ def test_probes_keep_a_low_memory_fallback():
     assert probe_choice(ranked, 1) == ["fast"]
     assert probe_choice(ranked[:2], 4) == ["fast", "second"]
     assert probe_choice([], 3) == []
+
+
+def test_ranking_puts_measured_before_predicted():
+    estimates = [est("a", 1, 40, 1.0), est("b", 2, 60, 0.01), est("c", 4, 50, 0.5)]
+    probes = {"a": probe("a", alloc_mib=42, step_s=1.0), "c": probe("c", alloc_mib=50, step_s=2.0)}
+    best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
+    assert [r["id"] for r in ranked] == ["a", "c", "b"]  # b is predicted fastest but never measured

@@ -114,5 +114,7 @@ def choose(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, A
             r["reason"] = f"slower: {r['tokens_per_s']:.0f} tok/s vs {best['tokens_per_s']:.0f} tok/s selected"
         elif r["fits"]:
             r["reason"] = "not probed: predicted to fit, ranked below the probed candidates"
-    ranked = sorted(rows, key=lambda r: (r is not best, not r["fits"], -(r.get("tokens_per_s") or 0)))
+    # selected first, then what was measured, then predictions, then what cannot run
+    order = {"measured": 0, "probe": 1, "predicted": 2, "rule": 3}
+    ranked = sorted(rows, key=lambda r: (r is not best, order[r["source"]], not r["fits"], -(r.get("tokens_per_s") or 0)))
     return best, ranked
