@@ -169,3 +169,16 @@ def test_sigterm_checkpoints_the_current_step_and_the_rerun_resumes(demo_model, 
     rows = run(cfg)  # the re-run resumes and finishes the same trajectory
     assert "resumed from" in (Path(cfg.out_dir) / "log.txt").read_text()
     assert losses(rows) == losses(ref_rows)
+
+
+def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, data, tmp_path):
+    """ref=precomputed: reference log-probs from one pass before training; no reference model held."""
+    common = {"zero": 2, "micro_batch": 8, "grad_accum": 1}
+    with_model = run(dataclasses.replace(base_run(demo_model, data, tmp_path / "ref-model", method="dpo", **common), max_steps=3))
+    pre_cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "ref-pre", method="dpo", ref="precomputed", **common), max_steps=3)
+    pre = run(pre_cfg)
+    assert losses(pre) == pytest.approx(losses(with_model), rel=1e-5)
+    assert losses(pre, "eval") == pytest.approx(losses(with_model, "eval"), rel=1e-5)
+    assert (tmp_path / "ref-pre/ref_logps.pt").exists()
+    peak = {name: max(r["peak_allocated_bytes"] for r in rows if r["split"] == "train") for name, rows in (("model", with_model), ("pre", pre))}
+    assert peak["pre"] < peak["model"], peak  # the frozen reference's weights are gone from training

@@ -364,6 +364,8 @@ class Run:
             hidden_size=_hidden_size(cfg.model_path),
         )
         self.ds_config = ds_cfg
+        if cfg.method == "dpo" and cand.ref == "precomputed":
+            self._precompute_reference(ds_cfg)
         hf_ds = None
         if cand.zero == 3:
             from transformers.integrations import HfDeepSpeedConfig
@@ -378,29 +380,87 @@ class Run:
 
         self.ref_engine = None
         if cfg.method == "dpo" and cand.ref == "model":
-            ref_path = cfg.ref_model_path or cfg.model_path
-            ref_cfg = {
-                "train_micro_batch_size_per_gpu": cand.micro_batch,
-                "gradient_accumulation_steps": cand.grad_accum,
-                "bf16": ds_cfg["bf16"],
-                "fp16": ds_cfg["fp16"],
-                # The frozen reference is sharded like the policy under ZeRO-3 (OpenRLHF's
-                # get_eval_ds_config); ZeRO 0-2 keep a full replica per rank.
-                "zero_optimization": {"stage": 3 if cand.zero == 3 else 0},
-            }
-            if cand.zero == 3 and (h := _hidden_size(ref_path)):
-                # the same persistence threshold and prefetch bucket as the policy's
-                ref_cfg["zero_optimization"].update(dsconfig.bucket_sizes(h, 3))
-                ref_cfg["zero_optimization"].pop("reduce_bucket_size", None)
-            if cand.zero == 3 and cand.offload_param != "none":
-                ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cand.pin_memory}
-            ref_hf = HfDeepSpeedConfigIf(ref_cfg) if cand.zero == 3 else None
-            ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False)
-            self.ref_engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
-            self.ref_engine.eval()
-            del ref_hf
+            self.ref_engine = self._reference_engine(ds_cfg)
         del hf_ds
         self.runner = StepRunner(cfg, self.engine, self.ref_engine, self.pad_id)
+
+    def _reference_engine(self, ds_cfg: dict[str, Any]):
+        """The frozen DPO reference as a DeepSpeed inference engine."""
+        import deepspeed
+
+        cand = self.cand
+        ref_path = self.cfg.ref_model_path or self.cfg.model_path
+        ref_cfg = {
+            "train_micro_batch_size_per_gpu": cand.micro_batch,
+            "gradient_accumulation_steps": cand.grad_accum,
+            "bf16": ds_cfg["bf16"],
+            "fp16": ds_cfg["fp16"],
+            # The frozen reference is sharded like the policy under ZeRO-3 (OpenRLHF's
+            # get_eval_ds_config); ZeRO 0-2 keep a full replica per rank.
+            "zero_optimization": {"stage": 3 if cand.zero == 3 else 0},
+        }
+        if cand.zero == 3 and (h := _hidden_size(ref_path)):
+            # the same persistence threshold and prefetch bucket as the policy's
+            ref_cfg["zero_optimization"].update(dsconfig.bucket_sizes(h, 3))
+            ref_cfg["zero_optimization"].pop("reduce_bucket_size", None)
+        if cand.zero == 3 and cand.offload_param != "none":
+            ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cand.pin_memory}
+        ref_hf = HfDeepSpeedConfigIf(ref_cfg) if cand.zero == 3 else None
+        ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False)
+        engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
+        engine.eval()
+        del ref_hf
+        return engine
+
+    def _precompute_reference(self, ds_cfg: dict[str, Any]) -> None:
+        """ref=precomputed: one inference pass of the reference over every row (only the worst-case
+        rows for a probe) before the policy exists, so training holds no reference model. The
+        log-probs are cached in out_dir/ref_logps.pt and reused on resume."""
+        import gc
+
+        cache = self.out / "ref_logps.pt"
+        ref_path = self.cfg.ref_model_path or self.cfg.model_path
+        splits = {"probe": self._worst_case_rows()} if self.cfg.probe_steps else {"train": self.train_rows, "eval": self.eval_rows}
+        sizes = {k: len(v) for k, v in splits.items()}
+        stored = torch.load(cache, weights_only=False) if cache.exists() else None
+        if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
+            engine = self._reference_engine(ds_cfg)
+            t0 = time.perf_counter()
+            values = {k: self._reference_logps(engine, rows) for k, rows in splits.items()}
+            self.log(f"reference log-probs of {sum(sizes.values())} rows precomputed in {time.perf_counter() - t0:.1f} s")
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            stored = {"ref_path": ref_path, "sizes": sizes, "values": values}
+            if self.rank == 0 and not self.cfg.probe_steps:
+                self.out.mkdir(parents=True, exist_ok=True)
+                torch.save(stored, self.out / "ref_logps.pt.tmp")
+                os.replace(self.out / "ref_logps.pt.tmp", cache)
+        for k, rows in splits.items():
+            for row, (chosen, rejected) in zip(rows, stored["values"][k].tolist(), strict=True):
+                row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
+
+    def _reference_logps(self, engine, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce."""
+        micro = self.cand.micro_batch
+        mine = list(range(self.rank, len(rows), self.world))
+        n_batches = math.ceil(math.ceil(len(rows) / self.world) / micro) if rows else 0
+        out = torch.zeros(len(rows), 2, dtype=torch.float64)
+        device = _device()
+        with torch.no_grad():
+            for b in range(n_batches):
+                idx = mine[b * micro : (b + 1) * micro]
+                batch_rows = [rows[i] for i in idx] if idx else [rows[0]]  # dummy forward keeps ranks in step
+                batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, self.pad_id).items()}
+                logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                lp, _ = sequence_logps(logits, batch["labels"])
+                n = len(batch_rows)
+                if idx:
+                    out[idx, 0] = lp[:n].double().cpu()
+                    out[idx, 1] = lp[n:].double().cpu()
+        totals = _all_reduce_sum(out.flatten().tolist())  # each row was filled by exactly one rank
+        return torch.tensor(totals, dtype=torch.float64).view(len(rows), 2)
 
     # -- evaluation ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
