@@ -52,3 +52,16 @@ def test_every_candidate_trains_the_same_global_batch(config):
         for c in cands:
             assert c.micro_batch * c.grad_accum * config["num_gpus"] == config["train"]["global_batch"]
             assert c.seq_len == config["data"]["max_len"]
+
+
+def test_numbers_written_as_strings_are_read_as_numbers(config):
+    # YAML 1.1 reads 1e-5 (no dot) as a string; snakemake --config passes nested values as strings
+    config["train"]["sft"]["lr"] = "1e-5"
+    config["train"]["global_batch"] = "32"
+    config["search"]["micro_batch"] = ["4", 8, 16]
+    validate_config(config)
+    assert config["train"]["sft"]["lr"] == 1e-5
+    assert config["train"]["global_batch"] == 32 and config["search"]["micro_batch"] == [4, 8, 16]
+    config["train"]["sft"]["lr"] = "fast"
+    with pytest.raises(ConfigError, match=r"train\.sft\.lr: 'fast' is not of type 'number'"):
+        validate_config(config)

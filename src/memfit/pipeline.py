@@ -307,6 +307,7 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
     import yaml
 
     schema = yaml.safe_load(Path(schema_path).read_text())
+    _coerce_numbers(config, schema, schema)
     problems = []
     for err in sorted(jsonschema.Draft7Validator(schema).iter_errors(config), key=lambda e: list(e.path)):
         where = ".".join(str(p) for p in err.path) or "(top level)"
@@ -321,6 +322,29 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
         problems += _semantic_problems(config)
     if problems:
         raise ConfigError("invalid memfit config:\n  " + "\n  ".join(problems))
+
+
+def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> Any:
+    """Numbers written as strings where the schema wants a number: YAML 1.1 reads `1e-5` (no dot)
+    as a string, and `snakemake --config 'train={...}'` passes nested values as strings."""
+    if "$ref" in node:
+        node = root["definitions"][node["$ref"].rsplit("/", 1)[-1]]
+    types = node.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, str) and {"number", "integer"} & set(types):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return int(number) if "integer" in types and number.is_integer() else number
+    if isinstance(value, dict):
+        for k, v in value.items():
+            child = node.get("properties", {}).get(k) or (node.get("additionalProperties") if isinstance(node.get("additionalProperties"), dict) else None)
+            if child:
+                value[k] = _coerce_numbers(v, child, root)
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        value[:] = [_coerce_numbers(v, node["items"], root) for v in value]
+    return value
 
 
 def _semantic_problems(config: dict[str, Any]) -> list[str]:
