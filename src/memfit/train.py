@@ -441,17 +441,23 @@ class Run:
             for row, (chosen, rejected) in zip(rows, stored["values"][k].tolist(), strict=True):
                 row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
 
-    def _reference_logps(self, engine, rows: list[dict[str, Any]]) -> torch.Tensor:
-        """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce."""
+    def _rank_batches(self, rows: list[dict[str, Any]]) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
+        """This rank's share of `rows` (every world-th row) in micro batches. Every rank yields the
+        same number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's
+        forward all-gathers parameters, so all ranks must run the same number of forwards."""
         micro = self.cand.micro_batch
         mine = list(range(self.rank, len(rows), self.world))
         n_batches = math.ceil(math.ceil(len(rows) / self.world) / micro) if rows else 0
+        for b in range(n_batches):
+            idx = mine[b * micro : (b + 1) * micro]
+            yield idx, ([rows[i] for i in idx] if idx else [rows[0]])
+
+    def _reference_logps(self, engine, rows: list[dict[str, Any]]) -> torch.Tensor:
+        """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce."""
         out = torch.zeros(len(rows), 2, dtype=torch.float64)
         device = _device()
         with torch.no_grad():
-            for b in range(n_batches):
-                idx = mine[b * micro : (b + 1) * micro]
-                batch_rows = [rows[i] for i in idx] if idx else [rows[0]]  # dummy forward keeps ranks in step
+            for idx, batch_rows in self._rank_batches(rows):
                 batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, self.pad_id).items()}
                 logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
                 lp, _ = sequence_logps(logits, batch["labels"])
@@ -465,18 +471,12 @@ class Run:
     # -- evaluation ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Means over every held-out row; every rank runs the same number of forwards (ZeRO-3)."""
-        rows = self.eval_rows
-        micro = self.cand.micro_batch
-        mine = list(range(self.rank, len(rows), self.world))
-        n_batches = math.ceil(math.ceil(len(rows) / self.world) / micro) if rows else 0
         sums: dict[str, float] = {}
         count = 0.0
         self.engine.eval()
         with torch.no_grad():
-            for b in range(n_batches):
-                idx = mine[b * micro : (b + 1) * micro]
+            for idx, batch in self._rank_batches(self.eval_rows):
                 real = len(idx)
-                batch = [rows[i] for i in idx] if idx else [rows[0]]  # dummy forward keeps ranks in step
                 loss, m, _ = self.runner.loss(batch)
                 if real:
                     for k, v in m.items():
