@@ -152,3 +152,54 @@ def test_dpo_matches_trl(demo_model, pairs, tmp_path, beta):
             assert sums[k] / n == pytest.approx(trl_metrics[k], abs=TOL, rel=0), (loss_type, k)
         # Non-trivial check: the policy differs from the reference.
         assert abs(trl_metrics["rewards/margins"]) > 1e-4
+
+
+def test_sft_loss_matches_trl(demo_model, repo, tmp_path):
+    """memfit's `sft_loss` on its collated batch == TRL's `SFTTrainer.compute_loss` (fused LM head).
+
+    Both get memfit's pre-tokenized rows (input_ids, labels with -100 on the prompt); TRL keeps
+    pre-tokenized datasets as is and pads labels with -100 in `DataCollatorForLanguageModeling`.
+    """
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from memfit import data
+    from memfit.losses import IGNORE_INDEX, sft_loss
+    from memfit.train import collate
+
+    out = tmp_path / "sft"
+    data.prepare("sft", repo / "data/demo/sft.jsonl", demo_model, out, max_len=32, eval_fraction=0.05)
+    all_rows = data.load_split(out, "train")
+    by_len: dict[int, dict] = {}
+    for r in all_rows:
+        by_len.setdefault(len(r["input_ids"]), r)
+    rows = list(by_len.values())[:N_PAIRS]
+    assert len({len(r["input_ids"]) for r in rows}) > 1  # padding is exercised
+    assert all(IGNORE_INDEX in r["labels"] for r in rows)  # the prompt is masked
+
+    policy, _ = _models(demo_model)
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    ds = Dataset.from_list([{"input_ids": list(r["input_ids"]), "labels": list(r["labels"])} for r in rows])
+    args = SFTConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        per_device_train_batch_size=len(rows),
+        max_length=None,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        logging_strategy="no",
+        save_strategy="no",
+    )
+    trainer = SFTTrainer(model=policy, args=args, train_dataset=ds, processing_class=tok)
+    policy.train()
+    examples = [{k: list(ex[k]) for k in ("input_ids", "labels")} for ex in trainer.train_dataset]
+    batch = trainer.data_collator(examples)
+    with torch.no_grad():
+        trl_loss = float(trainer.compute_loss(trainer.model, batch))
+        ours_batch = collate("sft", rows, tok.pad_token_id)
+        logits = policy(input_ids=ours_batch["input_ids"], attention_mask=ours_batch["attention_mask"]).logits
+        ours, n = sft_loss(logits, ours_batch["labels"])
+    assert n == sum(sum(1 for y in r["labels"][1:] if y != IGNORE_INDEX) for r in rows)
+    assert float(ours) == pytest.approx(trl_loss, abs=TOL, rel=0)
