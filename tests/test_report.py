@@ -98,6 +98,8 @@ def _dpo_run(root: Path, *, plan_only: bool = False, reason: str = "probe oom: C
         "max_rel_loss_diff": 0.031, "losses_bitwise_equal": False, "weights_max_abs_diff": 0.002,
         "weights_bitwise_equal": False, "passed": False,
         "resumed_from": "results/demo-tiny/cpu/dpo/train/checkpoints/step00000004", "rtol": 1e-5,
+        "training_peak_allocated_bytes": 40 * 2**20, "resume_peak_allocated_bytes": 50 * 2**20,
+        "resume_host_rss_bytes": 2 * 2**30, "training_host_rss_bytes": 3 * 2**30,
     })  # fmt: skip
     paths["data"] = _write(root / "results" / "demo-tiny" / "data" / "dpo" / "stats.json", {
         "method": "dpo", "source": "data/demo/dpo.jsonl", "max_len": 32, "rows_read": 1000,
@@ -172,6 +174,8 @@ def test_failed_resume_check_is_said_plainly(page):
     assert "Resume check did NOT pass" in text
     assert "max relative loss difference 0.031 > tolerance 1e-05" in text
     assert re.search(r"resume check</th>.*?<td class=\"bad\">FAILED</td>", page, re.S | re.I)
+    # the memory of loading the checkpoint, beside the training peak
+    assert "device peak while loading the checkpoint" in text and "50.0 MiB (1.25x the training peak)" in text
 
 
 def test_training_memory_and_data_figures_with_units(page):

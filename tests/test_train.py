@@ -83,6 +83,9 @@ def test_resume_after_interruption_continues_exactly(demo_model, data, tmp_path,
     assert max(r["step"] for r in first) == 4
     assert not (tmp_path / "resumed/model").exists()
     rows = run(cfg)  # resume: auto picks step 3 and re-does step 4
+    summary = json.loads((tmp_path / "resumed/summary.json").read_text())
+    assert summary["resume_peak_allocated_bytes"] > 0  # loading the checkpoint is measured on its own
+    assert json.loads((ref_dir / "summary.json").read_text())["resume_peak_allocated_bytes"] is None
     assert [(r["step"], r["split"]) for r in rows] == [(r["step"], r["split"]) for r in ref_rows]
     assert losses(rows) == losses(ref_rows)  # bit for bit
     a = load_file(str(ref_dir / "model/model.safetensors"))

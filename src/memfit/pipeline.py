@@ -250,7 +250,18 @@ def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: f
     if rc != 0:
         raise RuntimeError(f"resumed run failed (exit code {rc}); see {log}")
     result = compare_runs(Path(run.out_dir), work, int(tag.removeprefix("step")), rtol)
-    result |= {"resumed_from": str(ckpts / tag), "rtol": rtol}
+    trained = json.loads((Path(run.out_dir) / "summary.json").read_text())
+    resumed_summary = json.loads((work / "summary.json").read_text())
+    result |= {
+        "resumed_from": str(ckpts / tag),
+        "rtol": rtol,
+        # resume is where runs die a second time: its peak beside the uninterrupted training peak
+        "training_peak_allocated_bytes": trained["peak_allocated_bytes"],
+        "resume_peak_allocated_bytes": resumed_summary.get("resume_peak_allocated_bytes"),
+        "resume_host_rss_bytes": resumed_summary.get("resume_host_rss_bytes"),
+        "training_host_rss_bytes": trained.get("host_rss_bytes_max_rank"),
+        "memory_source": trained.get("memory_source"),
+    }
     write_json_atomic(out_json, result)
     shutil.rmtree(work / "checkpoints", ignore_errors=True)
     return result

@@ -813,6 +813,18 @@ def _resume_block(check: dict[str, Any], path: Path | None) -> str:
         ("weights max abs difference", _e(_plain(check.get("weights_max_abs_diff")))),
         ("weights bitwise equal", _e(_yes_no(check.get("weights_bitwise_equal")))),
     ]
+    if check.get("resume_peak_allocated_bytes") is not None:
+        # resume is where runs die a second time: the load's peak beside the training peak
+        train_peak, resume_peak = check.get("training_peak_allocated_bytes"), check["resume_peak_allocated_bytes"]
+        verdict = ""
+        if isinstance(train_peak, (int, float)) and train_peak > 0:
+            verdict = f" ({resume_peak / train_peak:.2f}x the training peak)"
+        pairs += [
+            ("device peak while loading the checkpoint", _e(_bytes(resume_peak) + verdict)),
+            ("training peak (uninterrupted run)", _e(_bytes(train_peak))),
+            ("host RSS after loading, largest rank", _e(_bytes(check.get("resume_host_rss_bytes")))),
+            ("host RSS of training, largest rank", _e(_bytes(check.get("training_host_rss_bytes")))),
+        ]
     src = f'<p class="muted">From <code>{_e(path)}</code>.</p>' if path else ""
     return banner + src + _kv(pairs)
 

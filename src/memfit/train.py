@@ -525,15 +525,26 @@ class Run:
         from tqdm import tqdm
 
         cfg = self.cfg
+        tracker = None if torch.cuda.is_available() else AllocationTracker(_device())
+        reset_device_peaks()
+        if tracker is not None:
+            tracker.__enter__()
         start_step = 0
+        self.resume_peak: dict[str, int] | None = None
         if not cfg.probe_steps:
             if self.rank == 0:
                 (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
             start_step = self.maybe_resume()
+            if start_step:
+                # what loading the checkpoint cost, kept apart from the training peak
+                pk = device_peaks(tracker)
+                alloc, reserved, rss = _all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
+                self.resume_peak = {"allocated": int(alloc), "reserved": int(reserved), "host_rss": int(rss)}
+                if tracker is not None:
+                    tracker.reset_peak()
+                reset_device_peaks()
         probe_rows = self._worst_case_rows() if cfg.probe_steps else None
 
-        tracker = None if torch.cuda.is_available() else AllocationTracker(_device())
-        reset_device_peaks()
         step_times: list[float] = []
         peaks: list[tuple[int, int | None]] = []
         bar = tqdm(
@@ -544,8 +555,6 @@ class Run:
             file=sys.stderr,
             mininterval=2.0,
         )
-        if tracker is not None:
-            tracker.__enter__()
         try:
             if start_step == 0 and not cfg.probe_steps and self.eval_rows:
                 self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
@@ -618,6 +627,11 @@ class Run:
             "step_time_s": statistics.median(steady) if steady else None,
             "device": str(_device()),
             "memory_source": "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "AllocationTracker (live tensor storages)",
+            # loading a checkpoint (resumed runs only): device peak while DeepSpeed loaded the shards
+            # and host RSS (the process's peak so far) right after; training peaks exclude it
+            "resume_peak_allocated_bytes": self.resume_peak["allocated"] if self.resume_peak else None,
+            "resume_peak_reserved_bytes": (self.resume_peak["reserved"] or None) if self.resume_peak else None,
+            "resume_host_rss_bytes": self.resume_peak["host_rss"] if self.resume_peak else None,
         }
 
     def _worst_case_rows(self) -> list[dict[str, Any]]:
