@@ -749,7 +749,22 @@ def HfDeepSpeedConfigIf(cfg: dict[str, Any]):  # noqa: N802 - mirrors the class 
 
 
 # --------------------------------------------------------------------------- entry points
+def _die_with_parent() -> None:
+    """torchrun starts every rank in a session of its own: if torchrun is SIGKILLed the ranks would
+    train on as orphans and race a resumed run for the checkpoint directory. PR_SET_PDEATHSIG makes
+    the kernel SIGKILL this rank when its parent dies (prctl(2), Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def run_rank(cfg: RunConfig) -> dict[str, Any]:
+    _die_with_parent()
     if cfg.expandable_segments:
         # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
