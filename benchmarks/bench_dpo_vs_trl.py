@@ -1,0 +1,184 @@
+"""DPO training throughput on the CPU: TRL 1.16 DPOTrainer vs memfit's DPO step, same model, data, settings.
+
+Both sides train the embedded demo model (config/models/demo-tiny.json) from the same initial weights on
+the same demo DPO pairs (data/demo/dpo.jsonl, tokenized identically; tests/test_trl_parity.py asserts
+TRL's tokenization of the conversational pairs equals memfit.data.prepare's ids), with:
+sigmoid loss, beta, AdamW(lr, weight_decay=0, betas 0.9/0.999, eps 1e-8), constant LR, no grad clipping,
+batch B pairs, fp32, sdpa attention, no gradient checkpointing, reference model as a second frozen copy
+(no precomputed reference log-probs), 1 process, torch's default CPU threads.
+
+(a) TRL: `trl.DPOTrainer(...).train()` with max_steps = warmup + steps; step times from a callback.
+(b) memfit: `memfit.train.StepRunner.loss` (memfit's collate + sequence_logps + dpo_loss) on the plain
+    torch model, `loss.backward()`, `torch.optim.AdamW.step()`: the single-process path without DeepSpeed.
+
+steps/s is measured over the steps after the warm-up. Rounds alternate TRL, memfit, TRL, memfit, ... to
+spread noise from other load on the machine; the best round of each is reported along with all rounds.
+
+Usage: .venv/bin/python benchmarks/bench_dpo_vs_trl.py [--steps 30 --warmup 5 --batch 8 --rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def batches(rows: list[dict], batch: int, n_steps: int, seed: int) -> list[list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(len(rows), generator=g).tolist()
+    return [[rows[perm[(s * batch + i) % len(rows)]] for i in range(batch)] for s in range(n_steps)]
+
+
+def run_trl(model_dir: Path, records: list[dict], a, out: Path) -> dict:
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(a.seed)
+    policy, ref = load_model(model_dir), load_model(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ds = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in records
+        ]
+    )
+    args = DPOConfig(
+        output_dir=str(out),
+        report_to=[],
+        beta=a.beta,
+        loss_type=["sigmoid"],
+        learning_rate=a.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=0.0,  # no clipping (memfit side does not clip either)
+        per_device_train_batch_size=a.batch,
+        gradient_accumulation_steps=1,
+        max_steps=a.warmup + a.steps,
+        max_length=None,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        logging_strategy="no",
+        save_strategy="no",
+        seed=a.seed,
+    )
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    trainer = DPOTrainer(
+        model=policy, ref_model=ref, args=args, train_dataset=ds, processing_class=tok, callbacks=[Stamp()]
+    )
+    trainer.train()
+    assert len(stamps) == a.warmup + a.steps, len(stamps)
+    dt = stamps[-1] - stamps[a.warmup - 1]
+    return {"steps_per_s": a.steps / dt, "seconds": dt}
+
+
+def run_memfit(model_dir: Path, rows: list[dict], a, pad_id: int) -> dict:
+    from memfit.train import StepRunner
+
+    torch.manual_seed(a.seed)
+    policy, ref = load_model(model_dir), load_model(model_dir)
+    ref.eval().requires_grad_(False)
+    policy.train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    cfg = SimpleNamespace(
+        method="dpo",
+        dpo={"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0},
+        cand=SimpleNamespace(ref="model"),
+    )
+    runner = StepRunner(cfg, policy, ref, pad_id)
+    stamps: list[float] = []
+    loss = torch.tensor(0.0)
+    for b in batches(rows, a.batch, a.warmup + a.steps, a.seed):
+        loss, _, _ = runner.loss(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    dt = stamps[-1] - stamps[a.warmup - 1]
+    return {"steps_per_s": a.steps / dt, "seconds": dt, "last_loss": float(loss)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=30, help="measured steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=8, help="pairs per step")
+    p.add_argument("--beta", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--rows", type=int, default=256, help="demo pairs used as the training set")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    assert a.warmup >= 1 and a.steps >= 1
+
+    from transformers import AutoTokenizer
+
+    from memfit import data
+    from memfit.demo import build_demo_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = tmp / "demo-tiny"
+        build_demo_model(REPO / "config/models/demo-tiny.json", REPO / "data/demo", model_dir)
+        data.prepare("dpo", REPO / "data/demo/dpo.jsonl", model_dir, tmp / "dpo", max_len=24, eval_fraction=0.05)
+        rows = data.load_split(tmp / "dpo", "train")[: a.rows]
+        lines = (REPO / "data/demo/dpo.jsonl").read_text().splitlines()
+        records = [json.loads(lines[r["row"] - 1]) for r in rows]
+        pad_id = AutoTokenizer.from_pretrained(model_dir).pad_token_id
+
+        results: dict[str, list[dict]] = {"trl": [], "memfit": []}
+        for k in range(a.rounds):
+            results["trl"].append(run_trl(model_dir, records, a, tmp / f"trl{k}"))
+            results["memfit"].append(run_memfit(model_dir, rows, a, pad_id))
+            print(
+                f"round {k}: TRL {results['trl'][-1]['steps_per_s']:.2f} steps/s, "
+                f"memfit {results['memfit'][-1]['steps_per_s']:.2f} steps/s",
+                flush=True,
+            )
+
+    best = {k: max(r["steps_per_s"] for r in v) for k, v in results.items()}
+    print(
+        f"settings: batch={a.batch} pairs, warmup={a.warmup}, measured steps={a.steps}, beta={a.beta}, lr={a.lr}, "
+        f"fp32, sdpa, sigmoid, 1 process, torch threads={torch.get_num_threads()}, torch {torch.__version__}"
+    )
+    print(f"TRL DPOTrainer : {best['trl']:.3f} steps/s (best of {a.rounds})")
+    print(f"memfit DPO step: {best['memfit']:.3f} steps/s (best of {a.rounds})")
+    print(f"ratio memfit/TRL: {best['memfit'] / best['trl']:.3f} (target >= 1.0)")
+    print(json.dumps({"best": best, "rounds": results}))
+
+
+if __name__ == "__main__":
+    main()
