@@ -185,3 +185,66 @@ def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, data
     assert (tmp_path / "ref-pre/ref_logps.pt").exists()
     peak = {name: max(r["peak_allocated_bytes"] for r in rows if r["split"] == "train") for name, rows in (("model", with_model), ("pre", pre))}
     assert peak["pre"] < peak["model"], peak  # the frozen reference's weights are gone from training
+
+
+def test_sigkill_anywhere_then_resume_is_bit_exact(demo_model, data, tmp_path, zero3_run):
+    """kill -9 of the whole job at seeded random moments, one of them while a checkpoint is being
+    written; every re-run resumes from the newest complete checkpoint; the end equals the
+    uninterrupted run bit for bit (losses and weights)."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ref_dir, ref_rows = zero3_run
+    cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "kill", zero=3), save_every=1)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True)
+    cfg.save(out / "run.json")
+    code = (
+        "import sys; from pathlib import Path; from memfit.launch import launch; "
+        f"sys.exit(launch(Path('{out}/run.json'), 2, log=Path('{out}/log.txt')))"
+    )
+
+    def start():
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+    def kill(proc):
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and torchrun; ranks die with their parent
+        proc.wait()
+        time.sleep(1.0)
+
+    rng = random.Random(0)
+    deadline = time.time() + 300
+    # 1. during a step: right after a seeded random step k was logged, step k+1 is running
+    k = rng.choice([1, 2, 3])
+    proc = start()
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and f'"step": {k}, "split": "train"' in (out / "metrics.jsonl").read_text():
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    kill(proc)
+    # 2. during a checkpoint save: as soon as a step directory exists without its COMPLETE mark
+    proc = start()
+    ckpts = out / "checkpoints"
+    seen = set(checkpoint_tags(ckpts))
+    caught = False
+    while time.time() < deadline and proc.poll() is None and not caught:
+        caught = any(p.name not in seen and not (p / "COMPLETE").exists() for p in ckpts.glob("step*"))
+        time.sleep(0.005)
+    assert caught, "no checkpoint save was caught in progress"
+    kill(proc)
+    # 3. the re-run that finishes
+    rows = run(cfg)
+    assert [(r["step"], r["split"]) for r in rows] == [(r["step"], r["split"]) for r in ref_rows]
+    assert losses(rows) == losses(ref_rows)
+    a = load_file(str(ref_dir / "model/model.safetensors"))
+    b = load_file(str(out / "model/model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def checkpoint_tags(root: Path) -> list[str]:
+    return [p.name for p in root.glob("step*")] if root.exists() else []

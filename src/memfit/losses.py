@@ -75,8 +75,10 @@ def dpo_loss(
     """
     logits = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if cfg.loss_type == "sigmoid":
-        # DPO Eq. 7; cDPO label smoothing (Mitchell 2023, "A note on DPO with noisy preferences"),
-        # as TRL's `sigmoid` loss and OpenRLHF's DPOLoss implement it.
+        # DPO Eq. 7; cDPO label smoothing (Mitchell 2023, "A note on DPO with noisy preferences")
+        # as OpenRLHF's DPOLoss implements it. TRL 1.16's `sigmoid` ignores label_smoothing (only
+        # its `robust`/`exo_pair` use it): with label_smoothing = 0 both agree exactly
+        # (tests/test_trl_parity.py).
         eps = cfg.label_smoothing
         losses = -F.logsigmoid(cfg.beta * logits) * (1 - eps) - F.logsigmoid(-cfg.beta * logits) * eps
     elif cfg.loss_type == "ipo":

@@ -313,7 +313,7 @@ class StepRunner:
                     ref_out = self.ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
                 ref, _ = sequence_logps(ref_out.logits, batch["labels"])
         losses, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.dpo, lengths[:n], lengths[n:])
-        sums = {"loss": float(losses.sum())} | {k: float(v.sum()) for k, v in metrics.items()}
+        sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
         return losses.mean(), sums, tokens
 
 
