@@ -744,6 +744,28 @@ def estimate(
         "bottom_layer_backward": p_bottom,
         "backward_end": p_end,
     }
+    # -- gradients that outlive the micro step they were produced in (DeepSpeed engines):
+    # ZeRO-0, grad_accum > 1: runtime/engine.py `DeepSpeedEngine.step` calls `_take_model_step`
+    # (optimizer.step + zero_grad) only at `is_gradient_accumulation_boundary()`, so the plain
+    # torch optimizer's param.grad (d*T) stays allocated through the next micro steps' forward and
+    # backward, and autograd accumulates into it (no new full-size gradient per micro step).
+    # ZeRO-3: runtime/zero/stage3.py `reduce_independent_p_g_buckets_and_remove_grads` /
+    # `__add_grad_to_ipg_bucket` keep a parameter's full-size gradient referenced until its bucket
+    # is reduce-scattered (`__reduce_and_partition_ipg_grads` -> `partition_grads` sets
+    # param.grad = None); on the 2-rank gloo probes (tests/test_estimate_deepspeed.py) nearly all
+    # of d*T is live at the backward's peak, in every micro step (grad_accum 1 and 4 alike), so
+    # the whole d*T is counted. ZeRO-1/2 copy gradients into their partitions as they arrive
+    # (stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`): nothing held.
+    held_grads = 0
+    if cand.zero == 0 and cand.grad_accum > 1:
+        held_grads = d * T
+        counted = {"top_layer_backward": head_grad, "bottom_layer_backward": grads_bottom}
+        for k in ("forward", "loss_backward", "top_layer_backward", "bottom_layer_backward"):
+            fb_parts[k] += held_grads - counted.get(k, 0)
+    elif cand.zero == 3:
+        held_grads = d * T
+        for k in fb_parts:
+            fb_parts[k] += held_grads
 
     # -- optimizer step: all gradients present; torch's single-tensor AdamW holds sqrt(v) and the
     # denominator for the largest tensor, foreach AdamW a full copy of v (torch/optim/adamw.py
@@ -813,16 +835,20 @@ def estimate(
         fb_where = est.peak_phase
         bd["temporaries"] += gathered
         if fb_where == "forward":
+            bd["grads"] += held_grads
             bd["activations"] = ac.forward
         elif fb_where == "loss_backward":
+            bd["grads"] += held_grads
             bd["activations"] = ac.saved - ac.logits_saved
             bd["logits"] = ac.logits_saved + ac.logits_bwd_extra
         elif fb_where == "backward_end":
-            bd["grads"] += dyn_grads_all
+            extra = held_grads if cand.zero == 3 else 0
+            bd["grads"] += dyn_grads_all + extra
             bd["temporaries"] += p_end - dyn_grads_all
         else:
             fb_dynamic = fb_parts[fb_where]
             g = head_grad if fb_where == "top_layer_backward" else grads_bottom
+            g = held_grads if held_grads else g
             bd["grads"] += g
             bd["activations"] = fb_dynamic - g
     elif est.peak_phase == "optimizer_step":
