@@ -40,7 +40,9 @@ CASES = {
 
 
 def _cand(kw: dict) -> Candidate:
-    c = dict(attn="sdpa", seq_len=24, precision="fp32", finetune="full", grad_ckpt=False, ref="model")
+    c = dict(
+        attn="sdpa", seq_len=24, precision="fp32", finetune="full", grad_ckpt=False, ref="model"
+    )
     c.update(kw)
     c["grad_accum"] = 32 // (c["micro_batch"] * 2)
     return Candidate(**c)
@@ -54,10 +56,26 @@ def built(tmp_path_factory):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     root = tmp_path_factory.mktemp("ds-gt")
     model = root / "model"
-    demo.main(["model", "--config", str(REPO / "config/models/demo-tiny.json"),
-               "--data", str(REPO / "data/demo"), "--out", str(model)])
+    demo.main(
+        [
+            "model",
+            "--config",
+            str(REPO / "config/models/demo-tiny.json"),
+            "--data",
+            str(REPO / "data/demo"),
+            "--out",
+            str(model),
+        ]
+    )
     for m in ("sft", "dpo"):
-        prepare(m, str(REPO / f"data/demo/{m}.jsonl"), str(model), str(root / m), max_len=24, eval_fraction=0.05)
+        prepare(
+            m,
+            str(REPO / f"data/demo/{m}.jsonl"),
+            str(model),
+            str(root / m),
+            max_len=24,
+            eval_fraction=0.05,
+        )
     return root
 
 
