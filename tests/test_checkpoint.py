@@ -1,6 +1,7 @@
 """Checkpoints are whole or ignored: truncation, a crash mid-save and a full disk (no DeepSpeed
 needed: a stand-in engine writes shard files the way DeepSpeed lays them out)."""
 
+import json
 import shutil
 
 import pytest
@@ -77,3 +78,17 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path):
     meta = json.loads((tmp_path / "step00000010" / "memfit.json").read_text())
     with pytest.raises(ValueError, match=r"belongs to a different run(.|\n)*seed: checkpoint 0 != now 1"):
         checkpoint.check_compatible(meta, {"seed": 1}, tmp_path / "step00000010", world=1)
+
+
+def test_metrics_travel_with_the_checkpoint_and_a_torn_line_is_dropped(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "split": "train", "loss": 2.0}\n{"step": 2, "split": "train", "loss": 1.5}\n')
+    checkpoint.save(FakeEngine(), tmp_path / "ck", 2, {"step": 2}, keep_last=2, run_config={}, metrics=metrics)
+    # the run went on, then was killed mid-write
+    metrics.write_text(metrics.read_text() + '{"step": 3, "split": "train", "loss": 1.2}\n{"step": 4, "spl')
+    checkpoint.restore_metrics(metrics, 2, tmp_path / "ck" / "step00000002")
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    (tmp_path / "ck" / "step00000002" / "metrics.jsonl").unlink()  # an older checkpoint without a copy
+    metrics.write_text(metrics.read_text() + '{"step": 3, "split": "train", "loss": 1.2}\n{"step": 4, "spl')
+    checkpoint.restore_metrics(metrics, 2, tmp_path / "ck" / "step00000002")
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]

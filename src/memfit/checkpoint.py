@@ -100,6 +100,7 @@ def save(
     keep_last: int,
     run_config: dict[str, Any],
     expected_bytes: int = 0,
+    metrics: Path | None = None,
 ) -> Path:
     """Save on every rank, publish on rank 0 once all ranks are done, then rotate.
 
@@ -121,6 +122,8 @@ def save(
     torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
+        if metrics is not None and Path(metrics).exists():
+            shutil.copyfile(metrics, root / tag / "metrics.jsonl")  # the curve so far travels with the state
         manifest = {str(p.relative_to(root / tag)): p.stat().st_size for p in sorted((root / tag).rglob("*")) if p.is_file()}
         meta = {"step": step, "world_size": world, "run_config": run_config, "files": manifest, **client_state}
         write_json_atomic(root / tag / "memfit.json", meta)
@@ -199,15 +202,28 @@ def load(engine, root: Path, tag: str, run_config: dict[str, Any]) -> dict[str, 
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
     set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
+    # free what loading left behind before the first step, so resume peaks no higher than training
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return meta
 
 
-def truncate_metrics(path: Path, step: int, source: Path | None = None) -> None:
-    """Keep metric rows up to `step` (the resumed run rewrites what came after)."""
+def restore_metrics(path: Path, step: int, checkpoint_dir: Path) -> None:
+    """The metrics of a resumed run: the copy saved with the checkpoint (rows up to `step`), else
+    the live file's rows up to `step`; a line torn by a kill is dropped."""
     path = Path(path)
-    src = path if path.exists() else source
-    if src is None or not Path(src).exists():
+    saved = Path(checkpoint_dir) / "metrics.jsonl"
+    src = saved if saved.exists() else path
+    if not src.exists():
         return
-    rows = [line for line in Path(src).read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for line in src.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                rows.append(line)
+        except (ValueError, KeyError):
+            continue
     write_text_atomic(path, "".join(r + "\n" for r in rows))

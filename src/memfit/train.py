@@ -661,6 +661,7 @@ class Run:
             keep_last=self.cfg.keep_last,
             run_config=dataclasses.asdict(self.cfg),
             expected_bytes=self._checkpoint_bytes(),
+            metrics=self.metrics_path,
         )
 
     def _checkpoint_bytes(self) -> int:
@@ -688,7 +689,7 @@ class Run:
         state = checkpoint.load(self.engine, root, tag, run_config=dataclasses.asdict(cfg))
         step = int(state["step"])
         if self.rank == 0:
-            checkpoint.truncate_metrics(self.metrics_path, step, source=root.parent / "metrics.jsonl")
+            checkpoint.restore_metrics(self.metrics_path, step, root / tag)
         self.log(f"resumed from {root / tag} at step {step}")
         return step
 
