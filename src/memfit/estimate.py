@@ -762,7 +762,11 @@ def estimate(
         counted = {"top_layer_backward": head_grad, "bottom_layer_backward": grads_bottom}
         for k in ("forward", "loss_backward", "top_layer_backward", "bottom_layer_backward"):
             fb_parts[k] += held_grads - counted.get(k, 0)
-    elif cand.zero == 3:
+    elif cand.zero == 3 and gpu.name == "cpu":
+        # Measured on DeepSpeed's CPU accelerator only. On CUDA, overlap_comm reduce-scatters each
+        # full bucket on a side stream and frees its gradients (ZeRO paper Sec. 5.2: gradients are
+        # reduced as they are produced), so only the buckets are live; not yet measured on a GPU
+        # here, so GPUs keep the bucket-only term rather than this CPU observation.
         held_grads = d * T
         for k in fb_parts:
             fb_parts[k] += held_grads
