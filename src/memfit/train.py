@@ -405,7 +405,11 @@ class Run:
             ref_cfg["zero_optimization"].pop("reduce_bucket_size", None)
         if cand.zero == 3 and cand.offload_param != "none":
             ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cand.pin_memory}
-        ref_hf = HfDeepSpeedConfigIf(ref_cfg) if cand.zero == 3 else None
+        ref_hf = None
+        if cand.zero == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            ref_hf = HfDeepSpeedConfig(ref_cfg)  # from_pretrained partitions the reference as it loads
         ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False)
         engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
         engine.eval()
@@ -741,12 +745,6 @@ def _log_line(row: dict[str, Any]) -> str:
     parts.append(f"lr {row['lr']:.2e}")
     parts.append(f"peak {row['peak_allocated_bytes'] / 2**20:.1f} MiB")
     return ", ".join(parts)
-
-
-def HfDeepSpeedConfigIf(cfg: dict[str, Any]):  # noqa: N802 - mirrors the class it builds
-    from transformers.integrations import HfDeepSpeedConfig
-
-    return HfDeepSpeedConfig(cfg)
 
 
 # --------------------------------------------------------------------------- entry points
