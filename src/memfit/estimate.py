@@ -329,9 +329,8 @@ def model_states(
             weight_bytes  # DeepSpeed wraps it in an inference engine with the same ZeRO stage
         )
 
-    if cand.finetune != "full" and cand.zero in (1, 2):
-        # ZeRO-1/2 only partition what the optimizer owns; frozen base weights stay replicated.
-        pass
+    # LoRA/QLoRA under ZeRO-1/2: only what the optimizer owns is partitioned; the frozen base
+    # weights stay replicated (weight_bytes above is not divided by the data-parallel size).
 
     master = 0 if (cand.precision == "fp32" and stage == 0) else 4
     opt_per_T = master + 8  # fp32 master (if any) + Adam exp_avg + exp_avg_sq
@@ -908,8 +907,6 @@ def estimate(
         est.margin_bytes = est.device_memory_bytes - est.device_total_bytes
         est.host_margin_bytes = est.host_memory_bytes - est.host_bytes
         est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
-    if st.offload_fraction and cand.offload_ratio < 1 and not st.notes:
-        pass
     est.time_breakdown = step_time(arch, cand, gpu, method, num_gpus, num_nodes, st, settings)
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
     tokens = (

@@ -90,7 +90,7 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
     )
     ranked = sorted(
         (r for r in rows if r["fits"] and not r["invalid"]),
-        key=lambda r: -r["tokens_per_s"] if r.get("tokens_per_s") else r["step_time_s"],
+        key=lambda r: -r["tokens_per_s"],  # fastest predicted first
     )
     probe = [] if config.get("plan_only") else probe_choice(ranked, int(config["probe"]["top_k"]))
     result = {
