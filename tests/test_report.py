@@ -187,6 +187,32 @@ def test_training_memory_and_data_figures_with_units(page):
     assert "4.00 GiB per device, 10% headroom kept free: 3.60 GiB usable" in text
 
 
+def test_dpo_reference_modes_measured_side_by_side(tmp_path):
+    """The twin probe estimate_candidates adds: what `ref: precomputed` saved over `ref: model`."""
+    paths = _dpo_run(tmp_path)
+    pre = "z2-nogc-sdpa-full-mb4-s32-fp32-ref-precomputed"
+    sel = json.loads(paths["selected"].read_text())
+    sel["candidates"].append({
+        "id": pre, "candidate": _cand(2, 4, 4) | {"ref": "precomputed"}, "predicted": _pred(100 * MiB, 110 * MiB, 0.4),
+        "source": "measured", "fits": True, "reason": "slower than the selected candidate",
+        "probe": {"status": "ok", "peak_allocated_bytes": 120 * MiB, "peak_reserved_bytes": None, "step_time_s": 0.45},
+    })  # fmt: skip
+    _write(paths["selected"], sel)
+    table_path = paths["selected"].parent / "candidates.json"
+    table = json.loads(table_path.read_text()) | {"reference_compare": {"precomputed": pre, "model": WINNER}}
+    _write(table_path, table)
+    page = _render(tmp_path, paths)
+    text = _text(page)
+    assert "DPO reference: what keeping no reference model saves" in text
+    assert "ref: precomputed peaked at 120.0 MiB per device, ref: model at 160.0 MiB: 40.0 MiB (25%) less" in text
+    assert 'alt="dpo reference: precomputed vs model' in page
+    # a twin whose probe failed is said plainly, not compared
+    sel["candidates"][-1]["probe"] = {"status": "timeout", "peak_allocated_bytes": None}
+    _write(paths["selected"], sel)
+    text = _text(_render(tmp_path, paths))
+    assert "The comparison is incomplete" in text and "timeout" in text
+
+
 def test_plan_only_run_without_training_or_resume(tmp_path):
     page = _render(tmp_path, _dpo_run(tmp_path, plan_only=True))
     text = _text(page)

@@ -89,6 +89,19 @@ def test_probes_keep_a_low_memory_fallback():
     assert probe_choice([], 3) == []
 
 
+def test_dpo_probes_the_reference_model_twin_of_the_first_precomputed_probe():
+    from memfit.pipeline import reference_twin
+
+    def row(cid, ref, zero=2, invalid=False):
+        return {"id": cid, "invalid": invalid, "candidate": {"zero": zero, "micro_batch": 8, "ref": ref}}
+
+    rows = [row("z3-pre", "precomputed", 3), row("z2-pre", "precomputed"), row("z2-model", "model"), row("z3-model", "model", 3, invalid=True)]
+    # z3's twin is invalid, so the pair comes from the next probe
+    assert reference_twin(rows, ["z3-pre", "z2-pre"]) == {"precomputed": "z2-pre", "model": "z2-model"}
+    assert reference_twin(rows, ["z2-model"]) is None  # already a model reference: nothing to compare
+    assert reference_twin([row("a", "precomputed")], ["a"]) is None  # no ref=model in the space
+
+
 def test_ranking_puts_measured_before_predicted():
     estimates = [est("a", 1, 40, 1.0), est("b", 2, 60, 0.01), est("c", 4, 50, 0.5)]
     probes = {"a": probe("a", alloc_mib=42, step_s=1.0), "c": probe("c", alloc_mib=50, step_s=2.0)}

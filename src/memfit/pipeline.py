@@ -93,6 +93,9 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
         key=lambda r: -r["tokens_per_s"],  # fastest predicted first
     )
     probe = [] if config.get("plan_only") else probe_choice(ranked, int(config["probe"]["top_k"]))
+    compare = reference_twin(rows, probe) if method == "dpo" else None
+    if compare and compare["model"] not in probe:
+        probe.append(compare["model"])  # one probe more: the same candidate holding a reference model
     result = {
         "model": model,
         "gpu": gpu,
@@ -102,6 +105,7 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
         "arch": dataclasses.asdict(arch),
         "estimator": "memfit.estimate (analytic)",
         "probe": probe,
+        "reference_compare": compare,
         "rows": rows,
     }
     write_json_atomic(out_json, result)
@@ -117,6 +121,28 @@ def probe_choice(ranked: list[dict[str, Any]], top_k: int) -> list[str]:
         if smallest not in chosen:
             chosen[-1] = smallest
     return chosen
+
+
+def reference_twin(rows: list[dict[str, Any]], probe: list[str]) -> dict[str, str] | None:
+    """The first probed DPO candidate without a reference model, and its twin that holds one.
+
+    Probing both measures what `ref: precomputed` (or `adapter`) saves over `ref: model` on
+    the same ZeRO stage, micro batch and checkpointing; the report shows the two side by
+    side. The twin is probed even when predicted not to fit: the measurement is the point.
+    None when the search space offers no such pair.
+    """
+    by_id = {r["id"]: r for r in rows}
+    for cid in probe:
+        cand = by_id[cid]["candidate"]
+        if cand.get("ref") == "model":
+            continue
+        twin = next(
+            (r for r in rows if not r["invalid"] and r["candidate"] == {**cand, "ref": "model"}),
+            None,
+        )
+        if twin is not None:
+            return {cand["ref"]: cid, "model": twin["id"]}
+    return None
 
 
 def run_config(config: dict[str, Any], model: str, gpu: str, method: str, cand: dict[str, Any], model_path: str, data_dir: str, out_dir: str) -> RunConfig:

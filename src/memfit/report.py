@@ -469,10 +469,10 @@ def curves_chart(metrics: list[dict[str, Any]], title: str) -> str:
     return _img(fig, f"training curves, {title}")
 
 
-def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str) -> str:
-    """Peak allocated and reserved: predicted vs probe vs training, side by side."""
+def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, what: str = "Selected candidate memory", measured_from: int = 1, alt: str = "training peak vs probe peak") -> str:
+    """Peak allocated and reserved of several figure sets (predicted, probe, training...), side by side."""
     # Only what was measured: a predicted reserved peak alone (the CPU reports none) compares nothing.
-    measured = figures[1:]
+    measured = figures[measured_from:]
     kinds = [k for k in ("peak_allocated_bytes", "peak_reserved_bytes") if any(_num(f.get(k)) is not None for _, f in measured)]
     if not kinds:
         return ""
@@ -486,10 +486,10 @@ def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str) 
     ax.set_xticks(range(len(kinds)))
     ax.set_xticklabels([k.replace("_bytes", "").replace("_", " ") for k in kinds])
     ax.set_ylabel(uname)
-    ax.set_title(_label(f"Selected candidate memory: {title}"), fontsize=10)
+    ax.set_title(_label(f"{what}: {title}"), fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
-    return _img(fig, f"training peak vs probe peak, {title}")
+    return _img(fig, f"{alt}, {title}")
 
 
 def length_chart(stats: dict[str, Any], title: str) -> str:
@@ -683,6 +683,7 @@ def _run_section(run: Run, i: int, data_anchor: str | None) -> str:
         out.append(f'<p class="muted">From <code>{_e(run.summary_path)}</code>.</p>')
         out.append(_training_table(run.summary, run.metrics))
         out.append(_memory_compare(run))
+        out.append(_reference_compare(run))
         if run.metrics:
             out.append(curves_chart(run.metrics, run.title))
     out.append("<h3>Resume check</h3>")
@@ -783,6 +784,38 @@ def _memory_compare(run: Run) -> str:
     elif probe is None and not run.sel.get("plan_only"):
         out.append('<p class="muted">The selected candidate has no probe figures to compare with.</p>')
     out.append(memory_compare_chart(figures, run.title))
+    return "\n".join(out)
+
+
+def _reference_compare(run: Run) -> str:
+    """DPO: the same candidate probed without and with a reference model in memory."""
+    pair = (run.table or {}).get("reference_compare")
+    if run.sel.get("method") != "dpo" or not isinstance(pair, dict):
+        return ""
+    by_id = {r.get("id"): r for r in run.rows}
+    out = ["<h4>DPO reference: what keeping no reference model saves</h4>"]
+    figures, rows, peaks = [], [], {}
+    for mode, cid in pair.items():
+        row = by_id.get(cid) or {}
+        probe = row.get("probe") if isinstance(row.get("probe"), dict) else {}
+        ok = probe.get("status", "missing") == "ok"
+        peak = probe.get("peak_allocated_bytes") if ok else None
+        status = "ok" if ok else str(probe.get("status", "not probed"))
+        rows.append([f"<code>ref: {_e(mode)}</code>", f"<code>{_e(cid)}</code>", (_e(_bytes(peak)), "n"), (_e(_bytes(probe.get("peak_reserved_bytes") if ok else None)), "n"), (_e(_bytes((row.get("predicted") or {}).get("device_total_bytes"))), "n"), (_e(status), "n" if ok else "n bad")])
+        peaks[mode] = _num(peak)
+        if ok:
+            figures.append((f"ref: {mode}", probe))
+    out.append('<p class="muted">Both candidates were probed on the same worst-case batch with the same ZeRO stage, micro batch and checkpointing; they differ only in where the reference log-probs come from.</p>')
+    out.append(_table(["reference", "candidate", "measured peak allocated", "measured peak reserved", "predicted device total", "probe"], rows))
+    base = peaks.pop("model", None)
+    for mode, peak in peaks.items():
+        if base and peak:
+            saved = base - peak
+            out.append(f"<p>Measured: <code>ref: {_e(mode)}</code> peaked at {_e(_bytes(peak))} per device, <code>ref: model</code> at {_e(_bytes(base))}: {_e(_bytes(abs(saved)))} ({abs(saved) / base:.0%}) {'less' if saved > 0 else 'more'}.</p>")
+        else:
+            out.append('<p class="bad">The comparison is incomplete: one of the two probes has no measurement (see the probe column).</p>')
+    if len(figures) == 2:
+        out.append(memory_compare_chart(figures, run.title, what="DPO reference modes", measured_from=0, alt="dpo reference: precomputed vs model"))
     return "\n".join(out)
 
 
