@@ -66,9 +66,11 @@ def build(
             "type": "WarmupCosineLR",
             "params": {
                 "total_num_steps": max(total_steps, 1),
-                "warmup_num_steps": warmup_steps,
+                # WarmupCosineLR rejects 0 warmup steps; one step starting at ratio 1.0 is none
+                # (get_lr_ratio: warmup_min_ratio + step / warmup_num_steps * (1 - min_ratio)).
+                "warmup_num_steps": max(warmup_steps, 1),
                 "warmup_type": "linear",
-                "warmup_min_ratio": 0.0,
+                "warmup_min_ratio": 0.0 if warmup_steps else 1.0,
                 "cos_min_ratio": min_lr_ratio,
             },
         },

@@ -378,6 +378,13 @@ class Run:
         model = load_model(cfg.model_path, cand, trainable=True, lora=lora)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)
+        # WarmupCosineLR starts at last_batch_iteration=-1, where get_lr_ratio() is 0, and the
+        # engine steps it only after each optimizer step (deepspeed/runtime/lr_schedules.py,
+        # engine.py _take_model_step): without this step the first step would train at lr 0 and
+        # every later one a step behind the schedule. After it, step k uses the schedule's value
+        # at k-1, as transformers' get_cosine_schedule_with_warmup does.
+        if self.scheduler is not None and self.scheduler.last_batch_iteration < 0:
+            self.scheduler.step()
 
         self.ref_engine = None
         if cfg.method == "dpo" and cand.ref == "model":
@@ -569,6 +576,7 @@ class Run:
             if start_step == 0 and not cfg.probe_steps and self.eval_rows:
                 self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
             for step in range(start_step, self.total_steps):
+                lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler else cfg.lr  # what this step uses
                 m = self.train_step(step, probe_rows)
                 pk = device_peaks(tracker)
                 peaks.append((pk.allocated, pk.reserved))
@@ -579,7 +587,7 @@ class Run:
                     "step": done,
                     "split": "train",
                     **m,
-                    "lr": float(self.scheduler.get_last_lr()[0]) if self.scheduler else cfg.lr,
+                    "lr": lr,
                     "grad_norm": _float_or_none(self.engine.get_global_grad_norm()),
                     "peak_allocated_bytes": int(alloc),
                     "peak_reserved_bytes": int(reserved) if pk.reserved is not None else None,
