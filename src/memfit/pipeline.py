@@ -18,7 +18,7 @@ from memfit import catalog, checkpoint
 from memfit.atomic import write_json_atomic
 from memfit.select import Budget, choose, judge
 from memfit.space import Candidate, enumerate_space
-from memfit.train import RunConfig
+from memfit.train import RunConfig, option_problems
 
 GiB = 2**30
 
@@ -124,6 +124,8 @@ def run_config(config: dict[str, Any], model: str, gpu: str, method: str, cand: 
     train = config["train"]
     per_method = dict(train[method])
     dpo = {k: per_method.pop(k) for k in ("beta", "loss_type", "label_smoothing") if k in per_method}
+    if "export" in per_method:  # train.<method>.export: merged | adapter
+        per_method["export_format"] = per_method.pop("export")
     common = {k: train[k] for k in ("seed", "save_every", "keep_last", "eval_every", "log_every") if k in train}
     return RunConfig(
         method=method,
@@ -388,6 +390,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 out.append(f"data.{method}: missing (methods lists {method})")
             elif not Path(src).exists():
                 out.append(f"data.{method}: {src} does not exist")
+    for method in ("sft", "dpo"):
+        t = config["train"].get(method)
+        if t is not None:
+            out += option_problems(method, t.get("loss_on", "response"), bool(t.get("packing", False)),
+                                   t.get("export", "merged"), list(config["search"].get("finetune", ["full"])))
     if not out:
         try:
             for method in config["methods"]:
