@@ -284,8 +284,10 @@ def compare_runs(original: Path, resumed: Path, from_step: int, rtol: float) -> 
     keys = sorted(k for k in a if k[0] > from_step)
     missing = [k for k in keys if k not in b]
     diffs = [abs(a[k]["loss"] - b[k]["loss"]) / max(abs(a[k]["loss"]), 1e-12) for k in keys if k in b]
-    wa = load_file(str(original / "model" / "model.safetensors"))
-    wb = load_file(str(resumed / "model" / "model.safetensors"))
+    # the exported weights: the model, or the adapter only (train.<method>.export: adapter)
+    name = "adapter_model.safetensors" if (original / "model" / "adapter_model.safetensors").exists() else "model.safetensors"
+    wa = load_file(str(original / "model" / name))
+    wb = load_file(str(resumed / "model" / name))
     wdiff = max(float((wa[n].float() - wb[n].float()).abs().max()) for n in wa)
     bitwise = all(torch.equal(wa[n], wb[n]) for n in wa)
     max_rel = max(diffs, default=0.0)
