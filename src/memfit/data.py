@@ -44,6 +44,10 @@ Filtering and truncation (never silent: every reason is a key in stats.json, zer
   - Duplicate rows are kept (they may be deliberate upsampling).
   - If no row is left, `prepare` raises instead of writing an empty dataset.
 
+Packing (SFT, `train.sft.packing`) happens when training starts, not here: `pack()` groups the
+prepared rows into sequences of at most the candidate's seq_len tokens (best-fit decreasing,
+seeded), and the trainer concatenates each group with position_ids restarting at every row.
+
 Bad input raises `DataError` naming the file, the 1-based line (JSONL) or row (Parquet,
 datasets) and the key, before anything is written: non-UTF-8 bytes, a line that is not a JSON
 object (a CSV, a JSON array, garbage), a missing key, a wrong type, an empty prompt. Output is

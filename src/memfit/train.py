@@ -391,13 +391,13 @@ class Schedule:
     global batch is skipped (counted in `rows_skipped_per_epoch`).
     """
 
-    def __init__(self, n_rows: int, micro: int, accum: int, world: int, seed: int) -> None:
+    def __init__(self, n_rows: int, micro: int, accum: int, world: int, seed: int, unit: str = "training rows") -> None:
         self.n, self.micro, self.accum, self.world, self.seed = n_rows, micro, accum, world, seed
         self.global_batch = micro * accum * world
         self.steps_per_epoch = n_rows // self.global_batch
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"{n_rows} training rows are fewer than one global batch "
+                f"{n_rows} {unit} are fewer than one global batch "
                 f"({micro} micro x {accum} accum x {world} ranks = {self.global_batch})"
             )
         self.rows_skipped_per_epoch = n_rows - self.steps_per_epoch * self.global_batch
@@ -494,7 +494,8 @@ class Run:
         self.packing: dict[str, Any] | None = None
         if cfg.packing:
             self.train_units, self.packing = self._pack()
-        self.schedule = Schedule(len(self.train_units), cand.micro_batch, cand.grad_accum, self.world, cfg.seed)
+        self.schedule = Schedule(len(self.train_units), cand.micro_batch, cand.grad_accum, self.world, cfg.seed,
+                                 unit="packed sequences (train.sft.packing)" if cfg.packing else "training rows")
         if cfg.probe_steps:
             self.total_steps = cfg.probe_steps
         elif cfg.max_steps:
