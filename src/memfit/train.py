@@ -422,6 +422,9 @@ class StepRunner:
         self.method = cfg.method
         self.dpo = DPOConfig(**cfg.dpo) if cfg.method == "dpo" else None
         self.device = _device()
+        # read with defaults: benchmarks and the TRL parity test drive the runner with a bare namespace
+        self.loss_on = getattr(cfg, "loss_on", "response")
+        self.flatten_packs = getattr(cfg, "cand", None) is not None and getattr(cfg.cand, "attn", None) == "flash"
 
     def loss(self, rows: list[Any], pad_to: int | None = None, packed: bool = False) -> tuple[torch.Tensor, dict[str, float], int]:
         """Mean loss over the micro batch, summed metrics (to average later) and non-padding tokens.
@@ -429,12 +432,11 @@ class StepRunner:
         packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
         """
         if packed:
-            flatten = self.cfg.cand.attn == "flash"
-            batch = {k: v.to(self.device) for k, v in collate_packed(rows, self.pad_id, pad_to, self.cfg.loss_on, flatten).items()}
+            batch = {k: v.to(self.device) for k, v in collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs).items()}
             out = self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
             loss, _ = sft_loss(out.logits, batch["labels"])
             return loss, {"loss": loss.item() * len(rows)}, sum(len(r["input_ids"]) for p in rows for r in p)
-        batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to, self.cfg.loss_on).items()}
+        batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to, self.loss_on).items()}
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         tokens = int(batch["attention_mask"].sum())
         if self.method == "sft":
