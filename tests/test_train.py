@@ -359,3 +359,15 @@ def test_packed_sft_trains_under_zero3_and_probes_full_packs(demo_model, data, t
     assert res["status"] == "ok", res
     assert res["packing"] == p  # the probe packs the same rows, then runs the fullest packs padded to seq_len
     assert res["peak_allocated_bytes"] >= max(r["peak_allocated_bytes"] for r in train)
+
+
+def test_lora_merged_export_under_zero3_equals_zero2(demo_model, data, lora_merged, tmp_path):
+    """export: merged with LoRA under ZeRO-3 (weights partitioned at export) gives the ZeRO-2 model."""
+    merged_dir, merged_rows = lora_merged
+    rows = run(base_run(demo_model, data, tmp_path / "z3", zero=3, **LORA))
+    assert losses(rows) == pytest.approx(losses(merged_rows), rel=1e-4)
+    a = load_file(str(merged_dir / "model/model.safetensors"))
+    b = load_file(str(tmp_path / "z3/model/model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=2e-4, rtol=1e-3)

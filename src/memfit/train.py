@@ -904,9 +904,11 @@ class Run:
                 import shutil
 
                 shutil.rmtree(tmp)
-            if self.cand.finetune in ("lora", "qlora"):
-                if state is not None:
-                    module.load_state_dict(state, strict=False)
+            if self.cand.finetune in ("lora", "qlora") and state is not None:
+                # ZeRO-3: the module's weights are partitioned (shape [0]) and cannot take the
+                # consolidated state; merge in the gathered state dict instead.
+                module.get_base_model().save_pretrained(tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True)
+            elif self.cand.finetune in ("lora", "qlora"):
                 merged = module.merge_and_unload()
                 merged.save_pretrained(tmp, safe_serialization=True)
             else:
@@ -944,6 +946,33 @@ class Run:
             replace_dir(tmp, self.out / "model")
         if dist.is_initialized():
             dist.barrier()
+
+
+def _merged_lora_state(peft_model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged model's state dict from a PeftModel's consolidated (gathered) state dict:
+    W + transpose(B @ A, fan_in_fan_out) * scaling per adapted linear layer, computed as peft's
+    `lora.Linear.get_delta_weight` and `merge` do (fp32 for 16-bit weights, then W's dtype), and
+    keys renamed to the base model's."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import transpose
+
+    state = dict(state)
+    for name, m in peft_model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        if not isinstance(m, LoraLinear) or any(m.use_dora.values()) or any(getattr(m, "lora_bias", {}).values()):
+            raise ValueError(f"{name}: merging a {type(m).__name__} adapter from a ZeRO-3 state dict is not "
+                             "supported; use train.<method>.export: adapter")
+        for adapter in list(m.lora_A):
+            a = state.pop(f"{name}.lora_A.{adapter}.weight")
+            b = state.pop(f"{name}.lora_B.{adapter}.weight")
+            w = f"{name}.base_layer.weight"
+            fp32 = b.dtype in (torch.float16, torch.bfloat16)
+            delta = transpose((b.float() if fp32 else b) @ (a.float() if fp32 else a), m.fan_in_fan_out) * m.scaling[adapter]
+            state[w] = state[w] + delta.to(b.dtype)
+    prefix = "base_model.model."
+    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
 
 
 def _hidden_size(model_path: str) -> int | None:
