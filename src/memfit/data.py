@@ -44,6 +44,10 @@ Filtering and truncation (never silent: every reason is a key in stats.json, zer
   - Duplicate rows are kept (they may be deliberate upsampling).
   - If no row is left, `prepare` raises instead of writing an empty dataset.
 
+Packing (SFT, `train.sft.packing`) happens when training starts, not here: `pack()` groups the
+prepared rows into sequences of at most the candidate's seq_len tokens (best-fit decreasing,
+seeded), and the trainer concatenates each group with position_ids restarting at every row.
+
 Bad input raises `DataError` naming the file, the 1-based line (JSONL) or row (Parquet,
 datasets) and the key, before anything is written: non-UTF-8 bytes, a line that is not a JSON
 object (a CSV, a JSON array, garbage), a missing key, a wrong type, an empty prompt. Output is
@@ -559,6 +563,42 @@ def load_split(out_dir: str | os.PathLike, split: str) -> list[dict]:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return pq.read_table(Path(out_dir) / f"{split}.parquet").to_pylist()
+
+
+def pack(lengths: list[int] | np.ndarray, capacity: int, seed: int) -> list[list[int]]:
+    """SFT packing: row indices grouped into packs of at most `capacity` tokens in all.
+
+    Best-fit decreasing (TRL's default `packing_strategy="bfd"`, SFTConfig docs:
+    https://huggingface.co/docs/trl/sft_trainer#packing): rows, longest first, each go into the
+    open pack with the least room that still holds them, else into a new pack. Rows are never
+    cut or split across packs. Ties in length are ordered by a permutation drawn from `seed`, so
+    the same (lengths, capacity, seed) always gives the same packs. Within a pack rows keep their
+    placement order; packs are numbered by creation (the trainer shuffles them per epoch).
+    """
+    import bisect
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if capacity < 1:
+        raise ValueError(f"capacity must be at least 1, got {capacity}")
+    if len(lengths) and (lengths.max() > capacity or lengths.min() < 1):
+        bad = int(np.argmax((lengths > capacity) | (lengths < 1)))
+        raise ValueError(f"row {bad} has {int(lengths[bad])} tokens; packing needs 1..{capacity}")
+    perm = np.random.default_rng(seed).permutation(len(lengths))
+    order = perm[np.argsort(-lengths[perm], kind="stable")]
+    packs: list[list[int]] = []
+    rooms: list[tuple[int, int]] = []  # (room left, pack index), sorted: open packs only
+    for i in order.tolist():
+        n = int(lengths[i])
+        j = bisect.bisect_left(rooms, (n, -1))  # the smallest room >= n
+        if j < len(rooms):
+            room, k = rooms.pop(j)
+        else:
+            room, k = capacity, len(packs)
+            packs.append([])
+        packs[k].append(i)
+        if room - n > 0:
+            bisect.insort(rooms, (room - n, k))
+    return packs
 
 
 def worst_case_batch(out_dir: str | os.PathLike, micro_batch: int) -> list[dict]:

@@ -18,7 +18,7 @@ from memfit import catalog, checkpoint
 from memfit.atomic import write_json_atomic
 from memfit.select import Budget, choose, judge
 from memfit.space import Candidate, enumerate_space
-from memfit.train import RunConfig
+from memfit.train import RunConfig, option_problems
 
 GiB = 2**30
 
@@ -150,6 +150,8 @@ def run_config(config: dict[str, Any], model: str, gpu: str, method: str, cand: 
     train = config["train"]
     per_method = dict(train[method])
     dpo = {k: per_method.pop(k) for k in ("beta", "loss_type", "label_smoothing") if k in per_method}
+    if "export" in per_method:  # train.<method>.export: merged | adapter
+        per_method["export_format"] = per_method.pop("export")
     common = {k: train[k] for k in ("seed", "save_every", "keep_last", "eval_every", "log_every") if k in train}
     return RunConfig(
         method=method,
@@ -308,8 +310,10 @@ def compare_runs(original: Path, resumed: Path, from_step: int, rtol: float) -> 
     keys = sorted(k for k in a if k[0] > from_step)
     missing = [k for k in keys if k not in b]
     diffs = [abs(a[k]["loss"] - b[k]["loss"]) / max(abs(a[k]["loss"]), 1e-12) for k in keys if k in b]
-    wa = load_file(str(original / "model" / "model.safetensors"))
-    wb = load_file(str(resumed / "model" / "model.safetensors"))
+    # the exported weights: the model, or the adapter only (train.<method>.export: adapter)
+    name = "adapter_model.safetensors" if (original / "model" / "adapter_model.safetensors").exists() else "model.safetensors"
+    wa = load_file(str(original / "model" / name))
+    wb = load_file(str(resumed / "model" / name))
     wdiff = max(float((wa[n].float() - wb[n].float()).abs().max()) for n in wa)
     bitwise = all(torch.equal(wa[n], wb[n]) for n in wa)
     max_rel = max(diffs, default=0.0)
@@ -414,6 +418,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 out.append(f"data.{method}: missing (methods lists {method})")
             elif not Path(src).exists():
                 out.append(f"data.{method}: {src} does not exist")
+    for method in ("sft", "dpo"):
+        t = config["train"].get(method)
+        if t is not None:
+            out += option_problems(method, t.get("loss_on", "response"), bool(t.get("packing", False)),
+                                   t.get("export", "merged"), list(config["search"].get("finetune", ["full"])))
     if not out:
         try:
             for method in config["methods"]:

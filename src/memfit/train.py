@@ -73,6 +73,9 @@ class RunConfig:
     resume: str = "auto"  # auto: newest valid checkpoint in out_dir/checkpoints, else fresh; never; or a checkpoint dir
     stop_after_step: int | None = None  # stop (as if killed) after this step: used to test resume
     export: bool = True  # save the final model to out_dir/model (HF format, safetensors)
+    export_format: str = "merged"  # merged: full HF model | adapter: peft adapter only (LoRA/QLoRA)
+    loss_on: str = "response"  # SFT: response (prompt tokens masked) | all (prompt too, never padding)
+    packing: bool = False  # SFT: pack short rows into sequences of up to seq_len tokens
     lora_alpha: float | None = None  # default 2 * rank
     lora_dropout: float = 0.0
     lora_targets: str | list[str] = "all-linear"  # peft target_modules
@@ -90,12 +93,40 @@ class RunConfig:
             raise ValueError(f"{path}: unknown run config keys {unknown}")
         return cls(**d)
 
+    def __post_init__(self) -> None:
+        problems = option_problems(self.method, self.loss_on, self.packing, self.export_format,
+                                   [self.cand.finetune])
+        if problems:
+            raise ValueError("invalid run config: " + "; ".join(problems))
+
     def save(self, path: str | Path) -> None:
         write_json_atomic(Path(path), dataclasses.asdict(self))
 
     @property
     def cand(self) -> Candidate:
         return Candidate.from_dict(self.candidate)
+
+
+def option_problems(method: str, loss_on: str, packing: bool, export: str, finetunes: list[str]) -> list[str]:
+    """What is wrong with the SFT/export options of a `train.<method>` section, each naming its key
+    (the workflow's config check and RunConfig share this)."""
+    out = []
+    key = f"train.{method}"
+    if loss_on not in ("response", "all"):
+        out.append(f"{key}.loss_on: {loss_on!r} is not allowed (allowed: 'response', 'all')")
+    elif method != "sft" and loss_on != "response":
+        out.append(f"{key}.loss_on: {loss_on!r} applies to sft only (DPO always scores the responses)")
+    if packing and method != "sft":
+        out.append(f"{key}.packing: packing applies to sft only (a DPO pair is scored as one "
+                   "chosen/rejected forward); remove it or set it to false")
+    if export not in ("merged", "adapter"):
+        out.append(f"{key}.export: {export!r} is not allowed (allowed: 'merged', 'adapter')")
+    elif export == "adapter":
+        full = sorted({f for f in finetunes if f not in ("lora", "qlora")})
+        if full:
+            out.append(f"{key}.export: 'adapter' needs finetune lora or qlora (search.finetune lists "
+                       f"{', '.join(full)}: a full fine-tune has no adapter); use export: merged")
+    return out
 
 
 # --------------------------------------------------------------------------- distributed
@@ -168,8 +199,60 @@ def check_hardware(cand: Candidate) -> None:
         raise RuntimeError("finetune=qlora needs bitsandbytes on a CUDA GPU; it cannot run on the CPU")
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter weights
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model directory of an adapter-only export (`export: adapter`), from peft's
+    adapter_config.json; None for a full model directory. memfit never downloads, so the base must
+    be a local model directory (a relative path is read from the working directory)."""
+    p = Path(path)
+    if (p / "config.json").exists() or not (p / ADAPTER_CONFIG).exists():
+        return None
+    base = json.loads((p / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").exists():
+        raise FileNotFoundError(
+            f"{p / ADAPTER_CONFIG}: base_model_name_or_path {base!r} is not a local model directory "
+            f"(no config.json; relative paths are read from {os.getcwd()}). An adapter-only export "
+            "needs the base model it was trained on: restore it there, or export merged "
+            "(train.<method>.export: merged)."
+        )
+    return base
+
+
+def model_dir(path: str | Path) -> str:
+    """Where a model's config.json lives: the base model's directory for an adapter-only export."""
+    return adapter_base(path) or str(path)
+
+
+def _merge_adapter(model, adapter_dir: str):
+    """`model` with the adapter saved in `adapter_dir` merged into its weights (peft's own merge).
+    Under ZeRO-3 (weights partitioned as they loaded) each adapted layer's weight is gathered,
+    merged on rank 0 and partitioned again (DeepSpeed's GatheredParameters(modifier_rank=0))."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    peft_model = PeftModel.from_pretrained(model, adapter_dir)
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return peft_model.merge_and_unload()
+    import deepspeed
+    import torch.distributed as dist
+
+    for m in peft_model.modules():
+        if isinstance(m, LoraLayer):
+            with deepspeed.zero.GatheredParameters([m.get_base_layer().weight], modifier_rank=0):
+                if dist.get_rank() == 0:
+                    m.merge()
+    return peft_model.unload()  # drops the (merged) adapter modules on every rank
+
+
 def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any] | None = None):
-    """A HF causal LM with the candidate's attention, dtype, checkpointing and adapters."""
+    """A HF causal LM with the candidate's attention, dtype, checkpointing and adapters.
+
+    `path` may be an adapter-only export (adapter_config.json, no config.json): the base model it
+    names is loaded and the adapter merged in, so DPO can start from an SFT run that exported
+    `adapter` exactly as from one that exported `merged`.
+    """
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPL[cand.attn], "dtype": DTYPE[cand.precision]}
@@ -184,7 +267,13 @@ def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any]
             # peft's ZeRO-3 + QLoRA recipe: a storage dtype ZeRO-3 can shard.
             bnb_4bit_quant_storage=DTYPE[cand.precision],
         )
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    base = adapter_base(path)
+    model = AutoModelForCausalLM.from_pretrained(base or path, **kwargs)
+    if base is not None:
+        model = _merge_adapter(model, path)
+        for p in model.parameters():  # peft froze the base weights; a full fine-tune trains them
+            if p.is_floating_point():
+                p.requires_grad_(True)
     model.config.use_cache = False
     if not trainable:
         model.eval()
@@ -228,11 +317,16 @@ def _pad(seqs: list[list[int]], value: int, length: int | None = None) -> torch.
     return out
 
 
-def collate(method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded tensors. DPO: chosen rows then rejected rows, one forward (OpenRLHF's concatenated_forward)."""
+def collate(method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None,
+            loss_on: str = "response") -> dict[str, torch.Tensor]:
+    """Right-padded tensors. DPO: chosen rows then rejected rows, one forward (OpenRLHF's concatenated_forward).
+
+    SFT `loss_on`: response scores the response tokens only (the prepared labels); all scores
+    every token of the row, prompt included (labels = input_ids); padding is never scored.
+    """
     if method == "sft":
         ids = [r["input_ids"] for r in rows]
-        labels = [r["labels"] for r in rows]
+        labels = [r["input_ids"] if loss_on == "all" else r["labels"] for r in rows]
     else:
         ids, labels = [], []
         for key in ("chosen_ids", "rejected_ids"):
@@ -248,6 +342,48 @@ def collate(method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | 
     }
 
 
+def collate_packed(packs: list[list[dict[str, Any]]], pad_id: int, pad_to: int | None = None,
+                   loss_on: str = "response", flatten: bool = False) -> dict[str, torch.Tensor]:
+    """SFT packs (each a list of rows, concatenated) as input_ids, labels and position_ids; no
+    attention_mask, on purpose.
+
+    position_ids restart at 0 at every row. With no attention mask, transformers 5 reads packed
+    sequences from them (masking_utils.find_packed_sequence_indices: a new sequence wherever a
+    position is not the previous one + 1) and builds a block-diagonal causal mask for sdpa and
+    eager, so no token attends across a row boundary; flash_attention_2 derives cu_seqlens from
+    them (modeling_flash_attention_utils._is_packed_sequence / prepare_fa_kwargs_from_position_ids)
+    but only for batch size 1, hence `flatten` ([1, B*L]) for flash. Padding at the end of a
+    pack is a sequence of its own (positions from 0) and never a target. The first token of
+    each row is never a target: unpacked nothing predicts it, packed the previous row's last
+    token would. RoPE sees the same positions as unpacked, so the loss equals the unpacked one.
+    """
+    ids, labels, pos = [], [], []
+    for pack in packs:
+        i: list[int] = []
+        y: list[int] = []
+        q: list[int] = []
+        for r in pack:
+            x = list(r["input_ids"])
+            t = x if loss_on == "all" else list(r["labels"])
+            i += x
+            y += [IGNORE_INDEX] + t[1:]
+            q += range(len(x))
+        ids.append(i)
+        labels.append(y)
+        pos.append(q)
+    n = pad_to or max(len(s) for s in ids)
+    if max(len(s) for s in ids) > n:
+        raise ValueError(f"a pack of {max(len(s) for s in ids)} tokens does not fit pad_to={n}")
+    out = {
+        "input_ids": _pad(ids, pad_id, n),
+        "labels": _pad(labels, IGNORE_INDEX, n),
+        "position_ids": _pad([q + list(range(n - len(q))) for q in pos], 0, n),
+    }
+    if flatten:
+        out = {k: v.reshape(1, -1) for k, v in out.items()}
+    return out
+
+
 class Schedule:
     """Which rows each rank sees at each step: a pure function of (seed, step), so resume is exact.
 
@@ -256,13 +392,13 @@ class Schedule:
     global batch is skipped (counted in `rows_skipped_per_epoch`).
     """
 
-    def __init__(self, n_rows: int, micro: int, accum: int, world: int, seed: int) -> None:
+    def __init__(self, n_rows: int, micro: int, accum: int, world: int, seed: int, unit: str = "training rows") -> None:
         self.n, self.micro, self.accum, self.world, self.seed = n_rows, micro, accum, world, seed
         self.global_batch = micro * accum * world
         self.steps_per_epoch = n_rows // self.global_batch
         if self.steps_per_epoch == 0:
             raise ValueError(
-                f"{n_rows} training rows are fewer than one global batch "
+                f"{n_rows} {unit} are fewer than one global batch "
                 f"({micro} micro x {accum} accum x {world} ranks = {self.global_batch})"
             )
         self.rows_skipped_per_epoch = n_rows - self.steps_per_epoch * self.global_batch
@@ -287,10 +423,21 @@ class StepRunner:
         self.method = cfg.method
         self.dpo = DPOConfig(**cfg.dpo) if cfg.method == "dpo" else None
         self.device = _device()
+        # read with defaults: benchmarks and the TRL parity test drive the runner with a bare namespace
+        self.loss_on = getattr(cfg, "loss_on", "response")
+        self.flatten_packs = getattr(cfg, "cand", None) is not None and getattr(cfg.cand, "attn", None) == "flash"
 
-    def loss(self, rows: list[dict[str, Any]], pad_to: int | None = None) -> tuple[torch.Tensor, dict[str, float], int]:
-        """Mean loss over the micro batch, summed metrics (to average later) and scored tokens."""
-        batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to).items()}
+    def loss(self, rows: list[Any], pad_to: int | None = None, packed: bool = False) -> tuple[torch.Tensor, dict[str, float], int]:
+        """Mean loss over the micro batch, summed metrics (to average later) and non-padding tokens.
+
+        packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
+        """
+        if packed:
+            batch = {k: v.to(self.device) for k, v in collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs).items()}
+            out = self.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            loss, _ = sft_loss(out.logits, batch["labels"])
+            return loss, {"loss": loss.item() * len(rows)}, sum(len(r["input_ids"]) for p in rows for r in p)
+        batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to, self.loss_on).items()}
         out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         tokens = int(batch["attention_mask"].sum())
         if self.method == "sft":
@@ -345,7 +492,13 @@ class Run:
 
         self.train_rows = _load_rows(cfg.data_dir, "train")
         self.eval_rows = _load_rows(cfg.data_dir, "eval")
-        self.schedule = Schedule(len(self.train_rows), cand.micro_batch, cand.grad_accum, self.world, cfg.seed)
+        # What a step draws: rows, or with packing packed sequences (global_batch counts those).
+        self.train_units: list[Any] = self.train_rows
+        self.packing: dict[str, Any] | None = None
+        if cfg.packing:
+            self.train_units, self.packing = self._pack()
+        self.schedule = Schedule(len(self.train_units), cand.micro_batch, cand.grad_accum, self.world, cfg.seed,
+                                 unit="packed sequences (train.sft.packing)" if cfg.packing else "training rows")
         if cfg.probe_steps:
             self.total_steps = cfg.probe_steps
         elif cfg.max_steps:
@@ -362,7 +515,7 @@ class Run:
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
             min_lr_ratio=cfg.min_lr_ratio,
-            hidden_size=_hidden_size(cfg.model_path),
+            hidden_size=_hidden_size(model_dir(cfg.model_path)),
         )
         self.ds_config = ds_cfg
         if cfg.method == "dpo" and cand.ref == "precomputed":
@@ -392,6 +545,30 @@ class Run:
         del hf_ds
         self.runner = StepRunner(cfg, self.engine, self.ref_engine, self.pad_id)
 
+    def _pack(self) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
+        """SFT packing: the training rows in packs of at most seq_len tokens (memfit.data.pack)."""
+        from memfit.data import pack
+
+        cap = self.cand.seq_len
+        lengths = [len(r["input_ids"]) for r in self.train_rows]
+        if max(lengths) > cap:
+            raise ValueError(
+                f"train.sft.packing: a training row has {max(lengths)} tokens, more than the "
+                f"candidate's seq_len {cap} a pack holds; set search.seq_len >= data.max_len (or null)"
+            )
+        packs = pack(lengths, cap, self.cfg.seed)
+        units = [[self.train_rows[i] for i in p] for p in packs]
+        stats = {
+            "rows": len(lengths),
+            "packs": len(packs),
+            "capacity": cap,
+            "rows_per_pack": round(len(lengths) / len(packs), 3),
+            "fill": round(sum(lengths) / (len(packs) * cap), 4),  # real tokens / pack slots
+        }
+        self.log(f"packing: {stats['rows']} rows into {stats['packs']} sequences of <= {cap} tokens "
+                 f"({stats['rows_per_pack']} rows each, {stats['fill']:.1%} filled)")
+        return units, stats
+
     def _reference_engine(self, ds_cfg: dict[str, Any]):
         """The frozen DPO reference as a DeepSpeed inference engine."""
         import deepspeed
@@ -407,7 +584,7 @@ class Run:
             # get_eval_ds_config); ZeRO 0-2 keep a full replica per rank.
             "zero_optimization": {"stage": 3 if cand.zero == 3 else 0},
         }
-        if cand.zero == 3 and (h := _hidden_size(ref_path)):
+        if cand.zero == 3 and (h := _hidden_size(model_dir(ref_path))):
             # the same persistence threshold and prefetch bucket as the policy's
             ref_cfg["zero_optimization"].update(dsconfig.bucket_sizes(h, 3))
             ref_cfg["zero_optimization"].pop("reduce_bucket_size", None)
@@ -512,9 +689,9 @@ class Run:
         rows_seen = 0
         tokens = 0
         for idx in self.schedule.micro_batches(step, self.rank):
-            rows = probe_rows if probe_rows is not None else [self.train_rows[i] for i in idx]
+            rows = probe_rows if probe_rows is not None else [self.train_units[i] for i in idx]
             pad_to = self.cand.seq_len if probe_rows is not None else None
-            loss, m, tok = self.runner.loss(rows, pad_to=pad_to)
+            loss, m, tok = self.runner.loss(rows, pad_to=pad_to, packed=self.cfg.packing)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {float(loss)} at step {step + 1} on rank {self.rank}")
             self.engine.backward(loss)
@@ -560,7 +737,7 @@ class Run:
                 if tracker is not None:
                     tracker.reset_peak()
                 reset_device_peaks()
-        probe_rows = self._worst_case_rows() if cfg.probe_steps else None
+        probe_rows = self._worst_case_units() if cfg.probe_steps else None
 
         step_times: list[float] = []
         peaks: list[tuple[int, int | None]] = []
@@ -650,6 +827,7 @@ class Run:
             "resume_peak_allocated_bytes": self.resume_peak["allocated"] if self.resume_peak else None,
             "resume_peak_reserved_bytes": (self.resume_peak["reserved"] or None) if self.resume_peak else None,
             "resume_host_rss_bytes": self.resume_peak["host_rss"] if self.resume_peak else None,
+            "packing": self.packing,  # SFT packing: rows, packs, capacity, rows_per_pack, fill; else None
         }
 
     def _worst_case_rows(self) -> list[dict[str, Any]]:
@@ -659,6 +837,16 @@ class Run:
         while len(rows) < self.cand.micro_batch:
             rows.append(rows[len(rows) % len(idx)])
         return rows
+
+    def _worst_case_units(self) -> list[Any]:
+        """The probe's micro batch: the longest rows, or with packing the fullest packs, each
+        padded to seq_len by the caller, so the probe runs the largest shape training can meet
+        through the same (packed or padded) code path."""
+        if not self.cfg.packing:
+            return self._worst_case_rows()
+        size = [sum(len(r["input_ids"]) for r in p) for p in self.train_units]
+        fullest = sorted(range(len(size)), key=lambda i: (-size[i], i))[: self.cand.micro_batch]
+        return [self.train_units[fullest[k % len(fullest)]] for k in range(self.cand.micro_batch)]
 
     # -- metrics, checkpoints, export ---------------------------------------
     def _write_metrics(self, row: dict[str, Any]) -> None:
@@ -713,6 +901,9 @@ class Run:
 
     def export(self) -> None:
         """Final model in HF format (safetensors). ZeRO-3 gathers the partitioned weights first."""
+        if self.cfg.export_format == "adapter":
+            self._export_adapter()
+            return
         import torch.distributed as dist
 
         dest = self.out / "model"
@@ -727,9 +918,11 @@ class Run:
                 import shutil
 
                 shutil.rmtree(tmp)
-            if self.cand.finetune in ("lora", "qlora"):
-                if state is not None:
-                    module.load_state_dict(state, strict=False)
+            if self.cand.finetune in ("lora", "qlora") and state is not None:
+                # ZeRO-3: the module's weights are partitioned (shape [0]) and cannot take the
+                # consolidated state; merge in the gathered state dict instead.
+                module.get_base_model().save_pretrained(tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True)
+            elif self.cand.finetune in ("lora", "qlora"):
                 merged = module.merge_and_unload()
                 merged.save_pretrained(tmp, safe_serialization=True)
             else:
@@ -738,6 +931,62 @@ class Run:
             replace_dir(tmp, dest)
         if dist.is_initialized():
             dist.barrier()
+
+
+    def _export_adapter(self) -> None:
+        """LoRA/QLoRA adapter only: peft's adapter_model.safetensors + adapter_config.json (+ the
+        tokenizer) in out_dir/model, written to model.tmp and renamed into place. Only the
+        trainable (adapter) weights are gathered under ZeRO-3: GatheredParameters over those, not
+        the whole model that _zero3_consolidated_16bit_state_dict would collect."""
+        import torch.distributed as dist
+
+        module = self.engine.module
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if self.cand.zero == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):  # collective
+                state = {n: p.detach().cpu().clone() for n, p in named} if self.rank == 0 else None
+        else:
+            state = {n: p.detach().cpu().clone() for n, p in named} if self.rank == 0 else None
+        if self.rank == 0:
+            tmp = self.out / "model.tmp"
+            if tmp.exists():
+                import shutil
+
+                shutil.rmtree(tmp)
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+            self.tokenizer.save_pretrained(tmp)
+            replace_dir(tmp, self.out / "model")
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def _merged_lora_state(peft_model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The merged model's state dict from a PeftModel's consolidated (gathered) state dict:
+    W + transpose(B @ A, fan_in_fan_out) * scaling per adapted linear layer, computed as peft's
+    `lora.Linear.get_delta_weight` and `merge` do (fp32 for 16-bit weights, then W's dtype), and
+    keys renamed to the base model's."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import transpose
+
+    state = dict(state)
+    for name, m in peft_model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        if not isinstance(m, LoraLinear) or any(m.use_dora.values()) or any(getattr(m, "lora_bias", {}).values()):
+            raise ValueError(f"{name}: merging a {type(m).__name__} adapter from a ZeRO-3 state dict is not "
+                             "supported; use train.<method>.export: adapter")
+        for adapter in list(m.lora_A):
+            a = state.pop(f"{name}.lora_A.{adapter}.weight")
+            b = state.pop(f"{name}.lora_B.{adapter}.weight")
+            w = f"{name}.base_layer.weight"
+            fp32 = b.dtype in (torch.float16, torch.bfloat16)
+            delta = transpose((b.float() if fp32 else b) @ (a.float() if fp32 else a), m.fan_in_fan_out) * m.scaling[adapter]
+            state[w] = state[w] + delta.to(b.dtype)
+    prefix = "base_model.model."
+    return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
 
 
 def _storage_refs(module) -> list[tuple[weakref.ref, int]]:
