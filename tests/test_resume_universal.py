@@ -72,6 +72,25 @@ def test_the_global_sample_order_does_not_depend_on_the_world_size():
     assert step_micro_batches(2, 1, 0) != step_micro_batches(2, 1, 12)  # a fresh permutation per epoch
 
 
+def test_eval_batches_do_not_depend_on_the_world_size():
+    """Which held-out rows share a micro batch decides padding and the per-batch token mean, so it
+    must not depend on the number of ranks (a run resumed on another world evaluates the same)."""
+    from types import SimpleNamespace
+
+    rows = [{"i": i} for i in range(11)]
+
+    def batches(world):
+        out = []
+        for rank in range(world):
+            run = SimpleNamespace(cand=SimpleNamespace(micro_batch=4), world=world, rank=rank)
+            got = list(Run._rank_batches(run, rows))
+            out.append(got)
+            assert len(got) == len(out[0])  # every rank runs the same number of forwards (ZeRO-3)
+        return sorted(idx for per_rank in out for idx, _ in per_rank if idx)
+
+    assert batches(1) == batches(2) == batches(3) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+
+
 class RecordingEngine:
     def __init__(self):
         self.loaded = []

@@ -451,14 +451,17 @@ class Run:
                 row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
 
     def _rank_batches(self, rows: list[dict[str, Any]]) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
-        """This rank's share of `rows` (every world-th row) in micro batches. Every rank yields the
-        same number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's
-        forward all-gathers parameters, so all ranks must run the same number of forwards."""
+        """This rank's share of `rows` in micro batches: micro batch j is rows [j*micro, (j+1)*micro)
+        and runs on rank j % world, so which rows share a batch (hence padding and the per-batch
+        token mean an eval loss is built from) does not depend on the number of ranks: a run
+        resumed on another world size evaluates the same batches. Every rank yields the same
+        number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's forward
+        all-gathers parameters, so all ranks must run the same number of forwards."""
         micro = self.cand.micro_batch
-        mine = list(range(self.rank, len(rows), self.world))
-        n_batches = math.ceil(math.ceil(len(rows) / self.world) / micro) if rows else 0
-        for b in range(n_batches):
-            idx = mine[b * micro : (b + 1) * micro]
+        total = math.ceil(len(rows) / micro)
+        for b in range(math.ceil(total / self.world)):
+            j = b * self.world + self.rank
+            idx = list(range(j * micro, min((j + 1) * micro, len(rows)))) if j < total else []
             yield idx, ([rows[i] for i in idx] if idx else [rows[0]])
 
     def _reference_logps(self, engine, rows: list[dict[str, Any]]) -> torch.Tensor:
