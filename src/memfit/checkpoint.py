@@ -255,11 +255,13 @@ def resume_mode(cand: dict[str, Any], then_world: int, world: int, where: Path) 
         # (the check lives in `_load_zero_checkpoint`, runtime/engine.py, ZeRO only).
         return DIRECT
     if stage == 3 and cand.get("offload_optimizer", "none") != "none" and float(cand.get("offload_ratio", 1.0)) < 1.0:
-        # Partial offload keeps the device-resident sub-groups' Adam state in a separate
-        # `backup_optimizer` (runtime/zero/stage3.py, "backup fused_adam optimizer init"), while the
-        # universal loader writes every sub-group's state into `self.optimizer.state`
-        # (stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): the device part would
-        # be lost. And which sub-groups are offloaded depends on the partition count.
+        # Partial offload steps the device-resident sub-groups with a separate `backup_optimizer`
+        # whose state is keyed by their fp32 partitions (DeepSpeed 0.19.8 runtime/zero/stage3.py
+        # lines 313-317 and 1255-1257), while the universal loader writes every sub-group's Adam
+        # state into `self.optimizer.state` (stage3.py 3681-3683,
+        # `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): the device part's moments would
+        # silently restart from zero. Which sub-groups stay on the device also depends on the
+        # number of partitions (`subgroup_to_device`, stage3.py 1099-1108).
         raise ValueError(
             f"checkpoint {where} was written by {then_world} ranks and cannot be resumed on {world}: "
             f"ZeRO-{stage} with partial optimizer offload (offload_ratio {cand.get('offload_ratio')}) "
