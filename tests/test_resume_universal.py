@@ -142,6 +142,52 @@ def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypa
     assert len(run.engine.loaded) == 1
 
 
+def test_a_conversion_is_made_once_published_by_rename_and_redone_when_the_step_is_resaved(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    checkpoint.save(ShardWriter(), root, 3, {"step": 3}, keep_last=2, run_config={})
+    made = []
+
+    def convert(src, out):
+        made.append(src)
+        (out / "zero").mkdir(parents=True)
+        torch.save({"param_groups": []}, out / "zero/optimizer_state.pt")
+
+    monkeypatch.setattr(checkpoint, "_convert_to_universal", convert)
+    dest = checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
+    assert dest == root / "universal/step00000003" and (dest / "zero/optimizer_state.pt").exists()
+    assert (root / "universal/latest_universal").read_text() == "step00000003"
+    checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
+    assert len(made) == 1  # reused
+    assert checkpoint.complete_tags(root) == ["step00000003"]  # not taken for a checkpoint
+    # a run resumed from an earlier step writes step 3 again: the old conversion goes with it
+    checkpoint.save(ShardWriter(), root, 3, {"step": 3, "again": 1}, keep_last=2, run_config={})
+    assert not dest.exists()
+    checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
+    assert len(made) == 2
+    # rotation removes a checkpoint's conversion with it
+    for step in (4, 5):
+        checkpoint.save(ShardWriter(), root, step, {"step": step}, keep_last=2, run_config={})
+    assert not (root / "universal/step00000003").exists()
+
+
+def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    checkpoint.save(ShardWriter(), root, 3, {"step": 3}, keep_last=2, run_config={})
+
+    def convert(src, out):
+        (out / "zero").mkdir(parents=True)
+        raise AssertionError("Required universal_checkpoint_info state is missing")
+
+    monkeypatch.setattr(checkpoint, "_convert_to_universal", convert)
+    with pytest.raises(checkpoint.CheckpointError, match=r"converting .*step00000003 to a universal checkpoint failed: Required"):
+        checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
+    assert list((root / "universal").iterdir()) == []
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=1000))
+    with pytest.raises(checkpoint.CheckpointError, match=r"not enough disk to convert .*step00000003 .*GiB needed.*GiB free"):
+        checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
+
+
 def test_mem_available_reads_proc_meminfo():
     avail = checkpoint.mem_available_bytes()
     import psutil

@@ -339,8 +339,20 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
     """
     root = Path(root)
     src, dest = root / tag, universal_root(root) / tag
+    convert = not _conversion_is_current(dest, src)  # every rank sees the same files here
+    if convert:
+        # the conversion holds fp32 weights and both Adam moments again, about the source's size
+        needed = int(dir_bytes(src) * 1.1)
+        universal_root(root).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(universal_root(root)).free
+        if _min_over_ranks(free - needed) < 0:
+            raise CheckpointError(
+                f"not enough disk to convert {src} to a universal checkpoint under {universal_root(root)}: "
+                f"{needed / 2**30:.2f} GiB needed (the checkpoint's size + 10%), {free / 2**30:.2f} GiB free. "
+                "Nothing was written; free space, or resume on the number of ranks that wrote it."
+            )
     error: BaseException | None = None
-    if _rank() == 0 and not _conversion_is_current(dest, src):
+    if _rank() == 0 and convert:
         tmp = universal_root(root) / f".{tag}.tmp"
         try:
             shutil.rmtree(tmp, ignore_errors=True)
