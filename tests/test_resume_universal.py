@@ -39,8 +39,11 @@ def test_a_world_size_change_keeping_the_global_batch_is_resumable():
 
 def test_a_world_size_change_that_changes_the_global_batch_is_refused():
     with pytest.raises(ValueError, match=r"global batch: checkpoint 8 \(world size 2\) != now 4 \(world size 1\); "
-                                         r"with 1 ranks grad_accum must be 2"):
+                                         r"with 1 ranks grad_accum must be 2 to keep the data order\n"
+                                         r"\(written by 2 ranks, now 1, ZeRO-2: "):
         checkpoint.check_compatible(meta_for(2), now(), Path("ck/step00000003"), world=1)
+    with pytest.raises(ValueError, match=r"now 12 \(world size 3\); no grad_accum keeps it \(8 is not a multiple"):
+        checkpoint.check_compatible(meta_for(2), now(), Path("ck/step00000003"), world=3)
     # grad_accum may only differ when the world size does
     with pytest.raises(ValueError, match=r"candidate.grad_accum: checkpoint 1 != now 2"):
         checkpoint.check_compatible(meta_for(2), now(grad_accum=2), Path("ck/step00000003"), world=2)

@@ -224,15 +224,22 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
         gb_then = _global_batch(c_then, then_world)
         gb_now = _global_batch(c_now, world)
         if gb_then != gb_now:
+            per_accum = world * int(c_now.get("micro_batch", 1))
+            fix = (f"with {world} ranks grad_accum must be {gb_then // per_accum}" if gb_then % per_accum == 0
+                   else f"no grad_accum keeps it ({gb_then} is not a multiple of micro_batch x {world} ranks)")
             diffs.append(
                 f"global batch: checkpoint {gb_then} (world size {then_world}) != now {gb_now} (world size "
-                f"{world}); with {world} ranks grad_accum must be {gb_then / (world * c_now.get('micro_batch', 1)):g} "
-                "to keep the data order"
+                f"{world}); {fix} to keep the data order"
             )
     if diffs:
+        note = ""
+        if resharded:
+            note = (f"\n(written by {then_world} ranks, now {world}, ZeRO-{c_then.get('zero')}: on another number "
+                    "of ranks only grad_accum may change, keeping the global batch)")
         raise ValueError(
             f"checkpoint {where} belongs to a different run and was not loaded:\n  "
             + "\n  ".join(diffs)
+            + note
             + "\nDelete it (or the run directory) to start fresh."
         )
     if not resharded:
