@@ -7,16 +7,30 @@ Layout under `<run>/checkpoints/`:
         memfit.json          step, consumed samples, world size, the resolved run config
         COMPLETE             written by rank 0 after every rank finished: the publish mark
     latest                   the newest complete tag (DeepSpeed's own pointer format)
+    universal/step00000100/  DeepSpeed universal checkpoint converted from step00000100, made
+                             once when a run resumes on a different number of ranks
 
 A crash mid-save leaves a directory without COMPLETE; `latest_valid` skips it and
 falls back to the previous checkpoint with a warning.
+
+Resuming on a different number of ranks (`resume_mode`): ZeRO-1/2/3 partition the optimizer
+state (and at stage 3 the weights) by data-parallel rank, and DeepSpeed's ordinary load refuses
+a different DP world size (runtime/engine.py `_load_zero_checkpoint`: "Automatic adjustment of
+ZeRO's optimizer state partitioning with a new world size is not currently supported"). Such a
+checkpoint is converted once with DeepSpeed's `ds_to_universal` (rank 0, into a temporary
+directory renamed into place) and loaded with `checkpoint.load_universal` (DeepSpeed's
+universal checkpointing, https://www.deepspeed.ai/tutorials/universal-checkpointing/). ZeRO-0
+keeps whole replicas, so its checkpoint loads as is on any number of ranks. Per-rank RNG
+states do not map to another world: the resumed ranks are reseeded from (seed, step, rank).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +42,16 @@ import torch
 from memfit.atomic import write_json_atomic, write_text_atomic
 
 COMPLETE = "COMPLETE"
+UNIVERSAL = "universal"  # sibling directory of converted (universal) checkpoints
+UNIVERSAL_SOURCE = "memfit_source.json"  # in a conversion: the source checkpoint's memfit.json
 # Fields of the run config that must match for a checkpoint to continue the same run.
 MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmup_steps", "min_lr_ratio", "dpo", "data_dir")
+# Candidate fields that may differ when the number of ranks changes: gradient accumulation absorbs
+# the change so that the global batch (micro x accum x ranks), hence the data order, stays the same.
+RESHARD_MAY_DIFFER = ("grad_accum",)
+# How a checkpoint is loaded (resume_mode): by the ranks that wrote it, as is on another number of
+# ranks (ZeRO-0: nothing is partitioned), or through a universal checkpoint (ZeRO-1/2/3).
+SAME, DIRECT, UNIVERSAL_LOAD = "same", "direct", "universal"
 
 
 def tag_for(step: int) -> str:
@@ -115,8 +137,10 @@ def save(
     done = complete_tags(root)
     previous = dir_bytes(root / done[-1]) if done else expected_bytes
     ensure_free_space(root, int(previous * 1.1))
-    if _rank() == 0 and (root / tag).exists():
-        shutil.rmtree(root / tag)  # a stale copy of this step (a run resumed from an earlier one)
+    if _rank() == 0:
+        if (root / tag).exists():
+            shutil.rmtree(root / tag)  # a stale copy of this step (a run resumed from an earlier one)
+        shutil.rmtree(universal_root(root) / tag, ignore_errors=True)  # and its stale conversion
     _barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
@@ -131,6 +155,7 @@ def save(
         write_text_atomic(root / "latest", tag)
         for old in complete_tags(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(root / old, ignore_errors=True)
+            shutil.rmtree(universal_root(root) / old, ignore_errors=True)
     _barrier()
     return root / tag
 
@@ -175,33 +200,110 @@ def _looks_whole(path: Path) -> bool:
     return all((path / f"rng.rank{r}.pt").exists() for r in range(world))
 
 
-def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Path, world: int | None = None) -> None:
-    """Raise ValueError naming each difference when `meta`'s run is not `run_config`'s."""
+def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Path, world: int | None = None) -> str:
+    """How `meta`'s checkpoint continues `run_config`'s run on `world` ranks: SAME, DIRECT or
+    UNIVERSAL_LOAD (see `resume_mode`). Raises ValueError naming each difference when it is
+    another run's, or when the number of ranks changed in a way this run cannot follow."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world is None else world
+    then_world = int(meta["world_size"])
+    then, now = meta["run_config"], run_config
+    resharded = then_world != world
     diffs = [
-        f"{k}: checkpoint {meta['run_config'].get(k)!r} != now {run_config.get(k)!r}"
+        f"{k}: checkpoint {then.get(k)!r} != now {now.get(k)!r}"
         for k in MUST_MATCH
-        if meta["run_config"].get(k) != run_config.get(k)
+        if k != "candidate" and then.get(k) != now.get(k)
     ]
-    if int(meta["world_size"]) != world:
-        diffs.append(f"world size: checkpoint {meta['world_size']} != now {world}")
+    c_then, c_now = then.get("candidate") or {}, now.get("candidate") or {}
+    may_differ = RESHARD_MAY_DIFFER if resharded else ()
+    diffs += [
+        f"candidate.{k}: checkpoint {c_then.get(k)!r} != now {c_now.get(k)!r}"
+        for k in sorted(set(c_then) | set(c_now))
+        if k not in may_differ and c_then.get(k) != c_now.get(k)
+    ]
+    if resharded and not diffs:
+        gb_then = _global_batch(c_then, then_world)
+        gb_now = _global_batch(c_now, world)
+        if gb_then != gb_now:
+            per_accum = world * int(c_now.get("micro_batch", 1))
+            fix = (f"with {world} ranks grad_accum must be {gb_then // per_accum}" if gb_then % per_accum == 0
+                   else f"no grad_accum keeps it ({gb_then} is not a multiple of micro_batch x {world} ranks)")
+            diffs.append(
+                f"global batch: checkpoint {gb_then} (world size {then_world}) != now {gb_now} (world size "
+                f"{world}); {fix} to keep the data order"
+            )
     if diffs:
+        note = ""
+        if resharded:
+            note = (f"\n(written by {then_world} ranks, now {world}, ZeRO-{c_then.get('zero')}: on another number "
+                    "of ranks only grad_accum may change, keeping the global batch)")
         raise ValueError(
             f"checkpoint {where} belongs to a different run and was not loaded:\n  "
             + "\n  ".join(diffs)
+            + note
             + "\nDelete it (or the run directory) to start fresh."
         )
+    if not resharded:
+        return SAME
+    return resume_mode(c_then, then_world, world, where)
 
 
-def load(engine, root: Path, tag: str, run_config: dict[str, Any]) -> dict[str, Any]:
-    """Refuse a checkpoint of another run, then load shards, scheduler and RNG states."""
+def _global_batch(cand: dict[str, Any], world: int) -> int:
+    return int(cand.get("micro_batch", 1)) * int(cand.get("grad_accum", 1)) * world
+
+
+def resume_mode(cand: dict[str, Any], then_world: int, world: int, where: Path) -> str:
+    """How a checkpoint written by `then_world` ranks loads on `world` ranks, or ValueError."""
+    if then_world == world:
+        return SAME
+    stage = int(cand.get("zero", 0))
+    if stage == 0:
+        # Every rank holds the whole model and optimizer state; DeepSpeed saves them in
+        # mp_rank_00_model_states.pt and its plain load checks no DP world size at stage 0
+        # (the check lives in `_load_zero_checkpoint`, runtime/engine.py, ZeRO only).
+        return DIRECT
+    if stage == 3 and cand.get("offload_optimizer", "none") != "none" and float(cand.get("offload_ratio", 1.0)) < 1.0:
+        # Partial offload steps the device-resident sub-groups with a separate `backup_optimizer`
+        # whose state is keyed by their fp32 partitions (DeepSpeed 0.19.8 runtime/zero/stage3.py
+        # lines 313-317 and 1255-1257), while the universal loader writes every sub-group's Adam
+        # state into `self.optimizer.state` (stage3.py 3681-3683,
+        # `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): the device part's moments would
+        # silently restart from zero. Which sub-groups stay on the device also depends on the
+        # number of partitions (`subgroup_to_device`, stage3.py 1099-1108).
+        raise ValueError(
+            f"checkpoint {where} was written by {then_world} ranks and cannot be resumed on {world}: "
+            f"ZeRO-{stage} with partial optimizer offload (offload_ratio {cand.get('offload_ratio')}) "
+            "has no universal-checkpoint load in DeepSpeed (the device-resident optimizer state would be "
+            f"lost). Resume on {then_world} ranks, or delete the checkpoints to start fresh."
+        )
+    return UNIVERSAL_LOAD
+
+
+def load(
+    engine, root: Path, tag: str, run_config: dict[str, Any], mode: str | None = None, seed: int = 0
+) -> dict[str, Any]:
+    """Refuse a checkpoint of another run, then load shards, scheduler and RNG states.
+
+    `mode` UNIVERSAL_LOAD reads the conversion under `<root>/universal/<tag>` (made by
+    `ensure_universal`; the engine must have been built with `checkpoint.load_universal`). When the
+    number of ranks changed, each rank's RNG is reseeded from (seed, step, rank) instead of restored.
+    """
     root = Path(root)
     meta = json.loads((root / tag / "memfit.json").read_text())
-    check_compatible(meta, run_config, root / tag)
-    path, _client = engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    found = check_compatible(meta, run_config, root / tag)
+    mode = mode or found
+    if mode != found:
+        raise ValueError(f"checkpoint {root / tag}: planned resume mode {mode!r} but the checkpoint needs {found!r}")
+    load_root = universal_root(root) if mode == UNIVERSAL_LOAD else root
+    if mode == UNIVERSAL_LOAD and not getattr(engine, "load_universal_checkpoint", lambda: False)():
+        raise RuntimeError(f"checkpoint {root / tag} needs a universal load, but the engine was built without "
+                           "checkpoint.load_universal")
+    path, _client = engine.load_checkpoint(str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {root / tag}")
-    set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
+    if mode == SAME:
+        set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
+    else:
+        reseed(seed, int(meta["step"]), _rank())
     # free what loading left behind before the first step, so resume peaks no higher than training
     import gc
 
@@ -209,6 +311,172 @@ def load(engine, root: Path, tag: str, run_config: dict[str, Any]) -> dict[str, 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return meta
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Python, NumPy and torch (CUDA included) RNGs from (seed, step, rank): what a rank starts
+    from after a resume on another number of ranks, where the saved per-rank states do not map."""
+    value = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # seeds every CUDA device too
+
+
+# --------------------------------------------------------------------------- universal checkpoints
+def universal_root(root: Path) -> Path:
+    return Path(root) / UNIVERSAL
+
+
+def _conversion_is_current(conv: Path, src: Path) -> bool:
+    """A finished conversion (published by rename) made from exactly this checkpoint."""
+    try:
+        made_from = json.loads((conv / UNIVERSAL_SOURCE).read_text())
+        return made_from == json.loads((src / "memfit.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -> Path:
+    """`<root>/universal/<tag>`: DeepSpeed's universal checkpoint of `<root>/<tag>`, converted once.
+
+    Rank 0 converts into `universal/.<tag>.tmp`, records the source's memfit.json in it and renames
+    it into place; a conversion of the same checkpoint (same manifest) is reused, a stale one
+    (the step was re-saved since) replaced. Every rank returns once the conversion exists, or
+    raises if rank 0's conversion failed.
+    """
+    root = Path(root)
+    src, dest = root / tag, universal_root(root) / tag
+    convert = not _conversion_is_current(dest, src)  # every rank sees the same files here
+    if convert:
+        # the conversion holds fp32 weights and both Adam moments again, about the source's size
+        needed = int(dir_bytes(src) * 1.1)
+        universal_root(root).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(universal_root(root)).free
+        if _min_over_ranks(free - needed) < 0:
+            raise CheckpointError(
+                f"not enough disk to convert {src} to a universal checkpoint under {universal_root(root)}: "
+                f"{needed / 2**30:.2f} GiB needed (the checkpoint's size + 10%), {free / 2**30:.2f} GiB free. "
+                "Nothing was written; free space, or resume on the number of ranks that wrote it."
+            )
+    error: BaseException | None = None
+    if _rank() == 0 and convert:
+        tmp = universal_root(root) / f".{tag}.tmp"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            log(f"converting {src} to a universal checkpoint (resume on a different number of ranks)")
+            _convert_to_universal(src, tmp)
+            shutil.copyfile(src / "memfit.json", tmp / UNIVERSAL_SOURCE)
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+            # ds_to_universal points `latest_universal` (beside its output) at the temporary name
+            write_text_atomic(universal_root(root) / "latest_universal", tag)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    if _min_over_ranks(0.0 if error is not None else 1.0) < 1.0:
+        if error is not None:
+            raise CheckpointError(f"converting {src} to a universal checkpoint failed: {error}") from error
+        raise CheckpointError(f"converting {src} to a universal checkpoint failed on rank 0 (see its log)")
+    return dest
+
+
+def _convert_to_universal(src: Path, out: Path) -> None:
+    """DeepSpeed's own converter (deepspeed/checkpoint/ds_to_universal.py `main`), in-process.
+
+    One extraction and one merge worker: `_do_parallel_work` runs serially below two workers, so
+    the conversion holds one source shard at a time. `inject_missing_state`: ZeRO-1/2 conversion
+    asserts a `universal_checkpoint_info` entry that only Megatron-DeepSpeed models save
+    (`_check_for_required_state`); the converter's own flag adds the default one.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    ds_to_universal.main(args)
+
+
+# --------------------------------------------------------------------------- host RAM for a resume
+_OPTIM_SHARD = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_Z3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the kernel's estimate of memory available to new work
+    without swapping, proc(5)); psutil's figure (the same on Linux) where /proc is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil  # a DeepSpeed dependency
+
+    return int(psutil.virtual_memory().available)
+
+
+def resume_host_bytes(root: Path, tag: str, mode: str) -> dict[str, int]:
+    """Host bytes one rank torch.load()s to the CPU while DeepSpeed loads this checkpoint, from the
+    checkpoint's own file sizes (a torch.save'd tensor file is as large as the tensors it loads):
+
+    - as saved (SAME, DIRECT): the module-states file the rank reads (ZeRO-0/1/2: the whole
+      mp_rank_00_model_states.pt; ZeRO-3: its own zero_pp_rank_<r>_...) plus its own optimizer
+      shard (engine.py `_get_all_zero_checkpoint_state_dicts` loads only the rank's own shard),
+      the largest over ranks, both held at once (an upper bound: DeepSpeed drops the module dict
+      before the shard when nothing else holds it);
+    - universal: the module-states file of rank 0, zero/optimizer_state.pt, and one parameter's
+      full fp32, exp_avg and exp_avg_sq at a time (base_optimizer.py
+      `load_hp_checkpoint_state_from_checkpoint_dir` loads each whole tensor, then copies the
+      rank's slice into the existing optimizer state), the largest parameter;
+    - convert (universal only, before a conversion exists; rank 0 alone): the largest optimizer
+      shard plus the largest module-states file, what `ds_to_universal` holds with one worker.
+    """
+    src = Path(root) / tag
+    files: dict[str, int] = json.loads((src / "memfit.json").read_text())["files"]
+    shards = {int(m.group(1)): size for f, size in files.items() if (m := _OPTIM_SHARD.search(f))}
+    z3_models = {int(m.group(1)): size for f, size in files.items() if (m := _Z3_MODEL.search(f))}
+    mp_model = max((size for f, size in files.items() if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)), default=0)
+    out: dict[str, int] = {}
+    if mode in (SAME, DIRECT):
+        ranks = set(shards) | set(z3_models) or {0}
+        out["per_rank"] = max(z3_models.get(r, mp_model) + shards.get(r, 0) for r in ranks)
+        return out
+    conv = universal_root(root) / tag
+    if _conversion_is_current(conv, src):
+        model = max(
+            (p.stat().st_size for p in conv.glob("*model_states.pt") if p.name.startswith(("mp_rank_", "zero_pp_rank_0_"))),
+            default=0,
+        )
+        zero = conv / "zero"
+        optim = (zero / "optimizer_state.pt").stat().st_size if (zero / "optimizer_state.pt").exists() else 0
+        biggest = max(
+            (sum(f.stat().st_size for f in d.iterdir() if f.is_file()) for d in zero.iterdir() if d.is_dir()),
+            default=0,
+        )
+        out["per_rank"] = model + optim + biggest
+    else:
+        out["convert"] = max(shards.values(), default=0) + max(list(z3_models.values()) + [mp_model])
+    return out
+
+
+def ensure_host_ram(needed_bytes: int, where: Path, what: str) -> None:
+    """Refuse, before anything is loaded, a resume whose torch.load()s would not fit in this node's
+    available RAM; every rank decides the same way (the smallest MemAvailable any rank saw)."""
+    available = _min_over_ranks(float(mem_available_bytes()))
+    if available < needed_bytes:
+        raise CheckpointError(
+            f"not enough host RAM to resume from {where}: {what} needs {needed_bytes / 2**30:.2f} GiB on "
+            f"this node, {available / 2**30:.2f} GiB available (MemAvailable). Nothing was loaded; free "
+            "host memory, use fewer ranks per node, or resume on a node with more RAM."
+        )
 
 
 def restore_metrics(path: Path, step: int, checkpoint_dir: Path) -> None:

@@ -527,6 +527,11 @@ class Run:
             # Keeps a global weakref that makes from_pretrained partition weights as it loads
             # (zero.Init): no rank ever holds the whole model. Must stay alive until initialize.
             hf_ds = HfDeepSpeedConfig(ds_cfg)
+        # which checkpoint a resume reads, refused here (before any model is loaded) when it is
+        # another run's; a universal load is a DeepSpeed config key, so it is decided before initialize
+        self.resume_plan = None if cfg.probe_steps else self._plan_resume()
+        if self.resume_plan and self.resume_plan[2] == checkpoint.UNIVERSAL_LOAD:
+            ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
         model = load_model(cfg.model_path, cand, trainable=True, lora=lora)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -636,14 +641,17 @@ class Run:
                 row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
 
     def _rank_batches(self, rows: list[dict[str, Any]]) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
-        """This rank's share of `rows` (every world-th row) in micro batches. Every rank yields the
-        same number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's
-        forward all-gathers parameters, so all ranks must run the same number of forwards."""
+        """This rank's share of `rows` in micro batches: micro batch j is rows [j*micro, (j+1)*micro)
+        and runs on rank j % world, so which rows share a batch (hence padding and the per-batch
+        token mean an eval loss is built from) does not depend on the number of ranks: a run
+        resumed on another world size evaluates the same batches. Every rank yields the same
+        number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's forward
+        all-gathers parameters, so all ranks must run the same number of forwards."""
         micro = self.cand.micro_batch
-        mine = list(range(self.rank, len(rows), self.world))
-        n_batches = math.ceil(math.ceil(len(rows) / self.world) / micro) if rows else 0
-        for b in range(n_batches):
-            idx = mine[b * micro : (b + 1) * micro]
+        total = math.ceil(len(rows) / micro)
+        for b in range(math.ceil(total / self.world)):
+            j = b * self.world + self.rank
+            idx = list(range(j * micro, min((j + 1) * micro, len(rows)))) if j < total else []
             yield idx, ([rows[i] for i in idx] if idx else [rows[0]])
 
     def _reference_logps(self, engine, rows: list[dict[str, Any]]) -> torch.Tensor:
@@ -878,25 +886,52 @@ class Run:
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
         return total * DTYPE[self.cand.precision].itemsize + trainable * 12
 
-    def maybe_resume(self) -> int:
+    def _plan_resume(self) -> tuple[Path, str, str] | None:
+        """(checkpoint root, tag, how it loads: checkpoint.SAME/DIRECT/UNIVERSAL_LOAD) or None for
+        a fresh start. Raises when the checkpoint is another run's or cannot follow this world size."""
         cfg = self.cfg
         if cfg.resume == "never":
-            return 0
+            return None
         if cfg.resume == "auto":
             found = checkpoint.latest_valid(self.ckpt_root, log=self.log)
             if found is None:
-                if self.rank == 0 and self.metrics_path.exists():
-                    self.metrics_path.unlink()  # a fresh start must not append to a dead run's curve
-                return 0
+                return None
             root, tag = found
         else:
             p = Path(cfg.resume)
             root, tag = p.parent, p.name
-        state = checkpoint.load(self.engine, root, tag, run_config=dataclasses.asdict(cfg))
+        meta = json.loads((root / tag / "memfit.json").read_text())
+        return root, tag, checkpoint.check_compatible(meta, dataclasses.asdict(cfg), root / tag, world=self.world)
+
+    def maybe_resume(self) -> int:
+        cfg = self.cfg
+        if self.resume_plan is None:
+            if cfg.resume == "auto" and self.rank == 0 and self.metrics_path.exists():
+                self.metrics_path.unlink()  # a fresh start must not append to a dead run's curve
+            return 0
+        root, tag, mode = self.resume_plan
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if mode == checkpoint.UNIVERSAL_LOAD:
+            need = checkpoint.resume_host_bytes(root, tag, mode)
+            if "convert" in need:  # rank 0 alone converts; the node's other ranks only wait
+                checkpoint.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
+            checkpoint.ensure_universal(root, tag, log=self.log)
+        need = checkpoint.resume_host_bytes(root, tag, mode)
+        checkpoint.ensure_host_ram(
+            ranks_here * need["per_rank"],
+            root / tag,
+            f"loading it ({ranks_here} ranks x {need['per_rank'] / 2**30:.2f} GiB read to the CPU per rank)",
+        )
+        state = checkpoint.load(self.engine, root, tag, run_config=dataclasses.asdict(cfg), mode=mode, seed=cfg.seed)
         step = int(state["step"])
         if self.rank == 0:
             checkpoint.restore_metrics(self.metrics_path, step, root / tag)
-        self.log(f"resumed from {root / tag} at step {step}")
+        how = ""
+        if mode != checkpoint.SAME:
+            how = (f" (written by {state['world_size']} ranks, now {self.world}: "
+                   f"{'universal checkpoint' if mode == checkpoint.UNIVERSAL_LOAD else 'unpartitioned state'}, "
+                   "RNG reseeded from (seed, step, rank))")
+        self.log(f"resumed from {root / tag} at step {step}{how}")
         return step
 
     def export(self) -> None:
