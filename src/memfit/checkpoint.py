@@ -45,7 +45,8 @@ COMPLETE = "COMPLETE"
 UNIVERSAL = "universal"  # sibling directory of converted (universal) checkpoints
 UNIVERSAL_SOURCE = "memfit_source.json"  # in a conversion: the source checkpoint's memfit.json
 # Fields of the run config that must match for a checkpoint to continue the same run.
-MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmup_steps", "min_lr_ratio", "dpo", "data_dir")
+MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmup_steps", "min_lr_ratio", "dpo", "data_dir",
+              "loss_on", "packing")
 # Candidate fields that may differ when the number of ranks changes: gradient accumulation absorbs
 # the change so that the global batch (micro x accum x ranks), hence the data order, stays the same.
 RESHARD_MAY_DIFFER = ("grad_accum",)

@@ -53,7 +53,8 @@ def policy_dir(w):
 
 def policy_input(w):
     if w.method == "dpo" and "sft" in METHODS:
-        return [f"results/{w.model}/{w.gpu}/sft/train/model/model.safetensors"]
+        # the SFT run's summary is written after its model export (merged or adapter only)
+        return [f"results/{w.model}/{w.gpu}/sft/train/summary.json"]
     return model_input(w)
 
 

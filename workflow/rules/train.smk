@@ -6,8 +6,8 @@ rule train:
         policy=policy_input,
         data="results/{model}/data/{method}/stats.json",
     output:
+        # written last, after train/model (merged model or adapter only, train.<method>.export)
         summary="results/{model}/{gpu}/{method}/train/summary.json",
-        weights="results/{model}/{gpu}/{method}/train/model/model.safetensors",
     log:
         "logs/{model}/{gpu}/{method}/train.log",
     benchmark:
