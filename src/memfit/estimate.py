@@ -763,9 +763,7 @@ def estimate(
         if cand.finetune == "qlora":
             est.notes.append("activations traced as LoRA: bitsandbytes' 4-bit kernels need CUDA")
     elif settings.activations != "analytic":
-        raise EstimateError(
-            f"activations must be analytic or traced, got {settings.activations!r}"
-        )
+        raise EstimateError(f"activations must be analytic or traced, got {settings.activations!r}")
     est.notes += st.notes
     T = est.params_trainable
 
