@@ -641,23 +641,23 @@ def traced_activations(
         )
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None
-    one = t.runs[1]
     # the int64 input ids, attention mask and labels the trainer's collate makes (created
-    # outside the trace's tracker; `activations` counts them the same way)
-    ids = 3 * 8 * c * cand.seq_len
+    # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
+    # the per-sequence measures): counted as `activations` counts them
+    ids = 3 * 8 * c * cand.seq_len + 2 * 4 * cand.seq_len * arch.head_dim
     a = _Acts()
     a.saved = t.saved(L, c) + ids
     a.kept_per_layer = t.per_layer("saved", c)
     a.per_layer = t.per_layer("saved", c) if not cand.grad_ckpt else analytic.per_layer
     # what the loss keeps once the model output is dropped: the fp32 log-softmax and friends
-    a.logits_saved = c * (one["saved"] - (one["pre_loss"] - one["logits_bytes"]))
+    a.logits_saved = c * (t.seq("saved", 1) - (t.seq("pre_loss", 1) - t.seq("logits_bytes", 1)))
     a.logits_bwd_extra = t.at("loss_bwd_peak", L, c) + ids - a.saved
-    kept = t.at("top_pre_bw", L, c)  # alive when the top layer's backward starts
+    kept = t.at("top_pre_bw", L, c) + ids  # alive when the top layer's backward starts
     a.final = a.saved - a.logits_saved - kept
     a.recompute = 0  # folded into layer_bwd, which is measured with the recomputation in it
-    a.layer_bwd = t.at("top_peak_bw", L, c) - kept
-    a.mlp_bwd = t.at("top_mlp_peak_bw", L, c) - kept
-    a.attn_bwd = t.at("top_attn_peak_bw", L, c) - kept
+    a.layer_bwd = t.at("top_peak_bw", L, c) + ids - kept
+    a.mlp_bwd = t.at("top_mlp_peak_bw", L, c) + ids - kept
+    a.attn_bwd = t.at("top_attn_peak_bw", L, c) + ids - kept
     a.forward = t.at("fwd_peak", L, c) + ids
     a.attention_scores = analytic.attention_scores
     a.ref_forward = analytic.ref_forward
@@ -1129,7 +1129,7 @@ def estimate_space(
     """`estimate()` of every candidate: the estimate JSON plus "candidate" and "id"."""
     candidates = list(candidates)
     if settings.activations == "traced":
-        _prefetch_traces(arch, gpu, candidates, settings)
+        prefetch_traces(arch, gpu, candidates, settings)
     out = []
     for cand in candidates:
         e = estimate(
@@ -1142,7 +1142,7 @@ def estimate_space(
     return out
 
 
-def _prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
+def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
     """Trace every shape the candidates need that is not cached yet, in one child process
     (memfit.trace.layer_traces), so a new architecture's space pays one interpreter start."""
     from memfit import trace

@@ -25,15 +25,17 @@ What is measured (bytes, one sequence, everything that is not a parameter or buf
   - `top_pre_bw`, `top_peak_bw`, `top_mlp_peak_bw`, `top_attn_peak_bw`: the top decoder layer's
     snapshot when its backward starts and the peaks inside it, its MLP and its attention;
   - `recompute`: with gradient checkpointing, what the top layer's recomputed forward adds
-    (MemTracker's PRE_FW_AC / POST_FW_AC snapshots).
+    (MemTracker's PRE_FW_AC / POST_FW_AC snapshots; informational, the estimate uses the peaks).
 Parameter gradients are dropped as soon as they are accumulated (a post-accumulate-grad hook),
-so the peaks are the activation side only; the estimate adds the gradients the ZeRO stage keeps.
+so the peaks are the activation side; the estimate adds the gradients the ZeRO stage keeps.
 
-The difference between the 2-layer and the 1-layer run is the per-layer term; the 1-layer run
-minus it is the embedding/final-norm/logits/loss term. Activation bytes are linear in the micro
-batch (every saved tensor has a batch dimension; rotary cos/sin, [1, s, head_dim] fp32, is the
-exception and is counted once per sequence: 2 * 4 * s * head_dim bytes, under 0.1% of a layer),
-so one sequence is traced and the estimate multiplies.
+Four runs: 1 and 2 decoder layers, each with 1 and 2 sequences. The 2-layer minus the 1-layer
+run is the per-layer term; the 1-layer run minus it the embedding/final-norm/logits/loss term.
+Activation bytes are exactly linear in the micro batch (every saved tensor has a batch
+dimension; tests/test_trace.py checks 1, 2 and 3 sequences), so the per-sequence part, the
+2-sequence minus the 1-sequence run, times the sequences of a micro step is the activation
+memory; what does not grow with the batch (a weight gradient alive at a peak, the rotary table)
+is left to the estimate's own terms (see `LayerTrace`).
 
 Mappings, stated: FlashAttention-2 cannot run on the CPU; it is traced as SDPA, whose CPU kernel
 (`_scaled_dot_product_flash_attention_for_cpu`) keeps the same tensors as FlashAttention-2 (the
@@ -50,6 +52,7 @@ sequence length, attention, precision, checkpointing, finetune, LoRA rank/target
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -63,8 +66,10 @@ from typing import Any
 
 from memfit.catalog import ModelArch
 
-TRACE_FORMAT = 1  # bump when what a trace measures changes (old cache files are then ignored)
-TRACE_LAYERS = (1, 2)
+TRACE_FORMAT = 2  # bump when what a trace measures changes (old cache files are then ignored)
+# (decoder layers, sequences) of the traced runs: per-layer = 2 layers - 1 layer, per-sequence =
+# 2 sequences - 1 sequence
+TRACE_RUNS = ((1, 1), (1, 2), (2, 1), (2, 2))
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
 MEASURES = (
     "fwd_peak",
@@ -132,20 +137,32 @@ def traced_finetune(finetune: str) -> str:
 
 @dataclass(frozen=True)
 class LayerTrace:
-    """Per-sequence measurements of the 1- and 2-layer runs, and what they imply for L layers."""
+    """The four traced runs (1 or 2 layers x 1 or 2 sequences) and what they imply.
+
+    Only what grows with the batch is activation memory: a measure's per-sequence part is the
+    2-sequence run minus the 1-sequence run. That removes what does not scale with the batch:
+    parameter gradients alive at a peak (a weight's gradient between its matmul and its
+    accumulation; a tied embedding's head gradient, which autograd's input buffer holds until
+    the embedding's backward adds its share: torch/csrc/autograd/input_buffer.cpp), and the
+    rotary cos/sin table ([1, s, head_dim] fp32, shared by the batch). The estimate counts
+    gradients in its own terms and adds the rotary table as the analytic path does."""
 
     key: dict[str, Any]
-    runs: dict[int, dict[str, int]]  # layers -> MEASURES (bytes, one sequence)
-    seconds: float  # wall time of the two traced runs when they were made
+    runs: dict[str, dict[str, int]]  # "LxB" -> MEASURES (bytes), L layers, B sequences
+    seconds: float  # wall time of the traced runs when they were made
+
+    def seq(self, name: str, layers: int) -> int:
+        """Bytes of `name` per sequence in the `layers`-layer model."""
+        return self.runs[f"{layers}x2"][name] - self.runs[f"{layers}x1"][name]
 
     def at(self, name: str, num_layers: int, batch: int = 1) -> int:
         """`name` for `num_layers` layers and `batch` sequences: per-layer terms are the
         2-layer minus the 1-layer run; the rest is the 1-layer run minus one layer."""
-        one, two = self.runs[1][name], self.runs[2][name]
+        one, two = self.seq(name, 1), self.seq(name, 2)
         return batch * (one + (num_layers - 1) * (two - one))
 
     def per_layer(self, name: str, batch: int = 1) -> int:
-        return batch * (self.runs[2][name] - self.runs[1][name])
+        return batch * (self.seq(name, 2) - self.seq(name, 1))
 
     def saved(self, num_layers: int, batch: int = 1) -> int:
         return self.at("saved", num_layers, batch)
@@ -153,7 +170,7 @@ class LayerTrace:
     def to_json(self) -> dict[str, Any]:
         return {
             "key": self.key,
-            "runs": {str(k): v for k, v in self.runs.items()},
+            "runs": self.runs,
             "seconds": self.seconds,
         }
 
@@ -169,10 +186,6 @@ def trace_key(
     lora_targets: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
     """Everything a trace's numbers depend on (hashed into the cache file name)."""
-    import peft
-    import torch
-    import transformers
-
     _check(arch)
     if precision not in ("bf16", "fp16", "fp32"):
         raise TraceError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
@@ -183,11 +196,7 @@ def trace_key(
     return {
         "format": TRACE_FORMAT,
         "arch": arch_fields,
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "peft": peft.__version__,
-        },
+        "versions": _versions(),
         "seq_len": int(seq_len),
         "micro_batch": 1,
         "attn": traced_attn(attn),
@@ -197,6 +206,14 @@ def trace_key(
         "lora_rank": int(lora_rank) if ft != "full" else 0,
         "lora_targets": list(lora_targets) if (ft != "full" and lora_targets) else None,
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str]:
+    # from the installed distributions' metadata: no need to import torch to read a cache hit
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("torch", "transformers", "peft")}
 
 
 def _hash(key: dict[str, Any]) -> str:
@@ -295,7 +312,10 @@ def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
             return None
         t = LayerTrace(
             key=key,
-            runs={int(k): {m: int(v[m]) for m in MEASURES} for k, v in raw["runs"].items()},
+            runs={
+                f"{n}x{b}": {m: int(raw["runs"][f"{n}x{b}"][m]) for m in MEASURES}
+                for n, b in TRACE_RUNS
+            },
             seconds=float(raw.get("seconds", 0.0)),
         )
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -306,7 +326,7 @@ def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
 
 def _trace_in_child(
     arch: ModelArch, keys: list[dict[str, Any]]
-) -> list[tuple[dict[int, dict[str, int]], float]]:
+) -> list[tuple[dict[str, dict[str, int]], float]]:
     payload = {"arch": dataclasses.asdict(arch), "keys": keys}
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1])
@@ -324,7 +344,7 @@ def _trace_in_child(
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         raise TraceError(f"tracing {arch.name!r} failed: {last}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    return [({int(k): v for k, v in r["runs"].items()}, float(r["seconds"])) for r in res]
+    return [(r["runs"], float(r["seconds"])) for r in res]
 
 
 def _child_main() -> int:
@@ -341,9 +361,10 @@ def _child_main() -> int:
     for key in payload["keys"]:
         t0 = time.perf_counter()
         runs = {
-            n: run_trace(
+            f"{n}x{b}": run_trace(
                 arch,
                 num_layers=n,
+                micro_batch=b,
                 seq_len=key["seq_len"],
                 attn=key["attn"],
                 precision=key["precision"],
@@ -352,11 +373,9 @@ def _child_main() -> int:
                 lora_rank=key["lora_rank"] or 16,
                 lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
             )
-            for n in TRACE_LAYERS
+            for n, b in TRACE_RUNS
         }
-        res.append(
-            {"runs": {str(k): v for k, v in runs.items()}, "seconds": time.perf_counter() - t0}
-        )
+        res.append({"runs": runs, "seconds": time.perf_counter() - t0})
     print(json.dumps(res))
     return 0
 
@@ -455,6 +474,44 @@ def build_model(
     return model
 
 
+def _series_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class SeriesTracker(MemTracker):
+        """MemTracker that also keeps the activation-side total after every op (`series`) and
+        where each module's backward starts in it (`marks`)."""
+
+        def __init__(self, device) -> None:
+            super().__init__()
+            self.device = device
+            self.series: list[int] = []
+            self.marks: dict[int, int] = {}
+
+        def act(self, snap: dict) -> int:
+            s = snap.get(self.device, {})
+            kinds = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.GRAD)
+            return int(sum(s.get(r, 0) for r in kinds))
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            self.series.append(self.act(self._curr_mem_snap))
+
+        def _pre_bw_hook(self, module, args) -> None:
+            super()._pre_bw_hook(module, args)
+            if module is not None:
+                self.marks.setdefault(id(module), len(self.series))
+
+        def peak(self, start: int, end: int) -> int:
+            window = self.series[start:end]
+            return max(window) if window else 0
+
+    return SeriesTracker
+
+
+def _SeriesTracker(device):
+    return _series_tracker_class()(device)
+
+
 def _not_packed(position_ids):
     return None
 
@@ -478,7 +535,7 @@ def run_trace(
     (fake parameters outlive it here, see `layer_traces`)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
+    from torch.distributed._tools.mem_tracker import _ModState
 
     from memfit.losses import token_logps
 
@@ -519,7 +576,7 @@ def run_trace(
                 p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
         ids = torch.randint(0, arch.vocab_size, (micro_batch, seq_len))
         labels = ids.clone()
-        mt = MemTracker()
+        mt = _SeriesTracker(cpu)
         # MemTracker registers a gradient hook on every parameter it meets (mem_tracker.py
         # `_track_module_params_and_buffers`), which fails on frozen ones (LoRA's base weights)
         # and would count the gradients we drop; a placeholder handle per parameter stops it.
@@ -527,12 +584,7 @@ def run_trace(
             mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
         mt.track_external(model)
 
-        def act(snap: dict) -> int:
-            s = snap.get(cpu, {})
-            return int(
-                sum(s.get(r, 0) for r in (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.GRAD))
-            )
-
+        act = mt.act
         with mt:
             # One unpadded sequence per row. transformers decides from tensor values whether
             # SDPA may use is_causal instead of a materialised [b, 1, s, s] mask: padding_mask.all()
@@ -550,6 +602,7 @@ def run_trace(
             del logits
             saved = act(mt.get_tracker_snapshot())
             fwd_peak = act(mt.get_tracker_snapshot("peak"))
+            bw_start = len(mt.series)
             loss.backward()
             del loss
 
@@ -562,17 +615,34 @@ def run_trace(
         recompute = 0
         if grad_ckpt:
             recompute = snap(top, _ModState.POST_FW_AC) - snap(top, _ModState.PRE_FW_AC)
+        # Peaks over windows of the backward's op sequence, cut where a module's backward
+        # starts (MemTracker's per-module PEAK_BW needs the module's post-backward hook, which
+        # under checkpointing does not fire for submodules: their forward inputs are not in the
+        # recomputed graph). Backward order in a decoder layer: MLP, post-attention norm,
+        # attention, input norm; the layer below (or the embedding) starts after it.
+        n = len(mt.series)
+        below = layers[0][num_layers - 2] if num_layers > 1 else model.get_input_embeddings()
+
+        def mark(mod, default: int) -> int:
+            return mt.marks.get(id(mod), default) if mod is not None else default
+
+        end_top = mark(below, n)
+        m_top = mark(top, end_top)
+        m_mlp = mark(mlp, m_top)
+        m_att = mark(att, end_top)
+        m_head = mark(model.get_output_embeddings(), n)
+        end_bottom = mark(model.get_input_embeddings(), n)
         out = {
             "fwd_peak": fwd_peak,
             "pre_loss": pre_loss,
             "logits_bytes": int(logits_bytes),
             "saved": saved,
-            "loss_bwd_peak": snap(loss_mod, _ModState.PEAK_BW),
+            "loss_bwd_peak": mt.peak(bw_start, m_head),
             "top_pre_bw": snap(top, _ModState.PRE_BW),
-            "top_peak_bw": snap(top, _ModState.PEAK_BW),
-            "top_mlp_peak_bw": snap(mlp, _ModState.PEAK_BW),
-            "top_attn_peak_bw": snap(att, _ModState.PEAK_BW),
-            "bottom_peak_bw": snap(bottom, _ModState.PEAK_BW),
+            "top_peak_bw": mt.peak(m_top, end_top),
+            "top_mlp_peak_bw": mt.peak(m_mlp, m_att),
+            "top_attn_peak_bw": mt.peak(m_att, end_top),
+            "bottom_peak_bw": mt.peak(mark(bottom, end_bottom), end_bottom),
             "recompute": max(recompute, 0),
         }
     return out
