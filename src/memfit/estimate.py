@@ -790,7 +790,14 @@ def estimate(
         inlayer = max(ac.mlp_bwd + d * mlp_lin, ac.attn_bwd + d * (att_lin + arch.hidden_size))
     else:
         inlayer = ac.layer_bwd + layer_grad
-    p_top = layers_kept + ac.recompute + inlayer + head_grad
+    # Tied embeddings, full fine-tuning: the head's [V, h] weight gradient waits in autograd's
+    # input buffer of the shared weight's AccumulateGrad until the embedding's backward adds its
+    # share (torch/csrc/autograd/input_buffer.cpp accumulates; engine.cpp runs a node once all
+    # its inputs arrived), i.e. through every layer's backward, at every ZeRO stage (DeepSpeed's
+    # gradient hooks fire at accumulation). Seen by the traced run (memfit.trace, real and fake
+    # tensors alike: a TEMP [V, h] tensor at each layer's backward).
+    tied_pending = d * lay.embed if (cand.finetune == "full" and arch.tie_word_embeddings) else 0
+    p_top = layers_kept + ac.recompute + inlayer + head_grad + tied_pending
     grads_bottom = head_grad + (arch.num_layers - 1) * layer_grad
     p_bottom = (
         layers_kept
@@ -798,6 +805,7 @@ def estimate(
         + ac.recompute
         + inlayer
         + grads_bottom
+        + tied_pending
     )
     dyn_grads_all = st.grads_dynamic
     if cand.finetune == "full" and cand.zero < 2:
@@ -920,7 +928,7 @@ def estimate(
         else:
             fb_dynamic = fb_parts[fb_where]
             g = head_grad if fb_where == "top_layer_backward" else grads_bottom
-            g = held_grads if held_grads else g
+            g = (held_grads if held_grads else g) + tied_pending
             bd["grads"] += g
             bd["activations"] = fb_dynamic - g
     elif est.peak_phase == "optimizer_step":
