@@ -98,7 +98,9 @@ def main() -> None:
     prefetch_traces(arch, gpu, cands, settings)
     t6 = time.perf_counter()
     n_files = len(list(Path(cache).glob("*.json")))
-    print(f"traced: every shape the space needs ({n_files} traces, one child): {t6 - t5:.1f} s")
+    print(
+        f"traced: every shape the space needs ({n_files} traces, {trace.trace_workers()} child processes): {t6 - t5:.1f} s"
+    )
     trace.clear_memo()
     t7 = time.perf_counter()
     trows = estimate_space(*run, cands, settings=settings)

@@ -1151,8 +1151,9 @@ def estimate_space(
 
 
 def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
-    """Trace every shape the candidates need that is not cached yet, in one child process
-    (memfit.trace.layer_traces), so a new architecture's space pays one interpreter start."""
+    """Trace every shape the candidates need that is not cached yet, in one batch of child
+    processes (memfit.trace.layer_traces), so a new architecture's space pays one interpreter
+    start per worker."""
     from memfit import trace
 
     reqs = {}

@@ -15,17 +15,16 @@ with PyTorch's `torch.distributed._tools.mem_tracker.MemTracker` (a TorchDispatc
 attributes every storage to PARAM/BUFFER/GRAD/ACT/TEMP/OPT and keeps per-module snapshots at
 pre/post forward, pre/post backward and the peak of each: mem_tracker.py `_ModState`).
 
-What is measured (bytes, one sequence, everything that is not a parameter or buffer):
+What each run measures (bytes of everything that is not a parameter or a buffer):
   - `fwd_peak`: the peak through the model forward and the loss forward;
   - `pre_loss`: live after the model forward (the logits included), `logits_bytes` their size;
   - `saved`: live after the loss forward once the model output is dropped (as train.py `loss`
     does): what autograd keeps for the backward;
-  - `loss_bwd_peak`: the peak inside the loss's backward (the loss runs as a module so that
-    MemTracker records its PEAK_BW);
+  - `loss_bwd_peak`: the peak inside the loss's backward, until the head's backward starts;
   - `top_pre_bw`, `top_peak_bw`, `top_mlp_peak_bw`, `top_attn_peak_bw`: the top decoder layer's
     snapshot when its backward starts and the peaks inside it, its MLP and its attention;
-  - `recompute`: with gradient checkpointing, what the top layer's recomputed forward adds
-    (MemTracker's PRE_FW_AC / POST_FW_AC snapshots; informational, the estimate uses the peaks).
+  - `bottom_peak_bw`: the peak inside the bottom layer's backward.
+  With gradient checkpointing the top layer's peak includes its recomputed forward.
 Parameter gradients are dropped as soon as they are accumulated (a post-accumulate-grad hook),
 so the peaks are the activation side; the estimate adds the gradients the ZeRO stage keeps.
 
@@ -66,7 +65,7 @@ from typing import Any
 
 from memfit.catalog import ModelArch
 
-TRACE_FORMAT = 2  # bump when what a trace measures changes (old cache files are then ignored)
+TRACE_FORMAT = 3  # bump when what a trace measures changes (old cache files are then ignored)
 # (decoder layers, sequences) of the traced runs: per-layer = 2 layers - 1 layer, per-sequence =
 # 2 sequences - 1 sequence
 TRACE_RUNS = ((1, 1), (1, 2), (2, 1), (2, 2))
@@ -82,7 +81,6 @@ MEASURES = (
     "top_mlp_peak_bw",
     "top_attn_peak_bw",
     "bottom_peak_bw",
-    "recompute",
 )
 # ModelArch fields that do not change one sequence's activations (names, provenance, the layer
 # count the trace replaces, position limit: rotary tables are built per forward for the actual
@@ -106,6 +104,7 @@ _REQUIRED = (
 )
 
 _MEMO: dict[str, LayerTrace] = {}  # in-process cache over the JSON files (key hash -> trace)
+_FAST: dict[tuple, LayerTrace] = {}  # (arch, request, cache dir) -> trace, over _MEMO
 
 
 class _NoHandle:
@@ -247,7 +246,14 @@ def layer_trace(
 ) -> LayerTrace:
     """The cached trace for this shape, tracing (1 and 2 layers) on a miss."""
     req = TraceRequest(seq_len, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets)
-    return layer_traces(arch, [req], cache_dir=cache_dir, use_cache=use_cache)[0]
+    d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    fast = (arch, req, str(d))  # estimate_space asks thousands of times: skip key and hash
+    if use_cache and fast in _FAST:
+        return _FAST[fast]
+    t = layer_traces(arch, [req], cache_dir=d, use_cache=use_cache)[0]
+    if use_cache:
+        _FAST[fast] = t
+    return t
 
 
 def layer_traces(
@@ -257,8 +263,8 @@ def layer_traces(
     use_cache: bool = True,
 ) -> list[LayerTrace]:
     """Traces for several shapes of one architecture: cached ones from the cache, the missing
-    ones traced together in one child process (`python -m memfit.trace`, so the interpreter
-    and the imports are paid once). The child keeps the estimating process clean: fake
+    ones traced in child processes (`python -m memfit.trace`, trace_workers() of them, each
+    paying the interpreter and the imports once for its share). The child keeps the estimating process clean: fake
     parameters outlive a traced backward (held from C++ by autograd/FakeTensorMode state), and
     a later real measurement in the same process (memory.AllocationTracker's baseline scans
     live tensors) would count them."""
@@ -286,7 +292,7 @@ def layer_traces(
         elif h not in todo:
             todo[h] = i
     if todo:
-        fresh = _trace_in_child(arch, [keys[i] for i in todo.values()])
+        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()])
         for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
             t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
             if use_cache:
@@ -324,27 +330,55 @@ def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
     return t
 
 
-def _trace_in_child(
+def trace_workers() -> int:
+    """Child processes for a batch of traces: $MEMFIT_TRACE_WORKERS, else the CPUs this process
+    may use (each child is single-threaded: fake tensors do no arithmetic)."""
+    env = os.environ.get("MEMFIT_TRACE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _trace_in_children(
     arch: ModelArch, keys: list[dict[str, Any]]
 ) -> list[tuple[dict[str, dict[str, int]], float]]:
-    payload = {"arch": dataclasses.asdict(arch), "keys": keys}
+    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order."""
+    n = min(trace_workers(), len(keys))
+    chunks = [list(range(len(keys)))[i::n] for i in range(n)]
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "memfit.trace"],
-        input=json.dumps(payload),
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"exit status {proc.returncode}"
-        raise TraceError(f"tracing {arch.name!r} failed: {last}")
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    return [(r["runs"], float(r["seconds"])) for r in res]
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = []
+    for idx in chunks:
+        payload = {"arch": dataclasses.asdict(arch), "keys": [keys[i] for i in idx]}
+        p = subprocess.Popen(
+            [sys.executable, "-m", "memfit.trace"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        procs.append((idx, p, json.dumps(payload)))
+    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
+    errors = []
+    for idx, p, payload in procs:
+        stdout, stderr = p.communicate(payload)
+        if p.returncode != 0:
+            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
+            continue
+        res = json.loads(stdout.strip().splitlines()[-1])
+        for i, r in zip(idx, res, strict=True):
+            out[i] = (r["runs"], float(r["seconds"]))
+    if errors:
+        raise TraceError(f"tracing {arch.name!r} failed: {errors[0]}")
+    return [r for r in out if r is not None]
 
 
 def _child_main() -> int:
@@ -383,6 +417,7 @@ def _child_main() -> int:
 def clear_memo() -> None:
     """Forget the in-process copies (the JSON files stay)."""
     _MEMO.clear()
+    _FAST.clear()
 
 
 def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
@@ -493,7 +528,8 @@ def _series_tracker_class():
             return int(sum(s.get(r, 0) for r in kinds))
 
         def _update_peak_stats(self, peak_state) -> None:
-            super()._update_peak_stats(peak_state)
+            # replaces MemTracker's per-op deepcopy of a snapshot for every active module (a
+            # third of a traced run); the peaks are taken from `series` instead
             self.series.append(self.act(self._curr_mem_snap))
 
         def _pre_bw_hook(self, module, args) -> None:
@@ -601,8 +637,8 @@ def run_trace(
             loss = loss_mod(logits, labels)
             del logits
             saved = act(mt.get_tracker_snapshot())
-            fwd_peak = act(mt.get_tracker_snapshot("peak"))
             bw_start = len(mt.series)
+            fwd_peak = mt.peak(0, bw_start)
             loss.backward()
             del loss
 
@@ -612,9 +648,6 @@ def run_trace(
             snaps = mt.memory_tracking[mod].snapshots.get(state, [])
             return act(snaps[-1]) if snaps else 0
 
-        recompute = 0
-        if grad_ckpt:
-            recompute = snap(top, _ModState.POST_FW_AC) - snap(top, _ModState.PRE_FW_AC)
         # Peaks over windows of the backward's op sequence, cut where a module's backward
         # starts (MemTracker's per-module PEAK_BW needs the module's post-backward hook, which
         # under checkpointing does not fire for submodules: their forward inputs are not in the
@@ -643,7 +676,6 @@ def run_trace(
             "top_mlp_peak_bw": mt.peak(m_mlp, m_att),
             "top_attn_peak_bw": mt.peak(m_att, end_top),
             "bottom_peak_bw": mt.peak(mark(bottom, end_bottom), end_bottom),
-            "recompute": max(recompute, 0),
         }
     return out
 
