@@ -53,9 +53,9 @@ def cache(tmp_path_factory):
 
 
 def test_fake_trace_equals_real_step_and_is_linear_in_batch():
-    """The fake run measures what the real run measures (every MEASURES entry, exactly), for
-    both attention kinds and checkpointing on/off, Llama- and Qwen2-shaped, full and LoRA; and
-    1, 2 and 3 sequences lie on a line (what a micro batch adds is the same per sequence)."""
+    """The fake run measures what the real run measures (every MEASURES entry, exactly), for both attention kinds and checkpointing on/off, Llama- and
+    Qwen2-shaped, full and LoRA; and with 2, 3 and 4 sequences the same ops run and what is
+    alive after each op lies on a line (what per_sequence relies on)."""
     out = _child(
         """
         import json, warnings
@@ -67,22 +67,20 @@ def test_fake_trace_equals_real_step_and_is_linear_in_batch():
                                    ("qwen2", "sdpa", True, "full"), ("qwen2", "eager", False, "full"),
                                    ("qwen2", "sdpa", False, "lora")]:
             a = make_arch(kind)
-            fake = trace.run_trace(a, 2, 48, attn, "fp32", ck, ft, fake=True)
-            real = trace.run_trace(a, 2, 48, attn, "fp32", ck, ft, fake=False)
-            b = [trace.run_trace(a, 2, 48, attn, "fp32", ck, ft, micro_batch=n) for n in (1, 2, 3)]
-            res.append([kind, attn, ck, ft, fake, real, b])
+            kw = dict(arch=a, num_layers=2, seq_len=48, attn=attn, precision="fp32",
+                      grad_ckpt=ck, finetune=ft)
+            fake = trace._run(**kw, fake=True)
+            real = trace._run(**kw, fake=False)
+            b = [trace._run(**kw, micro_batch=n) for n in (2, 3, 4)]
+            res.append([kind, attn, ck, ft, fake, real, [x[1] for x in b]])
         print(json.dumps(res))
         """
     )
-    for kind, attn, ck, ft, fake, real, (b1, b2, b3) in out:
-        assert fake == real, f"{kind} {attn} ckpt={ck} {ft}: fake {fake} real {real}"
-        assert b1 == fake
-        for m in trace.MEASURES:
-            step1, step2 = b2[m] - b1[m], b3[m] - b2[m]
-            if m in ("saved", "pre_loss", "logits_bytes", "top_pre_bw", "fwd_peak"):
-                assert step1 == step2, (kind, attn, ck, ft, m, b1[m], b2[m], b3[m])
-            else:  # a peak: its moment may move by an op, so within 2% of one sequence's bytes
-                assert abs(step1 - step2) <= 0.02 * step2, (kind, attn, ck, ft, m, b1, b2, b3)
+    for kind, attn, ck, ft, fake, real, (s1, s2, s3) in out:
+        assert fake[0] == real[0], f"{kind} {attn} ckpt={ck} {ft}: {fake[0]} != {real[0]}"
+        assert len(s1) == len(s2) == len(s3), (kind, attn, ck, ft)
+        bent = [i for i in range(len(s1)) if s3[i] - s2[i] != s2[i] - s1[i]]
+        assert not bent, f"{kind} {attn} ckpt={ck} {ft}: not affine in the batch at ops {bent[:5]}"
 
 
 # -- against the real-tensor ground truth (test_estimate_groundtruth.py) ------------------------

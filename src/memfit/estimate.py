@@ -614,7 +614,7 @@ def traced_activations(
     arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: _Acts
 ) -> _Acts:
     """The activation terms from a traced run (memfit.trace): the model's own code on fake
-    tensors, 1 and 2 layers, one sequence, measured with torch's MemTracker and cached.
+    tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
 
     Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
     minus one layer (trace.LayerTrace.at); everything is multiplied by the sequences of the

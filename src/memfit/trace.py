@@ -10,7 +10,7 @@ attention variant, peft's adapters), this runs the model's own code instead. The
 from the architecture card (`ModelArch.to_hf_config()`, i.e. the config.json fields) with
 `num_hidden_layers` reduced to 1 and to 2, under `torch._subclasses.fake_tensor.FakeTensorMode`
 (fake CPU tensors: shapes and dtypes without storage, so a 72B layer at 8k tokens costs no
-memory and well under a second), and one forward + loss + backward of one sequence is measured
+memory and well under a second), and one forward + loss + backward (of 2 and of 3 sequences) is measured
 with PyTorch's `torch.distributed._tools.mem_tracker.MemTracker` (a TorchDispatchMode that
 attributes every storage to PARAM/BUFFER/GRAD/ACT/TEMP/OPT and keeps per-module snapshots at
 pre/post forward, pre/post backward and the peak of each: mem_tracker.py `_ModState`).
@@ -28,13 +28,14 @@ What each run measures (bytes of everything that is not a parameter or a buffer)
 Parameter gradients are dropped as soon as they are accumulated (a post-accumulate-grad hook),
 so the peaks are the activation side; the estimate adds the gradients the ZeRO stage keeps.
 
-Four runs: 1 and 2 decoder layers, each with 1 and 2 sequences. The 2-layer minus the 1-layer
-run is the per-layer term; the 1-layer run minus it the embedding/final-norm/logits/loss term.
-Activation bytes are exactly linear in the micro batch (every saved tensor has a batch
-dimension; tests/test_trace.py checks 1, 2 and 3 sequences), so the per-sequence part, the
-2-sequence minus the 1-sequence run, times the sequences of a micro step is the activation
-memory; what does not grow with the batch (a weight gradient alive at a peak, the rotary table)
-is left to the estimate's own terms (see `LayerTrace`).
+Four runs: 1 and 2 decoder layers, each with 2 and 3 sequences. The 2-layer minus the 1-layer
+model is the per-layer term; the 1-layer model minus it the embedding/final-norm/logits/loss
+term. What is alive at any moment of the step is affine in the number of sequences (every
+saved tensor has a batch dimension; tests/test_trace.py checks 2, 3 and 4 sequences), so the
+3-sequence minus the 2-sequence run, moment by moment, is the per-sequence activation memory,
+and the estimate multiplies it by the sequences of a micro step; what does not grow with the
+batch (a weight gradient alive at a peak, the rotary table) is left to the estimate's own
+terms (see `per_sequence`).
 
 Mappings, stated: FlashAttention-2 cannot run on the CPU; it is traced as SDPA, whose CPU kernel
 (`_scaled_dot_product_flash_attention_for_cpu`) keeps the same tensors as FlashAttention-2 (the
@@ -65,10 +66,8 @@ from typing import Any
 
 from memfit.catalog import ModelArch
 
-TRACE_FORMAT = 3  # bump when what a trace measures changes (old cache files are then ignored)
-# (decoder layers, sequences) of the traced runs: per-layer = 2 layers - 1 layer, per-sequence =
-# 2 sequences - 1 sequence
-TRACE_RUNS = ((1, 1), (1, 2), (2, 1), (2, 2))
+TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)
+TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
 MEASURES = (
     "fwd_peak",
@@ -136,23 +135,16 @@ def traced_finetune(finetune: str) -> str:
 
 @dataclass(frozen=True)
 class LayerTrace:
-    """The four traced runs (1 or 2 layers x 1 or 2 sequences) and what they imply.
-
-    Only what grows with the batch is activation memory: a measure's per-sequence part is the
-    2-sequence run minus the 1-sequence run. That removes what does not scale with the batch:
-    parameter gradients alive at a peak (a weight's gradient between its matmul and its
-    accumulation; a tied embedding's head gradient, which autograd's input buffer holds until
-    the embedding's backward adds its share: torch/csrc/autograd/input_buffer.cpp), and the
-    rotary cos/sin table ([1, s, head_dim] fp32, shared by the batch). The estimate counts
-    gradients in its own terms and adds the rotary table as the analytic path does."""
+    """Per-sequence measures (`per_sequence`) of the 1- and 2-layer models, and what they
+    imply for L layers and b sequences."""
 
     key: dict[str, Any]
-    runs: dict[str, dict[str, int]]  # "LxB" -> MEASURES (bytes), L layers, B sequences
+    runs: dict[str, dict[str, int]]  # "1", "2" layers -> MEASURES per sequence (bytes)
     seconds: float  # wall time of the traced runs when they were made
 
     def seq(self, name: str, layers: int) -> int:
         """Bytes of `name` per sequence in the `layers`-layer model."""
-        return self.runs[f"{layers}x2"][name] - self.runs[f"{layers}x1"][name]
+        return self.runs[str(layers)][name]
 
     def at(self, name: str, num_layers: int, batch: int = 1) -> int:
         """`name` for `num_layers` layers and `batch` sequences: per-layer terms are the
@@ -318,10 +310,7 @@ def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
             return None
         t = LayerTrace(
             key=key,
-            runs={
-                f"{n}x{b}": {m: int(raw["runs"][f"{n}x{b}"][m]) for m in MEASURES}
-                for n, b in TRACE_RUNS
-            },
+            runs={str(n): {m: int(raw["runs"][str(n)][m]) for m in MEASURES} for n in TRACE_LAYERS},
             seconds=float(raw.get("seconds", 0.0)),
         )
     except (ValueError, KeyError, TypeError, AttributeError):
@@ -395,10 +384,9 @@ def _child_main() -> int:
     for key in payload["keys"]:
         t0 = time.perf_counter()
         runs = {
-            f"{n}x{b}": run_trace(
+            str(n): per_sequence(
                 arch,
                 num_layers=n,
-                micro_batch=b,
                 seq_len=key["seq_len"],
                 attn=key["attn"],
                 precision=key["precision"],
@@ -407,7 +395,7 @@ def _child_main() -> int:
                 lora_rank=key["lora_rank"] or 16,
                 lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
             )
-            for n, b in TRACE_RUNS
+            for n in TRACE_LAYERS
         }
         res.append({"runs": runs, "seconds": time.perf_counter() - t0})
     print(json.dumps(res))
@@ -569,6 +557,84 @@ def run_trace(
 
     Runs in the calling process; `layer_trace`/`layer_traces` call it in a child process
     (fake parameters outlive it here, see `layer_traces`)."""
+    return _run(**locals())[0]
+
+
+_PEAKS = {  # peak measure -> its window of the op series
+    "fwd_peak": "forward",
+    "loss_bwd_peak": "loss",
+    "top_peak_bw": "top",
+    "top_mlp_peak_bw": "mlp",
+    "top_attn_peak_bw": "attn",
+    "bottom_peak_bw": "bottom",
+}
+
+
+def per_sequence(
+    arch: ModelArch,
+    num_layers: int,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+    fake: bool = True,
+) -> dict[str, int]:
+    """MEASURES per sequence: the 3-sequence run minus the 2-sequence run, moment by moment.
+
+    The two runs execute the same ops in the same order (checked), and what is alive at any
+    one moment is affine in the number of sequences (tests/test_trace.py checks 2, 3, 4), so
+    the difference at each moment is that moment's per-sequence bytes and a peak's
+    per-sequence value is the largest of those over its window. What does not scale with the
+    batch drops out: a weight's gradient alive at a peak, a tied embedding's head gradient
+    (autograd's input buffer holds it until the embedding's backward adds its share:
+    torch/csrc/autograd/input_buffer.cpp), the rotary cos/sin table; the estimate counts
+    gradients and the rotary table in its own terms."""
+    kw = dict(
+        arch=arch,
+        num_layers=num_layers,
+        seq_len=seq_len,
+        attn=attn,
+        precision=precision,
+        grad_ckpt=grad_ckpt,
+        finetune=finetune,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        fake=fake,
+    )
+    # 2 and 3 sequences: a batch of one runs a slightly different op sequence (a couple of ops
+    # fewer in transformers' Llama/Qwen2), which would misalign the moment-by-moment difference
+    m1, s1, w1 = _run(micro_batch=2, **kw)
+    m2, s2, w2 = _run(micro_batch=3, **kw)
+    if len(s1) != len(s2) or w1 != w2:
+        raise TraceError(
+            f"model {arch.name!r}: the traced step runs different ops for 2 and 3 sequences "
+            f"({len(s1)} vs {len(s2)}); its activations cannot be split per sequence"
+        )
+    diff = [b - a for a, b in zip(s1, s2, strict=True)]
+    out = {m: m2[m] - m1[m] for m in MEASURES if m not in _PEAKS}
+    for m, w in _PEAKS.items():
+        lo, hi = w1[w]
+        out[m] = max(diff[lo:hi]) if hi > lo else 0
+    return out
+
+
+def _run(
+    arch: ModelArch,
+    num_layers: int,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+    micro_batch: int = 1,
+    fake: bool = True,
+) -> tuple[dict[str, int], list[int], dict[str, tuple[int, int]]]:
+    """run_trace's measures, the activation-side total after every op, and the windows."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import _ModState
@@ -677,7 +743,15 @@ def run_trace(
             "top_attn_peak_bw": mt.peak(m_att, end_top),
             "bottom_peak_bw": mt.peak(mark(bottom, end_bottom), end_bottom),
         }
-    return out
+        windows = {
+            "forward": (0, bw_start),
+            "loss": (bw_start, m_head),
+            "top": (m_top, end_top),
+            "mlp": (m_mlp, m_att),
+            "attn": (m_att, end_top),
+            "bottom": (mark(bottom, end_bottom), end_bottom),
+        }
+    return out, mt.series, windows
 
 
 if __name__ == "__main__":
