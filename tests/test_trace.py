@@ -249,3 +249,37 @@ def test_cli_traced(tmp_path, capsys):
     a, t = analytic["peak_allocated_bytes"], traced["peak_allocated_bytes"]
     assert abs(t - a) <= 0.02 * a, (a, t)
     assert list(tmp_path.glob("*.json"))
+
+
+if __name__ == "__main__":
+    # The ground-truth table with the traced column: every case of
+    # test_estimate_groundtruth.py (MEMFIT_GT_ALL=1: all sizes), measured, analytic, traced.
+    #   PYTHONPATH=src .venv/bin/python tests/test_trace.py [words to filter cases]
+    import statistics
+    import tempfile
+
+    from test_estimate_groundtruth import CASES
+
+    cache_dir = tempfile.mkdtemp(prefix="memfit-traces-")
+    rows = []
+    for kind, method, cand in CASES:
+        label = f"{kind} {method} {cand.id}"
+        if len(sys.argv) > 1 and not all(w in label for w in sys.argv[1:]):
+            continue
+        m = measure(kind, method, cand)
+        rows.append((label, m, cand, kind, method))
+    ea, et = [], []
+    for label, m, cand, kind, method in rows:
+        s = Settings(optimizer_impl="single")
+        a = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=s)
+        st = dataclasses.replace(s, activations="traced", trace_cache=cache_dir)
+        t = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=st)
+        ea.append((a.peak_allocated_bytes - m) / m)
+        et.append((t.peak_allocated_bytes - m) / m)
+        print(
+            f"{label:66} measured {m:>10} analytic {ea[-1]:+6.1%} traced {et[-1]:+6.1%}",
+            flush=True,
+        )
+    for name, e in (("analytic", ea), ("traced", et)):
+        med = statistics.median(abs(x) for x in e)
+        print(f"{name}: median |err| {med:.2%}, max {max(abs(x) for x in e):.2%}")
