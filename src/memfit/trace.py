@@ -1,0 +1,762 @@
+"""Traced activation memory: a real transformers training step on fake tensors, per layer.
+
+    from memfit import catalog, trace
+    t = trace.layer_trace(catalog.model("qwen2.5-72b"), seq_len=4096, attn="sdpa",
+                          precision="bf16", grad_ckpt=True, finetune="full")
+    t.saved(num_layers=80, batch=2)   # bytes autograd keeps after the forward, 80 layers, b=2
+
+Where the analytic activation formulas (estimate.activations) are weak (a new architecture, an
+attention variant, peft's adapters), this runs the model's own code instead. The model is built
+from the architecture card (`ModelArch.to_hf_config()`, i.e. the config.json fields) with
+`num_hidden_layers` reduced to 1 and to 2, under `torch._subclasses.fake_tensor.FakeTensorMode`
+(fake CPU tensors: shapes and dtypes without storage, so a 72B layer at 8k tokens costs no
+memory and well under a second), and one forward + loss + backward (of 2 and of 3 sequences) is measured
+with PyTorch's `torch.distributed._tools.mem_tracker.MemTracker` (a TorchDispatchMode that
+attributes every storage to PARAM/BUFFER/GRAD/ACT/TEMP/OPT and keeps per-module snapshots at
+pre/post forward, pre/post backward and the peak of each: mem_tracker.py `_ModState`).
+
+What each run measures (bytes of everything that is not a parameter or a buffer):
+  - `fwd_peak`: the peak through the model forward and the loss forward;
+  - `pre_loss`: live after the model forward (the logits included), `logits_bytes` their size;
+  - `saved`: live after the loss forward once the model output is dropped (as train.py `loss`
+    does): what autograd keeps for the backward;
+  - `loss_bwd_peak`: the peak inside the loss's backward, until the head's backward starts;
+  - `top_pre_bw`, `top_peak_bw`, `top_mlp_peak_bw`, `top_attn_peak_bw`: the top decoder layer's
+    snapshot when its backward starts and the peaks inside it, its MLP and its attention;
+  - `bottom_peak_bw`: the peak inside the bottom layer's backward.
+  With gradient checkpointing the top layer's peak includes its recomputed forward.
+Parameter gradients are dropped as soon as they are accumulated (a post-accumulate-grad hook),
+so the peaks are the activation side; the estimate adds the gradients the ZeRO stage keeps.
+
+Four runs: 1 and 2 decoder layers, each with 2 and 3 sequences. The 2-layer minus the 1-layer
+model is the per-layer term; the 1-layer model minus it the embedding/final-norm/logits/loss
+term. What is alive at any moment of the step is affine in the number of sequences (every
+saved tensor has a batch dimension; tests/test_trace.py checks 2, 3 and 4 sequences), so the
+3-sequence minus the 2-sequence run, moment by moment, is the per-sequence activation memory,
+and the estimate multiplies it by the sequences of a micro step; what does not grow with the
+batch (a weight gradient alive at a peak, the rotary table) is left to the estimate's own
+terms (see `per_sequence`).
+
+Mappings, stated: FlashAttention-2 cannot run on the CPU; it is traced as SDPA, whose CPU kernel
+(`_scaled_dot_product_flash_attention_for_cpu`) keeps the same tensors as FlashAttention-2 (the
+output and the fp32 log-sum-exp; Dao 2023, FlashAttention-2, Algorithm 2). QLoRA's bitsandbytes
+kernels need CUDA; QLoRA is traced as LoRA (the adapters' and the layers' saved activations are
+the same; the 4-bit weight is dequantized transiently per matmul).
+
+Results are cached as JSON, one file per (architecture fields, transformers/torch/peft versions,
+sequence length, attention, precision, checkpointing, finetune, LoRA rank/targets), in
+`cache_dir`, else $MEMFIT_TRACE_CACHE, else ~/.cache/memfit/traces; written atomically
+(temporary file + os.replace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memfit.catalog import ModelArch
+
+TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)
+TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
+ENV_CACHE = "MEMFIT_TRACE_CACHE"
+MEASURES = (
+    "fwd_peak",
+    "pre_loss",
+    "logits_bytes",
+    "saved",
+    "loss_bwd_peak",
+    "top_pre_bw",
+    "top_peak_bw",
+    "top_mlp_peak_bw",
+    "top_attn_peak_bw",
+    "bottom_peak_bw",
+)
+# ModelArch fields that do not change one sequence's activations (names, provenance, the layer
+# count the trace replaces, position limit: rotary tables are built per forward for the actual
+# positions, modeling_rope_utils; the vision tower is not in the text model).
+_NOT_IN_KEY = {
+    "name",
+    "source",
+    "hf_repo",
+    "aliases",
+    "num_layers",
+    "max_position_embeddings",
+    "vision_params",
+}
+_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+_MEMO: dict[str, LayerTrace] = {}  # in-process cache over the JSON files (key hash -> trace)
+_FAST: dict[tuple, LayerTrace] = {}  # (arch, request, cache dir) -> trace, over _MEMO
+
+
+class _NoHandle:
+    def remove(self) -> None:
+        pass
+
+
+class TraceError(ValueError):
+    """The architecture cannot be traced (a missing field, a model transformers lacks)."""
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(ENV_CACHE)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "memfit" / "traces"
+
+
+def traced_attn(attn: str) -> str:
+    """The attention implementation the CPU trace runs for a candidate's `attn`."""
+    if attn not in ("flash", "sdpa", "eager"):
+        raise TraceError(f"attention must be flash, sdpa or eager, got {attn!r}")
+    return "sdpa" if attn == "flash" else attn
+
+
+def traced_finetune(finetune: str) -> str:
+    if finetune not in ("full", "lora", "qlora"):
+        raise TraceError(f"finetune must be full, lora or qlora, got {finetune!r}")
+    return "lora" if finetune == "qlora" else finetune
+
+
+@dataclass(frozen=True)
+class LayerTrace:
+    """Per-sequence measures (`per_sequence`) of the 1- and 2-layer models, and what they
+    imply for L layers and b sequences."""
+
+    key: dict[str, Any]
+    runs: dict[str, dict[str, int]]  # "1", "2" layers -> MEASURES per sequence (bytes)
+    seconds: float  # wall time of the traced runs when they were made
+
+    def seq(self, name: str, layers: int) -> int:
+        """Bytes of `name` per sequence in the `layers`-layer model."""
+        return self.runs[str(layers)][name]
+
+    def at(self, name: str, num_layers: int, batch: int = 1) -> int:
+        """`name` for `num_layers` layers and `batch` sequences: per-layer terms are the
+        2-layer minus the 1-layer run; the rest is the 1-layer run minus one layer."""
+        one, two = self.seq(name, 1), self.seq(name, 2)
+        return batch * (one + (num_layers - 1) * (two - one))
+
+    def per_layer(self, name: str, batch: int = 1) -> int:
+        return batch * (self.seq(name, 2) - self.seq(name, 1))
+
+    def saved(self, num_layers: int, batch: int = 1) -> int:
+        return self.at("saved", num_layers, batch)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "runs": self.runs,
+            "seconds": self.seconds,
+        }
+
+
+def trace_key(
+    arch: ModelArch,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+) -> dict[str, Any]:
+    """Everything a trace's numbers depend on (hashed into the cache file name)."""
+    _check(arch)
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise TraceError(f"precision must be bf16, fp16 or fp32, got {precision!r}")
+    if seq_len < 2:
+        raise TraceError(f"seq_len must be >= 2 (next-token loss), got {seq_len}")
+    ft = traced_finetune(finetune)
+    arch_fields = {k: v for k, v in dataclasses.asdict(arch).items() if k not in _NOT_IN_KEY}
+    return {
+        "format": TRACE_FORMAT,
+        "arch": arch_fields,
+        "versions": _versions(),
+        "seq_len": int(seq_len),
+        "micro_batch": 1,
+        "attn": traced_attn(attn),
+        "precision": precision,
+        "grad_ckpt": bool(grad_ckpt),
+        "finetune": ft,
+        "lora_rank": int(lora_rank) if ft != "full" else 0,
+        "lora_targets": list(lora_targets) if (ft != "full" and lora_targets) else None,
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def _versions() -> dict[str, str]:
+    # from the installed distributions' metadata: no need to import torch to read a cache hit
+    from importlib.metadata import version
+
+    return {p: version(p) for p in ("torch", "transformers", "peft")}
+
+
+def _hash(key: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One shape to trace: the trace_key arguments besides the architecture."""
+
+    seq_len: int
+    attn: str
+    precision: str
+    grad_ckpt: bool
+    finetune: str
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] | None = None
+
+
+def layer_trace(
+    arch: ModelArch,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+) -> LayerTrace:
+    """The cached trace for this shape, tracing (1 and 2 layers) on a miss."""
+    req = TraceRequest(seq_len, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets)
+    d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    fast = (arch, req, str(d))  # estimate_space asks thousands of times: skip key and hash
+    if use_cache and fast in _FAST:
+        return _FAST[fast]
+    t = layer_traces(arch, [req], cache_dir=d, use_cache=use_cache)[0]
+    if use_cache:
+        _FAST[fast] = t
+    return t
+
+
+def layer_traces(
+    arch: ModelArch,
+    requests: list[TraceRequest],
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+) -> list[LayerTrace]:
+    """Traces for several shapes of one architecture: cached ones from the cache, the missing
+    ones traced in child processes (`python -m memfit.trace`, trace_workers() of them, each
+    paying the interpreter and the imports once for its share). The child keeps the estimating process clean: fake
+    parameters outlive a traced backward (held from C++ by autograd/FakeTensorMode state), and
+    a later real measurement in the same process (memory.AllocationTracker's baseline scans
+    live tensors) would count them."""
+    d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    keys = [
+        trace_key(
+            arch,
+            r.seq_len,
+            r.attn,
+            r.precision,
+            r.grad_ckpt,
+            r.finetune,
+            r.lora_rank,
+            r.lora_targets,
+        )
+        for r in requests
+    ]
+    out: list[LayerTrace | None] = [None] * len(requests)
+    todo: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        h = _hash(key)
+        hit = _load(d, h, key) if use_cache else None
+        if hit is not None:
+            out[i] = hit
+        elif h not in todo:
+            todo[h] = i
+    if todo:
+        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()])
+        for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
+            t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
+            if use_cache:
+                _write_atomic(d / f"{h}.json", t.to_json())
+                _MEMO[f"{d.resolve()}/{h}"] = t
+            out[i] = t
+        for i, key in enumerate(keys):
+            if out[i] is None:  # a duplicate of a request traced just now
+                out[i] = out[todo[_hash(key)]]
+    return [t for t in out if t is not None]
+
+
+def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
+    memo_key = f"{d.resolve()}/{h}"
+    if memo_key in _MEMO:
+        return _MEMO[memo_key]
+    path = d / f"{h}.json"
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("key") != key:
+            return None
+        t = LayerTrace(
+            key=key,
+            runs={str(n): {m: int(raw["runs"][str(n)][m]) for m in MEASURES} for n in TRACE_LAYERS},
+            seconds=float(raw.get("seconds", 0.0)),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None  # a corrupt or foreign file: traced again and overwritten
+    _MEMO[memo_key] = t
+    return t
+
+
+def trace_workers() -> int:
+    """Child processes for a batch of traces: $MEMFIT_TRACE_WORKERS, else the CPUs this process
+    may use (each child is single-threaded: fake tensors do no arithmetic)."""
+    env = os.environ.get("MEMFIT_TRACE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _trace_in_children(
+    arch: ModelArch, keys: list[dict[str, Any]]
+) -> list[tuple[dict[str, dict[str, int]], float]]:
+    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order."""
+    n = min(trace_workers(), len(keys))
+    chunks = [list(range(len(keys)))[i::n] for i in range(n)]
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = []
+    for idx in chunks:
+        payload = {"arch": dataclasses.asdict(arch), "keys": [keys[i] for i in idx]}
+        p = subprocess.Popen(
+            [sys.executable, "-m", "memfit.trace"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        procs.append((idx, p, json.dumps(payload)))
+    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
+    errors = []
+    for idx, p, payload in procs:
+        stdout, stderr = p.communicate(payload)
+        if p.returncode != 0:
+            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
+            continue
+        res = json.loads(stdout.strip().splitlines()[-1])
+        for i, r in zip(idx, res, strict=True):
+            out[i] = (r["runs"], float(r["seconds"]))
+    if errors:
+        raise TraceError(f"tracing {arch.name!r} failed: {errors[0]}")
+    return [r for r in out if r is not None]
+
+
+def _child_main() -> int:
+    """`python -m memfit.trace`: JSON {"arch": ..., "keys": [...]} on stdin, one JSON list of
+    {"runs": {layers: MEASURES}, "seconds": s} on the last line of stdout."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    payload = json.loads(sys.stdin.read())
+    a = dict(payload["arch"])
+    a["aliases"] = tuple(a.get("aliases", ()))
+    arch = ModelArch(**a)
+    res = []
+    for key in payload["keys"]:
+        t0 = time.perf_counter()
+        runs = {
+            str(n): per_sequence(
+                arch,
+                num_layers=n,
+                seq_len=key["seq_len"],
+                attn=key["attn"],
+                precision=key["precision"],
+                grad_ckpt=key["grad_ckpt"],
+                finetune=key["finetune"],
+                lora_rank=key["lora_rank"] or 16,
+                lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
+            )
+            for n in TRACE_LAYERS
+        }
+        res.append({"runs": runs, "seconds": time.perf_counter() - t0})
+    print(json.dumps(res))
+    return 0
+
+
+def clear_memo() -> None:
+    """Forget the in-process copies (the JSON files stay)."""
+    _MEMO.clear()
+    _FAST.clear()
+
+
+def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _check(arch: ModelArch) -> None:
+    missing = [
+        f for f in _REQUIRED if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
+    ]
+    if missing:
+        raise TraceError(
+            f"model {arch.name!r}: config lacks {', '.join(missing)}; the traced path builds the "
+            f"model from these fields"
+        )
+
+
+def build_model(
+    arch: ModelArch,
+    num_layers: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+):
+    """The model as memfit's trainer builds it (train.py `load_model`): the HF class for the
+    card with `num_layers` layers, dtype, attention, non-reentrant checkpointing and peft LoRA on
+    every linear (or `lora_targets`), `enable_input_require_grads` with checkpointed LoRA.
+    Call it inside a FakeTensorMode to get fake parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    try:
+        cfg = dataclasses.replace(arch, num_layers=num_layers).to_hf_config()
+    except (ValueError, KeyError) as exc:
+        raise TraceError(f"model {arch.name!r}: transformers cannot build it: {exc}") from None
+    cfg.use_cache = False
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+    model.train()
+    if grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if finetune == "lora":
+        from unittest import mock
+
+        from peft import LoraConfig, get_peft_model
+
+        # The adapters in the training dtype, as DeepSpeed leaves them: its engine casts every
+        # parameter to bf16/fp16 (runtime/engine.py `_configure_distributed_model` ->
+        # `_cast_module_mixed_precision`), undoing peft's fp32 `autocast_adapter_dtype`. They are
+        # created in that dtype directly: peft's `.to(device, dtype)` moves of fake parameters
+        # fail in torch's `Module._apply` (fake parameters are always swapped, and swap_tensors
+        # refuses tensors FakeTensorMode holds weakrefs to); everything is already on the CPU
+        # in the right dtype, so `Module.to` is a no-op while peft injects the adapters.
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
+                model = get_peft_model(
+                    model,
+                    LoraConfig(
+                        r=lora_rank,
+                        lora_alpha=2 * lora_rank,
+                        lora_dropout=0.0,
+                        target_modules=list(lora_targets) if lora_targets else "all-linear",
+                        task_type="CAUSAL_LM",
+                    ),
+                    autocast_adapter_dtype=False,
+                )
+        finally:
+            torch.set_default_dtype(prev)
+        if grad_ckpt:
+            model.enable_input_require_grads()
+    return model
+
+
+def _series_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class SeriesTracker(MemTracker):
+        """MemTracker that also keeps the activation-side total after every op (`series`) and
+        where each module's backward starts in it (`marks`)."""
+
+        def __init__(self, device) -> None:
+            super().__init__()
+            self.device = device
+            self.series: list[int] = []
+            self.marks: dict[int, int] = {}
+
+        def act(self, snap: dict) -> int:
+            s = snap.get(self.device, {})
+            kinds = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.GRAD)
+            return int(sum(s.get(r, 0) for r in kinds))
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # replaces MemTracker's per-op deepcopy of a snapshot for every active module (a
+            # third of a traced run); the peaks are taken from `series` instead
+            self.series.append(self.act(self._curr_mem_snap))
+
+        def _pre_bw_hook(self, module, args) -> None:
+            super()._pre_bw_hook(module, args)
+            if module is not None:
+                self.marks.setdefault(id(module), len(self.series))
+
+        def peak(self, start: int, end: int) -> int:
+            window = self.series[start:end]
+            return max(window) if window else 0
+
+    return SeriesTracker
+
+
+def _SeriesTracker(device):
+    return _series_tracker_class()(device)
+
+
+def _not_packed(position_ids):
+    return None
+
+
+def run_trace(
+    arch: ModelArch,
+    num_layers: int,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+    micro_batch: int = 1,
+    fake: bool = True,
+) -> dict[str, int]:
+    """One traced forward + loss + backward (uncached). Returns MEASURES in bytes.
+
+    Runs in the calling process; `layer_trace`/`layer_traces` call it in a child process
+    (fake parameters outlive it here, see `layer_traces`)."""
+    return _run(**locals())[0]
+
+
+_PEAKS = {  # peak measure -> its window of the op series
+    "fwd_peak": "forward",
+    "loss_bwd_peak": "loss",
+    "top_peak_bw": "top",
+    "top_mlp_peak_bw": "mlp",
+    "top_attn_peak_bw": "attn",
+    "bottom_peak_bw": "bottom",
+}
+
+
+def per_sequence(
+    arch: ModelArch,
+    num_layers: int,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+    fake: bool = True,
+) -> dict[str, int]:
+    """MEASURES per sequence: the 3-sequence run minus the 2-sequence run, moment by moment.
+
+    The two runs execute the same ops in the same order (checked), and what is alive at any
+    one moment is affine in the number of sequences (tests/test_trace.py checks 2, 3, 4), so
+    the difference at each moment is that moment's per-sequence bytes and a peak's
+    per-sequence value is the largest of those over its window. What does not scale with the
+    batch drops out: a weight's gradient alive at a peak, a tied embedding's head gradient
+    (autograd's input buffer holds it until the embedding's backward adds its share:
+    torch/csrc/autograd/input_buffer.cpp), the rotary cos/sin table; the estimate counts
+    gradients and the rotary table in its own terms."""
+    kw = dict(
+        arch=arch,
+        num_layers=num_layers,
+        seq_len=seq_len,
+        attn=attn,
+        precision=precision,
+        grad_ckpt=grad_ckpt,
+        finetune=finetune,
+        lora_rank=lora_rank,
+        lora_targets=lora_targets,
+        fake=fake,
+    )
+    # 2 and 3 sequences: a batch of one runs a slightly different op sequence (a couple of ops
+    # fewer in transformers' Llama/Qwen2), which would misalign the moment-by-moment difference
+    m1, s1, w1 = _run(micro_batch=2, **kw)
+    m2, s2, w2 = _run(micro_batch=3, **kw)
+    if len(s1) != len(s2) or w1 != w2:
+        raise TraceError(
+            f"model {arch.name!r}: the traced step runs different ops for 2 and 3 sequences "
+            f"({len(s1)} vs {len(s2)}); its activations cannot be split per sequence"
+        )
+    diff = [b - a for a, b in zip(s1, s2, strict=True)]
+    out = {m: m2[m] - m1[m] for m in MEASURES if m not in _PEAKS}
+    for m, w in _PEAKS.items():
+        lo, hi = w1[w]
+        out[m] = max(diff[lo:hi]) if hi > lo else 0
+    return out
+
+
+def _run(
+    arch: ModelArch,
+    num_layers: int,
+    seq_len: int,
+    attn: str,
+    precision: str,
+    grad_ckpt: bool,
+    finetune: str,
+    lora_rank: int = 16,
+    lora_targets: tuple[str, ...] | None = None,
+    micro_batch: int = 1,
+    fake: bool = True,
+) -> tuple[dict[str, int], list[int], dict[str, tuple[int, int]]]:
+    """run_trace's measures, the activation-side total after every op, and the windows."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import _ModState
+
+    from memfit.losses import token_logps
+
+    class _Loss(torch.nn.Module):
+        """memfit's SFT loss (losses.sft_loss) as a module so MemTracker records its backward.
+        The token count is a Python number here: sft_loss's int(mask.sum()) reads data, which
+        fake tensors have not, and allocates nothing that matters."""
+
+        def forward(self, logits, labels):
+            logps, _ = token_logps(logits, labels)
+            return -logps.sum() / max(labels.numel() - labels.shape[0], 1)
+
+    import contextlib
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    cpu = torch.device("cpu")
+    # fake=False runs the same step on real tensors (small models only): a check of the fake run
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        model = build_model(
+            arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets
+        )
+        layers = [
+            m
+            for n, m in model.named_modules()
+            if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)
+        ]
+        if not layers or len(layers[0]) != num_layers:
+            raise TraceError(f"model {arch.name!r}: no decoder `layers` ModuleList to trace")
+        top, bottom = layers[0][num_layers - 1], layers[0][0]
+        mlp = getattr(top, "mlp", None)
+        att = getattr(top, "self_attn", None)
+        loss_mod = _Loss()
+        for p in model.parameters():
+            if p.requires_grad:
+                # drop each gradient once accumulated: the peaks below are the activation side
+                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+        ids = torch.randint(0, arch.vocab_size, (micro_batch, seq_len))
+        labels = ids.clone()
+        mt = _SeriesTracker(cpu)
+        # MemTracker registers a gradient hook on every parameter it meets (mem_tracker.py
+        # `_track_module_params_and_buffers`), which fails on frozen ones (LoRA's base weights)
+        # and would count the gradients we drop; a placeholder handle per parameter stops it.
+        for p in model.parameters():
+            mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
+        mt.track_external(model)
+
+        act = mt.act
+        with mt:
+            # One unpadded sequence per row. transformers decides from tensor values whether
+            # SDPA may use is_causal instead of a materialised [b, 1, s, s] mask: padding_mask.all()
+            # (masking_utils `_ignore_causal_mask_sdpa`) and "are the position ids one packed
+            # sequence" (`find_packed_sequence_indices`); on fake tensors it cannot read them
+            # and keeps the mask, and with a mask SDPA also repeats the GQA keys and values
+            # (integrations/sdpa_attention.py `use_gqa_in_sdpa`). So no attention mask is passed
+            # (what all-ones means) and the packing check answers what it answers on a real
+            # unpadded batch: not packed.
+            with mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed):
+                logits = model(input_ids=ids, use_cache=False).logits
+            pre_loss = act(mt.get_tracker_snapshot())
+            logits_bytes = logits.numel() * logits.element_size()
+            loss = loss_mod(logits, labels)
+            del logits
+            saved = act(mt.get_tracker_snapshot())
+            bw_start = len(mt.series)
+            fwd_peak = mt.peak(0, bw_start)
+            loss.backward()
+            del loss
+
+        def snap(mod, state) -> int:
+            if mod is None or mod not in mt.memory_tracking:
+                return 0
+            snaps = mt.memory_tracking[mod].snapshots.get(state, [])
+            return act(snaps[-1]) if snaps else 0
+
+        # Peaks over windows of the backward's op sequence, cut where a module's backward
+        # starts (MemTracker's per-module PEAK_BW needs the module's post-backward hook, which
+        # under checkpointing does not fire for submodules: their forward inputs are not in the
+        # recomputed graph). Backward order in a decoder layer: MLP, post-attention norm,
+        # attention, input norm; the layer below (or the embedding) starts after it.
+        n = len(mt.series)
+        below = layers[0][num_layers - 2] if num_layers > 1 else model.get_input_embeddings()
+
+        def mark(mod, default: int) -> int:
+            return mt.marks.get(id(mod), default) if mod is not None else default
+
+        end_top = mark(below, n)
+        m_top = mark(top, end_top)
+        m_mlp = mark(mlp, m_top)
+        m_att = mark(att, end_top)
+        m_head = mark(model.get_output_embeddings(), n)
+        end_bottom = mark(model.get_input_embeddings(), n)
+        out = {
+            "fwd_peak": fwd_peak,
+            "pre_loss": pre_loss,
+            "logits_bytes": int(logits_bytes),
+            "saved": saved,
+            "loss_bwd_peak": mt.peak(bw_start, m_head),
+            "top_pre_bw": snap(top, _ModState.PRE_BW),
+            "top_peak_bw": mt.peak(m_top, end_top),
+            "top_mlp_peak_bw": mt.peak(m_mlp, m_att),
+            "top_attn_peak_bw": mt.peak(m_att, end_top),
+            "bottom_peak_bw": mt.peak(mark(bottom, end_bottom), end_bottom),
+        }
+        windows = {
+            "forward": (0, bw_start),
+            "loss": (bw_start, m_head),
+            "top": (m_top, end_top),
+            "mlp": (m_mlp, m_att),
+            "attn": (m_att, end_top),
+            "bottom": (mark(bottom, end_bottom), end_bottom),
+        }
+    return out, mt.series, windows
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(_child_main())
+    except TraceError as exc:
+        print(f"memfit.trace: {exc}", file=sys.stderr)
+        sys.exit(2)
