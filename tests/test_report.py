@@ -67,7 +67,7 @@ def _dpo_run(root: Path, *, plan_only: bool = False, reason: str = "probe oom: C
     }  # fmt: skip
     breakdown = {"params": 20 * MiB, "grads": 20 * MiB, "optimizer": 80 * MiB, "activations": 30 * MiB,
                  "logits": 10 * MiB, "reference": 20 * MiB, "temporaries": 5 * MiB, "overheads": 0}  # fmt: skip
-    table = {"world_size": 2, "budget": selected["budget"], "rows": [
+    table = {"world_size": 2, "budget": selected["budget"], "estimator": "memfit.estimate (activations traced)", "rows": [
         {"id": WINNER, "candidate": winner["candidate"], "breakdown": breakdown, "notes": ["fp32 on the CPU"]},
         {"id": OOM, "candidate": loser["candidate"], "breakdown": {k: 4 * v for k, v in breakdown.items()}},
     ]}  # fmt: skip
@@ -185,6 +185,7 @@ def test_training_memory_and_data_figures_with_units(page):
     assert "1,000" in text and "prompt_too_long" in text and "chosen" in text  # rows read, dropped, truncated
     assert "4,005 tok/s" in text or "4,004 tok/s" in text
     assert "4.00 GiB per device, 10% headroom kept free: 3.60 GiB usable" in text
+    assert "Predicted by memfit.estimate (activations traced)" in text
 
 
 def test_dpo_reference_modes_measured_side_by_side(tmp_path):

@@ -74,10 +74,12 @@ def candidates(config: dict[str, Any], method: str) -> list[Candidate]:
 # --------------------------------------------------------------------------- stages
 def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: str, out_json: Path) -> dict[str, Any]:
     """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes."""
-    from memfit.estimate import estimate_space
+    from memfit.estimate import Settings, estimate_space
 
     arch = catalog.model(model_source(config, model))
     b = budget(config, gpu)
+    est = config.get("estimate") or {}
+    settings = Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
     rows = estimate_space(
         arch,
         catalog.gpu(gpu),
@@ -87,6 +89,7 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
         candidates(config, method),
         host_memory_gb=b.host_bytes / 1e9,
         budget_bytes=b.device_limit_bytes,
+        settings=settings,
     )
     ranked = sorted(
         (r for r in rows if r["fits"] and not r["invalid"]),
@@ -103,7 +106,7 @@ def estimate_candidates(config: dict[str, Any], model: str, gpu: str, method: st
         "world_size": world_size(config),
         "budget": dataclasses.asdict(b),
         "arch": dataclasses.asdict(arch),
-        "estimator": "memfit.estimate (analytic)",
+        "estimator": f"memfit.estimate (activations {settings.activations})",
         "probe": probe,
         "reference_compare": compare,
         "rows": rows,

@@ -674,6 +674,8 @@ def _run_section(run: Run, i: int, data_anchor: str | None) -> str:
     )
     out.append(memory_chart(run))
     out.append("<h3>Predicted memory breakdown</h3>")
+    if (run.table or {}).get("estimator"):
+        out.append(f'<p class="muted">Predicted by {_e(run.table["estimator"])}.</p>')
     out.append(breakdown_chart(run))
 
     out.append("<h3>Training</h3>")

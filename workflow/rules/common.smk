@@ -85,6 +85,7 @@ def estimate_settings(w):
         "host_memory_gib",
         "headroom",
         "plan_only",
+        "estimate",
     )
     return {k: config.get(k) for k in keys} | {
         "probe": config["probe"],
