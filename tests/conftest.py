@@ -24,3 +24,14 @@ def demo_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo") / "demo-tiny"
     build_demo_model(REPO / "config/models/demo-tiny.json", REPO / "data/demo", out)
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_data(demo_model, tmp_path_factory) -> Path:
+    """The demo SFT and DPO data prepared for the demo model (max_len 32), once per session."""
+    from memfit.data import prepare
+
+    root = tmp_path_factory.mktemp("data")
+    for method in ("sft", "dpo"):
+        prepare(method, REPO / f"data/demo/{method}.jsonl", demo_model, root / method, max_len=32, eval_fraction=0.05)
+    return root

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from deepspeed_runs import base_run, run
 from safetensors.torch import load_file
 
 from memfit import checkpoint
-from memfit.launch import launch
 from memfit.train import Run, RunConfig, Schedule
 
 
@@ -200,37 +200,12 @@ def test_mem_available_reads_proc_meminfo():
 
 # --------------------------------------------------------------------------- real DeepSpeed runs
 @pytest.fixture(scope="module")
-def data(demo_model, tmp_path_factory, repo):
-    from memfit.data import prepare
-
-    root = tmp_path_factory.mktemp("data")
-    prepare("sft", repo / "data/demo/sft.jsonl", demo_model, root / "sft", max_len=32, eval_fraction=0.05)
-    return root
+def data(demo_data):
+    return demo_data
 
 
-def base_run(demo_model, data, out, **cand):
-    return RunConfig(
-        method="sft",
-        model_path=str(demo_model),
-        data_dir=str(data / "sft"),
-        out_dir=str(out),
-        candidate={"zero": 2, "precision": "fp32", "seq_len": 32, "micro_batch": 4, "grad_accum": 1, **cand},
-        max_steps=6,
-        lr=3e-3,
-        warmup_steps=2,
-        save_every=3,
-        eval_every=3,
-        log_every=1,
-    )
-
-
-def run(cfg: RunConfig, nproc: int) -> list[dict]:
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.save(out / "run.json")
-    rc = launch(out / "run.json", nproc, log=out / "log.txt", timeout_s=900)
-    assert rc == 0, (out / "log.txt").read_text()[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def sft_run(demo_model, data, out, **cand):
+    return base_run(demo_model, data, out, **{"micro_batch": 4, **cand})
 
 
 def rows_of(rows, split):
@@ -253,7 +228,7 @@ def interrupted_copy(src: Path, dest: Path, keep: str) -> None:
 def test_a_checkpoint_resumes_on_another_number_of_ranks(demo_model, data, tmp_path, zero, before, after):
     """Global batch 8 = 4 micro x accum x ranks throughout; ZeRO-1/2/3 through a universal
     checkpoint, ZeRO-0 (nothing partitioned) as saved."""
-    ref_cfg = base_run(demo_model, data, tmp_path / "ref", zero=zero, grad_accum=2 // before)
+    ref_cfg = sft_run(demo_model, data, tmp_path / "ref", zero=zero, grad_accum=2 // before)
     ref = run(ref_cfg, before)
     out = tmp_path / "resumed"
     interrupted_copy(tmp_path / "ref", out, "step00000003")

@@ -8,47 +8,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from deepspeed_runs import base_run, run
 from safetensors.torch import load_file
 
 from memfit.launch import launch
-from memfit.train import RunConfig
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def data(demo_model, tmp_path_factory, repo):
-    from memfit.data import prepare
-
-    root = tmp_path_factory.mktemp("data")
-    for method in ("sft", "dpo"):
-        prepare(method, repo / f"data/demo/{method}.jsonl", demo_model, root / method, max_len=32, eval_fraction=0.05)
-    return root
-
-
-def base_run(demo_model, data, out, method="sft", **cand):
-    return RunConfig(
-        method=method,
-        model_path=str(demo_model),
-        data_dir=str(data / method),
-        out_dir=str(out),
-        candidate={"zero": 2, "precision": "fp32", "seq_len": 32, "micro_batch": 8, "grad_accum": 1, **cand},
-        max_steps=6,
-        lr=3e-3,
-        warmup_steps=2,
-        save_every=3,
-        eval_every=3,
-        log_every=1,
-        dpo={"beta": 0.1} if method == "dpo" else {},
-    )
-
-
-def run(cfg: RunConfig) -> list[dict]:
-    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
-    cfg.save(Path(cfg.out_dir) / "run.json")
-    rc = launch(Path(cfg.out_dir) / "run.json", 2, log=Path(cfg.out_dir) / "log.txt", timeout_s=600)
-    assert rc == 0, (Path(cfg.out_dir) / "log.txt").read_text()[-3000:]
-    return [json.loads(line) for line in (Path(cfg.out_dir) / "metrics.jsonl").read_text().splitlines()]
+def data(demo_data):
+    return demo_data
 
 
 def losses(rows, split="train"):
