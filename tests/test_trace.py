@@ -9,7 +9,7 @@
 - a config missing a needed field is a clear error.
 
 Traces run in a child process (trace.layer_traces), as in production; the fake-vs-real checks
-run run_trace in a child too, so that no fake tensor outlives them in the pytest process (the
+run _run in a child too, so that no fake tensor outlives them in the pytest process (the
 AllocationTracker baseline of later tests scans live tensors).
 """
 

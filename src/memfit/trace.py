@@ -540,26 +540,6 @@ def _not_packed(position_ids):
     return None
 
 
-def run_trace(
-    arch: ModelArch,
-    num_layers: int,
-    seq_len: int,
-    attn: str,
-    precision: str,
-    grad_ckpt: bool,
-    finetune: str,
-    lora_rank: int = 16,
-    lora_targets: tuple[str, ...] | None = None,
-    micro_batch: int = 1,
-    fake: bool = True,
-) -> dict[str, int]:
-    """One traced forward + loss + backward (uncached). Returns MEASURES in bytes.
-
-    Runs in the calling process; `layer_trace`/`layer_traces` call it in a child process
-    (fake parameters outlive it here, see `layer_traces`)."""
-    return _run(**locals())[0]
-
-
 _PEAKS = {  # peak measure -> its window of the op series
     "fwd_peak": "forward",
     "loss_bwd_peak": "loss",
@@ -570,19 +550,9 @@ _PEAKS = {  # peak measure -> its window of the op series
 }
 
 
-def per_sequence(
-    arch: ModelArch,
-    num_layers: int,
-    seq_len: int,
-    attn: str,
-    precision: str,
-    grad_ckpt: bool,
-    finetune: str,
-    lora_rank: int = 16,
-    lora_targets: tuple[str, ...] | None = None,
-    fake: bool = True,
-) -> dict[str, int]:
+def per_sequence(arch: ModelArch, **shape: Any) -> dict[str, int]:
     """MEASURES per sequence: the 3-sequence run minus the 2-sequence run, moment by moment.
+    `shape`: `_run`'s keyword arguments besides the micro batch.
 
     The two runs execute the same ops in the same order (checked), and what is alive at any
     one moment is affine in the number of sequences (tests/test_trace.py checks 2, 3, 4), so
@@ -592,22 +562,10 @@ def per_sequence(
     (autograd's input buffer holds it until the embedding's backward adds its share:
     torch/csrc/autograd/input_buffer.cpp), the rotary cos/sin table; the estimate counts
     gradients and the rotary table in its own terms."""
-    kw = dict(
-        arch=arch,
-        num_layers=num_layers,
-        seq_len=seq_len,
-        attn=attn,
-        precision=precision,
-        grad_ckpt=grad_ckpt,
-        finetune=finetune,
-        lora_rank=lora_rank,
-        lora_targets=lora_targets,
-        fake=fake,
-    )
     # 2 and 3 sequences: a batch of one runs a slightly different op sequence (a couple of ops
     # fewer in transformers' Llama/Qwen2), which would misalign the moment-by-moment difference
-    m1, s1, w1 = _run(micro_batch=2, **kw)
-    m2, s2, w2 = _run(micro_batch=3, **kw)
+    m1, s1, w1 = _run(arch, micro_batch=2, **shape)
+    m2, s2, w2 = _run(arch, micro_batch=3, **shape)
     if len(s1) != len(s2) or w1 != w2:
         raise TraceError(
             f"model {arch.name!r}: the traced step runs different ops for 2 and 3 sequences "
