@@ -8,13 +8,14 @@ allocated bytes of live tensor storages per rank via `memory.AllocationTracker`)
 1.010, z2 DPO 1.049, z3 SFT grad_accum 4 0.991).
 
 ZeRO-3 with gradient checkpointing (SFT, and DPO with precomputed reference log-probs): measured
-2026-11 with the model in train mode, SFT mb4 43.69 MiB vs 44.73 predicted (0.977). These cases
-need the trainer to put the model in train mode before the first step: transformers'
-`from_pretrained` returns it in eval mode (modeling_utils.py `PreTrainedModel.from_pretrained`:
-`model.eval()`), and `GradientCheckpointingLayer.forward_with_checkpointing`
-(modeling_layers.py) checkpoints only when `self.training`. A probe runs no evaluation, so
-without `.train()` it trains without checkpointing and measures the no-checkpointing peak (SFT
-mb4 49.28 MiB, estimate with grad_ckpt off 50.01; DPO mb4 57.4 vs 58.02).
+2026-11 with the model in train mode, SFT mb4 43.69 MiB vs 44.73 predicted (0.977), DPO mb4
+46.27 vs 47.46 (0.975). These cases need the trainer to put the model in train mode before the
+first step: transformers' `from_pretrained` returns it in eval mode (modeling_utils.py
+`PreTrainedModel.from_pretrained`: `model.eval()`), and
+`GradientCheckpointingLayer.forward_with_checkpointing` (modeling_layers.py) checkpoints only
+when `self.training`. A probe runs no evaluation, so without `.train()` it trains without
+checkpointing and measures the no-checkpointing peak (SFT mb4 49.28 MiB, the estimate with
+grad_ckpt off 50.01; DPO mb4 57.4 vs 58.02).
 """
 
 from __future__ import annotations
