@@ -7,13 +7,15 @@ allocated bytes of live tensor storages per rank via `memory.AllocationTracker`)
 2026-11: z0 DPO grad_accum 2 1.017, z2 SFT 0.963, z3 SFT 1.003; also z0 DPO grad_accum 4
 1.010, z2 DPO 1.049, z3 SFT grad_accum 4 0.991).
 
-Not covered within 10%: ZeRO-3 with gradient checkpointing and DPO ref=precomputed (measured
-63.1 MiB, predicted 47.1, ratio 1.34). Two causes seen in an allocation trace: the ranks'
-baseline holds 5.7 MiB (4 P / N) more than without the precompute pass (the reference
-pass's ZeRO-3 partitions stay referenced after `Run._precompute_reference`), and ZeRO-3's
-`LinearFunctionForZeroStage3` (runtime/zero/linear.py) saves more per layer under
-checkpointing than the estimator's recompute term. It is left out here rather than
-asserted loosely.
+ZeRO-3 with gradient checkpointing (SFT, and DPO with precomputed reference log-probs): measured
+2026-11 with the model in train mode, SFT mb4 43.69 MiB vs 44.73 predicted (0.977), DPO mb4
+46.27 vs 47.46 (0.975). These cases need the trainer to put the model in train mode before the
+first step: transformers' `from_pretrained` returns it in eval mode (modeling_utils.py
+`PreTrainedModel.from_pretrained`: `model.eval()`), and
+`GradientCheckpointingLayer.forward_with_checkpointing` (modeling_layers.py) checkpoints only
+when `self.training`. A probe runs no evaluation, so without `.train()` it trains without
+checkpointing and measures the no-checkpointing peak (SFT mb4 49.28 MiB, the estimate with
+grad_ckpt off 50.01; DPO mb4 57.4 vs 58.02).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ CASES = {
     "z2-sft-mb16": ("sft", dict(zero=2, micro_batch=16)),
     # ZeRO-3: full-size gradients held until reduce-scatter (stage3.py)
     "z3-sft-mb16": ("sft", dict(zero=3, micro_batch=16)),
+    # ZeRO-3 + non-reentrant checkpointing: each layer's forward runs again inside its backward
+    "z3-gc-sft-mb4": ("sft", dict(zero=3, micro_batch=4, grad_ckpt=True)),
+    "z3-gc-dpo-mb4": ("dpo", dict(zero=3, micro_batch=4, grad_ckpt=True, ref="precomputed")),
 }
 
 

@@ -558,7 +558,11 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     rope = 2 * 4 * sq * hd  # cos and sin, shared by all layers (fp32)
     ids = 3 * 8 * b * sq  # int64 input ids, attention mask and labels
     if cand.grad_ckpt:
-        # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input
+        # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input.
+        # Only in train mode: `GradientCheckpointingLayer.forward_with_checkpointing`
+        # (transformers modeling_layers.py) checkpoints when `self.training`, and `from_pretrained`
+        # returns the model in eval mode; a trainer that never calls `.train()` keeps every
+        # layer's tensors (the no-checkpointing estimate; tests/test_estimate_deepspeed.py).
         kept = arch.num_layers * d * t * h
     else:
         kept = arch.num_layers * layer
