@@ -727,6 +727,11 @@ class Run:
         from tqdm import tqdm
 
         cfg = self.cfg
+        # from_pretrained returns the model in eval mode (transformers modeling_utils.py), and
+        # transformers checkpoints a layer only when `self.gradient_checkpointing and
+        # self.training` (modeling_layers.py GradientCheckpointingLayer), LoRA dropout likewise:
+        # without this, probes and any run before its first evaluation trained in eval mode.
+        self.engine.train()
         tracker = None if torch.cuda.is_available() else AllocationTracker(_device())
         reset_device_peaks()
         if tracker is not None:
