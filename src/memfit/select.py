@@ -12,15 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-GiB = 2**30
-
-
-def fmt_bytes(n: float) -> str:
-    """Binary units a person reads at a glance: 85.0 MiB, 1.23 GiB."""
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+from .units import fmt_bytes
 
 
 @dataclass(frozen=True)
