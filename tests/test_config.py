@@ -5,7 +5,7 @@ import copy
 import pytest
 import yaml
 
-from memfit.pipeline import ConfigError, candidates, validate_config
+from memfit.config import ConfigError, WorkflowConfig, validate_config
 
 
 @pytest.fixture()
@@ -47,7 +47,7 @@ def test_bad_config_names_the_key(config, change, expected):
 
 def test_every_candidate_trains_the_same_global_batch(config):
     for method in ("sft", "dpo"):
-        cands = candidates(config, method)
+        cands = WorkflowConfig.load(config).candidates(method)
         assert cands
         for c in cands:
             assert c.micro_batch * c.grad_accum * config["num_gpus"] == config["train"]["global_batch"]
