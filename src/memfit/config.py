@@ -44,6 +44,15 @@ class ModelEntry:
 
 
 @dataclass(frozen=True)
+class ProbeSettings:
+    """`probe:`: how many candidates to measure, for how many optimizer steps, for how long at most."""
+
+    top_k: int
+    steps: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
 class WorkflowConfig:
     """The validated workflow config. `raw` is the dict Snakemake holds (numbers coerced)."""
 
@@ -101,6 +110,16 @@ class WorkflowConfig:
             device = gpu.memory_bytes
         host_gib = self.raw.get("host_memory_gib") or gpu.typical_host_memory_gb * 1e9 / GIB
         return Budget(device_bytes=device, host_bytes=int(float(host_gib) * GIB), headroom=float(self.raw["headroom"]))
+
+    @property
+    def probe(self) -> ProbeSettings:
+        p = self.raw["probe"]
+        return ProbeSettings(top_k=int(p["top_k"]), steps=int(p["steps"]), timeout_s=float(p.get("timeout_s", 900)))
+
+    @property
+    def estimate(self) -> dict[str, Any]:
+        """`estimate:` (activations: analytic | traced, trace_cache), {} when absent."""
+        return dict(self.raw.get("estimate") or {})
 
     # -- the search space ------------------------------------------------------------------
     @property

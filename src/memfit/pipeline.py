@@ -32,7 +32,7 @@ def estimate_candidates(
     cfg = WorkflowConfig.of(config)
     arch = catalog.model(cfg.arch_source(model))
     b = cfg.budget(gpu)
-    est = cfg.raw.get("estimate") or {}
+    est = cfg.estimate
     settings = Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
     rows = estimate_space(
         arch,
@@ -49,7 +49,7 @@ def estimate_candidates(
         (r for r in rows if r["fits"] and not r["invalid"]),
         key=lambda r: -r["tokens_per_s"],  # fastest predicted first
     )
-    probe = [] if cfg.plan_only else probe_choice(ranked, int(cfg.raw["probe"]["top_k"]))
+    probe = [] if cfg.plan_only else probe_choice(ranked, cfg.probe.top_k)
     compare = reference_twin(rows, probe) if method == "dpo" else None
     if compare and compare["model"] not in probe:
         probe.append(compare["model"])  # one probe more: the same candidate holding a reference model
@@ -121,14 +121,13 @@ def probe_candidate(
     if row is None:
         raise ValueError(f"{candidates_json}: no candidate {cand_id!r}")
     run = cfg.run_config(method, row["candidate"], model_path, data_dir, str(Path(out_json).parent))
-    probe = cfg.raw["probe"]
     return run_probe(
         run,
         nproc=cfg.num_gpus,
         out_json=Path(out_json),
         log=Path(log),
-        steps=int(probe["steps"]),
-        timeout_s=float(probe.get("timeout_s", 900)),
+        steps=cfg.probe.steps,
+        timeout_s=cfg.probe.timeout_s,
         prediction=row,
     )
 
