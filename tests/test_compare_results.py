@@ -28,7 +28,8 @@ def write_tree(root: Path, *, selected="z2-mb8", losses=(2.5, 2.0, 1.5), passed=
     for cid in ("z2-mb8", "z3-mb4"):
         status = probe_status if cid == "z3-mb4" else "ok"
         (run / "probes" / f"{cid}.json").write_text(json.dumps({"id": cid, "status": status, "step_time_s": 0.3}))
-    (run / "selected.json").write_text(json.dumps({"selected": {"id": selected, "tokens_per_s": 123.0}}))
+    ranked = [{"id": cid, "tokens_per_s": 1000.0 + (cid == selected), "source": "measured"} for cid in ("z2-mb8", "z3-mb4")]
+    (run / "selected.json").write_text(json.dumps({"selected": {"id": selected}, "candidates": ranked}))
     metrics = [{"step": s + 1, "split": "train", "loss": loss, "tokens_per_s": 99.0 + s} for s, loss in enumerate(losses)]
     metrics.append({"step": len(losses), "split": "eval", "loss": losses[-1] + 0.1})
     (run / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
@@ -64,6 +65,14 @@ def test_each_difference_is_named_and_exits_1(tmp_path, capsys, change, expected
     assert expected in diffs, diffs
     assert cli(["compare-results", str(a), str(b)]) == 1
     assert expected in capsys.readouterr().out
+
+
+def test_a_different_selection_shows_both_candidates_speeds(tmp_path):
+    diffs = compare_trees(write_tree(tmp_path / "a"), write_tree(tmp_path / "b", selected="z3-mb4"))
+    assert diffs[-1] == (
+        f"{RUN}/selected.json: tokens/s (first tree: z2-mb8 1001 (measured), z3-mb4 1000 (measured); "
+        "second tree: z2-mb8 1000 (measured), z3-mb4 1001 (measured))"
+    )
 
 
 def test_a_missing_step_or_run_is_a_difference(tmp_path):

@@ -79,7 +79,10 @@ def compare_run(a: Path, b: Path, name: str, rtol: float) -> list[str]:
         if fa.exists() != fb.exists():
             out.append(f"{name}/{rel}: only in {fa if fa.exists() else fb}")
             continue
-        out += _diff(f"{name}/{rel}", facts(fa), facts(fb), rtol)
+        diffs = _diff(f"{name}/{rel}", facts(fa), facts(fb), rtol)
+        if diffs and rel == "selected.json":
+            diffs.append(f"{name}/{rel}: {_speeds(fa, fb)}")
+        out += diffs
     probes_a, probes_b = _probe_outcomes(a), _probe_outcomes(b)
     out += _diff(f"{name}/probes", probes_a, probes_b, rtol)
     return out
@@ -122,6 +125,24 @@ def _candidate_facts(path: Path) -> dict[str, Any]:
 def _selection_facts(path: Path) -> dict[str, Any]:
     selected = _get(_read_json(path), "selected", path)
     return {"selected": _get(selected, "id", path)}
+
+
+def _speeds(fa: Path, fb: Path) -> str:
+    """Why the selections may differ: both selected candidates' throughput in each tree (measured
+    speeds vary between runs; two candidates within a few percent can swap places)."""
+    chosen = [_get(_read_json(f), "selected", f)["id"] for f in (fa, fb)]
+    parts = []
+    for label, f in (("first", fa), ("second", fb)):
+        rows = {r.get("id"): r for r in _read_json(f).get("candidates", [])}
+        speeds = ", ".join(f"{cid} {_tok_s(rows.get(cid))}" for cid in dict.fromkeys(chosen))
+        parts.append(f"{label} tree: {speeds}")
+    return "tokens/s (" + "; ".join(parts) + ")"
+
+
+def _tok_s(row: dict[str, Any] | None) -> str:
+    if row is None or row.get("tokens_per_s") is None:
+        return "n/a"
+    return f"{row['tokens_per_s']:.0f} ({row.get('source', '?')})"
 
 
 def _verdict_facts(path: Path) -> dict[str, Any]:
