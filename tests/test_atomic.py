@@ -46,6 +46,7 @@ def test_a_write_that_fails_midway_leaves_the_destination_whole(tmp_path, monkey
     with pytest.raises(OSError, match="No space left"):
         write_text_atomic(path, "new, but never finished\n")
     assert path.read_text() == "old\n"
+    assert os.listdir(tmp_path) == ["x.txt"]  # and no half-written temporary beside it
 
 
 def test_a_concurrent_reader_never_sees_a_partial_file(tmp_path):
