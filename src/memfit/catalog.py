@@ -52,8 +52,12 @@ class GPU:
     typical_gpus_per_node: int  # the common server/workstation configuration
     typical_host_memory_gb: float  # host RAM per node in that configuration (GB), default for --host-memory-gb
     source: str  # vendor spec URL(s) the figures come from
-    interconnect_kind: str = "pcie"  # "nvlink", "pcie", or "host" (the cpu entry)
+    interconnect_kind: str = "pcie"  # "nvlink", "pcie", "xgmi" (AMD Infinity Fabric), "host" (cpu)
     aliases: tuple[str, ...] = ()  # other lowercase names users type for this entry
+    # True: figures for planning (estimate, fit) only; memfit has no tested path to train or
+    # probe on this accelerator (e.g. AMD ROCm), and `planning_reason` says why.
+    planning_only: bool = False
+    planning_reason: str = ""
 
     @property
     def memory_gib(self) -> float:
@@ -466,6 +470,8 @@ def _load_gpus_cached(path: Path) -> dict[str, GPU]:
         if missing:
             raise ValueError(f"{path}: GPU {name!r} is missing {missing}")
         values["compute_capability"] = str(values["compute_capability"])
+        if values.get("planning_only") and not str(values.get("planning_reason", "")).strip():
+            raise ValueError(f"{path}: GPU {name!r} is planning_only but has no planning_reason")
         out[name] = GPU(**values)
     return out
 
