@@ -566,11 +566,11 @@ MOE_PUBLISHED = {
     # "Number of Parameters: 30.5B in total and 3.3B activated"
     # (https://huggingface.co/Qwen/Qwen3-30B-A3B)
     "qwen3-30b-a3b.json": (30.5e9, 3.3e9, 0.1e9, "all"),
-    # "Total parameters: 671B; Activation parameters: 36.7B (including 0.9B for the output Head)"
+    # "Total parameters: 671B; Activation parameters: 36.6B (including 0.9B for the output Head)"
     # -- the 0.9B input embedding is not counted as active (README_WEIGHTS.md of
     # https://huggingface.co/deepseek-ai/DeepSeek-V3); the MTP module (num_nextn_predict_layers)
     # is outside these 671B and outside transformers' DeepseekV3ForCausalLM.
-    "deepseek-v3.json": (671e9, 36.7e9, 0.1e9, "no_embedding"),
+    "deepseek-v3.json": (671e9, 36.6e9, 0.1e9, "no_embedding"),
 }
 
 
