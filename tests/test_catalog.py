@@ -471,14 +471,10 @@ def test_bf16_and_flash_attention_support():
         if name == "cpu":
             assert g.bf16 and not g.flash_attn2
             continue
-        # bf16 from Ampere (sm80) on; FlashAttention-2: Ampere, Ada, Hopper only (not Turing or
-        # Volta; Blackwell needs FlashAttention-4). MI300X: FA2's ROCm backend (planning only).
+        # FlashAttention-2: Ampere, Ada, Hopper, Blackwell B200 (sm80+; not Turing or Volta);
+        # MI300X through FA2's ROCm backend (planning only). bf16 likewise.
         sm80_plus = float(g.compute_capability) >= 8.0
-        assert g.bf16 == sm80_plus, name
-        if name == "b200":
-            assert not g.flash_attn2
-        else:
-            assert g.flash_attn2 == sm80_plus, name
+        assert g.flash_attn2 == sm80_plus == g.bf16, name
     with pytest.raises(ValueError, match="unknown precision"):
         GPUS["a100-80gb"].tflops("fp8")
 
@@ -532,7 +528,9 @@ def test_h100_sxm_and_pcie_are_different_cards():
     assert (sxm.memory_bandwidth_gbs, pcie.memory_bandwidth_gbs) == (3350, 2000)
     assert pcie.tflops_bf16 < sxm.tflops_bf16 and pcie.interconnect_kind == "pcie"
     assert GPUS["h200"].memory_bandwidth_gbs == 4800  # its own HBM3e figure, not the H100's
-    assert GPUS["a100-80gb-pcie"].memory_bandwidth_gbs == 1935 < GPUS["a100-80gb"].memory_bandwidth_gbs
+    assert (
+        GPUS["a100-80gb-pcie"].memory_bandwidth_gbs == 1935 < GPUS["a100-80gb"].memory_bandwidth_gbs
+    )
 
 
 def test_planning_only_gpus_say_why(tmp_path):
@@ -651,7 +649,10 @@ def test_deepseek_v3_without_query_compression(tmp_path):
 def test_moe_structure_of_the_published_models():
     mixtral = catalog.model(FIXTURES / "mixtral-8x7b-v0.1.json", allow_moe=True)
     assert (mixtral.num_experts, mixtral.num_experts_per_tok) == (8, 2)
-    assert mixtral.expert_linear_shapes() == {"gate_up_proj": (4096, 2 * 14336), "down_proj": (14336, 4096)}
+    assert mixtral.expert_linear_shapes() == {
+        "gate_up_proj": (4096, 2 * 14336),
+        "down_proj": (14336, 4096),
+    }
     assert set(mixtral.linear_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     assert mixtral.moe_layers() == tuple(range(32)) and mixtral.router_shape() == (4096, 8)
     qwen15 = catalog.model(FIXTURES / "qwen1.5-moe-a2.7b.json", allow_moe=True)
@@ -663,15 +664,20 @@ def test_moe_structure_of_the_published_models():
     assert ds.shared_expert_intermediate_size == 2048 and ds.head_dim == 192
     assert ds.linear_shapes()["kv_b_proj"] == (512, 128 * (128 + 128))
     assert ds.dense_layer_linear_shapes()["gate_proj"] == (7168, 18432)
-    assert MODELS["qwen3-30b-a3b"].num_params() == catalog.model(
-        FIXTURES / "qwen3-30b-a3b.json", allow_moe=True
-    ).num_params()
+    assert (
+        MODELS["qwen3-30b-a3b"].num_params()
+        == catalog.model(FIXTURES / "qwen3-30b-a3b.json", allow_moe=True).num_params()
+    )
 
 
 def test_moe_models_are_refused_where_experts_are_not_modelled(capsys):
     """The estimator still counts one dense MLP per layer: until it models experts, an MoE
     model is refused with its real counts, not estimated as a 7B dense model."""
-    for name in ("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", str(FIXTURES / "mixtral-8x7b-v0.1.json")):
+    for name in (
+        "mixtral-8x7b",
+        "mistralai/Mixtral-8x7B-v0.1",
+        str(FIXTURES / "mixtral-8x7b-v0.1.json"),
+    ):
         with pytest.raises(catalog.UnsupportedArchitecture) as err:
             catalog.model(name)
         assert "46,702,792,704 parameters in total" in str(err.value)
@@ -739,5 +745,7 @@ def test_sharded_index_total_size_is_cross_checked(tmp_path):
         catalog.model(d)
     assert str(index) in str(err.value) and "+5.0%" in str(err.value)
     # quantized weights: the dtype does not give bytes per parameter, nothing to compare
-    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
+    (d / "config.json").write_text(
+        json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}})
+    )
     assert catalog.check_checkpoint(catalog.model(d), d) is None

@@ -48,9 +48,13 @@ class GPU:
     tflops_fp32: float  # peak fp32 TFLOP/s (non-tensor)
     memory_bandwidth_gbs: float  # device memory bandwidth, GB/s
     host_link_gbs: float  # host<->device bandwidth per direction, GB/s (PCIe gen x16)
-    interconnect_gbs: float  # GPU<->GPU bandwidth per direction inside a node, GB/s (NVLink or PCIe)
+    interconnect_gbs: (
+        float  # GPU<->GPU bandwidth per direction inside a node, GB/s (NVLink or PCIe)
+    )
     typical_gpus_per_node: int  # the common server/workstation configuration
-    typical_host_memory_gb: float  # host RAM per node in that configuration (GB), default for --host-memory-gb
+    typical_host_memory_gb: (
+        float  # host RAM per node in that configuration (GB), default for --host-memory-gb
+    )
     source: str  # vendor spec URL(s) the figures come from
     interconnect_kind: str = "pcie"  # "nvlink", "pcie", "xgmi" (AMD Infinity Fabric), "host" (cpu)
     aliases: tuple[str, ...] = ()  # other lowercase names users type for this entry
@@ -662,7 +666,11 @@ def check_checkpoint(arch: ModelArch, model_dir: str | Path) -> int | None:
         per = _DTYPE_BYTES.get(dtype.replace("torch.", ""))
         if per is None:
             return None
-        found, what, where = total // per, f"metadata.total_size {total:,} bytes / {per} ({dtype})", index
+        found, what, where = (
+            total // per,
+            f"metadata.total_size {total:,} bytes / {per} ({dtype})",
+            index,
+        )
     elif single.is_file():
         found, where = _safetensors_numel(single), single
         if found is None:
@@ -1027,7 +1035,9 @@ def _moe_fields(model_type: str, get: Any, layers: int, where: str) -> dict[str,
         # mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
         experts, step = int(get("num_experts")), int(get("decoder_sparse_step"))
         if step <= 0:
-            raise UnsupportedArchitecture(f"{where}: 'decoder_sparse_step' must be >= 1, got {step}")
+            raise UnsupportedArchitecture(
+                f"{where}: 'decoder_sparse_step' must be >= 1, got {step}"
+            )
         only = {int(i) for i in (get("mlp_only_layers", default=None) or [])}
         dense = tuple(
             i for i in range(layers) if i in only or not (experts > 0 and (i + 1) % step == 0)
