@@ -637,6 +637,12 @@ def test_reduced_moe_configs_match_transformers_module_by_module(fixture, tmp_pa
         assert arch.dense_layers == (0,) and arch.uses_mla
 
 
+def test_more_experts_per_token_than_experts_is_an_error(tmp_path):
+    raw = {**_fixture("mixtral-8x7b-v0.1.json"), "num_experts_per_tok": 9}
+    with pytest.raises(ValueError, match="'num_experts_per_tok' = 9"):
+        catalog.model(_write(tmp_path, raw), allow_moe=True)
+
+
 def test_deepseek_v3_without_query_compression(tmp_path):
     raw = {**_reduced(_fixture("deepseek-v3.json")), "q_lora_rank": None}
     arch = catalog.model(_write(tmp_path, raw), allow_moe=True)
@@ -728,9 +734,10 @@ def test_checkpoint_disagreeing_with_config_is_refused(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["num_hidden_layers"] = 3  # the config now describes a layer the weights do not hold
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(catalog.UnsupportedArchitecture) as err:
-        catalog.model(d)
-    assert str(d / "model.safetensors") in str(err.value)
+    for arg in (d, d / "config.json"):
+        with pytest.raises(catalog.UnsupportedArchitecture) as err:
+            catalog.model(arg)
+        assert str(d / "model.safetensors") in str(err.value)
 
 
 def test_sharded_index_total_size_is_cross_checked(tmp_path):

@@ -558,7 +558,10 @@ def _model(name_or_path: str | Path, path: Path) -> ModelArch:
         check_checkpoint(arch, p)
         return arch
     if p.is_file():
-        return model_from_config_file(p)
+        arch = model_from_config_file(p)
+        if p.name == "config.json":  # a model directory's config: check it against its weights
+            check_checkpoint(arch, p.parent)
+        return arch
     card = hub_id_card(text, models)
     if card is not None:
         return card
@@ -976,6 +979,11 @@ def arch_from_hf_config(
     if gemma:
         pattern = int(get("sliding_window_pattern", default=None) or get("_sliding_window_pattern"))
     moe = _moe_fields(model_type, get, layers, where)
+    if moe.get("num_experts", 0) > 0 and not 0 < moe["num_experts_per_tok"] <= moe["num_experts"]:
+        raise ValueError(
+            f"{where}: 'num_experts_per_tok' = {moe['num_experts_per_tok']} must be between 1 and "
+            f"the number of routed experts ({moe['num_experts']})"
+        )
     mla: dict[str, int] = {}
     if model_type == "deepseek_v3":
         mla = dict(
