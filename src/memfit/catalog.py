@@ -26,12 +26,12 @@ from typing import Any
 
 import yaml
 
+from memfit.units import GIB, MIB
+
 # Repository-relative catalog files; overridable for tests via the `root` arguments.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GPUS_YAML = REPO_ROOT / "config" / "gpus.yaml"
 MODELS_YAML = REPO_ROOT / "config" / "models.yaml"
-
-MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class GPU:
 
     @property
     def memory_gib(self) -> float:
-        return self.memory_bytes / 2**30
+        return self.memory_bytes / GIB
 
     def tflops(self, precision: str) -> float:
         """Peak dense TFLOP/s for a training precision ("bf16", "fp16", "fp32")."""
