@@ -756,3 +756,18 @@ def test_sharded_index_total_size_is_cross_checked(tmp_path):
         json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}})
     )
     assert catalog.check_checkpoint(catalog.model(d), d) is None
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "phi-4", "gemma-3-4b"])
+def test_cards_round_trip_through_json(name):
+    """memfit.trace keys its cache by the card's JSON form and rebuilds the card in a child
+    process: both must give back exactly the same card."""
+    import dataclasses
+
+    arch = MODELS[name]
+    fields = json.loads(json.dumps(dataclasses.asdict(arch)))
+    keyed = {k: v for k, v in dataclasses.asdict(arch).items() if k != "aliases"}  # as trace does
+    assert {k: v for k, v in fields.items() if k != "aliases"} == keyed
+    assert catalog.ModelArch(**fields) == arch and hash(catalog.ModelArch(**fields)) == hash(arch)
+    ds = catalog.model(FIXTURES / "deepseek-v3.json", allow_moe=True)
+    assert catalog.ModelArch(**json.loads(json.dumps(dataclasses.asdict(ds)))) == ds

@@ -135,7 +135,9 @@ class ModelArch:
     # first_k_dense_replace layers, Qwen-MoE's mlp_only_layers and the layers decoder_sparse_step
     # skips. Every other layer is an MoE layer with a router Linear(h, E, bias=False) stored as
     # an nn.Parameter (E, h) (MixtralTopKRouter, Qwen2MoeTopKRouter, DeepseekV3TopkRouter).
-    dense_layers: tuple[int, ...] = ()
+    # Bit i set: layer i is dense; read it as `dense_layers`. An int, so the card stays hashable
+    # and its JSON form (memfit.trace's cache keys and child processes) round-trips exactly.
+    dense_layer_mask: int = 0
     # --- multi-head latent attention (DeepSeek-V3, modeling_deepseek_v3.DeepseekV3Attention);
     # kv_lora_rank == 0: ordinary attention ---
     q_lora_rank: int = 0  # 0 with MLA: one q_proj instead of q_a_proj/q_a_layernorm/q_b_proj
@@ -146,7 +148,6 @@ class ModelArch:
 
     def __post_init__(self) -> None:
         # JSON round trips (memfit.trace sends the card to a child process) give lists.
-        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
         object.__setattr__(self, "aliases", tuple(self.aliases))
 
     # ------------------------------------------------------------------ structure
@@ -159,12 +160,16 @@ class ModelArch:
     def uses_mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """MoE models: indices of the layers with a dense MLP (see dense_layer_mask)."""
+        return tuple(i for i in range(self.num_layers) if self.dense_layer_mask >> i & 1)
+
     def moe_layers(self) -> tuple[int, ...]:
         """Indices of the decoder layers with routed experts (empty for dense models)."""
         if not self.is_moe:
             return ()
-        dense = set(self.dense_layers)
-        return tuple(i for i in range(self.num_layers) if i not in dense)
+        return tuple(i for i in range(self.num_layers) if not self.dense_layer_mask >> i & 1)
 
     def attention_linear_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of the attention's linear layers, by HF module name."""
@@ -303,7 +308,7 @@ class ModelArch:
         """Parameters of decoder layer `layer` (norms and biases included)."""
         mlp = (
             self._moe_mlp_params()
-            if self.is_moe and layer not in self.dense_layers
+            if self.is_moe and not self.dense_layer_mask >> layer & 1
             else self._dense_mlp_params(self.intermediate_size)
         )
         # RMSNorm weights only (no bias) in all these models
@@ -1028,6 +1033,11 @@ def arch_from_hf_config(
     )
 
 
+def layer_mask(layers: Any) -> int:
+    """The ModelArch.dense_layer_mask of a collection of layer indices."""
+    return sum(1 << int(i) for i in set(layers))
+
+
 def _moe_fields(model_type: str, get: Any, layers: int, where: str) -> dict[str, Any]:
     """The ModelArch MoE fields of a mixtral/qwen2_moe/qwen3_moe/deepseek_v3 config ({} else)."""
     if model_type == "mixtral":
@@ -1054,7 +1064,7 @@ def _moe_fields(model_type: str, get: Any, layers: int, where: str) -> dict[str,
             num_experts=experts,
             num_experts_per_tok=int(get("num_experts_per_tok")),
             moe_intermediate_size=int(get("moe_intermediate_size")),
-            dense_layers=dense if experts > 0 else (),
+            dense_layer_mask=layer_mask(dense) if experts > 0 else 0,
         )
         if model_type == "qwen2_moe" and experts > 0:
             # Qwen2MoeSparseMoeBlock: shared_expert (Qwen2MoeMLP of this width) + shared_expert_gate
@@ -1071,7 +1081,7 @@ def _moe_fields(model_type: str, get: Any, layers: int, where: str) -> dict[str,
             num_experts_per_tok=int(get("num_experts_per_tok")),
             moe_intermediate_size=inter,
             shared_expert_intermediate_size=inter * int(get("n_shared_experts")),
-            dense_layers=tuple(range(min(first_k, layers))),
+            dense_layer_mask=layer_mask(range(min(first_k, layers))),
         )
     return {}
 
