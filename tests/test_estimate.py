@@ -26,7 +26,7 @@ GIB = 2**30
 
 
 def states_on_device(arch, cand, world):
-    s = model_states(arch, cand, world, world, Settings())
+    s = model_states(arch, cand, world, Settings())
     return s.params + s.grads + s.optimizer + s.gathered
 
 
