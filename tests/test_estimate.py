@@ -55,7 +55,7 @@ def test_zero2_equals_deepspeed(name, world):
         cpu_offload=True,
         additional_buffer_factor=1.0,
     )
-    s = model_states(arch, off, world, world // nodes, Settings())
+    s = model_states(arch, off, world, Settings())
     assert s.params + s.grads + s.optimizer == gpu_mem
     if world // nodes * nodes <= 4:  # DeepSpeed's max(4 * N, 16): 16 bytes/param when N <= 4
         assert abs(s.host_optimizer * world // nodes - cpu_mem) <= 64
@@ -87,7 +87,7 @@ def test_zero3_equals_deepspeed(name, world, offload):
         offload_optimizer="cpu" if offload != "none" else "none",
         offload_param="cpu" if offload == "both" else "none",
     )
-    s = model_states(arch, cand, world, per_node, Settings())
+    s = model_states(arch, cand, world, Settings())
     assert s.gathered == largest
     assert abs(s.params + s.grads + s.optimizer + s.gathered - gpu_mem) <= 64
     if offload != "none":
@@ -97,8 +97,8 @@ def test_zero3_equals_deepspeed(name, world, offload):
 
 def test_lora_states_count_only_trainable_params():
     arch = catalog.model("llama-3.1-8b")
-    full = model_states(arch, Candidate(zero=2), 8, 8, Settings())
-    lora = model_states(arch, Candidate(zero=2, finetune="lora", lora_rank=16), 8, 8, Settings())
+    full = model_states(arch, Candidate(zero=2), 8, Settings())
+    lora = model_states(arch, Candidate(zero=2, finetune="lora", lora_rank=16), 8, Settings())
     assert lora.optimizer < full.optimizer / 100
     assert lora.params >= full.params  # frozen weights replicated at ZeRO-2, plus adapters
 
@@ -137,11 +137,11 @@ def test_offload_ratio_rounds_to_subgroups():
     groups = zero3_subgroups(arch, 8, 1_000_000_000)
     assert len(groups) == 9 and sum(groups) >= param_layout(arch).total // 8
     cand = Candidate(zero=3, offload_optimizer="cpu", offload_ratio=0.3)
-    s = model_states(arch, cand, 8, 8, Settings())
+    s = model_states(arch, cand, 8, Settings())
     assert s.offload_fraction == pytest.approx(0.3, abs=0.1)
     # a small model has one sub-group per rank: any ratio offloads everything, and we say so
     small = catalog.model("qwen2-7b")
-    s = model_states(small, cand, 8, 8, Settings())
+    s = model_states(small, cand, 8, Settings())
     assert s.offload_fraction == 1.0
     assert any("offloads 100%" in n for n in s.notes)
 
