@@ -58,12 +58,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.atomic import write_json_atomic
 from memfit.catalog import ModelArch
 
 TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)
@@ -93,13 +93,13 @@ _NOT_IN_KEY = {
     "max_position_embeddings",
     "vision_params",
 }
-_REQUIRED = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
+# The sizes the traced model is built from: ModelArch's required integer fields (the card's
+# sizes; catalog._required names the same fields without a default), less those the trace
+# replaces (num_layers: 1 and 2) or does not use (max_position_embeddings).
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(ModelArch)
+    if f.default is dataclasses.MISSING and f.type in ("int", int) and f.name not in _NOT_IN_KEY
 )
 
 _MEMO: dict[str, LayerTrace] = {}  # in-process cache over the JSON files (key hash -> trace)
@@ -288,7 +288,7 @@ def layer_traces(
         for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
             t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
             if use_cache:
-                _write_atomic(d / f"{h}.json", t.to_json())
+                write_json_atomic(d / f"{h}.json", t.to_json())
                 _MEMO[f"{d.resolve()}/{h}"] = t
             out[i] = t
         for i, key in enumerate(keys):
@@ -406,23 +406,6 @@ def clear_memo() -> None:
     """Forget the in-process copies (the JSON files stay)."""
     _MEMO.clear()
     _FAST.clear()
-
-
-def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _check(arch: ModelArch) -> None:

@@ -3,19 +3,21 @@ with the reason) and architecture cards that lack what the formulas need (an err
 
 from __future__ import annotations
 
+import dataclasses
+
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate.settings import EstimateError
 from memfit.space import Candidate
 
-# the architecture fields every formula of the estimate uses (positive integers)
-SIZE_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_attention_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
+# The architecture sizes every formula uses: ModelArch's required integer fields (the card's
+# sizes, as memfit.trace derives its own), less max_position_embeddings (only `fit`'s default
+# upper bound for seq_len).
+SIZE_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(ModelArch)
+    if f.default is dataclasses.MISSING
+    and f.type in ("int", int)
+    and f.name != "max_position_embeddings"
 )
 
 
