@@ -20,8 +20,17 @@ from memfit.space import Candidate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "estimate_golden.json"
 
-MODELS = ["llama-3.1-8b", "qwen2-7b", "qwen2.5-72b", "qwen3-8b", "glm-4-9b", "gemma-3-4b",
-          "gemma-3-27b", "mistral-7b", "llama-2-7b"]
+MODELS = [
+    "llama-3.1-8b",
+    "qwen2-7b",
+    "qwen2.5-72b",
+    "qwen3-8b",
+    "glm-4-9b",
+    "gemma-3-4b",
+    "gemma-3-27b",
+    "mistral-7b",
+    "llama-2-7b",
+]
 GPUS = ["a100-80gb", "h100-80gb", "rtx4090", "v100-32gb", "a10", "cpu"]
 SETTINGS = [
     {},
@@ -58,7 +67,9 @@ def _cases(n: int = 260, seed: int = 14) -> list[dict]:
             "seq_len": rng.choice([128, 512, 2048, 4096]),
             "grad_accum": rng.choice([1, 4]),
             "precision": rng.choice(["bf16", "bf16", "fp16", "fp32"]),
-            "ref": rng.choice(["model", "precomputed"] + (["adapter"] if finetune != "full" else [])),
+            "ref": rng.choice(
+                ["model", "precomputed"] + (["adapter"] if finetune != "full" else [])
+            ),
         }
         if zero == 3 and cand["offload_optimizer"] == "cpu" and rng.random() < 0.4:
             cand["offload_ratio"] = rng.choice([0.3, 0.5, 0.9])
@@ -69,29 +80,55 @@ def _cases(n: int = 260, seed: int = 14) -> list[dict]:
         settings = dict(rng.choice(SETTINGS))
         if settings.get("lora_targets") and finetune == "full":
             settings = {}
-        out.append({
-            "model": rng.choice(MODELS),
-            "gpu": rng.choice(GPUS),
-            "num_gpus": rng.choice([1, 2, 4, 8]),
-            "num_nodes": rng.choice([1, 1, 1, 2]),
-            "method": rng.choice(["sft", "dpo"]),
-            "cand": cand,
-            "host_memory_gb": rng.choice([None, None, 256.0]),
-            "budget_bytes": rng.choice([None, None, 24 * 10**9]),
-            "settings": settings,
-        })
+        out.append(
+            {
+                "model": rng.choice(MODELS),
+                "gpu": rng.choice(GPUS),
+                "num_gpus": rng.choice([1, 2, 4, 8]),
+                "num_nodes": rng.choice([1, 1, 1, 2]),
+                "method": rng.choice(["sft", "dpo"]),
+                "cand": cand,
+                "host_memory_gb": rng.choice([None, None, 256.0]),
+                "budget_bytes": rng.choice([None, None, 24 * 10**9]),
+                "settings": settings,
+            }
+        )
     return out
 
 
 FIT_CASES = [
-    {"model": "llama-3.1-8b", "gpu": "a100-80gb", "num_gpus": 1, "method": "sft",
-     "cand": {"zero": 3, "grad_ckpt": True, "attn": "flash"}, "maximize": "seq_len"},
-    {"model": "glm-4-9b", "gpu": "a100-80gb", "num_gpus": 8, "method": "dpo",
-     "cand": {"zero": 3, "grad_ckpt": True, "attn": "flash", "seq_len": 1024}, "maximize": "micro_batch"},
-    {"model": "gemma-3-4b", "gpu": "rtx4090", "num_gpus": 4, "method": "sft",
-     "cand": {"zero": 2, "finetune": "lora", "attn": "sdpa"}, "maximize": "seq_len"},
-    {"model": "qwen2.5-72b", "gpu": "rtx4090", "num_gpus": 1, "method": "sft",
-     "cand": {"zero": 0}, "maximize": "seq_len"},
+    {
+        "model": "llama-3.1-8b",
+        "gpu": "a100-80gb",
+        "num_gpus": 1,
+        "method": "sft",
+        "cand": {"zero": 3, "grad_ckpt": True, "attn": "flash"},
+        "maximize": "seq_len",
+    },
+    {
+        "model": "glm-4-9b",
+        "gpu": "a100-80gb",
+        "num_gpus": 8,
+        "method": "dpo",
+        "cand": {"zero": 3, "grad_ckpt": True, "attn": "flash", "seq_len": 1024},
+        "maximize": "micro_batch",
+    },
+    {
+        "model": "gemma-3-4b",
+        "gpu": "rtx4090",
+        "num_gpus": 4,
+        "method": "sft",
+        "cand": {"zero": 2, "finetune": "lora", "attn": "sdpa"},
+        "maximize": "seq_len",
+    },
+    {
+        "model": "qwen2.5-72b",
+        "gpu": "rtx4090",
+        "num_gpus": 1,
+        "method": "sft",
+        "cand": {"zero": 0},
+        "maximize": "seq_len",
+    },
 ]
 
 
@@ -105,16 +142,26 @@ def _settings(raw: dict) -> Settings:
 def _run(case: dict) -> dict:
     arch, gpu = catalog.model(case["model"]), catalog.gpu(case["gpu"])
     cand = Candidate(**case["cand"])
-    e = estimate(arch, gpu, case["num_gpus"], case["num_nodes"], case["method"], cand,
-                 case["host_memory_gb"], case["budget_bytes"], _settings(case["settings"]))
+    e = estimate(
+        arch,
+        gpu,
+        case["num_gpus"],
+        case["num_nodes"],
+        case["method"],
+        cand,
+        case["host_memory_gb"],
+        case["budget_bytes"],
+        _settings(case["settings"]),
+    )
     table = render(e, arch, gpu, cand, case["num_gpus"], case["num_nodes"], case["method"])
     return {"estimate": e.to_dict(), "table": table}
 
 
 def _run_fit(case: dict) -> dict:
     arch, gpu = catalog.model(case["model"]), catalog.gpu(case["gpu"])
-    best, e = fit(arch, gpu, case["num_gpus"], 1, case["method"], Candidate(**case["cand"]),
-                  case["maximize"])
+    best, e = fit(
+        arch, gpu, case["num_gpus"], 1, case["method"], Candidate(**case["cand"]), case["maximize"]
+    )
     return {"best": best, "estimate": e.to_dict() if e else None}
 
 
@@ -140,13 +187,19 @@ def test_fixture_covers_the_axes():
     cases = [c["input"] for c in _load()["estimate"]]
     models = {c["model"] for c in cases}
     assert {"gemma-3-4b", "glm-4-9b"} <= models or {"gemma-3-27b", "glm-4-9b"} <= models
-    for key, values in [("zero", {0, 1, 2, 3}), ("finetune", {"full", "lora", "qlora"}),
-                        ("grad_ckpt", {True, False}), ("offload_optimizer", {"none", "cpu"}),
-                        ("attn", {"flash", "sdpa", "eager"})]:
+    for key, values in [
+        ("zero", {0, 1, 2, 3}),
+        ("finetune", {"full", "lora", "qlora"}),
+        ("grad_ckpt", {True, False}),
+        ("offload_optimizer", {"none", "cpu"}),
+        ("attn", {"flash", "sdpa", "eager"}),
+    ]:
         assert {c["cand"][key] for c in cases} == values, key
     assert {c["method"] for c in cases} == {"sft", "dpo"}
     outputs = [c["output"]["estimate"] for c in _load()["estimate"]]
-    assert any(o["fits"] for o in outputs) and any(not o["fits"] and not o["invalid"] for o in outputs)
+    assert any(o["fits"] for o in outputs) and any(
+        not o["fits"] and not o["invalid"] for o in outputs
+    )
     assert any(o["invalid"] for o in outputs)
 
 

@@ -202,8 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         arch, gpu, cand, settings = _from_args(args)
         result = estimate(
-            arch, gpu, args.num_gpus, args.num_nodes, args.method, cand,
-            args.host_memory_gb, _budget_bytes(args), settings,
+            arch,
+            gpu,
+            args.num_gpus,
+            args.num_nodes,
+            args.method,
+            cand,
+            args.host_memory_gb,
+            _budget_bytes(args),
+            settings,
         )
     except EstimateError as exc:
         print(f"memfit estimate: error: {exc}", file=sys.stderr)
@@ -224,8 +231,16 @@ def fit_main(argv: list[str] | None = None) -> int:
     try:
         arch, gpu, cand, settings = _from_args(args)
         best, result = fit(
-            arch, gpu, args.num_gpus, args.num_nodes, args.method, cand, args.maximize,
-            args.host_memory_gb, _budget_bytes(args), settings,
+            arch,
+            gpu,
+            args.num_gpus,
+            args.num_nodes,
+            args.method,
+            cand,
+            args.maximize,
+            args.host_memory_gb,
+            _budget_bytes(args),
+            settings,
         )
     except EstimateError as exc:
         print(f"memfit fit: error: {exc}", file=sys.stderr)

@@ -29,7 +29,9 @@ class Estimate:
     """The prediction for one configuration on one rank. Bytes unless the name says otherwise."""
 
     peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
-    peak_reserved_bytes: int = 0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
+    peak_reserved_bytes: int = (
+        0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
+    )
     device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
     device_memory_bytes: int = 0  # the device's whole memory (or the budget)
     host_bytes: int = 0  # host RAM per node at its peak

@@ -110,7 +110,9 @@ def host_memory(
     )
 
 
-def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
+def _compute_seconds(
+    arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings
+) -> float:
     """6 FLOPs per parameter per token (Kaplan et al. 2020, sec. 2.1) plus attention 12*L*s*h per
     token (causal: half), 8/6 with recomputation (Korthikanti et al. 2022, sec. 5); LoRA skips
     weight gradients (4 instead of 6); DPO's reference adds a forward (2)."""
@@ -132,7 +134,13 @@ def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, se
 
 
 def _communication_seconds(
-    cand: Candidate, gpu: GPU, num_gpus: int, num_nodes: int, total: int, trainable: int, settings: Settings
+    cand: Candidate,
+    gpu: GPU,
+    num_gpus: int,
+    num_nodes: int,
+    total: int,
+    trainable: int,
+    settings: Settings,
 ) -> float:
     """ZeRO-3: all-gather of the parameters in forward and backward (and recompute),
     reduce-scatter of gradients (ZeRO paper sec. 7: 1.5x the all-reduce volume); ZeRO-0/1/2:
@@ -151,13 +159,21 @@ def _communication_seconds(
     else:
         seconds += 2 * d * trainable * (world - 1) / world / bandwidth
         if cand.zero >= 1:
-            seconds += d * trainable * (world - 1) / world / bandwidth  # all-gather of updated params
+            seconds += (
+                d * trainable * (world - 1) / world / bandwidth
+            )  # all-gather of updated params
     return seconds
 
 
 def _offload_seconds(
-    cand: Candidate, gpu: GPU, num_gpus: int, world: int, total: int, trainable: int,
-    states: ModelStates, settings: Settings,
+    cand: Candidate,
+    gpu: GPU,
+    num_gpus: int,
+    world: int,
+    total: int,
+    trainable: int,
+    states: ModelStates,
+    settings: Settings,
 ) -> float:
     """Gradients down and parameters up over the host link, DeepSpeedCPUAdam's step."""
     d = dtype_bytes(cand.precision)
@@ -165,7 +181,9 @@ def _offload_seconds(
     seconds = 0.0
     if cand.offload_optimizer == "cpu":
         fraction = states.offload_fraction if cand.zero == 3 else 1.0
-        seconds += fraction * (4 + d) * trainable / world / link  # fp32 grads down, 16-bit params up
+        seconds += (
+            fraction * (4 + d) * trainable / world / link
+        )  # fp32 grads down, 16-bit params up
         seconds += fraction * trainable * num_gpus / world / settings.cpu_adam_params_per_s
     if cand.offload_param == "cpu":
         passes = 3 if cand.grad_ckpt else 2
@@ -201,9 +219,7 @@ def step_time(
         "communication": _communication_seconds(
             cand, gpu, num_gpus, num_nodes, total, trainable, settings
         ),
-        "offload": _offload_seconds(
-            cand, gpu, num_gpus, world, total, trainable, states, settings
-        ),
+        "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings),
         "optimizer": optimizer,
         "overhead": overhead,
     }

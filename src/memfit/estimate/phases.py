@@ -93,7 +93,11 @@ def _backward_gradients(arch: ModelArch, cand: Candidate, trainable: int) -> Bac
 
 
 def _forward_backward(
-    arch: ModelArch, cand: Candidate, states: ModelStates, acts: Activations, grads: BackwardGradients
+    arch: ModelArch,
+    cand: Candidate,
+    states: ModelStates,
+    acts: Activations,
+    grads: BackwardGradients,
 ) -> dict[str, int]:
     """Each forward/backward phase beyond the static states. The peak is at the loss backward
     (all activations + logit gradients) or inside the first or last layer's backward (gradients
@@ -161,7 +165,12 @@ def _optimizer_resident_fraction(cand: Candidate, states: ModelStates) -> float:
 
 
 def _optimizer_temporaries(
-    arch: ModelArch, cand: Candidate, gpu: GPU, states: ModelStates, trainable: int, world: int,
+    arch: ModelArch,
+    cand: Candidate,
+    gpu: GPU,
+    states: ModelStates,
+    trainable: int,
+    world: int,
     settings: Settings,
 ) -> int:
     """The optimizer step's temporaries: torch's single-tensor AdamW holds sqrt(v) and the
@@ -207,9 +216,7 @@ def step_phases(
     # fills empty slots.
     resume = static + (int(8 * trainable / world * on_device) if cand.zero >= 1 else 0)
     # DPO reference forward (no_grad) after the policy forward
-    reference = (
-        static + states.gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
-    )
+    reference = static + states.gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
     phases = StepPhases(
         static=static,
         gathered=states.gathered,
@@ -243,7 +250,10 @@ def _reference_share(
 
 
 def _forward_backward_breakdown(
-    phases: StepPhases, states: ModelStates, acts: Activations, cand: Candidate,
+    phases: StepPhases,
+    states: ModelStates,
+    acts: Activations,
+    cand: Candidate,
     breakdown: dict[str, int],
 ) -> None:
     where = phases.peak_phase

@@ -250,7 +250,11 @@ def _stage1_or_2(cand: Candidate, sizes: _Sizes) -> ModelStates:
 
 
 def _stage3_offload_optimizer(
-    cand: Candidate, sizes: _Sizes, groups: tuple[int, ...], sub_group_size: int, states: ModelStates
+    cand: Candidate,
+    sizes: _Sizes,
+    groups: tuple[int, ...],
+    sub_group_size: int,
+    states: ModelStates,
 ) -> None:
     """stage3.py `_create_fp32_partitions`: sub-group i goes to the host when
     i >= int((1 - ratio) * n_subgroups); the rest stays on the device."""

@@ -30,7 +30,9 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
             f"{gpu.name} has no bf16 support (compute capability {gpu.compute_capability}); use fp16 or fp32"
         )
     if cand.attn == "flash" and (is_cpu or not gpu.flash_attn2):
-        sm = "" if is_cpu else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})"
+        sm = (
+            "" if is_cpu else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})"
+        )
         out.append(f"FlashAttention-2 does not run on {gpu.name}{sm}; use sdpa or eager")
     if cand.finetune == "qlora" and is_cpu:
         out.append("QLoRA's bitsandbytes 4-bit kernels need a CUDA GPU; use lora on cpu")
@@ -44,7 +46,9 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
 def check_arch(arch: ModelArch) -> None:
     """Raise EstimateError naming every size field the card lacks (or has non-positive)."""
     missing = [
-        f for f in SIZE_FIELDS if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
+        f
+        for f in SIZE_FIELDS
+        if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
     ]
     if missing:
         raise EstimateError(
