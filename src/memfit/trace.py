@@ -5,8 +5,9 @@
                           precision="bf16", grad_ckpt=True, finetune="full")
     t.saved(num_layers=80, batch=2)   # bytes autograd keeps after the forward, 80 layers, b=2
 
-Where the analytic activation formulas (memfit.estimate.activations) are weak (a new architecture, an
-attention variant, peft's adapters), this runs the model's own code instead. The model is built
+Where the analytic activation formulas (memfit.estimate.activations) are weak (a new
+architecture, an attention variant, peft's adapters), this runs the model's own code instead
+(the run itself: memfit.trace_step; this module keys, caches and batches the runs). The model is built
 from the architecture card (`ModelArch.to_hf_config()`, i.e. the config.json fields) with
 `num_hidden_layers` reduced to 1 and to 2, under `torch._subclasses.fake_tensor.FakeTensorMode`
 (fake CPU tensors: shapes and dtypes without storage, so a 72B layer at 8k tokens costs no
