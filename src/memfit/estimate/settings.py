@@ -1,4 +1,5 @@
-"""What the estimator takes besides the candidate (`Settings`) and how it reports bad input."""
+"""What the estimator takes besides the candidate (`Settings`), how it reports bad input, and
+the one dtype size every module uses."""
 
 from __future__ import annotations
 
