@@ -7,6 +7,7 @@ change of the estimate (`python tests/test_estimate_golden.py --write`) and say 
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import sys
@@ -165,6 +166,7 @@ def _run_fit(case: dict) -> dict:
     return {"best": best, "estimate": e.to_dict() if e else None}
 
 
+@functools.lru_cache(maxsize=1)
 def _load() -> dict:
     return json.loads(FIXTURE.read_text())
 
