@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from memfit.select import Budget, choose, judge
@@ -107,3 +109,30 @@ def test_ranking_puts_measured_before_predicted():
     probes = {"a": probe("a", alloc_mib=42, step_s=1.0), "c": probe("c", alloc_mib=50, step_s=2.0)}
     best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
     assert [r["id"] for r in ranked] == ["a", "c", "b"]  # b is predicted fastest but never measured
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "select"
+# name -> (inputs directory, method, plan_only); the expected files were written by the code before
+# selection rows were typed (commit "select fixtures"), and sft/dpo equal the demo's selected.json
+SELECT_CASES = {"sft": ("sft", "sft", False), "dpo": ("dpo", "dpo", False), "mixed": ("mixed", "sft", False), "plan_only": ("dpo", "dpo", True)}
+
+
+@pytest.mark.parametrize("case", sorted(SELECT_CASES))
+def test_selected_json_is_byte_for_byte_what_it_was(case, repo, tmp_path, monkeypatch):
+    """Other stages and users read selected.json: the same inputs must give the same bytes."""
+    import yaml
+
+    from memfit.pipeline import select_config
+
+    inputs, method, plan_only = SELECT_CASES[case]
+    config = yaml.safe_load((repo / "config" / "config.yaml").read_text()) | {"plan_only": plan_only}
+    probes = [] if plan_only else sorted(str(p) for p in (FIXTURES / inputs / "probes").glob("*.json"))
+    monkeypatch.chdir(tmp_path)  # the launch command names run.json by the relative path Snakemake gives
+    run_dir = f"results/demo-tiny/cpu/{method}"
+    out = {
+        "selected": f"{run_dir}/selected.json", "ds_config": f"{run_dir}/ds_config.json",
+        "run": f"{run_dir}/run.json", "launch": f"{run_dir}/launch.sh",
+    }  # fmt: skip
+    select_config(config, "demo-tiny", "cpu", method, str(FIXTURES / inputs / "candidates.json"), probes,
+                  "results/demo-tiny/model", f"results/demo-tiny/data/{method}", f"{run_dir}/train", out)  # fmt: skip
+    assert (tmp_path / out["selected"]).read_bytes() == (FIXTURES / f"{case}.selected.expected.json").read_bytes()
