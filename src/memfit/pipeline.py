@@ -197,7 +197,7 @@ def select_config(config, model, gpu, method, candidates_json, probe_jsons, mode
         probes[d["id"]] = d
     b = Budget(**table["budget"])
     best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method))
-    run = run_config(config, model, gpu, method, best["candidate"], model_path, data_dir, train_dir)
+    run = run_config(config, model, gpu, method, best.candidate, model_path, data_dir, train_dir)
     run.save(out["run"])
     ds = dsconfig.build(
         run.cand,
@@ -220,11 +220,11 @@ def select_config(config, model, gpu, method, candidates_json, probe_jsons, mode
         "model": model,
         "gpu": gpu,
         "method": method,
-        "selected": best,
+        "selected": best.to_json(),
         "budget": table["budget"],
         "plan_only": bool(config.get("plan_only")),
         "launch": cmd,
-        "candidates": ranked,
+        "candidates": [r.to_json() for r in ranked],
     }
     write_json_atomic(out["selected"], selected)
     return selected
