@@ -80,8 +80,10 @@ def test_nothing_fits_names_every_candidate():
 def test_rows_round_trip_and_a_bad_row_names_its_key():
     from memfit.rows import CandidateRow, RowError, Selection
 
-    doc = json.loads((FIXTURES / "mixed.selected.expected.json").read_text())
-    sel = Selection.from_json(doc)
+    for case in SELECT_CASES:  # every row the fixtures hold reads back to the same JSON
+        doc = json.loads((FIXTURES / f"{case}.selected.expected.json").read_text())
+        assert Selection.from_json(doc).to_json() == doc, case
+    sel = Selection.from_json(doc)  # the mixed case: every verdict source
     assert sel.to_json() == doc and sel.selected.id == doc["selected"]["id"]
     assert {r.source for r in sel.candidates} == {"measured", "probe", "predicted", "rule"}
     bad = json.loads(json.dumps(doc))
@@ -133,7 +135,7 @@ def test_ranking_puts_measured_before_predicted():
 FIXTURES = Path(__file__).parent / "fixtures" / "select"
 # name -> (inputs directory, method, plan_only); the expected files were written by the code before
 # selection rows were typed (commit "select fixtures"), and sft/dpo equal the demo's selected.json
-SELECT_CASES = {"sft": ("sft", "sft", False), "dpo": ("dpo", "dpo", False), "mixed": ("mixed", "sft", False), "plan_only": ("dpo", "dpo", True)}
+SELECT_CASES = {"sft": ("sft", "sft", False), "dpo": ("dpo", "dpo", False), "plan_only": ("dpo", "dpo", True), "mixed": ("mixed", "sft", False)}
 
 
 @pytest.mark.parametrize("case", sorted(SELECT_CASES))
