@@ -155,7 +155,7 @@ def select_config(
         probes[d["id"]] = d
     b = Budget(**table["budget"])
     best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method))
-    run = cfg.run_config(method, best["candidate"], model_path, data_dir, train_dir)
+    run = cfg.run_config(method, best.candidate, model_path, data_dir, train_dir)
     run.save(out["run"])
     ds = dsconfig.build(
         run.cand,
@@ -178,11 +178,11 @@ def select_config(
         "model": model,
         "gpu": gpu,
         "method": method,
-        "selected": best,
+        "selected": best.to_json(),
         "budget": table["budget"],
         "plan_only": cfg.plan_only,
         "launch": cmd,
-        "candidates": ranked,
+        "candidates": [r.to_json() for r in ranked],
     }
     write_json_atomic(out["selected"], selected)
     return selected
