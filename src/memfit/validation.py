@@ -1,0 +1,327 @@
+"""The estimator against published GPU measurements (`tests/public_measurements.yaml`).
+
+Each row of the table is one fine-tuning run someone else measured on real GPUs, with its
+setting (model, GPUs, ZeRO stage/FSDP, offload, LoRA/QLoRA, sequence length, micro batch,
+checkpointing, attention kernel) and what was measured. `load_rows` checks every row and
+turns it into an estimator call; `compare` runs `memfit.estimate.estimate` and compares the
+figure that matches the measurement:
+
+    torch.cuda.max_memory_allocated -> Estimate.peak_allocated_bytes
+    torch.cuda.max_memory_reserved  -> Estimate.peak_reserved_bytes
+    nvidia-smi (device memory used) -> Estimate.device_total_bytes
+    max-fit (longest run that fit)  -> Estimate.device_total_bytes vs the GPU's memory
+
+The error is `predicted / published - 1`: negative means memfit predicts less than was
+measured (optimistic: a user following it can OOM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from memfit import catalog
+from memfit.estimate import DEFAULT_SETTINGS, Estimate, EstimateError, Settings, estimate
+from memfit.space import Candidate
+from memfit.units import GIB, MIB
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TABLE = REPO_ROOT / "tests" / "public_measurements.yaml"
+FIXTURE_MODELS = REPO_ROOT / "tests" / "fixtures" / "public_models"
+
+REQUIRED = (
+    "id",
+    "source",
+    "quote",
+    "framework",
+    "model",
+    "gpu",
+    "num_gpus",
+    "finetune",
+    "lora_rank",
+    "lora_targets",
+    "lora_dropout",
+    "precision",
+    "zero",
+    "offload",
+    "seq_len",
+    "micro_batch",
+    "grad_accum",
+    "grad_ckpt",
+    "attn",
+    "measured",
+    "published",
+    "notes",
+)
+OPTIONAL = ("unit_note", "explained")
+MEASURED = ("allocated", "reserved", "nvidia-smi", "max-fit")
+# The estimator figure each kind of measurement is compared with.
+FIGURE = {
+    "allocated": "peak_allocated_bytes",
+    "reserved": "peak_reserved_bytes",
+    "nvidia-smi": "device_total_bytes",
+    "max-fit": "device_total_bytes",
+}
+UNITS = {"GB": 10**9, "GiB": GIB, "MiB": MIB}
+OFFLOAD = {
+    "none": ("none", "none"),
+    "optimizer": ("cpu", "none"),
+    "optimizer+param": ("cpu", "cpu"),
+}
+
+# Targets of the issue (#16): median |error| <= 8%, no row more than 5% low unless explained.
+TARGET_MEDIAN = 0.08
+TARGET_LOW = -0.05
+
+
+class TableError(ValueError):
+    """A row of the measurement table is incomplete or does not map to an estimator call."""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    raw: Mapping[str, Any]
+    model: str
+    gpu: str
+    num_gpus: int
+    cand: Candidate
+    settings: Settings
+    measured: str
+    published_bytes: int
+    explained: str = ""
+
+    @property
+    def figure(self) -> str:
+        return FIGURE[self.measured]
+
+
+@dataclass
+class Result:
+    row: Row
+    est: Estimate
+    predicted_bytes: int
+    published_bytes: int
+    error: float  # predicted / published - 1
+    dominant: str  # largest component of the estimate's breakdown at its peak
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def low(self) -> bool:
+        """More than 5% below the measurement (the estimate would let a user OOM)."""
+        return self.error < TARGET_LOW
+
+
+def _model(name: str):
+    fixture = FIXTURE_MODELS / f"{name}.json"
+    if fixture.exists():
+        return catalog.model_from_config_file(fixture)
+    return catalog.model(name)
+
+
+def _row(d: Mapping[str, Any], where: str) -> Row:
+    rid = d.get("id", "?")
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise TableError(f"{where}: row {rid!r} lacks {missing}")
+    unknown = sorted(set(d) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise TableError(f"{where}: row {rid!r} has unknown keys {unknown}")
+    for k in ("source", "quote", "framework"):
+        if not str(d[k]).strip():
+            raise TableError(f"{where}: row {rid!r}: {k} is empty")
+    if d["measured"] not in MEASURED:
+        raise TableError(f"{where}: row {rid!r}: measured must be one of {MEASURED}, got {d['measured']!r}")
+    if d["offload"] not in OFFLOAD:
+        raise TableError(f"{where}: row {rid!r}: offload must be one of {sorted(OFFLOAD)}, got {d['offload']!r}")
+    try:
+        arch = _model(str(d["model"]))
+        gpu = catalog.gpu(str(d["gpu"]))
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise TableError(f"{where}: row {rid!r}: {exc}") from None
+    pub = d["published"]
+    if not isinstance(pub, Mapping) or set(pub) != {"value", "unit"}:
+        raise TableError(f"{where}: row {rid!r}: published must be {{value, unit}}, got {pub!r}")
+    if d["measured"] == "max-fit" or pub["unit"] == "device":
+        if not (d["measured"] in ("max-fit",) or rid.endswith("-oom")) or pub["unit"] != "device":
+            raise TableError(f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)")
+        published = gpu.memory_bytes
+    else:
+        if pub["unit"] not in UNITS:
+            raise TableError(f"{where}: row {rid!r}: unit must be one of {sorted(UNITS)} or device, got {pub['unit']!r}")
+        if pub["unit"] == "GB" or pub["unit"] == "GiB":
+            if "unit_note" not in d:
+                raise TableError(f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)")
+        published = int(float(pub["value"]) * UNITS[pub["unit"]])
+    oo, op = OFFLOAD[d["offload"]]
+    finetune = d["finetune"]
+    if finetune == "full":
+        if d["lora_rank"] is not None or d["lora_targets"] is not None:
+            raise TableError(f"{where}: row {rid!r}: full fine-tuning takes lora_rank/lora_targets null")
+        rank, targets = Candidate.lora_rank, None
+    else:
+        rank = int(d["lora_rank"])
+        t = d["lora_targets"]
+        if t == "all-linear":
+            targets = None
+        elif isinstance(t, list) and t:
+            targets = tuple(str(x) for x in t)
+        else:
+            raise TableError(f"{where}: row {rid!r}: lora_targets must be all-linear or a list, got {t!r}")
+    try:
+        cand = Candidate(
+            zero=int(d["zero"]),
+            offload_optimizer=oo,
+            offload_param=op,
+            grad_ckpt=bool(d["grad_ckpt"]),
+            attn=d["attn"],
+            finetune=finetune,
+            lora_rank=rank,
+            micro_batch=int(d["micro_batch"]),
+            seq_len=int(d["seq_len"]),
+            grad_accum=int(d["grad_accum"]),
+            precision=d["precision"],
+            ref="precomputed" if finetune == "full" else "adapter",
+        )
+    except ValueError as exc:
+        raise TableError(f"{where}: row {rid!r}: {exc}") from None
+    settings = dataclasses.replace(
+        DEFAULT_SETTINGS,
+        lora_targets=targets,
+        lora_alpha_dropout=bool(d["lora_dropout"]),
+        # packed or padded batches: one shape every step (fragmentation of fixed shapes)
+        variable_length=False,
+    )
+    row = Row(
+        id=str(rid),
+        raw=dict(d),
+        model=str(d["model"]),
+        gpu=gpu.name,
+        num_gpus=int(d["num_gpus"]),
+        cand=cand,
+        settings=settings,
+        measured=d["measured"],
+        published_bytes=published,
+        explained=str(d.get("explained", "") or ""),
+    )
+    # the row must map to a valid estimator call (targets that exist, hardware that can run it)
+    try:
+        e = estimate(arch, gpu, row.num_gpus, 1, "sft", cand, settings=settings)
+    except EstimateError as exc:
+        raise TableError(f"{where}: row {rid!r}: {exc}") from None
+    if e.invalid:
+        raise TableError(f"{where}: row {rid!r}: the estimator calls it invalid: {e.reason}")
+    del arch
+    return row
+
+
+def load_table(path: Path = TABLE) -> tuple[list[Row], list[Row]]:
+    """(measurement rows, out-of-memory rows) of the table, each checked."""
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc, Mapping) or "rows" not in doc:
+        raise TableError(f"{path}: expected a mapping with `rows:`")
+    rows = [_row(d, f"{path} rows[{i}]") for i, d in enumerate(doc["rows"])]
+    ooms = [_row(d, f"{path} oom[{i}]") for i, d in enumerate(doc.get("oom") or [])]
+    ids = [r.id for r in rows + ooms]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise TableError(f"{path}: duplicate row ids {dup}")
+    return rows, ooms
+
+
+def predict(row: Row) -> Estimate:
+    arch = _model(row.model)
+    return estimate(arch, catalog.gpu(row.gpu), row.num_gpus, 1, "sft", row.cand, settings=row.settings)
+
+
+def _dominant(e: Estimate) -> str:
+    bd = {k: v for k, v in e.breakdown.items() if v > 0}
+    return max(bd, key=bd.get) if bd else ""
+
+
+def compare(row: Row, est: Estimate | None = None) -> Result:
+    e = est if est is not None else predict(row)
+    pred = int(getattr(e, row.figure))
+    return Result(
+        row=row,
+        est=e,
+        predicted_bytes=pred,
+        published_bytes=row.published_bytes,
+        error=pred / row.published_bytes - 1,
+        dominant=_dominant(e),
+    )
+
+
+@dataclass(frozen=True)
+class Summary:
+    n: int
+    median_abs: float
+    worst: Result
+    low_unexplained: tuple[str, ...]  # ids more than 5% low without an `explained:` note
+    n_low: int
+    n_high: int
+
+    @property
+    def meets_targets(self) -> bool:
+        return self.median_abs <= TARGET_MEDIAN and not self.low_unexplained
+
+    def line(self) -> str:
+        w = self.worst
+        return (
+            f"{self.n} rows: median |error| {self.median_abs:.1%}, worst {w.error:+.1%} ({w.row.id}); "
+            f"{self.n_low} predicted low, {self.n_high} high; "
+            f"> 5% low without explanation: {len(self.low_unexplained)}"
+        )
+
+
+def summarize(results: Iterable[Result]) -> Summary:
+    res = list(results)
+    if not res:
+        raise TableError("no rows to summarize")
+    worst = max(res, key=lambda r: abs(r.error))
+    return Summary(
+        n=len(res),
+        median_abs=statistics.median(abs(r.error) for r in res),
+        worst=worst,
+        low_unexplained=tuple(r.row.id for r in res if r.low and not r.row.explained),
+        n_low=sum(r.error < 0 for r in res),
+        n_high=sum(r.error >= 0 for r in res),
+    )
+
+
+def max_fitting_seq_len(row: Row, lo: int = 128, hi: int = 1 << 20) -> int:
+    """The longest seq_len the estimator says fits this row's GPU (bisection on device_total)."""
+    arch = _model(row.model)
+    gpu = catalog.gpu(row.gpu)
+
+    def fits(s: int) -> bool:
+        c = dataclasses.replace(row.cand, seq_len=s)
+        e = estimate(arch, gpu, row.num_gpus, 1, "sft", c, settings=row.settings)
+        return e.device_total_bytes <= gpu.memory_bytes
+
+    if not fits(lo):
+        return 0
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def table_lines(results: Iterable[Result]) -> list[str]:
+    """The comparison as fixed-width text lines."""
+    head = f"{'id':46} {'measured':10} {'published':>11} {'memfit':>11} {'error':>7}  {'peak phase':20} dominant"
+    out = [head, "-" * len(head)]
+    for r in results:
+        out.append(
+            f"{r.row.id:46} {r.row.measured:10} {r.published_bytes / GIB:8.2f} GiB "
+            f"{r.predicted_bytes / GIB:8.2f} GiB {r.error:+7.1%}  {r.est.peak_phase:20} {r.dominant}"
+            + ("  [explained]" if r.row.explained else "")
+        )
+    return out
