@@ -56,6 +56,7 @@ REQUIRED = (
     "grad_ckpt",
     "attn",
     "measured",
+    "loss_impl",
     "published",
     "notes",
 )
@@ -69,6 +70,7 @@ FIGURE = {
     "max-fit": "device_total_bytes",
 }
 UNITS = {"GB": 10**9, "GiB": GIB, "MiB": MIB}
+LOSS_IMPL = ("hf-model-fp32", "hf-loss-function", "torchtune-held")
 OFFLOAD = {
     "none": ("none", "none"),
     "optimizer": ("cpu", "none"),
@@ -138,6 +140,8 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
             raise TableError(f"{where}: row {rid!r}: {k} is empty")
     if d["measured"] not in MEASURED:
         raise TableError(f"{where}: row {rid!r}: measured must be one of {MEASURED}, got {d['measured']!r}")
+    if d["loss_impl"] not in LOSS_IMPL:
+        raise TableError(f"{where}: row {rid!r}: loss_impl must be one of {LOSS_IMPL}, got {d['loss_impl']!r}")
     if d["offload"] not in OFFLOAD:
         raise TableError(f"{where}: row {rid!r}: offload must be one of {sorted(OFFLOAD)}, got {d['offload']!r}")
     try:
@@ -325,3 +329,67 @@ def table_lines(results: Iterable[Result]) -> list[str]:
             + ("  [explained]" if r.row.explained else "")
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Proposed estimator changes, prototyped on the table (not applied to memfit.estimate: they are
+# described with their sources in notes/h-pub-estimator-changes.md). Each returns the bytes it
+# would add to the figure the row is compared with.
+
+
+def _tokens_vocab(row: Row) -> int:
+    return row.cand.micro_batch * row.cand.seq_len * _model(row.model).vocab_size
+
+
+def held_logits_term(row: Row, e: Estimate) -> int:
+    """Logits the caller still references while the loss runs or backpropagates.
+
+    - torchtune-held: the recipe's `logits` (fp32: TransformerDecoder's output `.float()`) stays
+      referenced through `loss.backward()`; torchtune later added `del logits  # free logits
+      otherwise it peaks backward memory` to its recipes (recipes/lora_finetune_single_device.py).
+      +4 t V at the loss backward.
+    - hf-loss-function: transformers >= 4.46 `LlamaForCausalLM.forward` keeps its 16-bit
+      `logits` while `self.loss_function` (loss/loss_utils.py ForCausalLMLoss) builds the fp32
+      upcast, the shifted `.contiguous()` copy and log_softmax's output: 2 + 4 + 4 + 4 = 14 t V
+      at the loss forward, where memfit's largest logits phase holds 12 t V. +2 t V.
+    - hf-model-fp32 (transformers <= 4.45): the upcast rebinds `logits`, the 16-bit tensor is
+      freed; 12 t V at most, as memfit counts. +0.
+    Only the part above the estimate's current peak moves the figure.
+    """
+    impl = row.raw["loss_impl"]
+    tv = _tokens_vocab(row)
+    extra = {"torchtune-held": 4 * tv, "hf-loss-function": 2 * tv}.get(impl, 0)
+    if not extra:
+        return 0
+    return max(0, e.phases["loss_backward"] + extra - e.peak_allocated_bytes)
+
+
+def logits_block_cache_term(row: Row, e: Estimate) -> int:
+    """Reserved memory the caching allocator cannot reuse for the next step's logits.
+
+    The fp32 [t, V] blocks (log_softmax's output and its gradients) are the largest transient
+    allocations. Freed after the loss backward they stay cached; the next forward's long-lived
+    allocations (checkpointed layer inputs, live until the backward) are carved out of them,
+    because the caching allocator splits cached large-pool blocks to serve smaller requests
+    (PyTorch "CUDA semantics": max_split_size_mb "prevents the native allocator from splitting
+    blocks larger than this size ... can reduce fragmentation"; c10/cuda/CUDACachingAllocator.cpp
+    `get_free_block` / `alloc_found_block`), so the next loss needs a fresh segment. One such
+    block, 4 t V, stays reserved beyond the allocated peak. Device-level figures only, and not
+    with expandable_segments (segments then grow in place).
+    """
+    if row.measured == "allocated" or row.settings.expandable_segments:
+        return 0
+    return 4 * _tokens_vocab(row)
+
+
+PROPOSALS = {
+    "held_logits": held_logits_term,
+    "logits_block_cache": logits_block_cache_term,
+}
+
+
+def with_proposals(r: Result) -> tuple[float, dict[str, int]]:
+    """The row's error if the proposed terms were in the estimator, and each term's bytes."""
+    terms = {name: f(r.row, r.est) for name, f in PROPOSALS.items()}
+    pred = r.predicted_bytes + sum(terms.values())
+    return pred / r.published_bytes - 1, terms
