@@ -10,7 +10,7 @@ measured, a user following it can OOM), the phase that holds the peak and the co
 dominates it. Then the median and worst error, the direction, the rows more than 5% low
 without an `explained:` note, the longest sequence memfit says fits for the max-fit rows, and
 the out-of-memory rows. With proposals (default), the same rows with the estimator changes of
-notes/h-pub-estimator-changes.md prototyped (memfit.validation.PROPOSALS), term by term.
+issue #16 prototyped (memfit.validation.PROPOSALS, mechanisms and sources in their docstrings), term by term.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{e.device_memory_bytes / GIB:.2f} GiB: {verdict}")
 
     if not args.no_proposals:
-        print("\nwith the proposed changes (notes/h-pub-estimator-changes.md), prototyped:")
+        print("\nwith the proposed changes (memfit.validation.PROPOSALS), prototyped:")
         names = list(v.PROPOSALS)
         print(f"  {'id':46} {'now':>7} {'after':>7}  " + "  ".join(f"{n:>18}" for n in names))
         after = []

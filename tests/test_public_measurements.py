@@ -111,7 +111,7 @@ def test_explained_rows_say_why():
         "issue #16 targets not met yet: on 2026-11-22 median |error| 14.7% (target <= 8%), "
         "16 rows more than 5% low without explanation, worst unexplained -24.9% "
         "(torchtune-llama2-7b-lora-2x4090); the prototyped changes of "
-        "notes/h-pub-estimator-changes.md bring the median to 5.6%"
+        "memfit.validation.PROPOSALS bring the median to 5.6%"
     ),
 )
 def test_issue_16_targets():

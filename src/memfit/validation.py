@@ -332,9 +332,9 @@ def table_lines(results: Iterable[Result]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Proposed estimator changes, prototyped on the table (not applied to memfit.estimate: they are
-# described with their sources in notes/h-pub-estimator-changes.md). Each returns the bytes it
-# would add to the figure the row is compared with.
+# Proposed estimator changes, prototyped on the table and not applied to memfit.estimate (the
+# mechanism and source of each is in its docstring). Each returns the bytes it would add to the
+# figure the row is compared with.
 
 
 def _tokens_vocab(row: Row) -> int:
