@@ -39,23 +39,29 @@ def main(argv: list[str] | None = None) -> int:
     print("now:", s.line())
     if s.low_unexplained:
         print("  > 5% low, unexplained:", ", ".join(s.low_unexplained))
-    print(f"  targets (issue #16): median <= {v.TARGET_MEDIAN:.0%}, none > 5% low unexplained:",
-          "met" if s.meets_targets else "NOT met")
+    print(
+        f"  targets (issue #16): median <= {v.TARGET_MEDIAN:.0%}, none > 5% low unexplained:",
+        "met" if s.meets_targets else "NOT met",
+    )
 
     if not args.no_maxfit:
         print("\nmax-fit rows: the longest sequence memfit says fits vs the published one")
         for r in rows:
             if r.measured == "max-fit":
                 pred = v.max_fitting_seq_len(r)
-                print(f"  {r.id:46} published {r.cand.seq_len:>7,}  memfit {pred:>7,}  "
-                      f"({pred / r.cand.seq_len - 1:+.0%})")
+                print(
+                    f"  {r.id:46} published {r.cand.seq_len:>7,}  memfit {pred:>7,}  "
+                    f"({pred / r.cand.seq_len - 1:+.0%})"
+                )
 
     print("\nout-of-memory rows (memfit must not fit them):")
     for r in ooms:
         e = v.predict(r)
         verdict = "ok (does not fit)" if not e.fits else "WRONG (memfit says it fits)"
-        print(f"  {r.id:46} memfit {e.device_total_bytes / GIB:7.2f} GiB of "
-              f"{e.device_memory_bytes / GIB:.2f} GiB: {verdict}")
+        print(
+            f"  {r.id:46} memfit {e.device_total_bytes / GIB:7.2f} GiB of "
+            f"{e.device_memory_bytes / GIB:.2f} GiB: {verdict}"
+        )
 
     if not args.no_proposals:
         print("\nwith the proposed changes (memfit.validation.PROPOSALS), prototyped:")
@@ -70,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         med = statistics.median(abs(e) for _, e in after)
         worst_r, worst_e = max(after, key=lambda x: abs(x[1]))
         low = [r.row.id for r, e in after if e < v.TARGET_LOW and not r.row.explained]
-        print(f"  after: median |error| {med:.1%}, worst {worst_e:+.1%} ({worst_r.row.id}); "
-              f"> 5% low without explanation: {len(low)}" + (f" ({', '.join(low)})" if low else ""))
+        print(
+            f"  after: median |error| {med:.1%}, worst {worst_e:+.1%} ({worst_r.row.id}); "
+            f"> 5% low without explanation: {len(low)}" + (f" ({', '.join(low)})" if low else "")
+        )
     return 0
 
 

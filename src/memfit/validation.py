@@ -60,7 +60,7 @@ REQUIRED = (
     "published",
     "notes",
 )
-OPTIONAL = ("unit_note", "explained")
+OPTIONAL = ("unit_note", "explained", "device_memory")
 MEASURED = ("allocated", "reserved", "nvidia-smi", "max-fit")
 # The estimator figure each kind of measurement is compared with.
 FIGURE = {
@@ -98,6 +98,7 @@ class Row:
     measured: str
     published_bytes: int
     explained: str = ""
+    budget_bytes: int | None = None  # device memory of a max-fit/oom row when not the GPU's own
 
     @property
     def figure(self) -> str:
@@ -139,11 +140,17 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         if not str(d[k]).strip():
             raise TableError(f"{where}: row {rid!r}: {k} is empty")
     if d["measured"] not in MEASURED:
-        raise TableError(f"{where}: row {rid!r}: measured must be one of {MEASURED}, got {d['measured']!r}")
+        raise TableError(
+            f"{where}: row {rid!r}: measured must be one of {MEASURED}, got {d['measured']!r}"
+        )
     if d["loss_impl"] not in LOSS_IMPL:
-        raise TableError(f"{where}: row {rid!r}: loss_impl must be one of {LOSS_IMPL}, got {d['loss_impl']!r}")
+        raise TableError(
+            f"{where}: row {rid!r}: loss_impl must be one of {LOSS_IMPL}, got {d['loss_impl']!r}"
+        )
     if d["offload"] not in OFFLOAD:
-        raise TableError(f"{where}: row {rid!r}: offload must be one of {sorted(OFFLOAD)}, got {d['offload']!r}")
+        raise TableError(
+            f"{where}: row {rid!r}: offload must be one of {sorted(OFFLOAD)}, got {d['offload']!r}"
+        )
     try:
         arch = _model(str(d["model"]))
         gpu = catalog.gpu(str(d["gpu"]))
@@ -152,22 +159,39 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
     pub = d["published"]
     if not isinstance(pub, Mapping) or set(pub) != {"value", "unit"}:
         raise TableError(f"{where}: row {rid!r}: published must be {{value, unit}}, got {pub!r}")
+    budget = None
+    if "device_memory" in d:
+        dm = d["device_memory"]
+        if not isinstance(dm, Mapping) or dm.get("unit") not in UNITS or "unit_note" not in d:
+            raise TableError(
+                f"{where}: row {rid!r}: device_memory must be {{value, unit}} with unit in "
+                f"{sorted(UNITS)} and a unit_note, got {dm!r}"
+            )
+        budget = int(float(dm["value"]) * UNITS[dm["unit"]])
     if d["measured"] == "max-fit" or pub["unit"] == "device":
         if not (d["measured"] in ("max-fit",) or rid.endswith("-oom")) or pub["unit"] != "device":
-            raise TableError(f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)")
-        published = gpu.memory_bytes
+            raise TableError(
+                f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)"
+            )
+        published = budget if budget is not None else gpu.memory_bytes
     else:
         if pub["unit"] not in UNITS:
-            raise TableError(f"{where}: row {rid!r}: unit must be one of {sorted(UNITS)} or device, got {pub['unit']!r}")
+            raise TableError(
+                f"{where}: row {rid!r}: unit must be one of {sorted(UNITS)} or device, got {pub['unit']!r}"
+            )
         if pub["unit"] == "GB" or pub["unit"] == "GiB":
             if "unit_note" not in d:
-                raise TableError(f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)")
+                raise TableError(
+                    f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)"
+                )
         published = int(float(pub["value"]) * UNITS[pub["unit"]])
     oo, op = OFFLOAD[d["offload"]]
     finetune = d["finetune"]
     if finetune == "full":
         if d["lora_rank"] is not None or d["lora_targets"] is not None:
-            raise TableError(f"{where}: row {rid!r}: full fine-tuning takes lora_rank/lora_targets null")
+            raise TableError(
+                f"{where}: row {rid!r}: full fine-tuning takes lora_rank/lora_targets null"
+            )
         rank, targets = Candidate.lora_rank, None
     else:
         rank = int(d["lora_rank"])
@@ -177,7 +201,9 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         elif isinstance(t, list) and t:
             targets = tuple(str(x) for x in t)
         else:
-            raise TableError(f"{where}: row {rid!r}: lora_targets must be all-linear or a list, got {t!r}")
+            raise TableError(
+                f"{where}: row {rid!r}: lora_targets must be all-linear or a list, got {t!r}"
+            )
     try:
         cand = Candidate(
             zero=int(d["zero"]),
@@ -213,10 +239,13 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         measured=d["measured"],
         published_bytes=published,
         explained=str(d.get("explained", "") or ""),
+        budget_bytes=budget,
     )
     # the row must map to a valid estimator call (targets that exist, hardware that can run it)
     try:
-        e = estimate(arch, gpu, row.num_gpus, 1, "sft", cand, settings=settings)
+        e = estimate(
+            arch, gpu, row.num_gpus, 1, "sft", cand, budget_bytes=budget, settings=settings
+        )
     except EstimateError as exc:
         raise TableError(f"{where}: row {rid!r}: {exc}") from None
     if e.invalid:
@@ -242,7 +271,16 @@ def load_table(path: Path = TABLE) -> tuple[list[Row], list[Row]]:
 
 def predict(row: Row) -> Estimate:
     arch = _model(row.model)
-    return estimate(arch, catalog.gpu(row.gpu), row.num_gpus, 1, "sft", row.cand, settings=row.settings)
+    return estimate(
+        arch,
+        catalog.gpu(row.gpu),
+        row.num_gpus,
+        1,
+        "sft",
+        row.cand,
+        budget_bytes=row.budget_bytes,
+        settings=row.settings,
+    )
 
 
 def _dominant(e: Estimate) -> str:
@@ -307,8 +345,17 @@ def max_fitting_seq_len(row: Row, lo: int = 128, hi: int = 1 << 20) -> int:
 
     def fits(s: int) -> bool:
         c = dataclasses.replace(row.cand, seq_len=s)
-        e = estimate(arch, gpu, row.num_gpus, 1, "sft", c, settings=row.settings)
-        return e.device_total_bytes <= gpu.memory_bytes
+        e = estimate(
+            arch,
+            gpu,
+            row.num_gpus,
+            1,
+            "sft",
+            c,
+            budget_bytes=row.budget_bytes,
+            settings=row.settings,
+        )
+        return e.device_total_bytes <= e.device_memory_bytes
 
     if not fits(lo):
         return 0
