@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             if r.measured == "max-fit":
                 pred = v.max_fitting_seq_len(r)
+                fixed = v.max_fitting_seq_len(r, with_proposals=True)
+                n = r.cand.seq_len
                 print(
-                    f"  {r.id:46} published {r.cand.seq_len:>7,}  memfit {pred:>7,}  "
-                    f"({pred / r.cand.seq_len - 1:+.0%})"
+                    f"  {r.id:46} published {n:>7,}  memfit {pred:>7,} ({pred / n - 1:+.0%})"
+                    f"  with proposals {fixed:>7,} ({fixed / n - 1:+.0%})"
                 )
 
     print("\nout-of-memory rows (memfit must not fit them):")

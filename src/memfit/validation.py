@@ -338,24 +338,17 @@ def summarize(results: Iterable[Result]) -> Summary:
     )
 
 
-def max_fitting_seq_len(row: Row, lo: int = 128, hi: int = 1 << 20) -> int:
-    """The longest seq_len the estimator says fits this row's GPU (bisection on device_total)."""
-    arch = _model(row.model)
-    gpu = catalog.gpu(row.gpu)
+def max_fitting_seq_len(
+    row: Row, lo: int = 128, hi: int = 1 << 20, with_proposals: bool = False
+) -> int:
+    """The longest seq_len the estimator says fits this row's device (bisection on the device
+    total); with_proposals adds the prototyped terms of PROPOSALS at each length."""
 
     def fits(s: int) -> bool:
-        c = dataclasses.replace(row.cand, seq_len=s)
-        e = estimate(
-            arch,
-            gpu,
-            row.num_gpus,
-            1,
-            "sft",
-            c,
-            budget_bytes=row.budget_bytes,
-            settings=row.settings,
-        )
-        return e.device_total_bytes <= e.device_memory_bytes
+        r = dataclasses.replace(row, cand=dataclasses.replace(row.cand, seq_len=s))
+        e = predict(r)
+        extra = sum(f(r, e) for f in PROPOSALS.values()) if with_proposals else 0
+        return e.device_total_bytes + extra <= e.device_memory_bytes
 
     if not fits(lo):
         return 0
