@@ -2,7 +2,7 @@
 
 Each row of the table is one fine-tuning run someone else measured on real GPUs, with its
 setting (model, GPUs, ZeRO stage/FSDP, offload, LoRA/QLoRA, sequence length, micro batch,
-checkpointing, attention kernel) and what was measured. `load_rows` checks every row and
+checkpointing, attention kernel) and what was measured. `load_table` checks every row and
 turns it into an estimator call; `compare` runs `memfit.estimate.estimate` and compares the
 figure that matches the measurement:
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,6 @@ class Result:
     published_bytes: int
     error: float  # predicted / published - 1
     dominant: str  # largest component of the estimate's breakdown at its peak
-    notes: list[str] = field(default_factory=list)
 
     @property
     def low(self) -> bool:
@@ -169,7 +168,7 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
             )
         budget = int(float(dm["value"]) * UNITS[dm["unit"]])
     if d["measured"] == "max-fit" or pub["unit"] == "device":
-        if not (d["measured"] in ("max-fit",) or rid.endswith("-oom")) or pub["unit"] != "device":
+        if not (d["measured"] == "max-fit" or rid.endswith("-oom")) or pub["unit"] != "device":
             raise TableError(
                 f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)"
             )
@@ -225,7 +224,8 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         DEFAULT_SETTINGS,
         lora_targets=targets,
         lora_alpha_dropout=bool(d["lora_dropout"]),
-        # packed or padded batches: one shape every step (fragmentation of fixed shapes)
+        # every row's batches are packed or padded to seq_len (see the rows' notes): one shape
+        # every step, the estimator's fixed-shape fragmentation share
         variable_length=False,
     )
     row = Row(
@@ -250,7 +250,6 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         raise TableError(f"{where}: row {rid!r}: {exc}") from None
     if e.invalid:
         raise TableError(f"{where}: row {rid!r}: the estimator calls it invalid: {e.reason}")
-    del arch
     return row
 
 
