@@ -421,9 +421,32 @@ def logits_block_cache_term(row: Row, e: Estimate) -> int:
     return 4 * _tokens_vocab(row)
 
 
+# NCCL's device memory per process with cuMem allocation (NCCL >= 2.19 enables it by default,
+# NCCL docs "NCCL_CUMEM_ENABLE", quoted in vllm-project/vllm PR #5091): vLLM's memory profiler
+# measured non-torch memory of 1.79 GiB for one H100 process and 3.58 GiB for each of two
+# tensor-parallel processes (vllm-project/vllm PR #10511, Meta-Llama-3-8B, -tp 1 vs -tp 2): the
+# communicator adds 1.79 GiB per process. An outside measurement, not fitted to this table.
+NCCL_CUMEM_BYTES = int(1.79 * GIB)
+
+
+def nccl_buffers_term(row: Row, e: Estimate) -> int:
+    """NCCL communicator memory beyond what memfit counts, for device-level figures of
+    multi-GPU runs. memfit's `_device_overheads` counts min(256, 32 x peers) MiB
+    (2 x NCCL_BUFFSIZE per channel per peer, ring); with cuMem (NCCL >= 2.19) one communicator
+    took 1.79 GiB per process on an H100 (NCCL_CUMEM_BYTES). On H100 NVSwitch systems with more
+    than 2 GPUs NCCL also maps NVLink-SHARP buffers (NCCL log `nvlsTotalSize`, vllm issue #9699),
+    not counted here.
+    """
+    if row.num_gpus < 2 or row.measured in ("allocated", "reserved"):
+        return 0
+    counted = min(256, 32 * (row.num_gpus - 1)) * MIB  # memfit.estimate._device_overheads
+    return max(0, NCCL_CUMEM_BYTES - counted)
+
+
 PROPOSALS = {
     "held_logits": held_logits_term,
     "logits_block_cache": logits_block_cache_term,
+    "nccl_buffers": nccl_buffers_term,
 }
 
 
