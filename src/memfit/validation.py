@@ -22,14 +22,20 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from memfit import catalog
-from memfit.estimate import DEFAULT_SETTINGS, Estimate, EstimateError, Settings, estimate
+
+# the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
+# package); Estimate is only used for annotations
+from memfit.estimate import EstimateError, Settings, estimate
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from memfit.estimate import Estimate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TABLE = REPO_ROOT / "tests" / "public_measurements.yaml"
@@ -221,7 +227,7 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
     except ValueError as exc:
         raise TableError(f"{where}: row {rid!r}: {exc}") from None
     settings = dataclasses.replace(
-        DEFAULT_SETTINGS,
+        Settings(),
         lora_targets=targets,
         lora_alpha_dropout=bool(d["lora_dropout"]),
         # every row's batches are packed or padded to seq_len (see the rows' notes): one shape
