@@ -4,19 +4,12 @@ deterministic step schedule that makes resume exact."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from memfit.losses import IGNORE_INDEX
-
-
-def _load_rows(data_dir: str, split: str) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(Path(data_dir) / f"{split}.parquet").to_pylist()
 
 
 def _pad(seqs: list[list[int]], value: int, length: int | None = None) -> torch.Tensor:

@@ -35,7 +35,8 @@ import torch
 from memfit import checkpoint, dsconfig
 from memfit import dist as dist_env
 from memfit.atomic import replace_dir, write_json_atomic
-from memfit.batches import Schedule, _load_rows, collate, collate_packed  # noqa: F401  (re-exported)
+from memfit.batches import Schedule, collate, collate_packed  # noqa: F401  (re-exported)
+from memfit.data import load_split, worst_case_batch
 from memfit.losses import sequence_logps
 from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.modeling import (  # noqa: F401  (re-exported: probe, pipeline and tests import them from here)
@@ -51,6 +52,7 @@ from memfit.modeling import (  # noqa: F401  (re-exported: probe, pipeline and t
 from memfit.reference import _forget_zero3_module, _storage_refs  # noqa: F401
 from memfit.space import Candidate
 from memfit.steps import StepRunner
+from memfit.units import MIB, gib
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
 PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
@@ -167,8 +169,8 @@ class Run:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-        self.train_rows = _load_rows(cfg.data_dir, "train")
-        self.eval_rows = _load_rows(cfg.data_dir, "eval")
+        self.train_rows = load_split(cfg.data_dir, "train")
+        self.eval_rows = load_split(cfg.data_dir, "eval")
         # What a step draws: rows, or with packing packed sequences (global_batch counts those).
         self.train_units: list[Any] = self.train_rows
         self.packing: dict[str, Any] | None = None
@@ -292,7 +294,7 @@ class Run:
 
         cache = self.out / "ref_logps.pt"
         ref_path = self.cfg.ref_model_path or self.cfg.model_path
-        splits = {"probe": self._worst_case_rows()} if self.cfg.probe_steps else {"train": self.train_rows, "eval": self.eval_rows}
+        splits = {"probe": worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)} if self.cfg.probe_steps else {"train": self.train_rows, "eval": self.eval_rows}
         sizes = {k: len(v) for k, v in splits.items()}
         stored = torch.load(cache, weights_only=False) if cache.exists() else None
         if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
@@ -308,7 +310,7 @@ class Run:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             left = sum(n for ref, n in weights if ref() is not None)
-            self.log(f"reference model released: {left / 2**20:.1f} MiB of its parameters still allocated")
+            self.log(f"reference model released: {left / MIB:.1f} MiB of its parameters still allocated")
             stored = {"ref_path": ref_path, "sizes": sizes, "values": values}
             if self.rank == 0 and not self.cfg.probe_steps:
                 self.out.mkdir(parents=True, exist_ok=True)
@@ -521,20 +523,12 @@ class Run:
             "packing": self.packing,  # SFT packing: rows, packs, capacity, rows_per_pack, fill; else None
         }
 
-    def _worst_case_rows(self) -> list[dict[str, Any]]:
-        stats = json.loads((Path(self.cfg.data_dir) / "stats.json").read_text())
-        idx = stats["worst_case_rows"][: self.cand.micro_batch]
-        rows = [self.train_rows[i] for i in idx]
-        while len(rows) < self.cand.micro_batch:
-            rows.append(rows[len(rows) % len(idx)])
-        return rows
-
     def _worst_case_units(self) -> list[Any]:
         """The probe's micro batch: the longest rows, or with packing the fullest packs, each
         padded to seq_len by the caller, so the probe runs the largest shape training can meet
         through the same (packed or padded) code path."""
         if not self.cfg.packing:
-            return self._worst_case_rows()
+            return worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)
         size = [sum(len(r["input_ids"]) for r in p) for p in self.train_units]
         fullest = sorted(range(len(size)), key=lambda i: (-size[i], i))[: self.cand.micro_batch]
         return [self.train_units[fullest[k % len(fullest)]] for k in range(self.cand.micro_batch)]
@@ -603,7 +597,7 @@ class Run:
         checkpoint.ensure_host_ram(
             ranks_here * need["per_rank"],
             root / tag,
-            f"loading it ({ranks_here} ranks x {need['per_rank'] / 2**30:.2f} GiB read to the CPU per rank)",
+            f"loading it ({ranks_here} ranks x {gib(need['per_rank'])} read to the CPU per rank)",
         )
         state = checkpoint.load(self.engine, root, tag, run_config=dataclasses.asdict(cfg), mode=mode, seed=cfg.seed)
         step = int(state["step"])
@@ -697,7 +691,7 @@ def _log_line(row: dict[str, Any]) -> str:
         parts.append(f"acc {row['rewards/accuracies']:.2f}, margin {row['rewards/margins']:.3f}")
     parts.append(f"{row['tokens_per_s'] / 1e3:.1f}k tok/s")
     parts.append(f"lr {row['lr']:.2e}")
-    parts.append(f"peak {row['peak_allocated_bytes'] / 2**20:.1f} MiB")
+    parts.append(f"peak {row['peak_allocated_bytes'] / MIB:.1f} MiB")
     return ", ".join(parts)
 
 
