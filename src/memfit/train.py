@@ -403,10 +403,9 @@ class Run:
         """True on every rank once any rank got SIGTERM/SIGUSR1 (one all-reduce per step)."""
         return bool(dist_env.all_reduce_max([float(_STOP_REQUESTED.is_set())])[0])
 
-    def fit(self) -> dict[str, Any]:
-        from tqdm import tqdm
-
-        cfg = self.cfg
+    def _start_tracking(self):
+        """Peak memory from here on: an AllocationTracker on the CPU (None on CUDA, where the
+        allocator's own peak counters are read), with the device peaks reset."""
         # from_pretrained returns the model in eval mode (transformers modeling_utils.py), and
         # transformers checkpoints a layer only when `self.gradient_checkpointing and
         # self.training` (modeling_layers.py GradientCheckpointingLayer), LoRA dropout likewise:
@@ -416,73 +415,76 @@ class Run:
         reset_device_peaks()
         if tracker is not None:
             tracker.__enter__()
-        start_step = 0
-        self.resume_peak: dict[str, int] | None = None
-        if not cfg.probe_steps:
-            if self.rank == 0:
-                (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
-            start_step = self.maybe_resume()
-            if start_step:
-                # what loading the checkpoint cost, kept apart from the training peak
-                pk = device_peaks(tracker)
-                alloc, reserved, rss = dist_env.all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
-                self.resume_peak = {"allocated": int(alloc), "reserved": int(reserved), "host_rss": int(rss)}
-                if tracker is not None:
-                    tracker.reset_peak()
-                reset_device_peaks()
-        probe_rows = self._worst_case_units() if cfg.probe_steps else None
+        return tracker
 
+    def _progress(self, initial: int, desc: str):
+        from tqdm import tqdm
+
+        return tqdm(total=self.total_steps, initial=initial, desc=desc, disable=self.rank != 0,
+                    file=sys.stderr, mininterval=2.0)
+
+    def _step_row(self, step: int, tracker, peaks: list[tuple[int, int | None]], step_times: list[float],
+                  probe_rows: list[Any] | None = None) -> dict[str, Any]:
+        """Run training step `step` and return its metrics row (peaks over all ranks)."""
+        lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.cfg.lr  # what this step uses
+        m = self.train_step(step, probe_rows)
+        pk = device_peaks(tracker)
+        peaks.append((pk.allocated, pk.reserved))
+        step_times.append(m["step_time_s"])
+        alloc, reserved, rss = dist_env.all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
+        return {
+            "step": step + 1,
+            "split": "train",
+            **m,
+            "lr": lr,
+            "grad_norm": _float_or_none(self.engine.get_global_grad_norm()),
+            "peak_allocated_bytes": int(alloc),
+            "peak_reserved_bytes": int(reserved) if pk.reserved is not None else None,
+            "host_rss_bytes": int(rss),
+        }
+
+    def probe(self) -> dict[str, Any]:
+        """Probe mode: `probe_steps` steps on the worst-case micro batch (padded to seq_len), no
+        resume, evaluation, metrics file or checkpoints; the summary of step times and peaks."""
+        tracker = self._start_tracking()
+        self.resume_peak: dict[str, int] | None = None
+        probe_rows = self._worst_case_units()
         step_times: list[float] = []
         peaks: list[tuple[int, int | None]] = []
-        bar = tqdm(
-            total=self.total_steps,
-            initial=start_step,
-            desc=f"{cfg.method}{' probe' if cfg.probe_steps else ''}",
-            disable=self.rank != 0,
-            file=sys.stderr,
-            mininterval=2.0,
-        )
+        bar = self._progress(0, f"{self.cfg.method} probe")
         try:
-            if start_step == 0 and not cfg.probe_steps and self.eval_rows:
+            for step in range(self.total_steps):
+                self._step_row(step, tracker, peaks, step_times, probe_rows)
+                bar.update(1)
+                if self.cfg.stop_after_step is not None and step + 1 >= self.cfg.stop_after_step:
+                    self.log(f"stopping after step {step + 1} (stop_after_step)")
+                    return {"stopped_at": step + 1}
+        finally:
+            bar.close()
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+        return self._summary(step_times, peaks)
+
+    def fit(self) -> dict[str, Any]:
+        """Train: resume -> (eval) -> steps with logging, evaluation and checkpoints -> export."""
+        cfg = self.cfg
+        tracker = self._start_tracking()
+        if self.rank == 0:
+            (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
+        start_step = self._resume(tracker)
+        step_times: list[float] = []
+        peaks: list[tuple[int, int | None]] = []
+        bar = self._progress(start_step, cfg.method)
+        try:
+            if start_step == 0 and self.eval_rows:
                 self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
             for step in range(start_step, self.total_steps):
-                lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler else cfg.lr  # what this step uses
-                m = self.train_step(step, probe_rows)
-                pk = device_peaks(tracker)
-                peaks.append((pk.allocated, pk.reserved))
-                step_times.append(m["step_time_s"])
-                done = step + 1
-                alloc, reserved, rss = dist_env.all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
-                row = {
-                    "step": done,
-                    "split": "train",
-                    **m,
-                    "lr": lr,
-                    "grad_norm": _float_or_none(self.engine.get_global_grad_norm()),
-                    "peak_allocated_bytes": int(alloc),
-                    "peak_reserved_bytes": int(reserved) if pk.reserved is not None else None,
-                    "host_rss_bytes": int(rss),
-                }
-                if not cfg.probe_steps:
-                    self._write_metrics(row)
-                    if done % cfg.log_every == 0 or done == self.total_steps:
-                        self.log(_log_line(row))
-                    if cfg.eval_every and (done % cfg.eval_every == 0 or done == self.total_steps) and self.eval_rows:
-                        ev = self.evaluate()
-                        self._write_metrics({"step": done, "split": "eval", **ev})
-                        self.log(f"step {done}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
-                    if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
-                        self.save(done)
+                row = self._step_row(step, tracker, peaks, step_times)
+                done = row["step"]
+                self._after_step(row)
                 bar.update(1)
-                if not cfg.probe_steps and self._stop_signal_received():
-                    # SLURM sends SIGTERM (or --signal=USR1@secs) before the wall-time kill:
-                    # checkpoint now, exit non-zero, and the re-run resumes from here.
-                    if not (cfg.save_every and done % cfg.save_every == 0):
-                        self.save(done)
-                    self.log(f"signal received: checkpointed step {done}; exiting to be resumed")
-                    if self.rank == 0:
-                        write_json_atomic(self.out / PREEMPTED_MARKER, {"step": done})
-                    raise SystemExit(PREEMPTED_EXIT_CODE)
+                if self._stop_signal_received():
+                    self._preempt(done)
                 if cfg.stop_after_step is not None and done >= cfg.stop_after_step:
                     self.log(f"stopping after step {done} (stop_after_step)")
                     return {"stopped_at": done}
@@ -491,11 +493,45 @@ class Run:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
         summary = self._summary(step_times, peaks)
-        if cfg.probe_steps:
-            return summary
         if cfg.export:
             self.export()
         return summary
+
+    def _resume(self, tracker) -> int:
+        """Resume if a checkpoint says so; what loading it cost is kept apart from the training peak."""
+        self.resume_peak = None
+        start_step = self.maybe_resume()
+        if start_step:
+            pk = device_peaks(tracker)
+            alloc, reserved, rss = dist_env.all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
+            self.resume_peak = {"allocated": int(alloc), "reserved": int(reserved), "host_rss": int(rss)}
+            if tracker is not None:
+                tracker.reset_peak()
+            reset_device_peaks()
+        return start_step
+
+    def _after_step(self, row: dict[str, Any]) -> None:
+        """Metrics row, log line, evaluation and checkpoint after a training step."""
+        cfg, done = self.cfg, row["step"]
+        self._write_metrics(row)
+        if done % cfg.log_every == 0 or done == self.total_steps:
+            self.log(_log_line(row))
+        if cfg.eval_every and (done % cfg.eval_every == 0 or done == self.total_steps) and self.eval_rows:
+            ev = self.evaluate()
+            self._write_metrics({"step": done, "split": "eval", **ev})
+            self.log(f"step {done}: eval " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+        if cfg.save_every and (done % cfg.save_every == 0 or done == self.total_steps):
+            self.save(done)
+
+    def _preempt(self, done: int) -> None:
+        """SLURM sends SIGTERM (or --signal=USR1@secs) before the wall-time kill: checkpoint
+        now, exit non-zero, and the re-run resumes from here."""
+        if not (self.cfg.save_every and done % self.cfg.save_every == 0):
+            self.save(done)
+        self.log(f"signal received: checkpointed step {done}; exiting to be resumed")
+        if self.rank == 0:
+            write_json_atomic(self.out / PREEMPTED_MARKER, {"step": done})
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _summary(self, step_times: list[float], peaks: list[tuple[int, int | None]]) -> dict[str, Any]:
         alloc = max((p[0] for p in peaks), default=0)
@@ -722,7 +758,7 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
     run = Run(cfg)
     try:
         run.setup()
-        return run.fit()
+        return run.probe() if cfg.probe_steps else run.fit()
     except torch.OutOfMemoryError as e:
         marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
         marker.parent.mkdir(parents=True, exist_ok=True)
