@@ -3,6 +3,7 @@ deterministic step schedule that makes resume exact."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,3 +117,17 @@ class Schedule:
         for m in range(self.accum):
             start = base + (m * self.world + rank) * self.micro
             yield self._perm[1][start : start + self.micro].tolist()
+
+
+def rank_batches(rows: list[dict[str, Any]], micro: int, world: int, rank: int) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
+    """This rank's share of `rows` in micro batches: micro batch j is rows [j*micro, (j+1)*micro)
+    and runs on rank j % world, so which rows share a batch (hence padding and the per-batch
+    token mean an eval loss is built from) does not depend on the number of ranks: a run
+    resumed on another world size evaluates the same batches. Every rank yields the same
+    number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's forward
+    all-gathers parameters, so all ranks must run the same number of forwards."""
+    total = math.ceil(len(rows) / micro)
+    for b in range(math.ceil(total / world)):
+        j = b * world + rank
+        idx = list(range(j * micro, min((j + 1) * micro, len(rows)))) if j < total else []
+        yield idx, ([rows[i] for i in idx] if idx else [rows[0]])

@@ -161,3 +161,9 @@ def _merged_lora_state(peft_model, state: dict[str, torch.Tensor]) -> dict[str, 
             state[w] = state[w] + delta.to(b.dtype)
     prefix = "base_model.model."
     return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
+
+
+def hidden_size(model_path: str) -> int | None:
+    """The model's hidden size from config.json (text_config for multimodal configs)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return cfg.get("hidden_size") or cfg.get("text_config", {}).get("hidden_size")

@@ -24,7 +24,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,8 @@ import torch
 from memfit import checkpoint, dsconfig
 from memfit import dist as dist_env
 from memfit.atomic import replace_dir, write_json_atomic
-from memfit.batches import Schedule, collate, collate_packed  # noqa: F401  (re-exported)
+from memfit.batches import Schedule, collate, collate_packed, rank_batches  # noqa: F401  (re-exported)
 from memfit.data import load_split, worst_case_batch
-from memfit.losses import sequence_logps
 from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.modeling import (  # noqa: F401  (re-exported: probe, pipeline and tests import them from here)
     ADAPTER_CONFIG,
@@ -46,10 +44,11 @@ from memfit.modeling import (  # noqa: F401  (re-exported: probe, pipeline and t
     _merged_lora_state,
     adapter_base,
     check_hardware,
+    hidden_size,
     load_model,
     model_dir,
 )
-from memfit.reference import _forget_zero3_module, _storage_refs  # noqa: F401
+from memfit.reference import _forget_zero3_module, _storage_refs, reference_engine, reference_logps  # noqa: F401
 from memfit.space import Candidate
 from memfit.steps import StepRunner
 from memfit.units import MIB, gib
@@ -194,7 +193,7 @@ class Run:
             weight_decay=cfg.weight_decay,
             grad_clip=cfg.grad_clip,
             min_lr_ratio=cfg.min_lr_ratio,
-            hidden_size=_hidden_size(model_dir(cfg.model_path)),
+            hidden_size=hidden_size(model_dir(cfg.model_path)),
         )
         self.ds_config = ds_cfg
         if cfg.method == "dpo" and cand.ref == "precomputed":
@@ -225,7 +224,7 @@ class Run:
 
         self.ref_engine = None
         if cfg.method == "dpo" and cand.ref == "model":
-            self.ref_engine = self._reference_engine(ds_cfg)
+            self.ref_engine = reference_engine(cand, cfg.ref_model_path or cfg.model_path, ds_cfg)
         del hf_ds
         self.runner = StepRunner(cfg.method, self.engine, self.ref_engine, self.pad_id, dpo=cfg.dpo, ref=cand.ref,
                                  loss_on=cfg.loss_on, flatten_packs=cand.attn == "flash")
@@ -254,38 +253,6 @@ class Run:
                  f"({stats['rows_per_pack']} rows each, {stats['fill']:.1%} filled)")
         return units, stats
 
-    def _reference_engine(self, ds_cfg: dict[str, Any]):
-        """The frozen DPO reference as a DeepSpeed inference engine."""
-        import deepspeed
-
-        cand = self.cand
-        ref_path = self.cfg.ref_model_path or self.cfg.model_path
-        ref_cfg = {
-            "train_micro_batch_size_per_gpu": cand.micro_batch,
-            "gradient_accumulation_steps": cand.grad_accum,
-            "bf16": ds_cfg["bf16"],
-            "fp16": ds_cfg["fp16"],
-            # The frozen reference is sharded like the policy under ZeRO-3 (OpenRLHF's
-            # get_eval_ds_config); ZeRO 0-2 keep a full replica per rank.
-            "zero_optimization": {"stage": 3 if cand.zero == 3 else 0},
-        }
-        if cand.zero == 3 and (h := _hidden_size(model_dir(ref_path))):
-            # the same persistence threshold and prefetch bucket as the policy's
-            ref_cfg["zero_optimization"].update(dsconfig.bucket_sizes(h, 3))
-            ref_cfg["zero_optimization"].pop("reduce_bucket_size", None)
-        if cand.zero == 3 and cand.offload_param != "none":
-            ref_cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cand.pin_memory}
-        ref_hf = None
-        if cand.zero == 3:
-            from transformers.integrations import HfDeepSpeedConfig
-
-            ref_hf = HfDeepSpeedConfig(ref_cfg)  # from_pretrained partitions the reference as it loads
-        ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False)
-        engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
-        engine.eval()
-        del ref_hf
-        return engine
-
     def _precompute_reference(self, ds_cfg: dict[str, Any]) -> None:
         """ref=precomputed: one inference pass of the reference over every row (only the worst-case
         rows for a probe) before the policy exists, so training holds no reference model. The
@@ -298,9 +265,10 @@ class Run:
         sizes = {k: len(v) for k, v in splits.items()}
         stored = torch.load(cache, weights_only=False) if cache.exists() else None
         if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
-            engine = self._reference_engine(ds_cfg)
+            engine = reference_engine(self.cand, ref_path, ds_cfg)
             t0 = time.perf_counter()
-            values = {k: self._reference_logps(engine, rows) for k, rows in splits.items()}
+            values = {k: reference_logps(engine, rows, self.pad_id, self.cand.micro_batch, self.world, self.rank)
+                      for k, rows in splits.items()}
             self.log(f"reference log-probs of {sum(sizes.values())} rows precomputed in {time.perf_counter() - t0:.1f} s")
             weights = _storage_refs(engine.module)
             _forget_zero3_module(engine.module)
@@ -320,36 +288,6 @@ class Run:
             for row, (chosen, rejected) in zip(rows, stored["values"][k].tolist(), strict=True):
                 row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
 
-    def _rank_batches(self, rows: list[dict[str, Any]]) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
-        """This rank's share of `rows` in micro batches: micro batch j is rows [j*micro, (j+1)*micro)
-        and runs on rank j % world, so which rows share a batch (hence padding and the per-batch
-        token mean an eval loss is built from) does not depend on the number of ranks: a run
-        resumed on another world size evaluates the same batches. Every rank yields the same
-        number of batches, a rank that ran out gets ([], [rows[0]]) as a dummy: ZeRO-3's forward
-        all-gathers parameters, so all ranks must run the same number of forwards."""
-        micro = self.cand.micro_batch
-        total = math.ceil(len(rows) / micro)
-        for b in range(math.ceil(total / self.world)):
-            j = b * self.world + self.rank
-            idx = list(range(j * micro, min((j + 1) * micro, len(rows)))) if j < total else []
-            yield idx, ([rows[i] for i in idx] if idx else [rows[0]])
-
-    def _reference_logps(self, engine, rows: list[dict[str, Any]]) -> torch.Tensor:
-        """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce."""
-        out = torch.zeros(len(rows), 2, dtype=torch.float64)
-        device = dist_env.device()
-        with torch.no_grad():
-            for idx, batch_rows in self._rank_batches(rows):
-                batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, self.pad_id).items()}
-                logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                lp, _ = sequence_logps(logits, batch["labels"])
-                n = len(batch_rows)
-                if idx:
-                    out[idx, 0] = lp[:n].double().cpu()
-                    out[idx, 1] = lp[n:].double().cpu()
-        totals = dist_env.all_reduce_sum(out.flatten().tolist())  # each row was filled by exactly one rank
-        return torch.tensor(totals, dtype=torch.float64).view(len(rows), 2)
-
     # -- evaluation ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """Means over every held-out row; every rank runs the same number of forwards (ZeRO-3)."""
@@ -357,7 +295,7 @@ class Run:
         count = 0.0
         self.engine.eval()
         with torch.no_grad():
-            for idx, batch in self._rank_batches(self.eval_rows):
+            for idx, batch in rank_batches(self.eval_rows, self.cand.micro_batch, self.world, self.rank):
                 real = len(idx)
                 loss, m, _ = self.runner.loss(batch)
                 if real:
@@ -708,11 +646,6 @@ class Run:
             replace_dir(tmp, self.out / "model")
         if dist.is_initialized():
             dist.barrier()
-
-
-def _hidden_size(model_path: str) -> int | None:
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
-    return cfg.get("hidden_size") or cfg.get("text_config", {}).get("hidden_size")
 
 
 def _float_or_none(x: Any) -> float | None:
