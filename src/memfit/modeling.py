@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from memfit.atomic import replace_dir
 from memfit.space import Candidate
 
 ATTN_IMPL = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
@@ -167,3 +168,68 @@ def hidden_size(model_path: str) -> int | None:
     """The model's hidden size from config.json (text_config for multimodal configs)."""
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     return cfg.get("hidden_size") or cfg.get("text_config", {}).get("hidden_size")
+
+
+def export_model(engine, tokenizer, out: Path, cand: Candidate, rank: int, fmt: str) -> None:
+    """Final model in HF format (safetensors) in `out`/model, written to model.tmp and renamed
+    into place: `fmt` merged (LoRA merged into the base) or adapter. ZeRO-3 gathers the
+    partitioned weights first; every rank calls this (collectives)."""
+    if fmt == "adapter":
+        _export_adapter(engine, tokenizer, out, cand, rank)
+        return
+    import torch.distributed as dist
+
+    dest = out / "model"
+    module = engine.module
+    if cand.zero == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls
+    else:
+        state = None
+    if rank == 0:
+        tmp = out / "model.tmp"
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        if cand.finetune in ("lora", "qlora") and state is not None:
+            # ZeRO-3: the module's weights are partitioned (shape [0]) and cannot take the
+            # consolidated state; merge in the gathered state dict instead.
+            module.get_base_model().save_pretrained(tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True)
+        elif cand.finetune in ("lora", "qlora"):
+            merged = module.merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+        else:
+            module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, dest)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _export_adapter(engine, tokenizer, out: Path, cand: Candidate, rank: int) -> None:
+    """LoRA/QLoRA adapter only: peft's adapter_model.safetensors + adapter_config.json (+ the
+    tokenizer) in out_dir/model, written to model.tmp and renamed into place. Only the
+    trainable (adapter) weights are gathered under ZeRO-3: GatheredParameters over those, not
+    the whole model that _zero3_consolidated_16bit_state_dict would collect."""
+    import torch.distributed as dist
+
+    module = engine.module
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if cand.zero == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):  # collective
+            state = {n: p.detach().cpu().clone() for n, p in named} if rank == 0 else None
+    else:
+        state = {n: p.detach().cpu().clone() for n, p in named} if rank == 0 else None
+    if rank == 0:
+        tmp = out / "model.tmp"
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        module.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+        tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out / "model")
+    if dist.is_initialized():
+        dist.barrier()

@@ -33,7 +33,7 @@ import torch
 
 from memfit import checkpoint, dsconfig
 from memfit import dist as dist_env
-from memfit.atomic import replace_dir, write_json_atomic
+from memfit.atomic import write_json_atomic
 from memfit.batches import Schedule, collate, collate_packed, rank_batches  # noqa: F401  (re-exported)
 from memfit.data import load_split, worst_case_batch
 from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
@@ -44,6 +44,7 @@ from memfit.modeling import (  # noqa: F401  (re-exported: probe, pipeline and t
     _merged_lora_state,
     adapter_base,
     check_hardware,
+    export_model,
     hidden_size,
     load_model,
     model_dir,
@@ -586,66 +587,8 @@ class Run:
         return step
 
     def export(self) -> None:
-        """Final model in HF format (safetensors). ZeRO-3 gathers the partitioned weights first."""
-        if self.cfg.export_format == "adapter":
-            self._export_adapter()
-            return
-        import torch.distributed as dist
-
-        dest = self.out / "model"
-        module = self.engine.module
-        if self.cand.zero == 3:
-            state = self.engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls
-        else:
-            state = None
-        if self.rank == 0:
-            tmp = self.out / "model.tmp"
-            if tmp.exists():
-                import shutil
-
-                shutil.rmtree(tmp)
-            if self.cand.finetune in ("lora", "qlora") and state is not None:
-                # ZeRO-3: the module's weights are partitioned (shape [0]) and cannot take the
-                # consolidated state; merge in the gathered state dict instead.
-                module.get_base_model().save_pretrained(tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True)
-            elif self.cand.finetune in ("lora", "qlora"):
-                merged = module.merge_and_unload()
-                merged.save_pretrained(tmp, safe_serialization=True)
-            else:
-                module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            self.tokenizer.save_pretrained(tmp)
-            replace_dir(tmp, dest)
-        if dist.is_initialized():
-            dist.barrier()
-
-
-    def _export_adapter(self) -> None:
-        """LoRA/QLoRA adapter only: peft's adapter_model.safetensors + adapter_config.json (+ the
-        tokenizer) in out_dir/model, written to model.tmp and renamed into place. Only the
-        trainable (adapter) weights are gathered under ZeRO-3: GatheredParameters over those, not
-        the whole model that _zero3_consolidated_16bit_state_dict would collect."""
-        import torch.distributed as dist
-
-        module = self.engine.module
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if self.cand.zero == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):  # collective
-                state = {n: p.detach().cpu().clone() for n, p in named} if self.rank == 0 else None
-        else:
-            state = {n: p.detach().cpu().clone() for n, p in named} if self.rank == 0 else None
-        if self.rank == 0:
-            tmp = self.out / "model.tmp"
-            if tmp.exists():
-                import shutil
-
-                shutil.rmtree(tmp)
-            module.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
-            self.tokenizer.save_pretrained(tmp)
-            replace_dir(tmp, self.out / "model")
-        if dist.is_initialized():
-            dist.barrier()
+        """Final model in HF format (safetensors) in out_dir/model (memfit.modeling.export_model)."""
+        export_model(self.engine, self.tokenizer, self.out, self.cand, self.rank, self.cfg.export_format)
 
 
 def _float_or_none(x: Any) -> float | None:
