@@ -105,7 +105,68 @@ def _eager_probabilities(step: _MicroStep) -> int:
     return 4 * b * nh * s * s + (d * b * nh * s * s if d < 4 else 0)
 
 
-def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
+def _moe_routing_weight_bytes(arch: ModelArch, dtype: int) -> int:
+    """Bytes per element of the routing weights the experts multiply by: Mixtral's router keeps
+    them fp32 (modeling_mixtral.MixtralTopKRouter: softmax(router_logits.float())), Qwen2-MoE and
+    Qwen3-MoE cast them back to the model dtype (Qwen2MoeTopKRouter: `.to(router_logits.dtype)`)."""
+    return 4 if arch.model_type == "mixtral" else dtype
+
+
+def _moe_router_topk_norm(arch: ModelArch) -> bool:
+    """Whether the router renormalises its top-k weights (an in-place division that saves them):
+    always in Mixtral, `norm_topk_prob` in Qwen-MoE (Qwen1.5/Qwen2-MoE: false, Qwen3-MoE: true)."""
+    return arch.model_type in ("mixtral", "qwen3_moe")
+
+
+def moe_mlp_saved(step: _MicroStep) -> int:
+    """What autograd saves for one MoE block (the MLP of an MoE layer) beyond its input, the
+    second norm's output, with transformers' default experts implementation "grouped_mm"
+    (PreTrainedModel.get_correct_experts_implementation; integrations/moe.py
+    grouped_mm_experts_forward) and the routers of modeling_mixtral / modeling_qwen2_moe /
+    modeling_qwen3_moe. t tokens, k = num_experts_per_tok, S = t*k token-expert pairs, E experts,
+    I_e = moe_intermediate_size:
+      router:   softmax of fp32 logits keeps its fp32 output 4tE; topk keeps int64 indices 8tk;
+                the top-k renormalisation (in-place div) keeps the values and their sum 4tk + 4t
+      experts:  each token's hidden copied once per selected expert (hidden_states[perm // k],
+                saved by the grouped matmul when the experts train) dSh; gate_up output (kept by
+                silu and the product: gate and up are its views) 2dSI_e; silu(gate) dSI_e; the
+                product (down_proj's input, saved when the experts train) dSI_e; the expert
+                output dSh and the routing weights wS (w: fp32 in Mixtral, d in Qwen), both
+                kept by their product; three int64 permutations (perm // k, perm, inv_perm) 24S
+      shared:   a dense gated MLP of width shared_expert_intermediate_size (Qwen2-MoE), and its
+                sigmoid gate: sigmoid output dt and the gated shared output dth
+    LoRA/QLoRA: the experts and the router are frozen (peft's "all-linear" adapts nn.Linear
+    only), so the copied hidden and down_proj's input are not saved.
+    Checked against a CPU measurement with memory.AllocationTracker (tests/test_estimate_moe.py).
+    """
+    arch, d, t = step.arch, step.dtype, step.tokens
+    h, E, k, ie = arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size
+    S = t * k
+    router = 4 * t * E + 8 * t * k
+    if _moe_router_topk_norm(arch):
+        router += 4 * t * k + 4 * t
+    experts = 3 * d * S * ie + d * S * h + _moe_routing_weight_bytes(arch, d) * S + 3 * 8 * S
+    if step.full:
+        experts += d * S * h + d * S * ie  # copied hidden (grouped_mm input), down_proj's input
+    shared = 0
+    if arch.shared_expert_intermediate_size:
+        shared = _dense_mlp_saved(step, arch.shared_expert_intermediate_size)
+        if arch.shared_expert_gate:
+            shared += d * t + d * t * h
+    return router + experts + shared
+
+
+def _dense_mlp_saved(step: _MicroStep, width: int) -> int:
+    """A dense (Swi)GLU MLP's saved tensors beyond its input: gate, silu(gate), up (3dti) and
+    the product, down_proj's input, when down_proj trains or is adapted (non-gated: 1 + 1)."""
+    d, t = step.dtype, step.tokens
+    down_input = d * t * width if step.trainable(_linear_names(step.arch)["down"]) else 0
+    return (3 if step.arch.gated_mlp else 1) * d * t * width + down_input
+
+
+def _layer_saved(
+    cand: Candidate, settings: Settings, step: _MicroStep, moe: bool = False
+) -> int:
     """What autograd saves for one decoder layer (modeling_llama.py LlamaRMSNorm, LlamaAttention,
     LlamaMLP):
       attention:  rotated q dt*qd, rotated k and v dt*kvd each, output dt*qd;
@@ -134,9 +195,13 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
             layer += d * t * qd  # transpose(1,2).contiguous() output saved by o_proj
     else:
         layer += d * t * qd + 4 * b * nh * s  # kernel output (also o_proj's input) + lse
-    layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + second norm
-    down_input = d * t * i if step.trainable(names["down"]) else 0
-    layer += (3 if arch.gated_mlp else 1) * d * t * i + down_input
+    if moe:  # residual + second norm (its output saved by the trained router/experts/shared)
+        layer += step.rmsnorm(step.full or any(step.trainable(n) for n in names["up"]))
+        layer += moe_mlp_saved(step)
+    else:
+        layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + 2nd norm
+        down_input = d * t * i if step.trainable(names["down"]) else 0
+        layer += (3 if arch.gated_mlp else 1) * d * t * i + down_input
     extra_norms = getattr(arch, "norms_per_layer", 2) - 2  # Gemma-3 post-norms
     layer += extra_norms * step.rmsnorm(False)
     if not step.full:
@@ -148,9 +213,22 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
     return layer
 
 
-def _layer_backward_transients(cand: Candidate, step: _MicroStep) -> tuple[int, int]:
+def _moe_forward_transient(step: _MicroStep) -> int:
+    """The MoE block's forward transients on top of what it saves (grouped_mm_experts_forward):
+    the weighted expert outputs (S, h) and their reordered copy, in the routing weights' dtype
+    (fp32 in Mixtral: bf16 outputs times fp32 weights promote)."""
+    arch = step.arch
+    w = max(_moe_routing_weight_bytes(arch, step.dtype), step.dtype)
+    return 2 * w * step.tokens * arch.num_experts_per_tok * arch.hidden_size
+
+
+def _layer_backward_transients(
+    cand: Candidate, step: _MicroStep, moe: bool = False
+) -> tuple[int, int]:
     """Transient gradients inside a layer's backward, on top of the layer's saved tensors:
-    (at the MLP's backward, at the attention's backward)."""
+    (at the MLP's backward, at the attention's backward). MoE layers: the expert block's
+    backward holds the gradients of the gate_up output and of one factor (2dSI_e), of the
+    weighted expert outputs (w+d)Sh and of the copied hidden dSh, next to dth."""
     arch, d, b, s, t = step.arch, step.dtype, step.seqs, step.seq_len, step.tokens
     h, i = arch.hidden_size, arch.intermediate_size
     nh, nkv = arch.num_attention_heads, arch.num_kv_heads
@@ -158,10 +236,17 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep) -> tuple[int, 
     # MLP backward (runs first): the gradient of silu(gate)*up and of one factor (2dti) and the
     # gradient of the hidden state (dth).
     mlp_extra = 2 * d * t * i + d * t * h
+    if moe:
+        S, w = t * arch.num_experts_per_tok, _moe_routing_weight_bytes(arch, d)
+        mlp_extra = 2 * d * S * arch.moe_intermediate_size + (w + 2 * d) * S * h + d * t * h
+        if arch.shared_expert_intermediate_size:
+            mlp_extra += 2 * d * t * arch.shared_expert_intermediate_size
     # attention backward (after the MLP's saved tensors and the second norm's are freed):
     # eager: the gradients of the probabilities and of the scores (s x s, the latter fp32);
     # sdpa/flash: the gradients of q, k and v.
     mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + step.rmsnorm(True)
+    if moe:
+        mlp_saved = moe_mlp_saved(step) + step.rmsnorm(True)  # upper bound of the freed part
     if cand.attn == "eager":
         # at the softmax backward: the probabilities' and the scores' gradients, the gradient of
         # v and of the hidden state; o_proj's input and the repeated v are already freed
@@ -195,7 +280,12 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     step = _micro_step(arch, cand, method, settings)
     d, t, h, V = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size
     L = arch.num_layers
-    layer = _layer_saved(cand, settings, step)
+    # MoE models: MoE layers and dense layers save different tensors (`moe_layers()`)
+    n_moe = len(arch.moe_layers())
+    moe_layer = _layer_saved(cand, settings, step, moe=True) if n_moe else 0
+    dense_layer = _layer_saved(cand, settings, step) if n_moe < L else 0
+    layer = max(moe_layer, dense_layer)
+    all_layers = n_moe * moe_layer + (L - n_moe) * dense_layer
     acts = Activations(per_layer=layer)
     if cand.attn == "eager":
         acts.attention_scores = L * _eager_probabilities(step)
@@ -219,19 +309,28 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         # the recomputed layer shares its input with the checkpoint (no copy in fp32)
         acts.recompute = layer - (4 * t * h if d == 4 else 0)
     else:
-        kept = L * layer
+        kept = all_layers
         if not step.full:  # layer 0's first norm sees the frozen embedding output: nothing to save
             qkv_saved = any(step.trainable(n) for n in _linear_names(arch)["qkv"])
             kept -= step.rmsnorm(qkv_saved) - step.rmsnorm(qkv_saved, needs_grad=False)
         acts.kept_per_layer = layer
     acts.saved = kept + acts.final + acts.logits_saved + rope + ids
     acts.mlp_bwd, acts.attn_bwd = _layer_backward_transients(cand, step)
+    if n_moe:  # the largest of an MoE layer's and a dense layer's transients
+        moe_mlp, moe_attn = _layer_backward_transients(cand, step, moe=True)
+        if n_moe == L:
+            acts.mlp_bwd, acts.attn_bwd = moe_mlp, moe_attn
+        else:
+            acts.mlp_bwd, acts.attn_bwd = max(acts.mlp_bwd, moe_mlp), max(acts.attn_bwd, moe_attn)
     acts.layer_bwd = max(acts.mlp_bwd, acts.attn_bwd)
     attn_fwd, mask = _attention_forward(cand, step)
     if cand.grad_ckpt:
         acts.saved += mask  # the checkpoint keeps the mask among the layer's inputs
     kept_before_last = kept - (acts.kept_per_layer if not cand.grad_ckpt else 0)
-    acts.forward = kept_before_last + rope + ids + attn_fwd + 2 * d * t * h
+    layer_fwd = attn_fwd
+    if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
+        layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
+    acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
     # DPO reference forward under no_grad, after the policy forward (memfit's train.py, as TRL and
     # OpenRLHF do): the policy's saved tensors and logits (the output is still referenced), then
     # either one reference attention call or the reference's logits, their fp32 copy in 16-bit

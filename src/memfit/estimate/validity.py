@@ -43,8 +43,55 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
     return out
 
 
+def unsupported_features(arch: ModelArch) -> list[str]:
+    """Parts of an architecture the formulas do not model (refused, never guessed)."""
+    out = []
+    if arch.uses_mla:
+        out.append(
+            f"multi-head latent attention (kv_lora_rank={arch.kv_lora_rank}, "
+            f"q_lora_rank={arch.q_lora_rank}: modeling_deepseek_v3.DeepseekV3Attention): its "
+            f"parameters are counted ({arch.num_params():,} in total) but the activation formulas "
+            f"model only standard multi-head/grouped-query attention"
+        )
+    if arch.is_moe and arch.model_type not in MOE_MODELLED:
+        out.append(
+            f"mixture-of-experts model_type {arch.model_type!r}: the MoE activation formulas follow "
+            f"{', '.join(MOE_MODELLED)} only"
+        )
+    return out
+
+
+# MoE implementations whose routers and experts `activation_memory.moe_mlp_saved` follows.
+MOE_MODELLED = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate) -> list[str]:
+    """What the user should know about the hardware and the architecture: planning-only GPUs
+    (catalog `GPU.planning_only`) and what the mixture-of-experts model leaves out."""
+    out = []
+    if gpu.planning_only:
+        out.append(f"planning only: {gpu.planning_reason.strip()}")
+    if arch.is_moe:
+        out.append(
+            f"mixture-of-experts: weights, gradients and optimizer states of all "
+            f"{arch.num_params() / 1e9:.1f}B parameters (every expert), step FLOPs of the "
+            f"{arch.num_active_params() / 1e9:.1f}B active per token; expert parallelism is not "
+            f"supported (every rank holds a ZeRO share of every expert) and no tokens are dropped "
+            f"(no capacity factor)"
+        )
+        if cand.finetune != "full":
+            out.append(
+                "mixture-of-experts LoRA: peft's all-linear adapts the attention and shared-expert "
+                "nn.Linear layers only; the routed experts (3D parameters) and the router stay "
+                "frozen" + (" and unquantized (fp32 after prepare_model_for_kbit_training)"
+                            if cand.finetune == "qlora" else "")
+            )
+    return out
+
+
 def check_arch(arch: ModelArch) -> None:
-    """Raise EstimateError naming every size field the card lacks (or has non-positive)."""
+    """Raise EstimateError naming every size field the card lacks (or has non-positive), or the
+    architecture feature the estimate does not model."""
     missing = [
         f
         for f in SIZE_FIELDS
@@ -53,4 +100,9 @@ def check_arch(arch: ModelArch) -> None:
     if missing:
         raise EstimateError(
             f"model {arch.name!r} lacks {', '.join(missing)}: the estimate needs them"
+        )
+    unsupported = unsupported_features(arch)
+    if unsupported:
+        raise EstimateError(
+            f"model {arch.name!r} is not supported by the estimate: {'; '.join(unsupported)}"
         )
