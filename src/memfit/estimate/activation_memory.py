@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
-from memfit.estimate.states import lora_targets, param_layout
+from memfit.estimate.states import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.validity import hardware_problems
 from memfit.space import Candidate
 
@@ -56,6 +56,7 @@ class _MicroStep:
     seq_len: int  # s
     full: bool  # full fine-tuning: every weight (norms included) is trained
     targets: frozenset[str]  # adapted linears (LoRA/QLoRA)
+    expert_adapters: bool = False  # LoRA on the routed experts and router (peft all-linear, MoE)
 
     @property
     def tokens(self) -> int:
@@ -85,6 +86,7 @@ def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         seq_len=cand.seq_len,
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
+        expert_adapters=not full and lora_adapts_experts(arch, settings),
     )
 
 
@@ -135,8 +137,12 @@ def moe_mlp_saved(step: _MicroStep) -> int:
                 kept by their product; three int64 permutations (perm // k, perm, inv_perm) 24S
       shared:   a dense gated MLP of width shared_expert_intermediate_size (Qwen2-MoE), and its
                 sigmoid gate: sigmoid output dt and the gated shared output dth
-    LoRA/QLoRA: the experts and the router are frozen (peft's "all-linear" adapts nn.Linear
-    only), so the copied hidden and down_proj's input are not saved.
+    LoRA/QLoRA with frozen experts (Qwen2-MoE, or explicit targets): the copied hidden and
+    down_proj's input are not saved. With peft's expert adapters (`states.lora_adapts_experts`:
+    Mixtral, Qwen3-MoE with "all-linear") they are, and so are the adapted weights themselves:
+    ParamWrapper parametrizes each 3D parameter as W + s * lhs @ rhs (peft/tuners/lora/layer.py
+    _LoraFactorsProxy: one baddbmm), a new (E, out, in) tensor per layer that the grouped matmul
+    keeps for its input gradient: d * E * 3 * h * I_e per MoE layer, plus the router's (E, h).
     Checked against a CPU measurement with memory.AllocationTracker (tests/test_estimate_moe.py).
     """
     arch, d, t = step.arch, step.dtype, step.tokens
@@ -146,8 +152,10 @@ def moe_mlp_saved(step: _MicroStep) -> int:
     if _moe_router_topk_norm(arch):
         router += 4 * t * k + 4 * t
     experts = 3 * d * S * ie + d * S * h + _moe_routing_weight_bytes(arch, d) * S + 3 * 8 * S
-    if step.full:
+    if step.full or step.expert_adapters:
         experts += d * S * h + d * S * ie  # copied hidden (grouped_mm input), down_proj's input
+    if step.expert_adapters:  # the parametrized W + delta of the experts and of the router
+        experts += d * E * arch.expert_params() + d * E * h
     shared = 0
     if arch.shared_expert_intermediate_size:
         shared = _dense_mlp_saved(step, arch.shared_expert_intermediate_size)
@@ -196,7 +204,8 @@ def _layer_saved(
     else:
         layer += d * t * qd + 4 * b * nh * s  # kernel output (also o_proj's input) + lse
     if moe:  # residual + second norm (its output saved by the trained router/experts/shared)
-        layer += step.rmsnorm(step.full or any(step.trainable(n) for n in names["up"]))
+        trained = step.full or step.expert_adapters
+        layer += step.rmsnorm(trained or any(step.trainable(n) for n in names["up"]))
         layer += moe_mlp_saved(step)
     else:
         layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + 2nd norm

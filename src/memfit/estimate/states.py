@@ -143,9 +143,9 @@ def lora_targets(
     """(name, in, out) of each adapted linear of one decoder layer (`layer`: which one, for MoE
     models whose dense layers hold other linears; default an MoE layer / any dense-model layer).
 
-    MoE: peft's "all-linear" adapts nn.Linear modules only, so the attention and the shared
-    expert; the routed experts (3D nn.Parameters) and the router (an nn.Parameter in
-    transformers >= 5) are not adapted and stay frozen."""
+    MoE: the nn.Linear modules (attention, shared expert). The routed experts and the router
+    are 3D / 2D nn.Parameters, adapted by peft's "all-linear" only for PEFT_ADAPTS_EXPERTS
+    (`lora_adapts_experts`, counted by `expert_lora_params`)."""
     layout = param_layout(arch)
     shapes = layout.linear_shapes if layer is None else layout.layer_linear_shapes(arch, layer)
     if settings.lora_targets is None:
@@ -159,6 +159,30 @@ def lora_targets(
     return tuple(s for s in shapes if s[0] in settings.lora_targets)
 
 
+# model_types whose peft "all-linear" LoRA also adapts the routed experts and the router (peft
+# >= 0.18 with transformers >= 5, peft/utils/transformers_weight_conversion.py
+# `_convert_peft_config_moe`: the v4 nn.Linear names w1/w2/w3/gate_proj/up_proj/down_proj/gate
+# are mapped onto the v5 3D parameters, as `target_parameters`). Qwen2-MoE has no entry in
+# transformers' `_MODEL_TO_CONVERSION_PATTERN`, so peft leaves its experts alone (checked
+# against the installed peft in tests/test_estimate_moe.py).
+PEFT_ADAPTS_EXPERTS = ("mixtral", "qwen3_moe", "deepseek_v3")
+
+
+def lora_adapts_experts(arch: ModelArch, settings: Settings) -> bool:
+    """Whether LoRA with the default targets ("all-linear") puts adapters on the routed experts
+    and the router of every MoE layer (see PEFT_ADAPTS_EXPERTS)."""
+    return arch.is_moe and settings.lora_targets is None and arch.model_type in PEFT_ADAPTS_EXPERTS
+
+
+def expert_lora_params(arch: ModelArch, rank: int) -> int:
+    """LoRA parameters peft's ParamWrapper adds to one MoE layer (peft/tuners/lora/layer.py
+    ParamWrapper.update_layer: lora_A Linear(in, r*E), lora_B Linear(r*E, out) per 3D
+    parameter): gate_up_proj at rank 2r (w1 and w3 fused: `rank_pattern` doubles it), down_proj
+    at rank r, and the router weight (E, h) as one Linear of rank r."""
+    h, E, inter = arch.hidden_size, arch.num_experts, arch.moe_intermediate_size
+    return 2 * rank * E * (h + 2 * inter) + rank * E * (inter + h) + rank * (h + E)
+
+
 def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> int:
     """Full: every parameter. LoRA/QLoRA: A (r x in) and B (out x r) per targeted linear
     (Hu et al. 2021, sec. 4; peft LoraLayer.update_layer)."""
@@ -166,7 +190,8 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
         return param_layout(arch).total
     r = cand.lora_rank
     if arch.is_moe:
-        return sum(
+        experts = expert_lora_params(arch, r) if lora_adapts_experts(arch, settings) else 0
+        return len(arch.moe_layers()) * experts + sum(
             r * (i + o)
             for layer in range(arch.num_layers)
             for _, i, o in lora_targets(arch, settings, layer)
