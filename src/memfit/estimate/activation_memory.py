@@ -350,6 +350,30 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     return acts
 
 
+def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings) -> str:
+    """Why a traced run cannot stand for this configuration ("" when it can); the estimate then
+    uses the formulas and says so. Mixture-of-experts models trace (transformers' default
+    grouped_mm experts run on fake tensors: every token goes to k experts, so the shapes do not
+    depend on the routing; tests/test_estimate_moe.py compares them), except:
+    - dense and MoE layers mixed (Qwen-MoE mlp_only_layers, DeepSeek's first dense layers): the
+      trace's per-layer terms come from its first two layers;
+    - LoRA with peft's expert adapters (`states.lora_adapts_experts`): the traced run misses the
+      parametrized expert weights each layer keeps (seen in a real CPU measurement)."""
+    if not arch.is_moe:
+        return ""
+    if arch.dense_layers:
+        return (
+            f"{arch.name} mixes dense layers {list(arch.dense_layers)} with MoE layers; the trace "
+            f"measures two identical layers"
+        )
+    if cand.finetune != "full" and lora_adapts_experts(arch, settings):
+        return (
+            "LoRA on the routed experts (peft all-linear on an MoE model): the traced run misses "
+            "the parametrized expert weights each layer keeps"
+        )
+    return ""
+
+
 def traced_activations(
     arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
 ) -> Activations:
@@ -413,7 +437,7 @@ def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -
 
     requests = {}
     for c in candidates:
-        if hardware_problems(gpu, c):
+        if hardware_problems(gpu, c) or traced_fallback_reason(arch, c, settings):
             continue
         for attn in {c.attn, "sdpa"} if c.attn == "eager" else {c.attn}:
             r = trace.TraceRequest(

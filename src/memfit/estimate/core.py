@@ -14,6 +14,7 @@ from memfit.estimate.activation_memory import (
     activations,
     prefetch_traces,
     traced_activations,
+    traced_fallback_reason,
 )
 from memfit.estimate.costs import device_overheads, fragmentation, host_memory, step_time
 from memfit.estimate.phases import peak_breakdown, step_phases
@@ -103,6 +104,10 @@ def _activation_terms(job: Job, cand: Candidate, est: Estimate) -> Activations:
         return analytic
     if settings.activations != "traced":
         raise EstimateError(f"activations must be analytic or traced, got {settings.activations!r}")
+    fallback = traced_fallback_reason(job.arch, cand, settings)  # MoE cases the trace misses
+    if fallback:
+        est.notes.append(f"activations from the formulas, not traced: {fallback}")
+        return analytic
     traced = traced_activations(job.arch, cand, job.method, settings, analytic)
     est.activations_source = "traced"
     if cand.attn == "flash":
