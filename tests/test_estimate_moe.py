@@ -262,3 +262,20 @@ def test_planning_only_gpu_estimates_with_a_note():
     assert gpus, "the catalog marks at least one GPU planning only (MI300X)"
     est = estimate(catalog.model("llama-3.1-8b"), gpus[0], num_gpus=8, cand=Candidate(zero=3))
     assert any(n.startswith("planning only: ") for n in est.notes)
+
+
+def test_workflow_refuses_to_run_on_a_planning_only_gpu(repo, monkeypatch):
+    """A config that would train or probe on a planning-only GPU is refused, naming it; the same
+    config as a plan (plan_only: true) is accepted."""
+    import yaml
+
+    from memfit.config import ConfigError, validate_config
+
+    monkeypatch.chdir(repo)
+    cfg = yaml.safe_load((repo / "config/config.yaml").read_text())
+    name = next(g.name for g in catalog.load_gpus().values() if g.planning_only)
+    cfg["gpus"] = [name]
+    with pytest.raises(ConfigError, match=rf"gpus\[0\]: {name} is planning only \(.+\)"):
+        validate_config(cfg)
+    cfg["plan_only"] = True
+    validate_config(cfg)
