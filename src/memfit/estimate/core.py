@@ -150,7 +150,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     arch, gpu, settings, world = job.arch, job.gpu, job.settings, job.world
     trainable = trainable_params(arch, cand, settings)
     est = Estimate(params_total=param_layout(arch).total, params_trainable=trainable)
-    est.notes += planning_notes(gpu, arch, cand)  # planning-only GPU; what MoE leaves out
+    est.notes += planning_notes(gpu, arch, cand, settings)  # planning-only GPU; what MoE leaves out
     host_gb = job.host_memory_gb if job.host_memory_gb is not None else gpu.typical_host_memory_gb
     budget = job.budget_bytes
     est.device_memory_bytes = int(budget if budget is not None else gpu.memory_bytes)

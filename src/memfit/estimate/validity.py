@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from memfit.catalog import GPU, ModelArch
-from memfit.estimate.settings import EstimateError
+from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.estimate.states import lora_adapts_experts
 from memfit.space import Candidate
 
 # The architecture sizes every formula uses: ModelArch's required integer fields (the card's
@@ -65,7 +66,9 @@ def unsupported_features(arch: ModelArch) -> list[str]:
 MOE_MODELLED = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate) -> list[str]:
+def planning_notes(
+    gpu: GPU, arch: ModelArch, cand: Candidate, settings: Settings = DEFAULT_SETTINGS
+) -> list[str]:
     """What the user should know about the hardware and the architecture: planning-only GPUs
     (catalog `GPU.planning_only`) and what the mixture-of-experts model leaves out."""
     out = []
@@ -80,12 +83,24 @@ def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate) -> list[str]:
             f"(no capacity factor)"
         )
         if cand.finetune != "full":
-            out.append(
-                "mixture-of-experts LoRA: peft's all-linear adapts the attention and shared-expert "
-                "nn.Linear layers only; the routed experts (3D parameters) and the router stay "
-                "frozen" + (" and unquantized (fp32 after prepare_model_for_kbit_training)"
-                            if cand.finetune == "qlora" else "")
-            )
+            if lora_adapts_experts(arch, settings):
+                what = (
+                    f"peft's all-linear adapts the attention, the router and the routed experts "
+                    f"(target_parameters: gate_up_proj at rank 2r, down_proj at r), and keeps each "
+                    f"layer's adapted expert weights (W + BA, {arch.num_experts} experts) for the "
+                    f"backward; pass --lora-targets to leave the experts frozen"
+                )
+            else:
+                what = (
+                    "the adapted nn.Linear layers (attention, shared expert) only; the routed "
+                    "experts and the router stay frozen"
+                )
+            if cand.finetune == "qlora":
+                what += (
+                    "; bitsandbytes quantizes nn.Linear only, so the experts stay unquantized "
+                    "(fp32 after prepare_model_for_kbit_training)"
+                )
+            out.append(f"mixture-of-experts LoRA: {what}")
     return out
 
 
