@@ -247,8 +247,8 @@ def _measure_training_peak(arch: catalog.ModelArch, cand: Candidate) -> int:
 def test_moe_training_step_peak_matches_a_cpu_measurement(kind, finetune, grad_ckpt):
     """The whole step (2 MoE layers, loss, backward, AdamW) against estimate()'s allocated peak.
     Without checkpointing the peak (at the loss backward) is within 0.5%; with it the peak sits
-    in a layer's backward, where the MoE block's backward transients are an upper bound
-    (measured +4% to +11%): the estimate may be high by up to 12%, never low by more than 1%."""
+    in a layer's backward, where the MoE block's backward transients are modelled at its largest
+    point (measured -1.8% to +5.9%): within -3% / +8%."""
     from test_estimate_groundtruth import CPU
 
     arch = catalog.arch_from_hf_config(dict(TINY[kind], num_hidden_layers=2, vocab_size=512),
@@ -258,8 +258,8 @@ def test_moe_training_step_peak_matches_a_cpu_measurement(kind, finetune, grad_c
     measured = _measure_training_peak(arch, cand)
     predicted = estimate(arch, CPU, 1, 1, "sft", cand,
                          settings=Settings(optimizer_impl="single")).peak_allocated_bytes  # fmt: skip
-    upper = 1.12 if grad_ckpt else 1.005
-    assert 0.99 * measured <= predicted <= upper * measured, (predicted, measured)
+    lower, upper = (0.97, 1.08) if grad_ckpt else (0.995, 1.005)
+    assert lower * measured <= predicted <= upper * measured, (predicted, measured)
 
 
 def test_moe_activations_grow_with_top_k_not_with_experts():

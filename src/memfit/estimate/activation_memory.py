@@ -236,8 +236,9 @@ def _layer_backward_transients(
 ) -> tuple[int, int]:
     """Transient gradients inside a layer's backward, on top of the layer's saved tensors:
     (at the MLP's backward, at the attention's backward). MoE layers: the expert block's
-    backward holds the gradients of the gate_up output and of one factor (2dSI_e), of the
-    weighted expert outputs (w+d)Sh and of the copied hidden dSh, next to dth."""
+    backward peaks at gate_up_proj's grouped matmul backward, holding the gradient of the
+    gate_up output (2dSI_e) and of the copied hidden (dSh) next to dth; the fp32 gradient of the
+    weighted outputs (4Sh, Mixtral) is freed by then (measured: tests/test_estimate_moe.py)."""
     arch, d, b, s, t = step.arch, step.dtype, step.seqs, step.seq_len, step.tokens
     h, i = arch.hidden_size, arch.intermediate_size
     nh, nkv = arch.num_attention_heads, arch.num_kv_heads
@@ -246,8 +247,8 @@ def _layer_backward_transients(
     # gradient of the hidden state (dth).
     mlp_extra = 2 * d * t * i + d * t * h
     if moe:
-        S, w = t * arch.num_experts_per_tok, _moe_routing_weight_bytes(arch, d)
-        mlp_extra = 2 * d * S * arch.moe_intermediate_size + (w + 2 * d) * S * h + d * t * h
+        S = t * arch.num_experts_per_tok
+        mlp_extra = 2 * d * S * arch.moe_intermediate_size + d * S * h + d * t * h
         if arch.shared_expert_intermediate_size:
             mlp_extra += 2 * d * t * arch.shared_expert_intermediate_size
     # attention backward (after the MLP's saved tensors and the second norm's are freed):
@@ -264,6 +265,14 @@ def _layer_backward_transients(
         attn_extra -= d * t * qd * freed
     else:
         attn_extra = 2 * d * t * (qd + 2 * kvd) + 2 * d * t * h
+    if moe and step.full and cand.zero < 2:
+        # the experts' and the router's weight gradients appear in the MoE block's backward
+        # (at its peak, down_proj's E x h x I_e; all of them, E x 3 x h x I_e + E x h, through
+        # the attention's), as phases._in_layer_backward counts the nn.Linear layers' (ZeRO-2/3
+        # move them into partitions as they arrive)
+        E = arch.num_experts
+        mlp_extra += d * E * h * arch.moe_intermediate_size
+        attn_extra += d * (E * arch.expert_params() + E * h)
     return mlp_extra, attn_extra - mlp_saved
 
 
