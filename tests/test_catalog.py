@@ -677,8 +677,9 @@ def test_moe_structure_of_the_published_models():
 
 
 def test_moe_models_are_refused_where_experts_are_not_modelled(capsys):
-    """The estimator still counts one dense MLP per layer: until it models experts, an MoE
-    model is refused with its real counts, not estimated as a 7B dense model."""
+    """Callers that do not model experts (no allow_moe=True) get MoE cards refused with their
+    real counts, not a 7B dense model. The estimator models Mixtral/Qwen-MoE
+    (tests/test_estimate_moe.py) and still refuses DeepSeek-V3's multi-head latent attention."""
     for name in (
         "mixtral-8x7b",
         "mistralai/Mixtral-8x7B-v0.1",
@@ -690,11 +691,11 @@ def test_moe_models_are_refused_where_experts_are_not_modelled(capsys):
         assert "12,879,925,248 active" in str(err.value)
     from memfit.estimate import main
 
-    argv = ["--model", str(FIXTURES / "mixtral-8x7b-v0.1.json"), "--gpu", "h100-80gb",
+    argv = ["--model", str(FIXTURES / "deepseek-v3.json"), "--gpu", "h100-80gb",
             "--num-gpus", "8", "--json"]  # fmt: skip
     assert main(argv) == 2
     captured = capsys.readouterr()
-    assert "46,702,792,704" in captured.err and captured.out == ""
+    assert "multi-head latent attention" in captured.err and captured.out == ""
 
 
 def test_hf_moe_defaults_match_transformers():

@@ -271,9 +271,13 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     gpus = catalog.load_gpus()
     for i, name in enumerate(cfg.gpus):
         try:
-            catalog.gpu(name)
+            card = catalog.gpu(name)
         except ValueError as e:
             out.append(f"gpus[{i}]: {e} (allowed: {', '.join(sorted(gpus))})")
+            continue
+        if card.planning_only and not cfg.plan_only:
+            out.append(f"gpus[{i}]: {card.name} is planning only ({card.planning_reason.strip()}); "
+                       f"estimate with plan_only: true, or run on another GPU")
     for name in cfg.models:
         m = cfg.model(name)
         if m.build is not None and not Path(m.build).exists():
@@ -282,7 +286,7 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
             if not cfg.plan_only:
                 out.append(f"models.{name}.path: {m.path!r} is not a model directory; training needs weights (or set plan_only: true)")
             try:
-                catalog.model(m.arch or name)
+                catalog.model(m.arch or name, allow_moe=True)
             except ValueError as e:
                 out.append(f"models.{name}: no weights and no architecture: {e}")
     for method in cfg.methods:

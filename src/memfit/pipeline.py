@@ -30,7 +30,7 @@ def estimate_candidates(
     from memfit.estimate import Settings, estimate_space
 
     cfg = WorkflowConfig.of(config)
-    arch = catalog.model(cfg.arch_source(model))
+    arch = catalog.model(cfg.arch_source(model), allow_moe=True)
     b = cfg.budget(gpu)
     est = cfg.estimate
     settings = Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
-from memfit.estimate.states import lora_targets, param_layout
+from memfit.estimate.states import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.validity import hardware_problems
 from memfit.space import Candidate
 
@@ -56,6 +56,7 @@ class _MicroStep:
     seq_len: int  # s
     full: bool  # full fine-tuning: every weight (norms included) is trained
     targets: frozenset[str]  # adapted linears (LoRA/QLoRA)
+    expert_adapters: bool = False  # LoRA on the routed experts and router (peft all-linear, MoE)
 
     @property
     def tokens(self) -> int:
@@ -85,6 +86,7 @@ def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         seq_len=cand.seq_len,
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
+        expert_adapters=not full and lora_adapts_experts(arch, settings),
     )
 
 
@@ -105,7 +107,74 @@ def _eager_probabilities(step: _MicroStep) -> int:
     return 4 * b * nh * s * s + (d * b * nh * s * s if d < 4 else 0)
 
 
-def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
+def _moe_routing_weight_bytes(arch: ModelArch, dtype: int) -> int:
+    """Bytes per element of the routing weights the experts multiply by: Mixtral's router keeps
+    them fp32 (modeling_mixtral.MixtralTopKRouter: softmax(router_logits.float())), Qwen2-MoE and
+    Qwen3-MoE cast them back to the model dtype (Qwen2MoeTopKRouter: `.to(router_logits.dtype)`)."""
+    return 4 if arch.model_type == "mixtral" else dtype
+
+
+def _moe_router_topk_norm(arch: ModelArch) -> bool:
+    """Whether the router renormalises its top-k weights (an in-place division that saves them):
+    always in Mixtral, `norm_topk_prob` in Qwen-MoE (Qwen1.5/Qwen2-MoE: false, Qwen3-MoE: true)."""
+    return arch.model_type in ("mixtral", "qwen3_moe")
+
+
+def moe_mlp_saved(step: _MicroStep) -> int:
+    """What autograd saves for one MoE block (the MLP of an MoE layer) beyond its input, the
+    second norm's output, with transformers' default experts implementation "grouped_mm"
+    (PreTrainedModel.get_correct_experts_implementation; integrations/moe.py
+    grouped_mm_experts_forward) and the routers of modeling_mixtral / modeling_qwen2_moe /
+    modeling_qwen3_moe. t tokens, k = num_experts_per_tok, S = t*k token-expert pairs, E experts,
+    I_e = moe_intermediate_size:
+      router:   softmax of fp32 logits keeps its fp32 output 4tE; topk keeps int64 indices 8tk;
+                the top-k renormalisation (in-place div) keeps the values and their sum 4tk + 4t
+      experts:  each token's hidden copied once per selected expert (hidden_states[perm // k],
+                saved by the grouped matmul when the experts train) dSh; gate_up output (kept by
+                silu and the product: gate and up are its views) 2dSI_e; silu(gate) dSI_e; the
+                product (down_proj's input, saved when the experts train) dSI_e; the expert
+                output dSh and the routing weights wS (w: fp32 in Mixtral, d in Qwen), both
+                kept by their product; three int64 permutations (perm // k, perm, inv_perm) 24S
+      shared:   a dense gated MLP of width shared_expert_intermediate_size (Qwen2-MoE), and its
+                sigmoid gate: sigmoid output dt and the gated shared output dth
+    LoRA/QLoRA with frozen experts (Qwen2-MoE, or explicit targets): the copied hidden and
+    down_proj's input are not saved. With peft's expert adapters (`states.lora_adapts_experts`:
+    Mixtral, Qwen3-MoE with "all-linear") they are, and so are the adapted weights themselves:
+    ParamWrapper parametrizes each 3D parameter as W + s * lhs @ rhs (peft/tuners/lora/layer.py
+    _LoraFactorsProxy: one baddbmm), a new (E, out, in) tensor per layer that the grouped matmul
+    keeps for its input gradient: d * E * 3 * h * I_e per MoE layer, plus the router's (E, h).
+    Checked against a CPU measurement with memory.AllocationTracker (tests/test_estimate_moe.py).
+    """
+    arch, d, t = step.arch, step.dtype, step.tokens
+    h, E, k, ie = arch.hidden_size, arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size
+    S = t * k
+    router = 4 * t * E + 8 * t * k
+    if _moe_router_topk_norm(arch):
+        router += 4 * t * k + 4 * t
+    experts = 3 * d * S * ie + d * S * h + _moe_routing_weight_bytes(arch, d) * S + 3 * 8 * S
+    if step.full or step.expert_adapters:
+        experts += d * S * h + d * S * ie  # copied hidden (grouped_mm input), down_proj's input
+    if step.expert_adapters:  # the parametrized W + delta of the experts and of the router
+        experts += d * E * arch.expert_params() + d * E * h
+    shared = 0
+    if arch.shared_expert_intermediate_size:
+        shared = _dense_mlp_saved(step, arch.shared_expert_intermediate_size)
+        if arch.shared_expert_gate:
+            shared += d * t + d * t * h
+    return router + experts + shared
+
+
+def _dense_mlp_saved(step: _MicroStep, width: int) -> int:
+    """A dense (Swi)GLU MLP's saved tensors beyond its input: gate, silu(gate), up (3dti) and
+    the product, down_proj's input, when down_proj trains or is adapted (non-gated: 1 + 1)."""
+    d, t = step.dtype, step.tokens
+    down_input = d * t * width if step.trainable(_linear_names(step.arch)["down"]) else 0
+    return (3 if step.arch.gated_mlp else 1) * d * t * width + down_input
+
+
+def _layer_saved(
+    cand: Candidate, settings: Settings, step: _MicroStep, moe: bool = False
+) -> int:
     """What autograd saves for one decoder layer (modeling_llama.py LlamaRMSNorm, LlamaAttention,
     LlamaMLP):
       attention:  rotated q dt*qd, rotated k and v dt*kvd each, output dt*qd;
@@ -134,9 +203,14 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
             layer += d * t * qd  # transpose(1,2).contiguous() output saved by o_proj
     else:
         layer += d * t * qd + 4 * b * nh * s  # kernel output (also o_proj's input) + lse
-    layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + second norm
-    down_input = d * t * i if step.trainable(names["down"]) else 0
-    layer += (3 if arch.gated_mlp else 1) * d * t * i + down_input
+    if moe:  # residual + second norm (its output saved by the trained router/experts/shared)
+        trained = step.full or step.expert_adapters
+        layer += step.rmsnorm(trained or any(step.trainable(n) for n in names["up"]))
+        layer += moe_mlp_saved(step)
+    else:
+        layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + 2nd norm
+        down_input = d * t * i if step.trainable(names["down"]) else 0
+        layer += (3 if arch.gated_mlp else 1) * d * t * i + down_input
     extra_norms = getattr(arch, "norms_per_layer", 2) - 2  # Gemma-3 post-norms
     layer += extra_norms * step.rmsnorm(False)
     if not step.full:
@@ -148,9 +222,23 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
     return layer
 
 
-def _layer_backward_transients(cand: Candidate, step: _MicroStep) -> tuple[int, int]:
+def _moe_forward_transient(step: _MicroStep) -> int:
+    """The MoE block's forward transients on top of what it saves (grouped_mm_experts_forward):
+    the weighted expert outputs (S, h) and their reordered copy, in the routing weights' dtype
+    (fp32 in Mixtral: bf16 outputs times fp32 weights promote)."""
+    arch = step.arch
+    w = max(_moe_routing_weight_bytes(arch, step.dtype), step.dtype)
+    return 2 * w * step.tokens * arch.num_experts_per_tok * arch.hidden_size
+
+
+def _layer_backward_transients(
+    cand: Candidate, step: _MicroStep, moe: bool = False
+) -> tuple[int, int]:
     """Transient gradients inside a layer's backward, on top of the layer's saved tensors:
-    (at the MLP's backward, at the attention's backward)."""
+    (at the MLP's backward, at the attention's backward). MoE layers: the expert block's
+    backward peaks at gate_up_proj's grouped matmul backward, holding the gradient of the
+    gate_up output (2dSI_e) and of the copied hidden (dSh) next to dth; the fp32 gradient of the
+    weighted outputs (4Sh, Mixtral) is freed by then (measured: tests/test_estimate_moe.py)."""
     arch, d, b, s, t = step.arch, step.dtype, step.seqs, step.seq_len, step.tokens
     h, i = arch.hidden_size, arch.intermediate_size
     nh, nkv = arch.num_attention_heads, arch.num_kv_heads
@@ -158,10 +246,17 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep) -> tuple[int, 
     # MLP backward (runs first): the gradient of silu(gate)*up and of one factor (2dti) and the
     # gradient of the hidden state (dth).
     mlp_extra = 2 * d * t * i + d * t * h
+    if moe:
+        S = t * arch.num_experts_per_tok
+        mlp_extra = 2 * d * S * arch.moe_intermediate_size + d * S * h + d * t * h
+        if arch.shared_expert_intermediate_size:
+            mlp_extra += 2 * d * t * arch.shared_expert_intermediate_size
     # attention backward (after the MLP's saved tensors and the second norm's are freed):
     # eager: the gradients of the probabilities and of the scores (s x s, the latter fp32);
     # sdpa/flash: the gradients of q, k and v.
     mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + step.rmsnorm(True)
+    if moe:
+        mlp_saved = moe_mlp_saved(step) + step.rmsnorm(True)  # upper bound of the freed part
     if cand.attn == "eager":
         # at the softmax backward: the probabilities' and the scores' gradients, the gradient of
         # v and of the hidden state; o_proj's input and the repeated v are already freed
@@ -170,6 +265,14 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep) -> tuple[int, 
         attn_extra -= d * t * qd * freed
     else:
         attn_extra = 2 * d * t * (qd + 2 * kvd) + 2 * d * t * h
+    if moe and step.full and cand.zero < 2:
+        # the experts' and the router's weight gradients appear in the MoE block's backward
+        # (at its peak, down_proj's E x h x I_e; all of them, E x 3 x h x I_e + E x h, through
+        # the attention's), as phases._in_layer_backward counts the nn.Linear layers' (ZeRO-2/3
+        # move them into partitions as they arrive)
+        E = arch.num_experts
+        mlp_extra += d * E * h * arch.moe_intermediate_size
+        attn_extra += d * (E * arch.expert_params() + E * h)
     return mlp_extra, attn_extra - mlp_saved
 
 
@@ -195,7 +298,12 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     step = _micro_step(arch, cand, method, settings)
     d, t, h, V = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size
     L = arch.num_layers
-    layer = _layer_saved(cand, settings, step)
+    # MoE models: MoE layers and dense layers save different tensors (`moe_layers()`)
+    n_moe = len(arch.moe_layers())
+    moe_layer = _layer_saved(cand, settings, step, moe=True) if n_moe else 0
+    dense_layer = _layer_saved(cand, settings, step) if n_moe < L else 0
+    layer = max(moe_layer, dense_layer)
+    all_layers = n_moe * moe_layer + (L - n_moe) * dense_layer
     acts = Activations(per_layer=layer)
     if cand.attn == "eager":
         acts.attention_scores = L * _eager_probabilities(step)
@@ -219,19 +327,28 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         # the recomputed layer shares its input with the checkpoint (no copy in fp32)
         acts.recompute = layer - (4 * t * h if d == 4 else 0)
     else:
-        kept = L * layer
+        kept = all_layers
         if not step.full:  # layer 0's first norm sees the frozen embedding output: nothing to save
             qkv_saved = any(step.trainable(n) for n in _linear_names(arch)["qkv"])
             kept -= step.rmsnorm(qkv_saved) - step.rmsnorm(qkv_saved, needs_grad=False)
         acts.kept_per_layer = layer
     acts.saved = kept + acts.final + acts.logits_saved + rope + ids
     acts.mlp_bwd, acts.attn_bwd = _layer_backward_transients(cand, step)
+    if n_moe:  # the largest of an MoE layer's and a dense layer's transients
+        moe_mlp, moe_attn = _layer_backward_transients(cand, step, moe=True)
+        if n_moe == L:
+            acts.mlp_bwd, acts.attn_bwd = moe_mlp, moe_attn
+        else:
+            acts.mlp_bwd, acts.attn_bwd = max(acts.mlp_bwd, moe_mlp), max(acts.attn_bwd, moe_attn)
     acts.layer_bwd = max(acts.mlp_bwd, acts.attn_bwd)
     attn_fwd, mask = _attention_forward(cand, step)
     if cand.grad_ckpt:
         acts.saved += mask  # the checkpoint keeps the mask among the layer's inputs
     kept_before_last = kept - (acts.kept_per_layer if not cand.grad_ckpt else 0)
-    acts.forward = kept_before_last + rope + ids + attn_fwd + 2 * d * t * h
+    layer_fwd = attn_fwd
+    if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
+        layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
+    acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
     # DPO reference forward under no_grad, after the policy forward (memfit's train.py, as TRL and
     # OpenRLHF do): the policy's saved tensors and logits (the output is still referenced), then
     # either one reference attention call or the reference's logits, their fp32 copy in 16-bit
@@ -240,6 +357,30 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
         acts.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
     return acts
+
+
+def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings) -> str:
+    """Why a traced run cannot stand for this configuration ("" when it can); the estimate then
+    uses the formulas and says so. Mixture-of-experts models trace (transformers' default
+    grouped_mm experts run on fake tensors: every token goes to k experts, so the shapes do not
+    depend on the routing; tests/test_estimate_moe.py compares them), except:
+    - dense and MoE layers mixed (Qwen-MoE mlp_only_layers, DeepSeek's first dense layers): the
+      trace's per-layer terms come from its first two layers;
+    - LoRA with peft's expert adapters (`states.lora_adapts_experts`): the traced run misses the
+      parametrized expert weights each layer keeps (seen in a real CPU measurement)."""
+    if not arch.is_moe:
+        return ""
+    if arch.dense_layers:
+        return (
+            f"{arch.name} mixes dense layers {list(arch.dense_layers)} with MoE layers; the trace "
+            f"measures two identical layers"
+        )
+    if cand.finetune != "full" and lora_adapts_experts(arch, settings):
+        return (
+            "LoRA on the routed experts (peft all-linear on an MoE model): the traced run misses "
+            "the parametrized expert weights each layer keeps"
+        )
+    return ""
 
 
 def traced_activations(
@@ -305,7 +446,7 @@ def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -
 
     requests = {}
     for c in candidates:
-        if hardware_problems(gpu, c):
+        if hardware_problems(gpu, c) or traced_fallback_reason(arch, c, settings):
             continue
         for attn in {c.attn, "sdpa"} if c.attn == "eager" else {c.attn}:
             r = trace.TraceRequest(

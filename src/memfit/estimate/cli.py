@@ -96,7 +96,7 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
 
 def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
     try:
-        arch = catalog.model(args.model)
+        arch = catalog.model(args.model, allow_moe=True)
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise EstimateError(str(exc).strip("'\"")) from None
     try:

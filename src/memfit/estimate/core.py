@@ -14,12 +14,13 @@ from memfit.estimate.activation_memory import (
     activations,
     prefetch_traces,
     traced_activations,
+    traced_fallback_reason,
 )
 from memfit.estimate.costs import device_overheads, fragmentation, host_memory, step_time
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import model_states, param_layout, trainable_params
-from memfit.estimate.validity import check_arch, hardware_problems
+from memfit.estimate.validity import check_arch, hardware_problems, planning_notes
 from memfit.space import Candidate
 from memfit.units import GIB
 
@@ -103,6 +104,10 @@ def _activation_terms(job: Job, cand: Candidate, est: Estimate) -> Activations:
         return analytic
     if settings.activations != "traced":
         raise EstimateError(f"activations must be analytic or traced, got {settings.activations!r}")
+    fallback = traced_fallback_reason(job.arch, cand, settings)  # MoE cases the trace misses
+    if fallback:
+        est.notes.append(f"activations from the formulas, not traced: {fallback}")
+        return analytic
     traced = traced_activations(job.arch, cand, job.method, settings, analytic)
     est.activations_source = "traced"
     if cand.attn == "flash":
@@ -145,6 +150,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     arch, gpu, settings, world = job.arch, job.gpu, job.settings, job.world
     trainable = trainable_params(arch, cand, settings)
     est = Estimate(params_total=param_layout(arch).total, params_trainable=trainable)
+    est.notes += planning_notes(gpu, arch, cand, settings)  # planning-only GPU; what MoE leaves out
     host_gb = job.host_memory_gb if job.host_memory_gb is not None else gpu.typical_host_memory_gb
     budget = job.budget_bytes
     est.device_memory_bytes = int(budget if budget is not None else gpu.memory_bytes)

@@ -115,11 +115,14 @@ def _compute_seconds(
 ) -> float:
     """6 FLOPs per parameter per token (Kaplan et al. 2020, sec. 2.1) plus attention 12*L*s*h per
     token (causal: half), 8/6 with recomputation (Korthikanti et al. 2022, sec. 5); LoRA skips
-    weight gradients (4 instead of 6); DPO's reference adds a forward (2)."""
+    weight gradients (4 instead of 6); DPO's reference adds a forward (2). Mixture-of-experts:
+    a token runs through its top-k routed experts only, so the parameters are the ACTIVE ones
+    (`ModelArch.num_active_params()`; Fedus et al. 2022, Switch Transformer, sec. 2: FLOPs per
+    token follow the active parameters); routing's own FLOPs (softmax, top-k) are negligible."""
     layout = param_layout(arch)
     tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
     attention = 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
-    per_token_forward = 2 * (layout.total - layout.embed) + attention
+    per_token_forward = 2 * (layout.total - layout.inactive - layout.embed) + attention
     passes = 3.0 if cand.finetune == "full" else 2.0
     if cand.grad_ckpt:
         passes += 1.0

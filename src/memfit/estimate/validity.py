@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from memfit.catalog import GPU, ModelArch
-from memfit.estimate.settings import EstimateError
+from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.estimate.states import lora_adapts_experts
 from memfit.space import Candidate
 
 # The architecture sizes every formula uses: ModelArch's required integer fields (the card's
@@ -43,8 +44,69 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
     return out
 
 
+def unsupported_features(arch: ModelArch) -> list[str]:
+    """Parts of an architecture the formulas do not model (refused, never guessed)."""
+    out = []
+    if arch.uses_mla:
+        out.append(
+            f"multi-head latent attention (kv_lora_rank={arch.kv_lora_rank}, "
+            f"q_lora_rank={arch.q_lora_rank}: modeling_deepseek_v3.DeepseekV3Attention): its "
+            f"parameters are counted ({arch.num_params():,} in total) but the activation formulas "
+            f"model only standard multi-head/grouped-query attention"
+        )
+    if arch.is_moe and arch.model_type not in MOE_MODELLED:
+        out.append(
+            f"mixture-of-experts model_type {arch.model_type!r}: the MoE activation formulas follow "
+            f"{', '.join(MOE_MODELLED)} only"
+        )
+    return out
+
+
+# MoE implementations whose routers and experts `activation_memory.moe_mlp_saved` follows.
+MOE_MODELLED = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def planning_notes(
+    gpu: GPU, arch: ModelArch, cand: Candidate, settings: Settings = DEFAULT_SETTINGS
+) -> list[str]:
+    """What the user should know about the hardware and the architecture: planning-only GPUs
+    (catalog `GPU.planning_only`) and what the mixture-of-experts model leaves out."""
+    out = []
+    if gpu.planning_only:
+        out.append(f"planning only: {gpu.planning_reason.strip()}")
+    if arch.is_moe:
+        out.append(
+            f"mixture-of-experts: weights, gradients and optimizer states of all "
+            f"{arch.num_params() / 1e9:.1f}B parameters (every expert), step FLOPs of the "
+            f"{arch.num_active_params() / 1e9:.1f}B active per token; expert parallelism is not "
+            f"supported (every rank holds a ZeRO share of every expert) and no tokens are dropped "
+            f"(no capacity factor)"
+        )
+        if cand.finetune != "full":
+            if lora_adapts_experts(arch, settings):
+                what = (
+                    f"peft's all-linear adapts the attention, the router and the routed experts "
+                    f"(target_parameters: gate_up_proj at rank 2r, down_proj at r), and keeps each "
+                    f"layer's adapted expert weights (W + BA, {arch.num_experts} experts) for the "
+                    f"backward; pass --lora-targets to leave the experts frozen"
+                )
+            else:
+                what = (
+                    "the adapted nn.Linear layers (attention, shared expert) only; the routed "
+                    "experts and the router stay frozen"
+                )
+            if cand.finetune == "qlora":
+                what += (
+                    "; bitsandbytes quantizes nn.Linear only, so the experts stay unquantized "
+                    "(fp32 after prepare_model_for_kbit_training)"
+                )
+            out.append(f"mixture-of-experts LoRA: {what}")
+    return out
+
+
 def check_arch(arch: ModelArch) -> None:
-    """Raise EstimateError naming every size field the card lacks (or has non-positive)."""
+    """Raise EstimateError naming every size field the card lacks (or has non-positive), or the
+    architecture feature the estimate does not model."""
     missing = [
         f
         for f in SIZE_FIELDS
@@ -53,4 +115,9 @@ def check_arch(arch: ModelArch) -> None:
     if missing:
         raise EstimateError(
             f"model {arch.name!r} lacks {', '.join(missing)}: the estimate needs them"
+        )
+    unsupported = unsupported_features(arch)
+    if unsupported:
+        raise EstimateError(
+            f"model {arch.name!r} is not supported by the estimate: {'; '.join(unsupported)}"
         )
