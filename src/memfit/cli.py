@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, function, one-line help); imported lazily so `memfit estimate`
@@ -40,7 +41,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memfit: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    except BrokenPipeError:
+        # the reader went away (`memfit estimate ... | head -1`): stop quietly; point stdout at
+        # /dev/null so the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
