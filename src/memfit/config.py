@@ -178,6 +178,10 @@ class WorkflowConfig:
         """The model's weights directory (built by build_demo_model when the entry has `build`)."""
         return self.model(name).path
 
+    def built_models(self) -> list[str]:
+        """Models the workflow builds (`build:`); every other `path:` must already exist."""
+        return [name for name in self.models if self.model(name).build is not None]
+
     def model_inputs(self, name: str) -> list[str]:
         """The weights directory a job waits for; none for a plan-only model that is not built."""
         m = self.model(name)

@@ -1,6 +1,8 @@
 rule build_demo_model:
     # Only for models whose config entry has `build:` (the embedded demo): a random-init
     # model from a HF config, with a tokenizer trained on the bundled data.
+    wildcard_constraints:
+        model=BUILT_MODELS,
     input:
         config=build_config,
         sft=config["data"].get("sft", []),
