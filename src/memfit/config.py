@@ -268,6 +268,22 @@ def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> A
     return value
 
 
+def _context_problems(cfg: WorkflowConfig) -> list[str]:
+    """data.max_len (or search.seq_len) beyond a model's context (max_position_embeddings)."""
+    out = []
+    seq = cfg.seq_len
+    key = "search.seq_len" if cfg.raw["search"].get("seq_len") else "data.max_len"
+    for name in cfg.models:
+        try:
+            arch = catalog.model(cfg.arch_source(name))
+        except (ValueError, OSError, KeyError):
+            continue  # reported by the model checks
+        context = arch.max_position_embeddings
+        if context and seq > context:
+            out.append(f"{key}: {seq} is beyond models.{name}'s context of {context} tokens (max_position_embeddings)")
+    return out
+
+
 def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     from memfit.train import option_problems
 
@@ -275,9 +291,15 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     gpus = catalog.load_gpus()
     for i, name in enumerate(cfg.gpus):
         try:
-            catalog.gpu(name)
+            gpu = catalog.gpu(name)
         except ValueError as e:
             out.append(f"gpus[{i}]: {e} (allowed: {', '.join(sorted(gpus))})")
+            continue
+        if gpu.planning_only and not cfg.plan_only:
+            out.append(
+                f"gpus[{i}]: {name} is for planning only ({gpu.planning_reason.strip()}); "
+                "set plan_only: true to estimate and select for it without training"
+            )
     for name in cfg.models:
         m = cfg.model(name)
         if m.build is not None and not Path(m.build).exists():
@@ -289,6 +311,28 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
                 catalog.model(m.arch or name)
             except ValueError as e:
                 out.append(f"models.{name}: no weights and no architecture: {e}")
+    out += _context_problems(cfg)
+    if not cfg.plan_only:
+        # the workflow always runs verify_resume after training (memfit.resume_check), which
+        # resumes from an earlier checkpoint than the final one
+        if raw["train"].get("save_every", 1) == 0:
+            out.append(
+                "train.save_every: 0 writes no checkpoints, but verify_resume needs two "
+                "(use a step count below the run's steps, or plan_only: true)"
+            )
+        if raw["train"].get("keep_last", 2) < 2:
+            out.append(
+                f"train.keep_last: {raw['train']['keep_last']} keeps one checkpoint, but "
+                "verify_resume needs the final one and an earlier one (keep_last >= 2)"
+            )
+    search = raw["search"]
+    if "dpo" in cfg.methods and "adapter" in search.get("ref", []) and set(
+        search.get("finetune", ["full"])
+    ) == {"full"}:
+        out.append(
+            "search.ref: 'adapter' (the reference = the base model under the LoRA adapter) needs "
+            "finetune lora or qlora, but search.finetune is [full]; drop 'adapter' or add lora"
+        )
     for method in cfg.methods:
         if method not in raw["train"]:
             out.append(f"train.{method}: missing (methods lists {method})")
