@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"memfit {name}: error: {problem}", file=sys.stderr)
             return 2
     try:
-        return int(getattr(importlib.import_module(module), func)(rest) or 0)
+        rc = int(getattr(importlib.import_module(module), func)(rest) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handler, not at exit
+        return rc
     except BrokenPipeError:
         # the reader went away (`memfit estimate ... | head -1`): stop quietly; point stdout at
         # /dev/null so the interpreter's final flush does not raise again

@@ -325,8 +325,12 @@ def _context_problems(cfg: WorkflowConfig) -> list[str]:
     seq = cfg.seq_len
     key = "search.seq_len" if cfg.raw["search"].get("seq_len") else "data.max_len"
     for name in cfg.models:
+        source = cfg.arch_source(name)
+        build = cfg.model(name).build
+        if build and source != cfg.model(name).path:
+            source = build  # not built yet: the architecture is the config it is built from
         try:
-            arch = catalog.model(cfg.arch_source(name))
+            arch = catalog.model(source)
         except (ValueError, OSError, KeyError):
             continue  # reported by the model checks
         context = arch.max_position_embeddings
@@ -373,11 +377,6 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
             out.append(
                 "train.save_every: 0 writes no checkpoints, but verify_resume needs two "
                 "(use a step count below the run's steps, or plan_only: true)"
-            )
-        if raw["train"].get("keep_last", 2) < 2:
-            out.append(
-                f"train.keep_last: {raw['train']['keep_last']} keeps one checkpoint, but "
-                "verify_resume needs the final one and an earlier one (keep_last >= 2)"
             )
     search = raw["search"]
     if "dpo" in cfg.methods and "adapter" in search.get("ref", []) and set(
