@@ -143,6 +143,15 @@ def test_beyond_context_is_allowed_when_asked(capsys):
     assert json.loads(capsys.readouterr().out)["headroom"] == 0.10
 
 
+def test_fit_seq_len_ignores_the_default_seq_len(tmp_path, capsys):
+    """`fit --maximize seq_len` on a model whose context is below the --seq-len default."""
+    rc = cli.main(
+        ["fit", "--maximize", "seq_len", "--model", str(TINY), "--gpu", "a100-80gb", "--json"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["seq_len"] == 128  # the whole context fits
+
+
 def test_broken_pipe_exits_quietly():
     """`memfit estimate ... | head -1`: the table's first line, no BrokenPipeError."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}")

@@ -186,7 +186,8 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
     _check_flags(args)
     arch = _load_model(args.model)
     context = arch.max_position_embeddings
-    if context and args.seq_len > context and not args.allow_beyond_context:
+    searched = getattr(args, "maximize", None) == "seq_len"  # fit searches up to the context
+    if context and args.seq_len > context and not args.allow_beyond_context and not searched:
         raise EstimateError(
             f"--seq-len {args.seq_len} is beyond {arch.name}'s context of {context} tokens "
             "(max_position_embeddings); pass --allow-beyond-context to estimate it anyway"
