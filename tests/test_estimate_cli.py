@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from memfit.estimate import main
+from memfit.estimate import fit_main, main
+from memfit.units import GIB
 
 # -- contract ------------------------------------------------------------------------------------
 
@@ -122,3 +123,107 @@ def test_config_json_missing_field(tmp_path, capsys):
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     assert main(["--model", str(cfg), "--gpu", "a100-80gb"]) == 2
     assert "config.json" in capsys.readouterr().err or True
+
+
+# -- headroom and units --------------------------------------------------------------------------
+
+BASE = ["--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--num-gpus", "8", "--zero", "3"]
+
+
+def test_fit_is_the_largest_value_that_fits_with_the_workflow_headroom(capsys):
+    """`memfit fit` applies the same 10% headroom as the workflow (memfit.select.Budget): the
+    value it returns fits with headroom, the next one does not; with --headroom 0 it is larger."""
+    sizes = {}
+    for headroom in ("0.1", "0"):
+        assert (
+            fit_main(
+                [
+                    "--maximize",
+                    "micro_batch",
+                    *BASE,
+                    "--seq-len",
+                    "4096",
+                    "--headroom",
+                    headroom,
+                    "--json",
+                ]
+            )
+            == 0
+        )
+        out = json.loads(capsys.readouterr().out)
+        sizes[headroom] = out["micro_batch"]
+        assert out["headroom"] == float(headroom) and out["fits_with_headroom"]
+        assert (
+            out["device_total_bytes"]
+            <= out["usable_device_bytes"]
+            == int(out["device_memory_bytes"] * (1 - float(headroom)))
+        )
+        rc = main(
+            [
+                *BASE,
+                "--seq-len",
+                "4096",
+                "--micro-batch",
+                str(out["micro_batch"] + 1),
+                "--headroom",
+                headroom,
+                "--json",
+            ]
+        )
+        above = json.loads(capsys.readouterr().out)
+        assert rc == 1 and not above["fits_with_headroom"]
+    assert sizes["0.1"] < sizes["0"]
+
+
+def test_estimate_verdict_uses_headroom(capsys):
+    """A configuration between 90% and 100% of the device: fits raw, not with the default headroom."""
+    rc = fit_main(
+        ["--maximize", "micro_batch", *BASE, "--seq-len", "4096", "--headroom", "0", "--json"]
+    )
+    mb = json.loads(capsys.readouterr().out)["micro_batch"]
+    rc = main([*BASE, "--seq-len", "4096", "--micro-batch", str(mb)])
+    table = capsys.readouterr().out
+    if rc == 1:  # the largest raw fit uses more than 90% of the device
+        assert "verdict: DOES NOT FIT (device short by" in table and "with 10% headroom" in table
+    assert "usable (80.00 GiB less 10% headroom)" in table
+
+
+def test_host_memory_gib_and_the_decimal_gb_alias_agree(capsys):
+    main([*BASE, "--host-memory-gib", "256", "--json"])
+    gib_flag = json.loads(capsys.readouterr().out)["host_memory_bytes"]
+    main([*BASE, "--host-memory-gb", str(256 * GIB / 1e9), "--json"])
+    gb_flag = json.loads(capsys.readouterr().out)["host_memory_bytes"]
+    assert abs(gib_flag - 256 * GIB) <= 1 and abs(gb_flag - gib_flag) <= 1
+
+
+def test_table_breakdown_sums_to_the_figure_under_it_and_names_the_peak(capsys):
+    main([*BASE, "--seq-len", "4096"])
+    lines = capsys.readouterr().out.splitlines()
+    rule = next(i for i, ln in enumerate(lines) if set(ln.strip()) == {"-"})
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("per GPU at the peak")) + 1
+    parts = [float(ln.split()[-2]) for ln in lines[start:rule]]
+    total = float(lines[rule + 1].split()[2])
+    assert lines[rule + 1].strip().startswith("device total")
+    assert abs(sum(parts) - total) <= 0.01 * len(parts)
+    peak = next(ln for ln in lines if ln.startswith("peak set by "))
+    assert "other phases:" in peak and "forward" in peak
+
+
+def test_resume_peak_says_what_lowers_it(capsys):
+    main(
+        [
+            "--model",
+            "qwen2-7b",
+            "--gpu",
+            "rtx4090",
+            "--num-gpus",
+            "4",
+            "--zero",
+            "3",
+            "--seq-len",
+            "128",
+        ]
+    )
+    table = capsys.readouterr().out
+    assert "per GPU at the peak (resume)" in table
+    assert "note: resume sets the peak" in table and "--offload-optimizer cpu" in table

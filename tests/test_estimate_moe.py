@@ -335,7 +335,7 @@ def test_workflow_refuses_to_run_on_a_planning_only_gpu(repo, monkeypatch):
     cfg = yaml.safe_load((repo / "config/config.yaml").read_text())
     name = next(g.name for g in catalog.load_gpus().values() if g.planning_only)
     cfg["gpus"] = [name]
-    with pytest.raises(ConfigError, match=rf"gpus\[0\]: {name} is planning only \(.+\)"):
+    with pytest.raises(ConfigError, match=rf"gpus\[0\]: {name} is for planning only \(.+\)"):
         validate_config(cfg)
     cfg["plan_only"] = True
     validate_config(cfg)

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # subcommand -> (module, function, one-line help); imported lazily so `memfit estimate`
@@ -30,6 +31,56 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def run_config_problem(path: str) -> str | None:
+    """Why the run config JSON at `path` cannot run (one sentence naming the file), or None."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        return f"{p}: no such run config"
+    except IsADirectoryError:
+        return f"{p}: is a directory, not a run config JSON file"
+    except UnicodeDecodeError:
+        return f"{p}: not UTF-8 text (expected a run config JSON)"
+    except json.JSONDecodeError as exc:
+        return f"{p}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+    except OSError as exc:
+        return f"{p}: cannot read it ({exc.strerror})"
+    if not isinstance(data, dict):
+        return f"{p}: expected a JSON object of run config keys, got {type(data).__name__}"
+    import dataclasses
+
+    from memfit.train import RunConfig
+
+    fields = dataclasses.fields(RunConfig)
+    required = [
+        f.name
+        for f in fields
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [k for k in required if k not in data]
+    if missing:
+        return f"{p}: missing run config key(s) {', '.join(missing)}"
+    try:
+        RunConfig.load(p)
+    except (ValueError, TypeError, KeyError) as exc:
+        msg = str(exc).strip("'\"")
+        return msg if str(p) in msg else f"{p}: {msg}"
+    return None
+
+
+def _config_arg(rest: list[str]) -> str | None:
+    for i, arg in enumerate(rest):
+        if arg == "--config" and i + 1 < len(rest):
+            return rest[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -40,7 +91,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memfit: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    path = _config_arg(rest) if name in ("train", "launch") else None
+    if path is not None:
+        problem = run_config_problem(path)
+        if problem:
+            print(f"memfit {name}: error: {problem}", file=sys.stderr)
+            return 2
+    try:
+        rc = int(getattr(importlib.import_module(module), func)(rest) or 0)
+        sys.stdout.flush()  # a closed pipe fails here, inside the handler, not at exit
+        return rc
+    except BrokenPipeError:
+        # the reader went away (`memfit estimate ... | head -1`): stop quietly; point stdout at
+        # /dev/null so the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -66,6 +66,11 @@ class WorkflowConfig:
         return cls(raw)
 
     @classmethod
+    def from_file(cls, path: str | Path, schema_path: Path = SCHEMA) -> WorkflowConfig:
+        """Read a YAML config file and validate it; a syntax error names the line and column."""
+        return cls.load(load_yaml(path), schema_path)
+
+    @classmethod
     def of(cls, config: WorkflowConfig | Mapping[str, Any]) -> WorkflowConfig:
         """`config` as a WorkflowConfig: a stage's `snakemake.config` was validated when the
         Snakefile was read, so it is wrapped, not validated again."""
@@ -178,6 +183,10 @@ class WorkflowConfig:
         """The model's weights directory (built by build_demo_model when the entry has `build`)."""
         return self.model(name).path
 
+    def built_models(self) -> list[str]:
+        """Models the workflow builds (`build:`); every other `path:` must already exist."""
+        return [name for name in self.models if self.model(name).build is not None]
+
     def model_inputs(self, name: str) -> list[str]:
         """The weights directory a job waits for; none for a plan-only model that is not built."""
         m = self.model(name)
@@ -213,6 +222,29 @@ class WorkflowConfig:
 
 
 # --------------------------------------------------------------------------- validation
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in `path`; ConfigError naming the file, line and column otherwise."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such config file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{p}: not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{p}: YAML syntax error{where}: {what}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a YAML mapping of config keys, got {type(data).__name__}")
+    return data
+
+
 def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
     """Schema check plus what a schema cannot know (catalog names, files, method sections).
 
@@ -264,6 +296,53 @@ def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> A
     return value
 
 
+def _model_dir_problems(name: str, path: Path) -> list[str]:
+    """An existing local model directory the workflow will train: config.json it can read,
+    an architecture it can estimate, a tokenizer and weights (what `transformers` loads)."""
+    key = f"models.{name}.path"
+    if not path.is_dir():
+        return [f"{key}: {path} is not a directory (a HF model directory: config.json, weights, tokenizer)"]
+    if not any(path.iterdir()):
+        # an empty directory is a placeholder (a mount not populated yet; the dry-run tests'
+        # stand-ins): the architecture comes from the catalog and the loader reports it at train
+        return []
+    out = []
+    if not (path / "config.json").is_file():
+        out.append(f"{key}: {path / 'config.json'} is missing")
+    else:
+        try:
+            catalog.model(str(path))
+        except (ValueError, OSError, KeyError) as e:
+            out.append(f"{key}: {str(e).strip(chr(39))}")
+    tokenizer = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if not any((path / f).is_file() for f in tokenizer):
+        out.append(f"{key}: no tokenizer in {path} (expected one of {', '.join(tokenizer)})")
+    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("adapter_model.*")]
+    if not weights:
+        out.append(f"{key}: no weights in {path} (expected *.safetensors or pytorch_model*.bin)")
+    return out
+
+
+def _context_problems(cfg: WorkflowConfig) -> list[str]:
+    """data.max_len (or search.seq_len) beyond a model's context (max_position_embeddings)."""
+    out = []
+    seq = cfg.seq_len
+    key = "search.seq_len" if cfg.raw["search"].get("seq_len") else "data.max_len"
+    for name in cfg.models:
+        source = cfg.arch_source(name)
+        build = cfg.model(name).build
+        if build and source != cfg.model(name).path:
+            source = build  # not built yet: the architecture is the config it is built from
+        try:
+            arch = catalog.model(source)
+        except (ValueError, OSError, KeyError):
+            continue  # reported by the model checks
+        context = arch.max_position_embeddings
+        if context and seq > context:
+            out.append(f"{key}: {seq} is beyond models.{name}'s context of {context} tokens (max_position_embeddings)")
+    return out
+
+
 def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     from memfit.train import option_problems
 
@@ -271,17 +350,21 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     gpus = catalog.load_gpus()
     for i, name in enumerate(cfg.gpus):
         try:
-            card = catalog.gpu(name)
+            gpu = catalog.gpu(name)
         except ValueError as e:
             out.append(f"gpus[{i}]: {e} (allowed: {', '.join(sorted(gpus))})")
             continue
-        if card.planning_only and not cfg.plan_only:
-            out.append(f"gpus[{i}]: {card.name} is planning only ({card.planning_reason.strip()}); "
-                       f"estimate with plan_only: true, or run on another GPU")
+        if gpu.planning_only and not cfg.plan_only:
+            out.append(
+                f"gpus[{i}]: {name} is for planning only ({gpu.planning_reason.strip()}); "
+                "set plan_only: true to estimate and select for it without training"
+            )
     for name in cfg.models:
         m = cfg.model(name)
         if m.build is not None and not Path(m.build).exists():
             out.append(f"models.{name}.build: file {m.build} does not exist")
+        if m.build is None and m.path and Path(m.path).exists() and not cfg.plan_only:
+            out += _model_dir_problems(name, Path(m.path))
         if not cfg.will_have_weights(name):
             if not cfg.plan_only:
                 out.append(f"models.{name}.path: {m.path!r} is not a model directory; training needs weights (or set plan_only: true)")
@@ -289,6 +372,24 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
                 catalog.model(m.arch or name, allow_moe=True)
             except ValueError as e:
                 out.append(f"models.{name}: no weights and no architecture: {e}")
+    if not out:
+        out += _context_problems(cfg)
+    if not cfg.plan_only:
+        # the workflow always runs verify_resume after training (memfit.resume_check), which
+        # resumes from an earlier checkpoint than the final one
+        if raw["train"].get("save_every", 1) == 0:
+            out.append(
+                "train.save_every: 0 writes no checkpoints, but verify_resume needs two "
+                "(use a step count below the run's steps, or plan_only: true)"
+            )
+    search = raw["search"]
+    if "dpo" in cfg.methods and "adapter" in search.get("ref", []) and set(
+        search.get("finetune", ["full"])
+    ) == {"full"}:
+        out.append(
+            "search.ref: 'adapter' (the reference = the base model under the LoRA adapter) needs "
+            "finetune lora or qlora, but search.finetune is [full]; drop 'adapter' or add lora"
+        )
     for method in cfg.methods:
         if method not in raw["train"]:
             out.append(f"train.{method}: missing (methods lists {method})")

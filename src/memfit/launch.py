@@ -103,4 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, type=Path, help="run config JSON")
     ap.add_argument("--nproc", type=int, default=nproc_default(), help="ranks (GPUs; 2 on the CPU)")
     args = ap.parse_args(argv)
+    if args.nproc < 1:
+        ap.error(f"--nproc must be >= 1, got {args.nproc}")
     return launch(args.config, args.nproc)

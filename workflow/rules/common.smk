@@ -15,6 +15,10 @@ GPUS = CFG.gpus
 METHODS = CFG.methods
 PLAN_ONLY = CFG.plan_only
 ON_GPU = any(g != "cpu" for g in GPUS)
+# build_demo_model applies only to models whose entry has `build:`; every other model
+# directory (the normal case: `path:` to a local HF model) is an input that already exists.
+# "(?!)" matches nothing, for a config with no built model.
+BUILT_MODELS = "|".join(CFG.built_models()) or "(?!)"
 # GPU clusters run rules in the pinned CUDA env; the CPU default in the CPU env.
 CONDA_ENV = "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml"
 
@@ -32,7 +36,8 @@ def model_dir(w):
 
 
 def build_config(w):
-    return CFG.model(w.model).build
+    """The HF config.json a built model comes from (only built models reach this rule)."""
+    return CFG.model(w.model).build or []
 
 
 def model_input(w):

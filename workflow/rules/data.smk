@@ -1,6 +1,4 @@
 rule build_demo_model:
-    # Only for models whose config entry has `build:` (the embedded demo): a random-init
-    # model from a HF config, with a tokenizer trained on the bundled data.
     input:
         config=build_config,
         sft=config["data"].get("sft", []),
@@ -9,6 +7,10 @@ rule build_demo_model:
         directory("resources/{model}"),
     log:
         "logs/{model}/build_demo_model.log",
+    # Only for models whose config entry has `build:` (the embedded demo): a random-init
+    # model from a HF config, with a tokenizer trained on the bundled data.
+    wildcard_constraints:
+        model=BUILT_MODELS,
     conda:
         CONDA_ENV
     script:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 
 from memfit import catalog
 from memfit.catalog import GPU, ModelArch
@@ -39,7 +41,7 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--method", choices=["sft", "dpo"], default="sft")
     p.add_argument("--finetune", choices=["full", "lora", "qlora"], default="full")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default 16)")
     p.add_argument(
         "--lora-targets",
         default=None,
@@ -68,9 +70,34 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
         default=None,
         help="DPO reference (default: model for full, adapter for LoRA)",
     )
-    p.add_argument("--host-memory-gb", type=float, default=None, help="RAM per node, GB")
     p.add_argument(
-        "--budget-gb", type=float, default=None, help="use this many GB as the device memory"
+        "--host-memory-gib", type=float, default=None, help="RAM per node, GiB (2**30 bytes)"
+    )
+    p.add_argument(
+        "--host-memory-gb",
+        type=float,
+        default=None,
+        help="RAM per node in decimal GB (1e9 bytes); kept for old scripts, prefer --host-memory-gib",
+    )
+    p.add_argument(
+        "--budget-gib", type=float, default=None, help="use this many GiB as the device memory"
+    )
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="device memory in decimal GB (1e9 bytes); prefer --budget-gib",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.10,
+        help="fraction of device memory kept free, as the workflow's `headroom:` (default 0.10)",
+    )
+    p.add_argument(
+        "--allow-beyond-context",
+        action="store_true",
+        help="allow --seq-len beyond the model's max_position_embeddings",
     )
     p.add_argument(
         "--expandable-segments",
@@ -94,11 +121,77 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     return p
 
 
-def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
+def _check_flags(args) -> None:
+    """Refuse values that cannot be meant, and flags that would do nothing in this setup."""
+    positive = {
+        "--num-gpus": args.num_gpus,
+        "--num-nodes": args.num_nodes,
+        "--seq-len": args.seq_len,
+        "--micro-batch": args.micro_batch,
+        "--grad-accum": args.grad_accum,
+        "--sub-group-size": args.sub_group_size,
+        "--lora-rank": args.lora_rank,
+        "--host-memory-gib": args.host_memory_gib,
+        "--host-memory-gb": args.host_memory_gb,
+        "--budget-gib": args.budget_gib,
+        "--budget-gb": args.budget_gb,
+    }
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise EstimateError(f"{flag} must be > 0, got {value:g}")
+    if not 0.0 < args.offload_ratio <= 1.0:
+        raise EstimateError(f"--offload-ratio must be in (0, 1], got {args.offload_ratio:g}")
+    if not 0.0 <= args.headroom < 1.0:
+        raise EstimateError(f"--headroom must be in [0, 1), got {args.headroom:g}")
+    if args.host_memory_gib is not None and args.host_memory_gb is not None:
+        raise EstimateError("give --host-memory-gib or --host-memory-gb (decimal GB), not both")
+    if args.budget_gib is not None and args.budget_gb is not None:
+        raise EstimateError("give --budget-gib or --budget-gb (decimal GB), not both")
+    if args.finetune == "full" and args.lora_rank is not None:
+        raise EstimateError("--lora-rank does nothing with --finetune full; use lora or qlora")
+    if args.finetune == "full" and args.lora_targets:
+        raise EstimateError("--lora-targets does nothing with --finetune full; use lora or qlora")
+    if args.method == "sft" and args.ref is not None:
+        raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
+    if args.pin_memory and args.offload_optimizer == "none" and args.offload_param == "none":
+        raise EstimateError(
+            "--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu"
+        )
+    if args.trace_cache is not None:
+        if args.activations != "traced":
+            raise EstimateError("--trace-cache does nothing without --activations traced")
+        cache = Path(args.trace_cache)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EstimateError(
+                f"--trace-cache {cache}: cannot create it ({exc.strerror})"
+            ) from None
+        if not cache.is_dir() or not os.access(cache, os.W_OK):
+            raise EstimateError(f"--trace-cache {cache}: not a writable directory")
+
+
+def _load_model(name: str) -> ModelArch:
     try:
-        arch = catalog.model(args.model, allow_moe=True)
-    except (ValueError, FileNotFoundError, KeyError) as exc:
+        return catalog.model(name, allow_moe=True)
+    except UnicodeDecodeError:
+        path = Path(name)
+        path = path / "config.json" if path.is_dir() else path
+        raise EstimateError(f"{path}: not UTF-8 text (expected a JSON config.json)") from None
+    except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
         raise EstimateError(str(exc).strip("'\"")) from None
+
+
+def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
+    _check_flags(args)
+    arch = _load_model(args.model)
+    context = arch.max_position_embeddings
+    searched = getattr(args, "maximize", None) == "seq_len"  # fit searches up to the context
+    if context and args.seq_len > context and not args.allow_beyond_context and not searched:
+        raise EstimateError(
+            f"--seq-len {args.seq_len} is beyond {arch.name}'s context of {context} tokens "
+            "(max_position_embeddings); pass --allow-beyond-context to estimate it anyway"
+        )
     try:
         gpu = catalog.gpu(args.gpu)
     except (ValueError, KeyError) as exc:
@@ -116,7 +209,7 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
             grad_ckpt=args.grad_ckpt,
             attn=args.attn,
             finetune=args.finetune,
-            lora_rank=args.lora_rank,
+            lora_rank=args.lora_rank or 16,
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,
             grad_accum=args.grad_accum,
@@ -139,17 +232,40 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
 
 def _verdict_line(result: Estimate, gpu: GPU) -> str:
     why = []
-    if result.margin_bytes < 0:
-        why.append(f"device short by {gib(-result.margin_bytes)}")
+    limit = result.usable_device_bytes or result.device_memory_bytes
+    used = result.device_memory_bytes - result.margin_bytes
+    kept = f" with {result.headroom:.0%} headroom" if result.headroom else ""
+    if used > limit:
+        why.append(f"device short by {gib(used - limit)}{kept}")
     else:
-        why.append(f"device margin {gib(result.margin_bytes)}")
+        why.append(f"device margin {gib(limit - used)}{kept}")
     if gpu.name != "cpu":
         why.append(
             f"host short by {gib(-result.host_margin_bytes)}"
             if result.host_margin_bytes < 0
             else f"host margin {gib(result.host_margin_bytes)}"
         )
-    return f"verdict: {'FITS' if result.fits else 'DOES NOT FIT'} ({', '.join(why)})"
+    fits = result.fits_with_headroom if result.usable_device_bytes else result.fits
+    return f"verdict: {'FITS' if fits else 'DOES NOT FIT'} ({', '.join(why)})"
+
+
+def _resume_advice(result: Estimate, cand: Candidate) -> str | None:
+    """When loading the checkpoint sets the peak, what would lower it."""
+    if result.peak_phase != "resume" or len(result.phases) < 2:
+        return None
+    others = max(v for k, v in result.phases.items() if k != "resume")
+    extra = result.phases["resume"] - others
+    if cand.offload_optimizer == "none":
+        how = "--offload-optimizer cpu keeps m and v on the host"
+    elif cand.offload_ratio < 1.0:
+        how = "a larger --offload-ratio keeps more of m and v on the host"
+    else:
+        how = "nothing on the device side: the optimizer is already fully offloaded"
+    pin = "; --pin-memory changes host RAM, not device memory" if cand.pin_memory else ""
+    return (
+        f"resume sets the peak: loading the optimizer state holds its device-resident m and v "
+        f"twice, {gib(extra)} over the next phase; {how}{pin}"
+    )
 
 
 def render(
@@ -174,25 +290,52 @@ def render(
     lines.append(f"per GPU at the peak ({result.peak_phase.replace('_', ' ')}{source}):")
     for component, size in result.breakdown.items():
         lines.append(f"  {component:<14}{gib(size):>14}")
+    # the components above sum to the device total (overheads = fragmentation + CUDA context,
+    # cuBLAS, NCCL); allocated and reserved are the torch counters inside it
+    usable = result.usable_device_bytes or result.device_memory_bytes
     lines += [
-        f"  {'allocated':<14}{gib(result.peak_allocated_bytes):>14}   (torch.cuda.max_memory_allocated)",
-        f"  {'reserved':<14}{gib(result.peak_reserved_bytes):>14}   (torch.cuda.max_memory_reserved)",
+        f"  {'-' * 28}",
         f"  {'device total':<14}{gib(result.device_total_bytes):>14}   (nvidia-smi) of "
-        f"{gib(result.device_memory_bytes)}",
-        "allocated by phase: "
-        + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in result.phases.items())
+        f"{gib(usable)} usable"
+        + (
+            f" ({gib(result.device_memory_bytes)} less {result.headroom:.0%} headroom)"
+            if result.headroom
+            else ""
+        ),
+        f"  of which allocated {gib(result.peak_allocated_bytes)} "
+        f"(torch.cuda.max_memory_allocated), reserved {gib(result.peak_reserved_bytes)} "
+        "(torch.cuda.max_memory_reserved)",
+        f"peak set by {result.peak_phase.replace('_', ' ')} "
+        f"({result.phases[result.peak_phase] / GIB:.1f} GiB allocated); other phases: "
+        + ", ".join(
+            f"{k.replace('_', ' ')} {v / GIB:.1f}"
+            for k, v in result.phases.items()
+            if k != result.peak_phase
+        )
         + " GiB",
         f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
         f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",
         f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s)",
     ]
     lines += [f"note: {note}" for note in result.notes]
+    advice = _resume_advice(result, cand)
+    if advice:
+        lines.append(f"note: {advice}")
     lines.append(_verdict_line(result, gpu))
     return "\n".join(lines)
 
 
 def _budget_bytes(args) -> int | None:
+    if args.budget_gib:
+        return int(args.budget_gib * GIB)
     return int(args.budget_gb * 1e9) if args.budget_gb else None
+
+
+def _host_memory_gb(args) -> float | None:
+    """The core takes decimal GB (the catalog's unit for host RAM)."""
+    if args.host_memory_gib:
+        return args.host_memory_gib * GIB / 1e9
+    return args.host_memory_gb
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,9 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             args.num_nodes,
             args.method,
             cand,
-            args.host_memory_gb,
+            _host_memory_gb(args),
             _budget_bytes(args),
             settings,
+            headroom=args.headroom,
         )
     except EstimateError as exc:
         print(f"memfit estimate: error: {exc}", file=sys.stderr)
@@ -222,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.invalid:
         print(f"memfit estimate: invalid: {result.reason}", file=sys.stderr)
         return 2
-    return 0 if result.fits else 1
+    return 0 if result.fits_with_headroom else 1
 
 
 def fit_main(argv: list[str] | None = None) -> int:
@@ -238,9 +382,10 @@ def fit_main(argv: list[str] | None = None) -> int:
             args.method,
             cand,
             args.maximize,
-            args.host_memory_gb,
+            _host_memory_gb(args),
             _budget_bytes(args),
             settings,
+            headroom=args.headroom,
         )
     except EstimateError as exc:
         print(f"memfit fit: error: {exc}", file=sys.stderr)
@@ -256,7 +401,8 @@ def fit_main(argv: list[str] | None = None) -> int:
     if best == 0:
         print(f"nothing fits: even {args.maximize}=1 needs more memory")
     else:
-        print(f"largest {args.maximize} that fits: {best}\n")
+        kept = f" with {args.headroom:.0%} headroom" if args.headroom else ""
+        print(f"largest {args.maximize} that fits{kept}: {best}\n")
     if result is not None:
         shown = dataclasses.replace(cand, **{args.maximize: max(best, 1)})
         print(render(result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method))

@@ -55,6 +55,11 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
+    # headroom, as the workflow's selection applies it (memfit.select.Budget): the fraction of
+    # device memory kept free; `fits_with_headroom` compares device_total to the usable part
+    headroom: float = 0.0
+    usable_device_bytes: int = 0
+    fits_with_headroom: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,6 +77,7 @@ class Job:
     host_memory_gb: float | None
     budget_bytes: int | None
     settings: Settings
+    headroom: float = 0.0
 
     @property
     def world(self) -> int:
@@ -85,6 +91,8 @@ def _check_inputs(job: Job, cand: Candidate) -> None:
         raise EstimateError(
             f"num_gpus and num_nodes must be >= 1, got {job.num_gpus} and {job.num_nodes}"
         )
+    if not 0.0 <= job.headroom < 1.0:
+        raise EstimateError(f"headroom must be in [0, 1), got {job.headroom}")
     if job.method == "dpo" and cand.ref == "adapter" and cand.finetune == "full":
         raise EstimateError("ref=adapter needs finetune=lora or qlora")
     check_arch(job.arch)
@@ -143,6 +151,13 @@ def _verdict(job: Job, est: Estimate) -> None:
         est.margin_bytes = est.device_memory_bytes - est.device_total_bytes
         est.host_margin_bytes = est.host_memory_bytes - est.host_bytes
         est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
+    # the same rule as memfit.select.Budget.device_limit_bytes
+    est.headroom = job.headroom
+    est.usable_device_bytes = int(est.device_memory_bytes * (1.0 - job.headroom))
+    used = est.device_memory_bytes - est.margin_bytes
+    est.fits_with_headroom = (
+        est.fits and used <= est.usable_device_bytes and est.host_margin_bytes >= 0
+    )
 
 
 def _estimate(job: Job, cand: Candidate) -> Estimate:
@@ -206,14 +221,18 @@ def estimate(
     host_memory_gb: float | None = None,
     budget_bytes: int | None = None,
     settings: Settings = DEFAULT_SETTINGS,
+    headroom: float = 0.0,
 ) -> Estimate:
     """Predict one configuration on `num_gpus` GPUs per node x `num_nodes` nodes.
 
-    `budget_bytes` replaces the device's memory (the demo's `cpu` entry, or a headroom budget).
+    `budget_bytes` replaces the device's memory (the demo's `cpu` entry). `headroom` is the
+    fraction of it kept free, as in `memfit.select.Budget`: `fits_with_headroom` applies it.
     Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
     `EstimateError`.
     """
-    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+    job = Job(
+        arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
+    )
     return _estimate(job, cand or Candidate())
 
 
@@ -254,28 +273,32 @@ def fit(
     budget_bytes: int | None = None,
     settings: Settings = DEFAULT_SETTINGS,
     upper: int | None = None,
+    headroom: float = 0.0,
 ) -> tuple[int, Estimate | None]:
-    """Binary search for the largest `maximize` value that fits (memory grows monotonically in
-    both). Returns (0, estimate at 1) when even 1 does not fit or the hardware cannot run it."""
+    """Binary search for the largest `maximize` value that fits with `headroom` kept free
+    (memory grows monotonically in both). Returns (0, estimate at 1) when even 1 does not fit
+    or the hardware cannot run it."""
     if maximize not in ("seq_len", "micro_batch"):
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
     hi = upper or (arch.max_position_embeddings if maximize == "seq_len" else 65536)
-    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+    job = Job(
+        arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
+    )
 
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))
 
     first = at(1)
-    if first.invalid or not first.fits:
+    if first.invalid or not first.fits_with_headroom:
         return 0, first
     top = at(hi)
-    if top.fits:
+    if top.fits_with_headroom:
         return hi, top
     lo, best = 1, first
     while hi - lo > 1:
         mid = (lo + hi) // 2
         e = at(mid)
-        if e.fits:
+        if e.fits_with_headroom:
             lo, best = mid, e
         else:
             hi = mid
