@@ -1,6 +1,6 @@
 # Two commands a newcomer needs (see README):
 #   make demo   set up .venv and run the whole DAG on the embedded CPU default
-#   make test   set up .venv and run the test suite
+#   make test   set up .venv and run the whole test suite (test-fast: without the slow multi-process runs)
 # Everything else here is a step of those two.
 
 PYTHON ?= python3
@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-compiled CPU ops are built into the venv (memfit.launch looks there too).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test lint install ops
+.PHONY: demo test test-fast lint install ops
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Skips the multi-process DeepSpeed runs (pytest marker `slow`); `gpu` tests skip themselves without CUDA.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -3,13 +3,10 @@
 from memfit.pipeline import log_to, probe_candidate
 
 log_to(snakemake.log[0])
-w = snakemake.wildcards
 probe_candidate(
     snakemake.config,
-    w.model,
-    w.gpu,
-    w.method,
-    w.cand,
+    snakemake.wildcards.method,
+    snakemake.wildcards.cand,
     snakemake.input.candidates,
     snakemake.params.model_path,
     snakemake.params.data_dir,

@@ -1,6 +1,7 @@
-"""Snakemake script: verify_resume -> memfit.pipeline.verify_resume."""
+"""Snakemake script: verify_resume -> memfit.resume_check.verify_resume."""
 
-from memfit.pipeline import log_to, verify_resume
+from memfit.pipeline import log_to
+from memfit.resume_check import verify_resume
 
 log_to(snakemake.log[0])
 verify_resume(snakemake.input.run, snakemake.params.nproc, snakemake.output[0], snakemake.log[0])

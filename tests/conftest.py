@@ -35,3 +35,16 @@ def demo_data(demo_model, tmp_path_factory) -> Path:
     for method in ("sft", "dpo"):
         prepare(method, REPO / f"data/demo/{method}.jsonl", demo_model, root / method, max_len=32, eval_fraction=0.05)
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests need CUDA: skipped, with the reason shown, where there is none."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest marker `gpu`)")
+        for item in gpu_tests:
+            item.add_marker(skip)

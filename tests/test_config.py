@@ -5,7 +5,7 @@ import copy
 import pytest
 import yaml
 
-from memfit.pipeline import ConfigError, candidates, validate_config
+from memfit.config import ConfigError, WorkflowConfig, validate_config
 
 
 @pytest.fixture()
@@ -47,7 +47,7 @@ def test_bad_config_names_the_key(config, change, expected):
 
 def test_every_candidate_trains_the_same_global_batch(config):
     for method in ("sft", "dpo"):
-        cands = candidates(config, method)
+        cands = WorkflowConfig.load(config).candidates(method)
         assert cands
         for c in cands:
             assert c.micro_batch * c.grad_accum * config["num_gpus"] == config["train"]["global_batch"]
@@ -65,3 +65,68 @@ def test_numbers_written_as_strings_are_read_as_numbers(config):
     config["train"]["sft"]["lr"] = "fast"
     with pytest.raises(ConfigError, match=r"train\.sft\.lr: 'fast' is not of type 'number'"):
         validate_config(config)
+
+
+# --------------------------------------------------------------------------- WorkflowConfig
+def test_load_validates_once_and_of_wraps_without_checking_again(config):
+    cfg = WorkflowConfig.load(config)
+    assert WorkflowConfig.of(cfg) is cfg
+    assert WorkflowConfig.of(config).raw is config  # a stage's snakemake.config: already validated
+    bad = copy.deepcopy(config)
+    bad["num_gpus"] = 0
+    with pytest.raises(ConfigError, match=r"num_gpus: 0 is less than the minimum of 1"):
+        WorkflowConfig.load(bad)
+
+
+def test_world_size_and_budgets(config):
+    from memfit import catalog
+    from memfit.units import GIB, MIB
+
+    config.update(num_gpus=4, num_nodes=2, cpu_memory_mib=96, host_memory_gib=16, headroom=0.1)
+    cfg = WorkflowConfig.load(config)
+    assert cfg.world_size == 8
+    cpu = cfg.budget("cpu")
+    assert (cpu.device_bytes, cpu.host_bytes, cpu.headroom) == (96 * MIB, 16 * GIB, 0.1)
+    assert cpu.device_limit_bytes == int(96 * MIB * 0.9)
+    a100 = catalog.gpu("a100-80gb")
+    assert cfg.budget("a100-80gb").device_bytes == a100.memory_bytes
+    config["host_memory_gib"] = None  # the catalog's typical node
+    assert cfg.budget("a100-80gb").host_bytes == int(a100.typical_host_memory_gb * 1e9 / GIB * GIB)
+
+
+def test_model_paths_have_one_home(config, tmp_path):
+    cfg = WorkflowConfig.load(config)
+    assert cfg.model_path("demo-tiny") == "resources/demo-tiny"
+    assert cfg.model_inputs("demo-tiny") == ["resources/demo-tiny"]  # built by the workflow
+    assert cfg.policy_path("demo-tiny", "cpu", "sft") == "resources/demo-tiny"
+    # DPO trains from the SFT output when the workflow trains SFT too, else from the base model
+    assert cfg.policy_path("demo-tiny", "cpu", "dpo") == "results/demo-tiny/cpu/sft/train/model"
+    assert cfg.policy_inputs("demo-tiny", "cpu", "dpo") == ["results/demo-tiny/cpu/sft/train/summary.json"]
+    only_dpo = WorkflowConfig({**config, "methods": ["dpo"]})
+    assert only_dpo.policy_path("demo-tiny", "cpu", "dpo") == "resources/demo-tiny"
+    assert only_dpo.policy_inputs("demo-tiny", "cpu", "dpo") == ["resources/demo-tiny"]
+
+
+def test_architecture_comes_from_weights_then_arch_then_the_catalog(config, tmp_path):
+    weights = tmp_path / "m"
+    weights.mkdir()
+    models = {"a": {"path": str(weights), "arch": "qwen2.5-7b"}, "qwen2.5-7b": {"path": None},
+              "b": {"path": "/nonexistent", "arch": "llama-3.1-8b"}}
+    cfg = WorkflowConfig({**config, "models": models, "plan_only": True})
+    assert cfg.arch_source("a") == "qwen2.5-7b"  # no config.json yet
+    (weights / "config.json").write_text("{}")
+    assert cfg.arch_source("a") == str(weights)
+    assert cfg.arch_source("b") == "llama-3.1-8b" and cfg.arch_source("qwen2.5-7b") == "qwen2.5-7b"
+    # a plan-only model without weights is no input of any job
+    assert cfg.model_inputs("b") == [] and cfg.will_have_weights("a") and not cfg.will_have_weights("b")
+
+
+def test_run_config_takes_the_train_section_and_the_methods(config, tmp_path):
+    cfg = WorkflowConfig.load(config)
+    cand = cfg.candidates("dpo")[0].to_dict()
+    run = cfg.run_config("dpo", cand, "policy", "data", str(tmp_path))
+    t = config["train"]
+    assert (run.method, run.model_path, run.ref_model_path, run.candidate) == ("dpo", "policy", "policy", cand)
+    assert run.dpo == {k: t["dpo"][k] for k in ("beta", "loss_type", "label_smoothing")}
+    assert (run.lr, run.seed, run.save_every, run.export_format) == (t["dpo"]["lr"], t["seed"], t["save_every"], "merged")
+    assert cfg.run_config("sft", cfg.candidates("sft")[0].to_dict(), "m", "d", "o").ref_model_path is None

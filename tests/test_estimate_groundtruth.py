@@ -6,7 +6,7 @@ gradient checkpointing, peft LoRA), memfit's losses (SFT cross-entropy, DPO with
 concatenated chosen+rejected forward and a frozen reference model), plain
 `torch.optim.AdamW` over fp32 weights on one rank, i.e. ZeRO stage 0 without DeepSpeed,
 measured over two full steps (the first with lazy Adam state, the second with it resident)
-exactly as the trainer's `loss()` runs them. It does not cover DeepSpeed's bf16/ZeRO buffers
+through the trainer's own `StepRunner.loss` (memfit.steps). It does not cover DeepSpeed's bf16/ZeRO buffers
 (checked against DeepSpeed's own formulas in test_estimate.py), CUDA kernels' workspaces or the
 allocator's fragmentation.
 """
@@ -22,9 +22,9 @@ import torch
 
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate import Settings, estimate
-from memfit.losses import DPOConfig, dpo_loss, sequence_logps, sft_loss
 from memfit.memory import AllocationTracker
 from memfit.space import Candidate
+from memfit.steps import StepRunner
 
 CPU = GPU(
     name="cpu",
@@ -99,6 +99,16 @@ def build_model(kind: str, attn: str):
     return M(cfg)
 
 
+class _Engine:
+    """What StepRunner needs of a DeepSpeed engine, on a plain torch model: call it, and `.module`."""
+
+    def __init__(self, model) -> None:
+        self.module = model
+
+    def __call__(self, **kwargs):
+        return self.module(**kwargs)
+
+
 def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
     """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
     from peft import LoraConfig, get_peft_model
@@ -127,29 +137,22 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
     )
     V = SHAPES[kind]["vocab_size"]
     g = torch.Generator().manual_seed(1)
-    b = cand.micro_batch * (2 if method == "dpo" else 1)
+    # The trainer's own step (memfit.steps.StepRunner: collate, forward, memfit's losses) on
+    # the plain model; the engine stand-in gives it the DeepSpeed engine's `.module`.
+    runner = StepRunner(method, _Engine(model), ref, pad_id=0, dpo={}, ref=cand.ref, loss_on="all")
 
-    def loss_fn(ids, mask, labels):
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    def rows():
+        """A micro batch of random full-length rows; DPO: every token of chosen and rejected scored."""
+        n = cand.micro_batch * (2 if method == "dpo" else 1)
+        ids = torch.randint(0, V, (n, cand.seq_len), generator=g).tolist()
         if method == "sft":
-            return sft_loss(out.logits, labels)[0]
-        logps, _ = sequence_logps(out.logits, labels)
-        with torch.no_grad():
-            if cand.ref == "adapter":
-                with model.disable_adapter():
-                    ref_out = model(input_ids=ids, attention_mask=mask)
-            else:
-                ref_out = ref(input_ids=ids, attention_mask=mask)
-            ref_lp, _ = sequence_logps(ref_out.logits, labels)
-        n = cand.micro_batch
-        losses, _ = dpo_loss(logps[:n], logps[n:], ref_lp[:n], ref_lp[n:], DPOConfig())
-        return losses.mean()
+            return [{"input_ids": x, "labels": x} for x in ids]
+        m = cand.micro_batch
+        return [{"prompt_ids": [], "chosen_ids": c, "rejected_ids": r} for c, r in zip(ids[:m], ids[m:], strict=True)]
 
     with AllocationTracker() as t:
         for _ in range(steps):
-            ids = torch.randint(0, V, (b, cand.seq_len), generator=g)
-            mask = torch.ones_like(ids)
-            loss = loss_fn(ids, mask, ids.clone())
+            loss, _, _ = runner.loss(rows())
             loss.backward()
             del loss
             opt.step()

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from memfit.pipeline import compare_runs
+from memfit.resume_check import compare_runs
 
 
 def _run_dir(path, losses, weight):

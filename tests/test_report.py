@@ -241,11 +241,33 @@ def test_malformed_input_raises_naming_the_file_and_leaves_no_page(tmp_path):
 
 
 def test_robust_to_missing_keys_and_unmatched_inputs(tmp_path):
-    """A bare selected.json, and a resume check from elsewhere that failed: still shown, never hidden."""
-    sel = _write(tmp_path / "a" / "selected.json", {"model": "m", "gpu": "g", "method": "sft", "selected": {"id": "x"}})
+    """A selection with no candidate table, no training and a resume check from elsewhere that failed: still shown, never hidden."""
+    row = {"id": "x", "candidate": {}, "predicted": {}, "source": "predicted", "fits": True, "reason": ""}
+    sel = _write(tmp_path / "a" / "selected.json", {
+        "model": "m", "gpu": "g", "method": "sft", "selected": row, "candidates": [],
+        "budget": {"device_bytes": GiB, "host_bytes": GiB, "headroom": 0.0}, "plan_only": False, "launch": "",
+    })  # fmt: skip
     stray = _write(tmp_path / "b" / "verify_resume.json", {"passed": False, "missing_steps": [[8, "train"]]})
     out = tmp_path / "r.html"
     report.write_report(str(sel), [], [stray], [], out)
     text = _text(out.read_text())
     assert "Inputs not matched to a run" in text and "1 step(s) missing after resume" in text
     assert "No training summary was given" in text
+
+
+def test_selection_rows_are_checked_once_naming_file_and_key(tmp_path):
+    """selected.json is what memfit.select writes; a row that is not raises before any page is written."""
+    paths = _dpo_run(tmp_path)
+    sel = json.loads(paths["selected"].read_text())
+    sel["candidates"][1]["fits"] = "no"
+    _write(paths["selected"], sel)
+    out = tmp_path / "r.html"
+    with pytest.raises(report.ReportError, match=re.escape(f"{paths['selected']}: candidates[1].fits: expected bool")):
+        report.write_report([paths["selected"]], [], [], [], out)
+    assert not out.exists()
+    # candidates.json beside it is optional: a bad one is a note on the page, not a failure
+    sel["candidates"][1]["fits"] = False
+    _write(paths["selected"], sel)
+    _write(paths["selected"].parent / "candidates.json", {"world_size": 2, "rows": []})
+    text = _text(_render(tmp_path, paths))
+    assert "predicted breakdown not shown" in text and "budget: missing" in text

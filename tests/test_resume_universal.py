@@ -13,6 +13,7 @@ from deepspeed_runs import base_run, run
 from safetensors.torch import load_file
 
 from memfit import checkpoint
+from memfit.batches import rank_batches
 from memfit.train import Run, RunConfig, Schedule
 
 
@@ -78,15 +79,12 @@ def test_the_global_sample_order_does_not_depend_on_the_world_size():
 def test_eval_batches_do_not_depend_on_the_world_size():
     """Which held-out rows share a micro batch decides padding and the per-batch token mean, so it
     must not depend on the number of ranks (a run resumed on another world evaluates the same)."""
-    from types import SimpleNamespace
-
     rows = [{"i": i} for i in range(11)]
 
     def batches(world):
         out = []
         for rank in range(world):
-            run = SimpleNamespace(cand=SimpleNamespace(micro_batch=4), world=world, rank=rank)
-            got = list(Run._rank_batches(run, rows))
+            got = list(rank_batches(rows, 4, world, rank))
             out.append(got)
             assert len(got) == len(out[0])  # every rank runs the same number of forwards (ZeRO-3)
         return sorted(idx for per_rank in out for idx, _ in per_rank if idx)

@@ -1,3 +1,6 @@
+import json
+from pathlib import Path
+
 import pytest
 
 from memfit.select import Budget, choose, judge
@@ -44,34 +47,54 @@ def test_fastest_measured_candidate_that_fits_wins_and_every_loser_has_a_reason(
         "c": probe("c", alloc_mib=95, step_s=0.3),  # measured over the 90 MiB limit
     }
     best, ranked = choose(judge(estimates, probes, BUDGET, world=2, method="sft"))
-    assert best["id"] == "b"
-    reasons = {r["id"]: r["reason"] for r in ranked}
+    assert best.id == "b"
+    reasons = {r.id: r.reason for r in ranked}
     assert reasons["b"].startswith("selected")
     assert reasons["a"].startswith("slower")
     assert "does not fit" in reasons["c"] and "measured" in reasons["c"]
     assert reasons["d"].startswith("not probed")  # predicted to fit, yet measured beats predicted
-    assert ranked[0]["id"] == "b"
+    assert ranked[0].id == "b"
 
 
 def test_oom_probe_is_a_loss_not_a_crash():
     estimates = [est("a", 1, 40, 1.0), est("b", 2, 60, 0.5)]
     probes = {"a": probe("a", alloc_mib=42), "b": probe("b", status="oom")}
     best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="dpo"))
-    assert best["id"] == "a"
-    assert "probe oom" in next(r for r in ranked if r["id"] == "b")["reason"]
+    assert best.id == "a"
+    assert "probe oom" in next(r for r in ranked if r.id == "b").reason
 
 
 def test_without_probes_the_prediction_decides_and_invalid_rows_say_why():
     estimates = [est("a", 1, 40, 1.0), est("b", 2, 95, 0.1), est("v", 2, 10, 0.01, invalid=True, reason="no bf16 on v100")]
     best, ranked = choose(judge(estimates, {}, BUDGET, world=1, method="sft"))
-    assert best["id"] == "a" and best["source"] == "predicted"
-    assert "cannot run here: no bf16 on v100" in next(r for r in ranked if r["id"] == "v")["reason"]
+    assert best.id == "a" and best.source == "predicted"
+    assert "cannot run here: no bf16 on v100" in next(r for r in ranked if r.id == "v").reason
 
 
 def test_nothing_fits_names_every_candidate():
     estimates = [est("a", 1, 400, 1.0), est("b", 2, 600, 0.5)]
     with pytest.raises(RuntimeError, match=r"no candidate fits(.|\n)*a: does not fit(.|\n)*b: does not fit"):
         choose(judge(estimates, {}, BUDGET, world=1, method="sft"))
+
+
+def test_rows_round_trip_and_a_bad_row_names_its_key():
+    from memfit.rows import CandidateRow, RowError, Selection
+
+    for case in SELECT_CASES:  # every row the fixtures hold reads back to the same JSON
+        doc = json.loads((FIXTURES / f"{case}.selected.expected.json").read_text())
+        assert Selection.from_json(doc).to_json() == doc, case
+    sel = Selection.from_json(doc)  # the mixed case: every verdict source
+    assert sel.to_json() == doc and sel.selected.id == doc["selected"]["id"]
+    assert {r.source for r in sel.candidates} == {"measured", "probe", "predicted", "rule"}
+    bad = json.loads(json.dumps(doc))
+    bad["candidates"][2]["fits"] = "yes"
+    with pytest.raises(RowError, match=r"^candidates\[2\]\.fits: expected bool, got 'yes'"):
+        Selection.from_json(bad)
+    del bad["candidates"][2]["predicted"]
+    with pytest.raises(RowError, match=r"candidates\[2\]\.predicted: missing"):
+        CandidateRow.from_json(bad["candidates"][2], "candidates[2]")
+    with pytest.raises(RowError, match=r"candidates.json rows\[0\]\.candidate: missing"):
+        judge([{"id": "a"}], {}, BUDGET, world=1, method="sft")
 
 
 def test_probes_keep_a_low_memory_fallback():
@@ -106,4 +129,31 @@ def test_ranking_puts_measured_before_predicted():
     estimates = [est("a", 1, 40, 1.0), est("b", 2, 60, 0.01), est("c", 4, 50, 0.5)]
     probes = {"a": probe("a", alloc_mib=42, step_s=1.0), "c": probe("c", alloc_mib=50, step_s=2.0)}
     best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
-    assert [r["id"] for r in ranked] == ["a", "c", "b"]  # b is predicted fastest but never measured
+    assert [r.id for r in ranked] == ["a", "c", "b"]  # b is predicted fastest but never measured
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "select"
+# name -> (inputs directory, method, plan_only); the expected files were written by the code before
+# selection rows were typed (commit "select fixtures"), and sft/dpo equal the demo's selected.json
+SELECT_CASES = {"sft": ("sft", "sft", False), "dpo": ("dpo", "dpo", False), "plan_only": ("dpo", "dpo", True), "mixed": ("mixed", "sft", False)}
+
+
+@pytest.mark.parametrize("case", sorted(SELECT_CASES))
+def test_selected_json_is_byte_for_byte_what_it_was(case, repo, tmp_path, monkeypatch):
+    """Other stages and users read selected.json: the same inputs must give the same bytes."""
+    import yaml
+
+    from memfit.pipeline import select_config
+
+    inputs, method, plan_only = SELECT_CASES[case]
+    config = yaml.safe_load((repo / "config" / "config.yaml").read_text()) | {"plan_only": plan_only}
+    probes = [] if plan_only else sorted(str(p) for p in (FIXTURES / inputs / "probes").glob("*.json"))
+    monkeypatch.chdir(tmp_path)  # the launch command names run.json by the relative path Snakemake gives
+    run_dir = f"results/demo-tiny/cpu/{method}"
+    out = {
+        "selected": f"{run_dir}/selected.json", "ds_config": f"{run_dir}/ds_config.json",
+        "run": f"{run_dir}/run.json", "launch": f"{run_dir}/launch.sh",
+    }  # fmt: skip
+    select_config(config, "demo-tiny", "cpu", method, str(FIXTURES / inputs / "candidates.json"), probes,
+                  "results/demo-tiny/model", f"results/demo-tiny/data/{method}", f"{run_dir}/train", out)  # fmt: skip
+    assert (tmp_path / out["selected"]).read_bytes() == (FIXTURES / f"{case}.selected.expected.json").read_bytes()

@@ -191,14 +191,13 @@ def config(repo, monkeypatch):
 
 
 def test_workflow_config_passes_the_new_keys_through(config, tmp_path):
-    from memfit.pipeline import run_config, validate_config
+    from memfit.config import WorkflowConfig
 
     cfg = copy.deepcopy(config)
     cfg["train"]["sft"].update(packing=True, loss_on="all")
     cfg["search"]["finetune"] = ["lora"]
     cfg["train"]["sft"]["export"] = "adapter"
-    validate_config(cfg)
-    run = run_config(cfg, "demo-tiny", "cpu", "sft", {"finetune": "lora", "lora_rank": 8}, "m", "d", str(tmp_path))
+    run = WorkflowConfig.load(cfg).run_config("sft", {"finetune": "lora", "lora_rank": 8}, "m", "d", str(tmp_path))
     assert (run.packing, run.loss_on, run.export_format) == (True, "all", "adapter")
     assert RunConfig.load(run.save(tmp_path / "run.json") or tmp_path / "run.json") == run
 
@@ -213,7 +212,7 @@ def test_workflow_config_passes_the_new_keys_through(config, tmp_path):
     ],
 )
 def test_bad_sft_options_name_the_key(config, change, expected):
-    from memfit.pipeline import ConfigError, validate_config
+    from memfit.config import ConfigError, validate_config
 
     bad = copy.deepcopy(config)
     change(bad)

@@ -61,7 +61,7 @@ def test_fake_trace_equals_real_step_and_is_linear_in_batch():
         import json, warnings
         warnings.filterwarnings("ignore")
         from test_estimate_groundtruth import make_arch
-        from memfit import trace
+        from memfit import trace_step as trace
         res = []
         for kind, attn, ck, ft in [("llama", "sdpa", False, "full"), ("llama", "eager", True, "lora"),
                                    ("qwen2", "sdpa", True, "full"), ("qwen2", "eager", False, "full"),

@@ -25,7 +25,6 @@ Label smoothing is compared at 0 only: in TRL 1.16 `loss_type="sigmoid"` ignores
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,12 +136,8 @@ def test_dpo_matches_trl(demo_model, pairs, tmp_path, beta):
             trl_loss = float(trainer.compute_loss(trainer.model, batch))
         trl_metrics = {k: trainer._metrics["train"][k][-1] for k in METRICS}
 
-        cfg = SimpleNamespace(
-            method="dpo",
-            dpo={"beta": beta, "loss_type": loss_type, "label_smoothing": 0.0},
-            cand=SimpleNamespace(ref="model"),
-        )
-        runner = StepRunner(cfg, policy, ref, pad_id=trainer.processing_class.pad_token_id)
+        runner = StepRunner("dpo", policy, ref, pad_id=trainer.processing_class.pad_token_id,
+                            dpo={"beta": beta, "loss_type": loss_type, "label_smoothing": 0.0}, ref="model")
         with torch.no_grad():
             loss, sums, _ = runner.loss(rows)
         n = len(rows)

@@ -1,4 +1,9 @@
-"""The DAG as Snakemake sees it: parameterised by model, GPU and method; bad configs stop early."""
+"""The DAG as Snakemake sees it: parameterised by model, GPU and method; bad configs stop early.
+
+Every dry run happens in a fresh checkout (links to the workflow, config, data and code in a
+temporary directory, no results yet), so it plans every job and the counts below are exact:
+a run that planned nothing would fail them.
+"""
 
 import re
 import subprocess
@@ -6,13 +11,36 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import yaml
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "--nolock", "--cores", "2"]
+CHECKOUT = ("Snakefile", "workflow", "config", "data", "src", "envs")
 
 
-def dry_run(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*SNAKEMAKE, "-n", *args], cwd=repo, capture_output=True, text=True, timeout=300)
+@pytest.fixture()
+def checkout(repo, tmp_path) -> Path:
+    root = tmp_path / "checkout"
+    root.mkdir()
+    for name in CHECKOUT:
+        (root / name).symlink_to(repo / name)
+    return root
+
+
+def dry_run(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*SNAKEMAKE, "-n", *args], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def job_inputs(out: str, rule: str) -> dict[str, list[str]]:
+    """`wildcards` line -> input files, for each planned job of `rule`."""
+    jobs = {}
+    for block in re.split(r"\n(?=(?:rule|checkpoint|localrule) )", out):
+        if not block.startswith((f"rule {rule}:", f"checkpoint {rule}:", f"localrule {rule}:")):
+            continue
+        inputs = re.search(r"^\s+input: (.*)$", block, re.M)
+        wildcards = re.search(r"^\s+wildcards: (.*)$", block, re.M)
+        jobs[wildcards.group(1) if wildcards else ""] = inputs.group(1).split(", ") if inputs else []
+    return jobs
 
 
 def job_counts(out: str) -> Counter:
@@ -25,13 +53,26 @@ def job_counts(out: str) -> Counter:
     return counts
 
 
-def test_embedded_default_dag(repo):
-    res = dry_run(repo)
+def test_embedded_default_dag(checkout):
+    res = dry_run(checkout)
     assert res.returncode == 0, res.stderr + res.stdout
     counts = job_counts(res.stdout)
-    for rule in ("prepare_data", "estimate_candidates", "select_config", "train", "verify_resume"):
-        assert counts[rule] in (0, 2), (rule, counts)  # sft and dpo (0 once they have run)
-    assert counts["report"] <= 1
+    # one model, one "gpu" (cpu), sft and dpo; the probes are known once estimate_candidates ran
+    assert counts == {
+        "build_demo_model": 1,
+        "prepare_data": 2,
+        "estimate_candidates": 2,
+        "select_config": 2,
+        "train": 2,
+        "verify_resume": 2,
+        "report": 1,
+        "all": 1,
+    }, counts
+    train = job_inputs(res.stdout, "train")
+    # SFT starts from the built model; DPO from the SFT output (its summary is written after the export)
+    assert "resources/demo-tiny" in train["model=demo-tiny, gpu=cpu, method=sft"]
+    dpo = train["model=demo-tiny, gpu=cpu, method=dpo"]
+    assert "results/demo-tiny/cpu/sft/train/summary.json" in dpo and "resources/demo-tiny" not in dpo
 
 
 def cluster_config(repo: Path, tmp_path: Path, **overrides) -> Path:
@@ -46,9 +87,9 @@ def cluster_config(repo: Path, tmp_path: Path, **overrides) -> Path:
     return path
 
 
-def test_dag_is_parameterised_by_model_gpu_and_method(repo, tmp_path):
+def test_dag_is_parameterised_by_model_gpu_and_method(repo, checkout, tmp_path):
     path = cluster_config(repo, tmp_path)
-    res = dry_run(repo, "--configfile", str(path))
+    res = dry_run(checkout, "--configfile", str(path))
     assert res.returncode == 0, res.stderr + res.stdout
     counts = job_counts(res.stdout)
     # 3 models x 2 GPU types x 2 methods; data prepared once per model and method.
@@ -60,22 +101,21 @@ def test_dag_is_parameterised_by_model_gpu_and_method(repo, tmp_path):
         assert f"results/qwen2.5-72b/{gpu}/dpo/train/summary.json" in res.stdout
 
 
-def test_plan_only_stops_after_selection(repo, tmp_path):
+def test_plan_only_stops_after_selection(repo, checkout, tmp_path):
     path = cluster_config(repo, tmp_path, plan_only=True)
-    res = dry_run(repo, "--configfile", str(path))
+    res = dry_run(checkout, "--configfile", str(path))
     assert res.returncode == 0, res.stderr + res.stdout
     counts = job_counts(res.stdout)
-    assert counts["estimate_candidates"] == 12 and counts["report"] == 1
-    assert not {"prepare_data", "probe_candidate", "train", "verify_resume"} & set(counts)
+    assert counts == {"estimate_candidates": 12, "select_config": 12, "report": 1, "all": 1}, counts
 
 
-def test_bad_config_stops_before_any_job(repo, tmp_path):
+def test_bad_config_stops_before_any_job(repo, checkout, tmp_path):
     cfg = yaml.safe_load((repo / "config/config.yaml").read_text())
     cfg["gpus"] = ["a100-81gb"]
     cfg["search"]["zero"] = [5]
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    res = dry_run(repo, "--configfile", str(path))
+    res = dry_run(checkout, "--configfile", str(path))
     assert res.returncode != 0
     err = res.stderr + res.stdout
     assert "search.zero.0: 5 is not allowed (allowed: 0, 1, 2, 3)" in err

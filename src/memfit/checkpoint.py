@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from memfit.atomic import write_json_atomic, write_text_atomic
+from memfit.units import gib
 
 COMPLETE = "COMPLETE"
 UNIVERSAL = "universal"  # sibling directory of converted (universal) checkpoints
@@ -109,8 +110,8 @@ def ensure_free_space(root: Path, needed_bytes: int) -> None:
     free = shutil.disk_usage(root).free
     if _min_over_ranks(free - needed_bytes) < 0:
         raise CheckpointError(
-            f"not enough disk for a checkpoint under {root}: {needed_bytes / 2**30:.2f} GiB needed "
-            f"(the last checkpoint's size + 10%), {free / 2**30:.2f} GiB free. The previous checkpoint "
+            f"not enough disk for a checkpoint under {root}: {gib(needed_bytes)} needed "
+            f"(the last checkpoint's size + 10%), {gib(free)} free. The previous checkpoint "
             "is intact; free space or lower keep_last, then re-run to resume."
         )
 
@@ -356,7 +357,7 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
         if _min_over_ranks(free - needed) < 0:
             raise CheckpointError(
                 f"not enough disk to convert {src} to a universal checkpoint under {universal_root(root)}: "
-                f"{needed / 2**30:.2f} GiB needed (the checkpoint's size + 10%), {free / 2**30:.2f} GiB free. "
+                f"{gib(needed)} needed (the checkpoint's size + 10%), {gib(free)} free. "
                 "Nothing was written; free space, or resume on the number of ranks that wrote it."
             )
     error: BaseException | None = None
@@ -474,8 +475,8 @@ def ensure_host_ram(needed_bytes: int, where: Path, what: str) -> None:
     available = _min_over_ranks(float(mem_available_bytes()))
     if available < needed_bytes:
         raise CheckpointError(
-            f"not enough host RAM to resume from {where}: {what} needs {needed_bytes / 2**30:.2f} GiB on "
-            f"this node, {available / 2**30:.2f} GiB available (MemAvailable). Nothing was loaded; free "
+            f"not enough host RAM to resume from {where}: {what} needs {gib(needed_bytes)} on "
+            f"this node, {gib(available)} available (MemAvailable). Nothing was loaded; free "
             "host memory, use fewer ranks per node, or resume on a node with more RAM."
         )
 

@@ -4,6 +4,7 @@
     memfit fit --maximize seq_len --model gemma-3-12b --gpu a100-80gb
     memfit train --config results/demo-tiny/cpu/sft/run.json      (one rank; see `launch`)
     memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
+    memfit compare-results baseline/results results        (exit 1 on a difference)
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ COMMANDS = {
     "fit": ("memfit.estimate", "fit_main", "largest seq_len or micro_batch that fits"),
     "train": ("memfit.train", "main", "run one training rank from a run config (JSON)"),
     "launch": ("memfit.launch", "main", "start all ranks of a run on this node"),
+    "compare-results": ("memfit.compare_results", "main", "compare two results/ trees (selections, losses, resume)"),
 }
 
 
 def usage() -> str:
     lines = ["usage: memfit <command> [options]", "", "commands:"]
-    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<16} {help_}" for name, (_, _, help_) in COMMANDS.items()]
     lines.append("\n`memfit <command> --help` shows a command's options.")
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # HF convention: CrossEntropyLoss(ignore_index=-100) skips these labels
+from memfit.data import IGNORE_INDEX  # the one definition: the prepared labels use it
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

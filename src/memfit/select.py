@@ -9,21 +9,12 @@ Speed is training throughput at the fixed global batch: tokens per second per no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from .rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
 from .units import fmt_bytes
 
-
-@dataclass(frozen=True)
-class Budget:
-    device_bytes: int  # usable memory of one device (rank)
-    host_bytes: int  # usable RAM of one node
-    headroom: float  # fraction of device memory kept free (fragmentation, spikes)
-
-    @property
-    def device_limit_bytes(self) -> int:
-        return int(self.device_bytes * (1.0 - self.headroom))
+__all__ = ["Budget", "choose", "judge"]
 
 
 def _measured_device_bytes(probe: dict[str, Any]) -> int:
@@ -42,71 +33,64 @@ def judge(
     budget: Budget,
     world: int,
     method: str,
-) -> list[dict[str, Any]]:
-    """One verdict row per candidate: source of the figures, fits, throughput, reason."""
+) -> list[CandidateRow]:
+    """One verdict row per candidate (the `rows` of candidates.json): source of the figures, fits, throughput, reason."""
     rows = []
-    for est in estimates:
-        cid, cand = est["id"], est["candidate"]
-        probe = probes.get(cid)
-        row: dict[str, Any] = {"id": cid, "candidate": cand, "predicted": _pred(est)}
-        if est.get("invalid"):
-            row |= {"source": "rule", "fits": False, "reason": f"cannot run here: {est.get('reason') or 'invalid'}"}
+    for i, raw in enumerate(estimates):
+        est = EstimateRow.from_json(raw, f"candidates.json rows[{i}]")
+        probe = probes.get(est.id)
+        row = CandidateRow(id=est.id, candidate=est.candidate, predicted=Prediction.of(est), source="", fits=False, reason="")
+        if est.invalid:
+            row.source, row.reason = "rule", f"cannot run here: {est.reason or 'invalid'}"
         elif probe is not None:
-            row["probe"] = probe
+            row.probe = probe
             if probe["status"] != "ok":
-                row |= {"source": "probe", "fits": False, "reason": f"probe {probe['status']}: {probe.get('error', '')}"[:300]}
+                row.source, row.reason = "probe", f"probe {probe['status']}: {probe.get('error', '')}"[:300]
             else:
                 dev = _measured_device_bytes(probe)
                 host = int(probe.get("host_rss_bytes_node") or 0)
-                row |= _verdict(dev, host, probe["step_time_s"], budget, cand, world, method, "measured")
+                _verdict(row, dev, host, probe["step_time_s"], budget, world, method, "measured")
         else:
-            dev = int(est.get("device_total_bytes") or est["peak_reserved_bytes"])
-            row |= _verdict(dev, int(est.get("host_bytes", 0)), est.get("step_time_s"), budget, cand, world, method, "predicted")
+            dev = int(est.device_total_bytes or raw["peak_reserved_bytes"])
+            _verdict(row, dev, int(raw.get("host_bytes", 0)), est.step_time_s, budget, world, method, "predicted")
         rows.append(row)
     return rows
 
 
-def _pred(est: dict[str, Any]) -> dict[str, Any]:
-    keys = ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "host_bytes", "step_time_s", "fits")
-    return {k: est.get(k) for k in keys}
-
-
-def _verdict(dev: int, host: int, step_time: float | None, budget: Budget, cand, world, method, source) -> dict[str, Any]:
-    out: dict[str, Any] = {"source": source, "device_bytes": dev, "host_bytes": host, "step_time_s": step_time}
-    out["tokens_per_s"] = _tokens_per_step(cand, world, method) / step_time if step_time else None
+def _verdict(row: CandidateRow, dev: int, host: int, step_time: float | None, budget: Budget, world: int, method: str, source: str) -> None:
+    tokens_per_s = _tokens_per_step(row.candidate, world, method) / step_time if step_time else None
+    row.source, row.figures = source, Figures(dev, host, step_time, tokens_per_s)
     if dev > budget.device_limit_bytes:
-        out |= {
-            "fits": False,
-            "reason": f"does not fit: {fmt_bytes(dev)} {source} > {fmt_bytes(budget.device_limit_bytes)} "
-            f"({fmt_bytes(budget.device_bytes)} less {budget.headroom:.0%} headroom)",
-        }
+        row.fits, row.reason = False, (
+            f"does not fit: {fmt_bytes(dev)} {source} > {fmt_bytes(budget.device_limit_bytes)} "
+            f"({fmt_bytes(budget.device_bytes)} less {budget.headroom:.0%} headroom)"
+        )
     elif host > budget.host_bytes:
-        out |= {"fits": False, "reason": f"host RAM: {fmt_bytes(host)} {source} > {fmt_bytes(budget.host_bytes)}"}
+        row.fits, row.reason = False, f"host RAM: {fmt_bytes(host)} {source} > {fmt_bytes(budget.host_bytes)}"
     else:
-        out |= {"fits": True, "reason": ""}
-    return out
+        row.fits, row.reason = True, ""
 
 
-def choose(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def choose(rows: list[CandidateRow]) -> tuple[CandidateRow, list[CandidateRow]]:
     """The fastest fitting measured candidate (predicted only if nothing was measured)."""
-    probed = any(r["source"] in ("probe", "measured") for r in rows)
-    pool = [r for r in rows if r["source"] == "measured"] if probed else rows
-    fitting = [r for r in pool if r["fits"] and r.get("tokens_per_s")]
+    probed = any(r.source in ("probe", "measured") for r in rows)
+    pool = [r for r in rows if r.source == "measured"] if probed else rows
+    fitting = [r for r in pool if r.fits and r.tokens_per_s]
     if not fitting:
-        lines = "\n".join(f"  {r['id']}: {r['reason'] or 'no throughput figure'}" for r in rows)
+        lines = "\n".join(f"  {r.id}: {r.reason or 'no throughput figure'}" for r in rows)
         raise RuntimeError(
             "no candidate fits the budget; every one lost:\n" + lines + "\nWiden the search space "
             "(offload, ZeRO-3, LoRA, gradient checkpointing), lower seq_len, or add GPUs."
         )
-    best = max(fitting, key=lambda r: r["tokens_per_s"])
+    best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
     for r in rows:
         if r is best:
-            r["reason"] = "selected: fastest that fits"
-        elif r["fits"] and r in pool:
-            r["reason"] = f"slower: {r['tokens_per_s']:.0f} tok/s vs {best['tokens_per_s']:.0f} tok/s selected"
-        elif r["fits"]:
-            r["reason"] = "not probed: predicted to fit, ranked below the probed candidates"
+            r.reason = "selected: fastest that fits"
+        elif r.fits and r in pool:
+            r.reason = f"slower: {r.tokens_per_s:.0f} tok/s vs {best.tokens_per_s:.0f} tok/s selected"
+        elif r.fits:
+            r.reason = "not probed: predicted to fit, ranked below the probed candidates"
     # selected first, then what was measured, then predictions, then what cannot run
     order = {"measured": 0, "probe": 1, "predicted": 2, "rule": 3}
-    ranked = sorted(rows, key=lambda r: (r is not best, order[r["source"]], not r["fits"], -(r.get("tokens_per_s") or 0)))
+    ranked = sorted(rows, key=lambda r: (r is not best, order[r.source], not r.fits, -(r.tokens_per_s or 0)))
     return best, ranked

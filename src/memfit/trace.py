@@ -5,8 +5,9 @@
                           precision="bf16", grad_ckpt=True, finetune="full")
     t.saved(num_layers=80, batch=2)   # bytes autograd keeps after the forward, 80 layers, b=2
 
-Where the analytic activation formulas (estimate.activations) are weak (a new architecture, an
-attention variant, peft's adapters), this runs the model's own code instead. The model is built
+Where the analytic activation formulas (memfit.estimate.activations) are weak (a new
+architecture, an attention variant, peft's adapters), this runs the model's own code instead
+(the run itself: memfit.trace_step; this module keys, caches and batches the runs). The model is built
 from the architecture card (`ModelArch.to_hf_config()`, i.e. the config.json fields) with
 `num_hidden_layers` reduced to 1 and to 2, under `torch._subclasses.fake_tensor.FakeTensorMode`
 (fake CPU tensors: shapes and dtypes without storage, so a 72B layer at 8k tokens costs no
@@ -58,12 +59,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.atomic import write_json_atomic
 from memfit.catalog import ModelArch
 
 TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)
@@ -93,22 +94,17 @@ _NOT_IN_KEY = {
     "max_position_embeddings",
     "vision_params",
 }
-_REQUIRED = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
+# The sizes the traced model is built from: ModelArch's required integer fields (the card's
+# sizes; catalog._required names the same fields without a default), less those the trace
+# replaces (num_layers: 1 and 2) or does not use (max_position_embeddings).
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(ModelArch)
+    if f.default is dataclasses.MISSING and f.type in ("int", int) and f.name not in _NOT_IN_KEY
 )
 
 _MEMO: dict[str, LayerTrace] = {}  # in-process cache over the JSON files (key hash -> trace)
 _FAST: dict[tuple, LayerTrace] = {}  # (arch, request, cache dir) -> trace, over _MEMO
-
-
-class _NoHandle:
-    def remove(self) -> None:
-        pass
 
 
 class TraceError(ValueError):
@@ -288,7 +284,7 @@ def layer_traces(
         for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
             t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
             if use_cache:
-                _write_atomic(d / f"{h}.json", t.to_json())
+                write_json_atomic(d / f"{h}.json", t.to_json())
                 _MEMO[f"{d.resolve()}/{h}"] = t
             out[i] = t
         for i, key in enumerate(keys):
@@ -375,6 +371,8 @@ def _child_main() -> int:
     {"runs": {layers: MEASURES}, "seconds": s} on the last line of stdout."""
     import warnings
 
+    from memfit.trace_step import per_sequence
+
     warnings.filterwarnings("ignore")
     payload = json.loads(sys.stdin.read())
     a = dict(payload["arch"])
@@ -408,23 +406,6 @@ def clear_memo() -> None:
     _FAST.clear()
 
 
-def _write_atomic(path: Path, obj: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _check(arch: ModelArch) -> None:
     missing = [
         f for f in _REQUIRED if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
@@ -434,282 +415,6 @@ def _check(arch: ModelArch) -> None:
             f"model {arch.name!r}: config lacks {', '.join(missing)}; the traced path builds the "
             f"model from these fields"
         )
-
-
-def build_model(
-    arch: ModelArch,
-    num_layers: int,
-    attn: str,
-    precision: str,
-    grad_ckpt: bool,
-    finetune: str,
-    lora_rank: int = 16,
-    lora_targets: tuple[str, ...] | None = None,
-):
-    """The model as memfit's trainer builds it (train.py `load_model`): the HF class for the
-    card with `num_layers` layers, dtype, attention, non-reentrant checkpointing and peft LoRA on
-    every linear (or `lora_targets`), `enable_input_require_grads` with checkpointed LoRA.
-    Call it inside a FakeTensorMode to get fake parameters."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-    try:
-        cfg = dataclasses.replace(arch, num_layers=num_layers).to_hf_config()
-    except (ValueError, KeyError) as exc:
-        raise TraceError(f"model {arch.name!r}: transformers cannot build it: {exc}") from None
-    cfg.use_cache = False
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
-    model.train()
-    if grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if finetune == "lora":
-        from unittest import mock
-
-        from peft import LoraConfig, get_peft_model
-
-        # The adapters in the training dtype, as DeepSpeed leaves them: its engine casts every
-        # parameter to bf16/fp16 (runtime/engine.py `_configure_distributed_model` ->
-        # `_cast_module_mixed_precision`), undoing peft's fp32 `autocast_adapter_dtype`. They are
-        # created in that dtype directly: peft's `.to(device, dtype)` moves of fake parameters
-        # fail in torch's `Module._apply` (fake parameters are always swapped, and swap_tensors
-        # refuses tensors FakeTensorMode holds weakrefs to); everything is already on the CPU
-        # in the right dtype, so `Module.to` is a no-op while peft injects the adapters.
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
-                model = get_peft_model(
-                    model,
-                    LoraConfig(
-                        r=lora_rank,
-                        lora_alpha=2 * lora_rank,
-                        lora_dropout=0.0,
-                        target_modules=list(lora_targets) if lora_targets else "all-linear",
-                        task_type="CAUSAL_LM",
-                    ),
-                    autocast_adapter_dtype=False,
-                )
-        finally:
-            torch.set_default_dtype(prev)
-        if grad_ckpt:
-            model.enable_input_require_grads()
-    return model
-
-
-def _series_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
-
-    class SeriesTracker(MemTracker):
-        """MemTracker that also keeps the activation-side total after every op (`series`) and
-        where each module's backward starts in it (`marks`)."""
-
-        def __init__(self, device) -> None:
-            super().__init__()
-            self.device = device
-            self.series: list[int] = []
-            self.marks: dict[int, int] = {}
-
-        def act(self, snap: dict) -> int:
-            s = snap.get(self.device, {})
-            kinds = (_MemRefType.ACT, _MemRefType.TEMP, _MemRefType.GRAD)
-            return int(sum(s.get(r, 0) for r in kinds))
-
-        def _update_peak_stats(self, peak_state) -> None:
-            # replaces MemTracker's per-op deepcopy of a snapshot for every active module (a
-            # third of a traced run); the peaks are taken from `series` instead
-            self.series.append(self.act(self._curr_mem_snap))
-
-        def _pre_bw_hook(self, module, args) -> None:
-            super()._pre_bw_hook(module, args)
-            if module is not None:
-                self.marks.setdefault(id(module), len(self.series))
-
-        def peak(self, start: int, end: int) -> int:
-            window = self.series[start:end]
-            return max(window) if window else 0
-
-    return SeriesTracker
-
-
-def _SeriesTracker(device):
-    return _series_tracker_class()(device)
-
-
-def _not_packed(position_ids):
-    return None
-
-
-_PEAKS = {  # peak measure -> its window of the op series
-    "fwd_peak": "forward",
-    "loss_bwd_peak": "loss",
-    "top_peak_bw": "top",
-    "top_mlp_peak_bw": "mlp",
-    "top_attn_peak_bw": "attn",
-    "bottom_peak_bw": "bottom",
-}
-
-
-def per_sequence(arch: ModelArch, **shape: Any) -> dict[str, int]:
-    """MEASURES per sequence: the 3-sequence run minus the 2-sequence run, moment by moment.
-    `shape`: `_run`'s keyword arguments besides the micro batch.
-
-    The two runs execute the same ops in the same order (checked), and what is alive at any
-    one moment is affine in the number of sequences (tests/test_trace.py checks 2, 3, 4), so
-    the difference at each moment is that moment's per-sequence bytes and a peak's
-    per-sequence value is the largest of those over its window. What does not scale with the
-    batch drops out: a weight's gradient alive at a peak, a tied embedding's head gradient
-    (autograd's input buffer holds it until the embedding's backward adds its share:
-    torch/csrc/autograd/input_buffer.cpp), the rotary cos/sin table; the estimate counts
-    gradients and the rotary table in its own terms."""
-    # 2 and 3 sequences: a batch of one runs a slightly different op sequence (a couple of ops
-    # fewer in transformers' Llama/Qwen2), which would misalign the moment-by-moment difference
-    m1, s1, w1 = _run(arch, micro_batch=2, **shape)
-    m2, s2, w2 = _run(arch, micro_batch=3, **shape)
-    if len(s1) != len(s2) or w1 != w2:
-        raise TraceError(
-            f"model {arch.name!r}: the traced step runs different ops for 2 and 3 sequences "
-            f"({len(s1)} vs {len(s2)}); its activations cannot be split per sequence"
-        )
-    diff = [b - a for a, b in zip(s1, s2, strict=True)]
-    out = {m: m2[m] - m1[m] for m in MEASURES if m not in _PEAKS}
-    for m, w in _PEAKS.items():
-        lo, hi = w1[w]
-        out[m] = max(diff[lo:hi]) if hi > lo else 0
-    return out
-
-
-def _run(
-    arch: ModelArch,
-    num_layers: int,
-    seq_len: int,
-    attn: str,
-    precision: str,
-    grad_ckpt: bool,
-    finetune: str,
-    lora_rank: int = 16,
-    lora_targets: tuple[str, ...] | None = None,
-    micro_batch: int = 1,
-    fake: bool = True,
-) -> tuple[dict[str, int], list[int], dict[str, tuple[int, int]]]:
-    """run_trace's measures, the activation-side total after every op, and the windows."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import _ModState
-
-    from memfit.losses import token_logps
-
-    class _Loss(torch.nn.Module):
-        """memfit's SFT loss (losses.sft_loss) as a module so MemTracker records its backward.
-        The token count is a Python number here: sft_loss's int(mask.sum()) reads data, which
-        fake tensors have not, and allocates nothing that matters."""
-
-        def forward(self, logits, labels):
-            logps, _ = token_logps(logits, labels)
-            return -logps.sum() / max(labels.numel() - labels.shape[0], 1)
-
-    import contextlib
-    from unittest import mock
-
-    from transformers import masking_utils
-
-    cpu = torch.device("cpu")
-    # fake=False runs the same step on real tensors (small models only): a check of the fake run
-    with FakeTensorMode() if fake else contextlib.nullcontext():
-        model = build_model(
-            arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets
-        )
-        layers = [
-            m
-            for n, m in model.named_modules()
-            if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)
-        ]
-        if not layers or len(layers[0]) != num_layers:
-            raise TraceError(f"model {arch.name!r}: no decoder `layers` ModuleList to trace")
-        top, bottom = layers[0][num_layers - 1], layers[0][0]
-        mlp = getattr(top, "mlp", None)
-        att = getattr(top, "self_attn", None)
-        loss_mod = _Loss()
-        for p in model.parameters():
-            if p.requires_grad:
-                # drop each gradient once accumulated: the peaks below are the activation side
-                p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-        ids = torch.randint(0, arch.vocab_size, (micro_batch, seq_len))
-        labels = ids.clone()
-        mt = _SeriesTracker(cpu)
-        # MemTracker registers a gradient hook on every parameter it meets (mem_tracker.py
-        # `_track_module_params_and_buffers`), which fails on frozen ones (LoRA's base weights)
-        # and would count the gradients we drop; a placeholder handle per parameter stops it.
-        for p in model.parameters():
-            mt._param_to_grad_hook_handles[p] = (_NoHandle(), _NoHandle())
-        mt.track_external(model)
-
-        act = mt.act
-        with mt:
-            # One unpadded sequence per row. transformers decides from tensor values whether
-            # SDPA may use is_causal instead of a materialised [b, 1, s, s] mask: padding_mask.all()
-            # (masking_utils `_ignore_causal_mask_sdpa`) and "are the position ids one packed
-            # sequence" (`find_packed_sequence_indices`); on fake tensors it cannot read them
-            # and keeps the mask, and with a mask SDPA also repeats the GQA keys and values
-            # (integrations/sdpa_attention.py `use_gqa_in_sdpa`). So no attention mask is passed
-            # (what all-ones means) and the packing check answers what it answers on a real
-            # unpadded batch: not packed.
-            with mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed):
-                logits = model(input_ids=ids, use_cache=False).logits
-            pre_loss = act(mt.get_tracker_snapshot())
-            logits_bytes = logits.numel() * logits.element_size()
-            loss = loss_mod(logits, labels)
-            del logits
-            saved = act(mt.get_tracker_snapshot())
-            bw_start = len(mt.series)
-            fwd_peak = mt.peak(0, bw_start)
-            loss.backward()
-            del loss
-
-        def snap(mod, state) -> int:
-            if mod is None or mod not in mt.memory_tracking:
-                return 0
-            snaps = mt.memory_tracking[mod].snapshots.get(state, [])
-            return act(snaps[-1]) if snaps else 0
-
-        # Peaks over windows of the backward's op sequence, cut where a module's backward
-        # starts (MemTracker's per-module PEAK_BW needs the module's post-backward hook, which
-        # under checkpointing does not fire for submodules: their forward inputs are not in the
-        # recomputed graph). Backward order in a decoder layer: MLP, post-attention norm,
-        # attention, input norm; the layer below (or the embedding) starts after it.
-        n = len(mt.series)
-        below = layers[0][num_layers - 2] if num_layers > 1 else model.get_input_embeddings()
-
-        def mark(mod, default: int) -> int:
-            return mt.marks.get(id(mod), default) if mod is not None else default
-
-        end_top = mark(below, n)
-        m_top = mark(top, end_top)
-        m_mlp = mark(mlp, m_top)
-        m_att = mark(att, end_top)
-        m_head = mark(model.get_output_embeddings(), n)
-        end_bottom = mark(model.get_input_embeddings(), n)
-        out = {
-            "fwd_peak": fwd_peak,
-            "pre_loss": pre_loss,
-            "logits_bytes": int(logits_bytes),
-            "saved": saved,
-            "loss_bwd_peak": mt.peak(bw_start, m_head),
-            "top_pre_bw": snap(top, _ModState.PRE_BW),
-            "top_peak_bw": mt.peak(m_top, end_top),
-            "top_mlp_peak_bw": mt.peak(m_mlp, m_att),
-            "top_attn_peak_bw": mt.peak(m_att, end_top),
-            "bottom_peak_bw": mt.peak(mark(bottom, end_bottom), end_bottom),
-        }
-        windows = {
-            "forward": (0, bw_start),
-            "loss": (bw_start, m_head),
-            "top": (m_top, end_top),
-            "mlp": (m_mlp, m_att),
-            "attn": (m_att, end_top),
-            "bottom": (mark(bottom, end_bottom), end_bottom),
-        }
-    return out, mt.series, windows
 
 
 if __name__ == "__main__":

@@ -3,17 +3,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from memfit.pipeline import validate_config, world_size  # noqa: E402
-from memfit.space import Candidate  # noqa: E402
+from memfit.config import WorkflowConfig  # noqa: E402
 
 # Schema plus catalog names, files and method sections: a bad config stops here,
-# before any job starts, naming the key and the allowed values.
-validate_config(config)
+# before any job starts, naming the key and the allowed values. Read and checked once;
+# CFG answers every question about models, paths and the search space.
+CFG = WorkflowConfig.load(config)
 
-MODELS = list(config["models"])
-GPUS = list(config["gpus"])
-METHODS = list(config["methods"])
-PLAN_ONLY = bool(config.get("plan_only", False))
+MODELS = CFG.models
+GPUS = CFG.gpus
+METHODS = CFG.methods
+PLAN_ONLY = CFG.plan_only
 ON_GPU = any(g != "cpu" for g in GPUS)
 # GPU clusters run rules in the pinned CUDA env; the CPU default in the CPU env.
 CONDA_ENV = "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml"
@@ -26,36 +26,26 @@ wildcard_constraints:
     cand="[A-Za-z0-9.-]+",
 
 
-def run_dir(w):
-    return f"results/{w.model}/{w.gpu}/{w.method}"
-
-
 def model_dir(w):
     """The model's weights directory (built by build_demo_model when the config says so)."""
-    return config["models"][w.model]["path"]
+    return CFG.model_path(w.model)
 
 
 def build_config(w):
-    return config["models"][w.model]["build"]
+    return CFG.model(w.model).build
 
 
 def model_input(w):
-    m = config["models"][w.model]
-    return [] if PLAN_ONLY and not m.get("build") else [m["path"]]
+    return CFG.model_inputs(w.model)
 
 
 def policy_dir(w):
     """What training starts from: the base model for SFT, the SFT output for DPO."""
-    if w.method == "dpo" and "sft" in METHODS:
-        return f"results/{w.model}/{w.gpu}/sft/train/model"
-    return model_dir(w)
+    return CFG.policy_path(w.model, w.gpu, w.method)
 
 
 def policy_input(w):
-    if w.method == "dpo" and "sft" in METHODS:
-        # the SFT run's summary is written after its model export (merged or adapter only)
-        return [f"results/{w.model}/{w.gpu}/sft/train/summary.json"]
-    return model_input(w)
+    return CFG.policy_inputs(w.model, w.gpu, w.method)
 
 
 def data_input(w):

@@ -1,0 +1,89 @@
+"""memfit's estimate against published, measured GPU memory of fine-tuning runs.
+
+    .venv/bin/python benchmarks/bench_public.py [--table tests/public_measurements.yaml]
+        [--no-proposals] [--no-maxfit]
+
+Prints, per row of the table (sources and settings in the YAML): the published figure, the
+estimator's matching figure (max_memory_allocated -> peak allocated, reserved -> peak reserved,
+nvidia-smi and max-fit -> device total), the error (negative: memfit predicts less than was
+measured, a user following it can OOM), the phase that holds the peak and the component that
+dominates it. Then the median and worst error, the direction, the rows more than 5% low
+without an `explained:` note, the longest sequence memfit says fits for the max-fit rows, and
+the out-of-memory rows. With proposals (default), the same rows with the estimator changes of
+issue #16 prototyped (memfit.validation.PROPOSALS, mechanisms and sources in their docstrings), term by term.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+from memfit import validation as v
+from memfit.units import GIB
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--table", type=Path, default=v.TABLE)
+    p.add_argument("--no-proposals", action="store_true", help="skip the prototyped changes")
+    p.add_argument("--no-maxfit", action="store_true", help="skip the max-fit bisection")
+    args = p.parse_args(argv)
+
+    rows, ooms = v.load_table(args.table)
+    results = [v.compare(r) for r in rows]
+    print("\n".join(v.table_lines(results)))
+    s = v.summarize(results)
+    print()
+    print("now:", s.line())
+    if s.low_unexplained:
+        print("  > 5% low, unexplained:", ", ".join(s.low_unexplained))
+    print(
+        f"  targets (issue #16): median <= {v.TARGET_MEDIAN:.0%}, none > 5% low unexplained:",
+        "met" if s.meets_targets else "NOT met",
+    )
+
+    if not args.no_maxfit:
+        print("\nmax-fit rows: the longest sequence memfit says fits vs the published one")
+        for r in rows:
+            if r.measured == "max-fit":
+                pred = v.max_fitting_seq_len(r)
+                fixed = v.max_fitting_seq_len(r, with_proposals=True)
+                n = r.cand.seq_len
+                print(
+                    f"  {r.id:46} published {n:>7,}  memfit {pred:>7,} ({pred / n - 1:+.0%})"
+                    f"  with proposals {fixed:>7,} ({fixed / n - 1:+.0%})"
+                )
+
+    print("\nout-of-memory rows (memfit must not fit them):")
+    for r in ooms:
+        e = v.predict(r)
+        verdict = "ok (does not fit)" if not e.fits else "WRONG (memfit says it fits)"
+        print(
+            f"  {r.id:46} memfit {e.device_total_bytes / GIB:7.2f} GiB of "
+            f"{e.device_memory_bytes / GIB:.2f} GiB: {verdict}"
+        )
+
+    if not args.no_proposals:
+        print("\nwith the proposed changes (memfit.validation.PROPOSALS), prototyped:")
+        names = list(v.PROPOSALS)
+        print(f"  {'id':46} {'now':>7} {'after':>7}  " + "  ".join(f"{n:>18}" for n in names))
+        after = []
+        for r in results:
+            err, terms = v.with_proposals(r)
+            after.append((r, err))
+            cols = "  ".join(f"{terms[n] / GIB:+15.2f} GiB" for n in names)
+            print(f"  {r.row.id:46} {r.error:+7.1%} {err:+7.1%}  {cols}")
+        med = statistics.median(abs(e) for _, e in after)
+        worst_r, worst_e = max(after, key=lambda x: abs(x[1]))
+        low = [r.row.id for r, e in after if e < v.TARGET_LOW and not r.row.explained]
+        print(
+            f"  after: median |error| {med:.1%}, worst {worst_e:+.1%} ({worst_r.row.id}); "
+            f"> 5% low without explanation: {len(low)}" + (f" ({', '.join(low)})" if low else "")
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

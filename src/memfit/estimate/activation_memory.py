@@ -1,0 +1,324 @@
+"""Activation memory of one micro step per rank: what autograd saves, the loss's logit terms and
+the transients of the forward and of one layer's backward. From formulas (`activations`) or
+from a traced run of the model's own code (`traced_activations`, memfit.trace).
+
+The formulas count what autograd saves in transformers' decoder layer (modeling_llama.py,
+modeling_qwen2.py), tensor by tensor; the structure of Korthikanti et al. 2022 ("Reducing
+Activation Recomputation in Large Transformer Models", sec. 4.1: sbh(34 + 5as/h)), re-derived
+for RMSNorm + SwiGLU + GQA + rotary and for the attention kernels: eager attention keeps the
+s x s probabilities (fp32 softmax); SDPA and FlashAttention keep only the output and the
+log-sum-exp (Dao et al. 2022, FlashAttention, sec. 3.1). Checked against real training steps
+measured with `memory.AllocationTracker` (tests/test_estimate_groundtruth.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.catalog import GPU, ModelArch
+from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
+from memfit.estimate.states import lora_targets, param_layout
+from memfit.estimate.validity import hardware_problems
+from memfit.space import Candidate
+
+
+@dataclass
+class Activations:
+    """Activation and logit bytes of one micro step on one rank."""
+
+    saved: int = 0  # everything autograd keeps after the forward (incl. the logits terms)
+    per_layer: int = (
+        0  # one decoder layer's saved tensors (recomputed per layer with checkpointing)
+    )
+    logits_saved: int = 0  # logits + fp32 log-softmax kept for the backward
+    logits_bwd_extra: int = 0  # the loss backward's two fp32 [tokens, vocab] gradients
+    layer_bwd: int = 0  # transient gradients inside one layer's backward
+    mlp_bwd: int = 0  # ... at the MLP's backward (runs first)
+    attn_bwd: int = 0  # ... at the attention's backward (MLP tensors already freed)
+    final: int = 0  # the final norm's saved tensors (freed before the layers' backward)
+    kept_per_layer: int = 0  # what stays saved per layer until its backward
+    recompute: int = 0  # checkpointing: one layer's recomputed tensors during its backward
+    attention_scores: int = (
+        0  # eager only: the s x s probabilities of all layers (for the breakdown)
+    )
+    ref_forward: int = 0  # DPO reference forward transient (no_grad)
+    forward: int = 0  # the policy forward's peak (last layer's attention call)
+
+
+@dataclass(frozen=True)
+class _MicroStep:
+    """Shapes of one micro step. t = tokens in the forward (micro_batch * seq_len, doubled for
+    DPO's concatenated chosen+rejected batch), d = compute dtype bytes."""
+
+    arch: ModelArch
+    dtype: int  # d
+    seqs: int  # b: sequences in the forward
+    seq_len: int  # s
+    full: bool  # full fine-tuning: every weight (norms included) is trained
+    targets: frozenset[str]  # adapted linears (LoRA/QLoRA)
+
+    @property
+    def tokens(self) -> int:
+        return self.seqs * self.seq_len
+
+    def trainable(self, linear: str) -> bool:
+        return self.full or linear in self.targets
+
+    def rmsnorm(self, out_saved: bool, needs_grad: bool = True) -> int:
+        """Saved by one RMSNorm: the fp32 input (pow() saves it; the input itself when d == 4),
+        the normalised y (weight * y saves it when the weight is trained: full fine-tuning only),
+        the output (saved by the next trained or adapted linear) and rsqrt."""
+        d, t, h = self.dtype, self.tokens, self.arch.hidden_size
+        if not needs_grad:  # input without grad (LoRA layer 0 sees the frozen embedding)
+            return d * t * h if out_saved else 0
+        normalised = d * t * h if self.full else 0
+        out = d * t * h if out_saved else 0
+        return 4 * t * h + normalised + out + 4 * t
+
+
+def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> _MicroStep:
+    full = cand.finetune == "full"
+    return _MicroStep(
+        arch=arch,
+        dtype=dtype_bytes(cand.precision),
+        seqs=cand.micro_batch * (2 if method == "dpo" else 1),
+        seq_len=cand.seq_len,
+        full=full,
+        targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
+    )
+
+
+def _linear_names(arch: ModelArch) -> dict[str, set[str] | str]:
+    """The decoder layer's linears by role (Llama/Qwen names, or GLM's fused ones)."""
+    names = {n for n, _, _ in param_layout(arch).linear_shapes}
+    return {
+        "qkv": {"q_proj", "k_proj", "v_proj", "query_key_value"} & names,
+        "o": "o_proj" if "o_proj" in names else "dense",
+        "up": {"gate_proj", "up_proj", "gate_up_proj", "dense_h_to_4h"} & names,
+        "down": "down_proj" if "down_proj" in names else "dense_4h_to_h",
+    }
+
+
+def _eager_probabilities(step: _MicroStep) -> int:
+    """One layer's fp32 softmax output (and its 16-bit copy in 16-bit training)."""
+    d, b, s, nh = step.dtype, step.seqs, step.seq_len, step.arch.num_attention_heads
+    return 4 * b * nh * s * s + (d * b * nh * s * s if d < 4 else 0)
+
+
+def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
+    """What autograd saves for one decoder layer (modeling_llama.py LlamaRMSNorm, LlamaAttention,
+    LlamaMLP):
+      attention:  rotated q dt*qd, rotated k and v dt*kvd each, output dt*qd;
+                  sdpa/flash: log-sum-exp 4*b*heads*s (FlashAttention-2 softmax_lse);
+                  eager: fp32 softmax 4*b*heads*s^2 (+ its 16-bit copy), repeat_kv'd k and v
+      SwiGLU:     gate, silu(gate), up, silu(gate)*up: 4dti (non-gated: 2dti)
+    LoRA: frozen weights keep nothing for their own gradient, so the normalised x of the norms
+    and the inputs of frozen, non-adapted linears are not saved; each adapter keeps its
+    r-wide hidden dtr."""
+    arch, d, b, s, t = step.arch, step.dtype, step.seqs, step.seq_len, step.tokens
+    i = arch.intermediate_size
+    nh, nkv = arch.num_attention_heads, arch.num_kv_heads
+    qd, kvd = nh * arch.head_dim, nkv * arch.head_dim
+    names = _linear_names(arch)
+    layer = step.rmsnorm(any(step.trainable(n) for n in names["qkv"]))
+    layer += d * t * qd + 2 * d * t * kvd  # rotated q, k; v
+    if arch.qk_norm:  # Qwen3/Gemma-3 per-head RMSNorm on q and k before rotary
+        layer += (
+            4 * t * (qd + kvd) + (d * t * (qd + kvd) if step.full else 0) + 4 * b * s * (nh + nkv)
+        )
+    if cand.attn == "eager":
+        layer += _eager_probabilities(step)
+        if nkv < nh:
+            layer += 2 * d * t * qd  # repeat_kv copies of k and v (saved by the two matmuls)
+        if step.trainable(names["o"]):
+            layer += d * t * qd  # transpose(1,2).contiguous() output saved by o_proj
+    else:
+        layer += d * t * qd + 4 * b * nh * s  # kernel output (also o_proj's input) + lse
+    layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + second norm
+    down_input = d * t * i if step.trainable(names["down"]) else 0
+    layer += (3 if arch.gated_mlp else 1) * d * t * i + down_input
+    extra_norms = getattr(arch, "norms_per_layer", 2) - 2  # Gemma-3 post-norms
+    layer += extra_norms * step.rmsnorm(False)
+    if not step.full:
+        layer += sum(d * t * cand.lora_rank for _ in step.targets)
+        if settings.lora_alpha_dropout:
+            layer += sum(
+                d * t * fan_in + t * fan_in for _, fan_in, _ in lora_targets(arch, settings)
+            )
+    return layer
+
+
+def _layer_backward_transients(cand: Candidate, step: _MicroStep) -> tuple[int, int]:
+    """Transient gradients inside a layer's backward, on top of the layer's saved tensors:
+    (at the MLP's backward, at the attention's backward)."""
+    arch, d, b, s, t = step.arch, step.dtype, step.seqs, step.seq_len, step.tokens
+    h, i = arch.hidden_size, arch.intermediate_size
+    nh, nkv = arch.num_attention_heads, arch.num_kv_heads
+    qd, kvd = nh * arch.head_dim, nkv * arch.head_dim
+    # MLP backward (runs first): the gradient of silu(gate)*up and of one factor (2dti) and the
+    # gradient of the hidden state (dth).
+    mlp_extra = 2 * d * t * i + d * t * h
+    # attention backward (after the MLP's saved tensors and the second norm's are freed):
+    # eager: the gradients of the probabilities and of the scores (s x s, the latter fp32);
+    # sdpa/flash: the gradients of q, k and v.
+    mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + step.rmsnorm(True)
+    if cand.attn == "eager":
+        # at the softmax backward: the probabilities' and the scores' gradients, the gradient of
+        # v and of the hidden state; o_proj's input and the repeated v are already freed
+        attn_extra = (d + 4) * b * nh * s * s + d * t * qd + d * t * h
+        freed = (1 if step.trainable(_linear_names(arch)["o"]) else 0) + (1 if nkv < nh else 0)
+        attn_extra -= d * t * qd * freed
+    else:
+        attn_extra = 2 * d * t * (qd + 2 * kvd) + 2 * d * t * h
+    return mlp_extra, attn_extra - mlp_saved
+
+
+def _attention_forward(cand: Candidate, step: _MicroStep) -> tuple[int, int]:
+    """Forward transients of one attention call and the additive mask: eager materialises the
+    scores (matmul output, scaled copy, masked copy: two alive at a time; the softmax output is
+    fp32) next to the additive mask transformers builds once per forward ([b, 1, s, s] in the
+    model dtype, masking_utils.eager_mask) and the repeat_kv'd keys/values; sdpa/flash only
+    q, k, v, out. Returns (transient bytes, mask bytes)."""
+    arch, d, b, s, t = step.arch, step.dtype, step.seqs, step.seq_len, step.tokens
+    qd, kvd = arch.num_attention_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    if cand.attn != "eager":
+        return d * t * (2 * qd + 2 * kvd), 0
+    mask = d * b * s * s
+    scores = max(2 * d, d + 4) * b * arch.num_attention_heads * s * s
+    return scores + mask + d * t * (3 * qd + 2 * kvd), mask
+
+
+def activations(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> Activations:
+    """Bytes autograd keeps for one micro step, tensor by tensor as transformers' Llama/Qwen2
+    decoder layer saves them (see `_layer_saved`), plus the final norm, the loss's logit terms,
+    the rotary table, the batch's int64 tensors and the transients of forward and backward."""
+    step = _micro_step(arch, cand, method, settings)
+    d, t, h, V = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size
+    L = arch.num_layers
+    layer = _layer_saved(cand, settings, step)
+    acts = Activations(per_layer=layer)
+    if cand.attn == "eager":
+        acts.attention_scores = L * _eager_probabilities(step)
+    # final norm, logits and the loss (HF ForCausalLMLoss / losses.token_logps):
+    acts.final = step.rmsnorm(step.full)
+    # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
+    # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
+    acts.logits_saved = 4 * t * V
+    # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
+    acts.logits_bwd_extra = 8 * t * V
+    rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
+    ids = 3 * 8 * t  # int64 input ids, attention mask and labels
+    if cand.grad_ckpt:
+        # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input.
+        # Only in train mode: `GradientCheckpointingLayer.forward_with_checkpointing`
+        # (transformers modeling_layers.py) checkpoints when `self.training`, and `from_pretrained`
+        # returns the model in eval mode; a trainer that never calls `.train()` keeps every
+        # layer's tensors (the no-checkpointing estimate; tests/test_estimate_deepspeed.py).
+        kept = L * d * t * h
+        acts.kept_per_layer = d * t * h
+        # the recomputed layer shares its input with the checkpoint (no copy in fp32)
+        acts.recompute = layer - (4 * t * h if d == 4 else 0)
+    else:
+        kept = L * layer
+        if not step.full:  # layer 0's first norm sees the frozen embedding output: nothing to save
+            qkv_saved = any(step.trainable(n) for n in _linear_names(arch)["qkv"])
+            kept -= step.rmsnorm(qkv_saved) - step.rmsnorm(qkv_saved, needs_grad=False)
+        acts.kept_per_layer = layer
+    acts.saved = kept + acts.final + acts.logits_saved + rope + ids
+    acts.mlp_bwd, acts.attn_bwd = _layer_backward_transients(cand, step)
+    acts.layer_bwd = max(acts.mlp_bwd, acts.attn_bwd)
+    attn_fwd, mask = _attention_forward(cand, step)
+    if cand.grad_ckpt:
+        acts.saved += mask  # the checkpoint keeps the mask among the layer's inputs
+    kept_before_last = kept - (acts.kept_per_layer if not cand.grad_ckpt else 0)
+    acts.forward = kept_before_last + rope + ids + attn_fwd + 2 * d * t * h
+    # DPO reference forward under no_grad, after the policy forward (memfit's train.py, as TRL and
+    # OpenRLHF do): the policy's saved tensors and logits (the output is still referenced), then
+    # either one reference attention call or the reference's logits, their fp32 copy in 16-bit
+    # training and its log-softmax.
+    if method == "dpo" and cand.ref in ("model", "adapter"):
+        ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
+        acts.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
+    return acts
+
+
+def traced_activations(
+    arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
+) -> Activations:
+    """The activation terms from a traced run (memfit.trace): the model's own code on fake
+    tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
+
+    Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
+    minus one layer (trace.LayerTrace.at); everything is multiplied by the sequences of the
+    micro step (DPO: chosen + rejected). The fields mean what `activations` documents, with
+    recomputation folded into `layer_bwd` (the top layer's backward peak over what is kept when
+    it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
+    follows one forward of a root module) and the eager probabilities' share for the note.
+    """
+    from memfit import trace
+
+    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    L = arch.num_layers
+    try:
+        traced = trace.layer_trace(
+            arch,
+            cand.seq_len,
+            cand.attn,
+            cand.precision,
+            cand.grad_ckpt,
+            cand.finetune,
+            cand.lora_rank,
+            settings.lora_targets,
+            cache_dir=settings.trace_cache,
+        )
+    except trace.TraceError as exc:
+        raise EstimateError(str(exc)) from None
+    # the int64 input ids, attention mask and labels the trainer's collate makes (created
+    # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
+    # the per-sequence measures): counted as `activations` counts them
+    ids = 3 * 8 * seqs * cand.seq_len + 2 * 4 * cand.seq_len * arch.head_dim
+    acts = Activations()
+    acts.saved = traced.saved(L, seqs) + ids
+    acts.kept_per_layer = traced.per_layer("saved", seqs)
+    acts.per_layer = traced.per_layer("saved", seqs) if not cand.grad_ckpt else analytic.per_layer
+    # what the loss keeps once the model output is dropped: the fp32 log-softmax and friends
+    pre_loss_without_logits = traced.seq("pre_loss", 1) - traced.seq("logits_bytes", 1)
+    acts.logits_saved = seqs * (traced.seq("saved", 1) - pre_loss_without_logits)
+    acts.logits_bwd_extra = traced.at("loss_bwd_peak", L, seqs) + ids - acts.saved
+    kept = traced.at("top_pre_bw", L, seqs) + ids  # alive when the top layer's backward starts
+    acts.final = acts.saved - acts.logits_saved - kept
+    acts.recompute = 0  # folded into layer_bwd, which is measured with the recomputation in it
+    acts.layer_bwd = traced.at("top_peak_bw", L, seqs) + ids - kept
+    acts.mlp_bwd = traced.at("top_mlp_peak_bw", L, seqs) + ids - kept
+    acts.attn_bwd = traced.at("top_attn_peak_bw", L, seqs) + ids - kept
+    acts.forward = traced.at("fwd_peak", L, seqs) + ids
+    acts.attention_scores = analytic.attention_scores
+    acts.ref_forward = analytic.ref_forward
+    return acts
+
+
+def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
+    """Trace every shape the candidates need that is not cached yet, in one batch of child
+    processes (memfit.trace.layer_traces), so a new architecture's space pays one interpreter
+    start per worker."""
+    from memfit import trace
+
+    requests = {}
+    for c in candidates:
+        if hardware_problems(gpu, c):
+            continue
+        for attn in {c.attn, "sdpa"} if c.attn == "eager" else {c.attn}:
+            r = trace.TraceRequest(
+                c.seq_len,
+                trace.traced_attn(attn),
+                c.precision,
+                c.grad_ckpt,
+                trace.traced_finetune(c.finetune),
+                c.lora_rank,
+                settings.lora_targets,
+            )
+            requests[r] = None
+    try:
+        trace.layer_traces(arch, list(requests), cache_dir=settings.trace_cache)
+    except trace.TraceError as exc:
+        raise EstimateError(str(exc)) from None

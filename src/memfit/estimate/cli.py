@@ -1,0 +1,263 @@
+"""`memfit estimate` and `memfit fit`: parse the flags, run the estimate, print the table or
+the JSON, exit 0 (fits), 1 (does not fit) or 2 (bad input, or hardware that cannot run it).
+
+    memfit estimate --model qwen2-7b --gpu rtx4090 --num-gpus 4 --zero 3 --seq-len 128 --json
+    memfit fit --maximize seq_len --model glm-4-9b --gpu a100-80gb --num-gpus 8 --method dpo
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from memfit import catalog
+from memfit.catalog import GPU, ModelArch
+from memfit.estimate.core import Estimate, estimate, fit
+from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.space import Candidate
+from memfit.units import GIB, gib
+
+
+def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Largest seq_len or micro_batch that fits."
+            if maximize
+            else "Predict peak GPU memory, host memory and step time of one fine-tuning configuration."
+        ),
+    )
+    if maximize:
+        p.add_argument("--maximize", required=True, choices=["seq_len", "micro_batch"])
+    p.add_argument(
+        "--model", required=True, help="catalog name, a HF config.json, or a model directory"
+    )
+    p.add_argument("--gpu", required=True, help="GPU catalog name, or cpu")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) per node")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--method", choices=["sft", "dpo"], default="sft")
+    p.add_argument("--finetune", choices=["full", "lora", "qlora"], default="full")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated linear names (default: every linear of the decoder layer)",
+    )
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attn", choices=["flash", "sdpa", "eager"], default="flash")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3)
+    p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none")
+    p.add_argument("--offload-param", choices=["none", "cpu"], default="none")
+    p.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--offload-ratio", type=float, default=1.0)
+    p.add_argument(
+        "--sub-group-size",
+        type=int,
+        default=DEFAULT_SETTINGS.sub_group_size,
+        help="ZeRO-3 optimizer sub-group size, elements",
+    )
+    p.add_argument(
+        "--ref",
+        choices=["precomputed", "model", "adapter"],
+        default=None,
+        help="DPO reference (default: model for full, adapter for LoRA)",
+    )
+    p.add_argument("--host-memory-gb", type=float, default=None, help="RAM per node, GB")
+    p.add_argument(
+        "--budget-gb", type=float, default=None, help="use this many GB as the device memory"
+    )
+    p.add_argument(
+        "--expandable-segments",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    p.add_argument(
+        "--activations",
+        choices=["analytic", "traced"],
+        default="analytic",
+        help="activation terms from formulas, or from a traced CPU run of the model's code "
+        "(fake tensors, cached per shape; memfit.trace)",
+    )
+    p.add_argument(
+        "--trace-cache",
+        default=None,
+        help="traced: cache directory (default $MEMFIT_TRACE_CACHE or ~/.cache/memfit/traces)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return p
+
+
+def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
+    try:
+        arch = catalog.model(args.model)
+    except (ValueError, FileNotFoundError, KeyError) as exc:
+        raise EstimateError(str(exc).strip("'\"")) from None
+    try:
+        gpu = catalog.gpu(args.gpu)
+    except (ValueError, KeyError) as exc:
+        raise EstimateError(str(exc).strip("'\"")) from None
+    ref = args.ref or ("model" if args.finetune == "full" else "adapter")
+    if args.method == "sft":
+        ref = "precomputed" if ref == "adapter" and args.finetune == "full" else ref
+    try:
+        cand = Candidate(
+            zero=args.zero,
+            offload_optimizer=args.offload_optimizer,
+            offload_param=args.offload_param,
+            pin_memory=args.pin_memory,
+            offload_ratio=args.offload_ratio,
+            grad_ckpt=args.grad_ckpt,
+            attn=args.attn,
+            finetune=args.finetune,
+            lora_rank=args.lora_rank,
+            micro_batch=args.micro_batch,
+            seq_len=args.seq_len,
+            grad_accum=args.grad_accum,
+            precision=args.precision,
+            ref=ref,
+        )
+    except ValueError as exc:
+        raise EstimateError(str(exc)) from None
+    targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
+    settings = dataclasses.replace(
+        DEFAULT_SETTINGS,
+        lora_targets=targets,
+        sub_group_size=args.sub_group_size,
+        expandable_segments=args.expandable_segments,
+        activations=args.activations,
+        trace_cache=args.trace_cache,
+    )
+    return arch, gpu, cand, settings
+
+
+def _verdict_line(result: Estimate, gpu: GPU) -> str:
+    why = []
+    if result.margin_bytes < 0:
+        why.append(f"device short by {gib(-result.margin_bytes)}")
+    else:
+        why.append(f"device margin {gib(result.margin_bytes)}")
+    if gpu.name != "cpu":
+        why.append(
+            f"host short by {gib(-result.host_margin_bytes)}"
+            if result.host_margin_bytes < 0
+            else f"host margin {gib(result.host_margin_bytes)}"
+        )
+    return f"verdict: {'FITS' if result.fits else 'DOES NOT FIT'} ({', '.join(why)})"
+
+
+def render(
+    result: Estimate,
+    arch: ModelArch,
+    gpu: GPU,
+    cand: Candidate,
+    num_gpus: int,
+    num_nodes: int,
+    method: str,
+) -> str:
+    """The human-readable table."""
+    lines = [
+        f"{arch.name} {method} {cand.finetune} on {num_nodes}x{num_gpus} {gpu.name}  [{cand.id}]",
+        f"params {result.params_total / 1e9:.3f} B total, {result.params_trainable / 1e9:.4f} B trainable",
+    ]
+    if result.invalid:
+        lines.append(f"INVALID: {result.reason}")
+        return "\n".join(lines)
+    lines.append("")
+    source = "; activations traced" if result.activations_source == "traced" else ""
+    lines.append(f"per GPU at the peak ({result.peak_phase.replace('_', ' ')}{source}):")
+    for component, size in result.breakdown.items():
+        lines.append(f"  {component:<14}{gib(size):>14}")
+    lines += [
+        f"  {'allocated':<14}{gib(result.peak_allocated_bytes):>14}   (torch.cuda.max_memory_allocated)",
+        f"  {'reserved':<14}{gib(result.peak_reserved_bytes):>14}   (torch.cuda.max_memory_reserved)",
+        f"  {'device total':<14}{gib(result.device_total_bytes):>14}   (nvidia-smi) of "
+        f"{gib(result.device_memory_bytes)}",
+        "allocated by phase: "
+        + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in result.phases.items())
+        + " GiB",
+        f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
+        f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",
+        f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s)",
+    ]
+    lines += [f"note: {note}" for note in result.notes]
+    lines.append(_verdict_line(result, gpu))
+    return "\n".join(lines)
+
+
+def _budget_bytes(args) -> int | None:
+    return int(args.budget_gb * 1e9) if args.budget_gb else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`memfit estimate`: exit 0 when it fits, 1 when it does not, 2 on bad input or an
+    invalid hardware combination."""
+    args = _parser("memfit estimate", False).parse_args(argv)
+    try:
+        arch, gpu, cand, settings = _from_args(args)
+        result = estimate(
+            arch,
+            gpu,
+            args.num_gpus,
+            args.num_nodes,
+            args.method,
+            cand,
+            args.host_memory_gb,
+            _budget_bytes(args),
+            settings,
+        )
+    except EstimateError as exc:
+        print(f"memfit estimate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(render(result, arch, gpu, cand, args.num_gpus, args.num_nodes, args.method))
+    if result.invalid:
+        print(f"memfit estimate: invalid: {result.reason}", file=sys.stderr)
+        return 2
+    return 0 if result.fits else 1
+
+
+def fit_main(argv: list[str] | None = None) -> int:
+    """`memfit fit --maximize seq_len|micro_batch`: the largest value that fits."""
+    args = _parser("memfit fit", True).parse_args(argv)
+    try:
+        arch, gpu, cand, settings = _from_args(args)
+        best, result = fit(
+            arch,
+            gpu,
+            args.num_gpus,
+            args.num_nodes,
+            args.method,
+            cand,
+            args.maximize,
+            args.host_memory_gb,
+            _budget_bytes(args),
+            settings,
+        )
+    except EstimateError as exc:
+        print(f"memfit fit: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None and result.invalid:
+        print(f"memfit fit: invalid: {result.reason}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({args.maximize: 0, **result.to_dict()}, indent=2))
+        return 2
+    if args.json:
+        print(json.dumps({args.maximize: best, **(result.to_dict() if result else {})}, indent=2))
+        return 0 if best > 0 else 1
+    if best == 0:
+        print(f"nothing fits: even {args.maximize}=1 needs more memory")
+    else:
+        print(f"largest {args.maximize} that fits: {best}\n")
+    if result is not None:
+        shown = dataclasses.replace(cand, **{args.maximize: max(best, 1)})
+        print(render(result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method))
+    return 0 if best > 0 else 1

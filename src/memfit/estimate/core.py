@@ -1,0 +1,276 @@
+"""`estimate()`: one configuration's prediction, read as phases -> breakdown -> verdict; and
+the two searches built on it, `estimate_space` (every candidate) and `fit` (the largest
+seq_len or micro_batch that fits)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from memfit.catalog import GPU, ModelArch
+from memfit.estimate.activation_memory import (
+    Activations,
+    activations,
+    prefetch_traces,
+    traced_activations,
+)
+from memfit.estimate.costs import device_overheads, fragmentation, host_memory, step_time
+from memfit.estimate.phases import peak_breakdown, step_phases
+from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.estimate.states import model_states, param_layout, trainable_params
+from memfit.estimate.validity import check_arch, hardware_problems
+from memfit.space import Candidate
+from memfit.units import GIB
+
+
+@dataclass
+class Estimate:
+    """The prediction for one configuration on one rank. Bytes unless the name says otherwise."""
+
+    peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
+    peak_reserved_bytes: int = (
+        0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
+    )
+    device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
+    device_memory_bytes: int = 0  # the device's whole memory (or the budget)
+    host_bytes: int = 0  # host RAM per node at its peak
+    host_memory_bytes: int = 0  # the node's RAM
+    fits: bool = False
+    margin_bytes: int = 0  # device memory minus device_total (negative: short by that much)
+    host_margin_bytes: int = 0
+    step_time_s: float = 0.0  # one optimizer step (grad_accum micro steps)
+    tokens_per_s: float = 0.0  # trained tokens per second over all ranks
+    peak_phase: str = ""  # which phase of training holds the peak
+    breakdown: dict[str, int] = field(default_factory=dict)  # components at the peak, sum = peak
+    phases: dict[str, int] = field(default_factory=dict)  # allocated peak of each phase
+    host_breakdown: dict[str, int] = field(default_factory=dict)  # per node at the host peak
+    host_phases: dict[str, int] = field(default_factory=dict)
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+    params_total: int = 0
+    params_trainable: int = 0
+    eager_attention_extra_bytes: int = 0  # eager only: device bytes over the same config with sdpa
+    activations_source: str = "analytic"  # "analytic" or "traced" (activation/logit terms)
+    notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
+    invalid: bool = False
+    reason: str = ""  # why the hardware cannot run it, when invalid
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where and how a candidate runs: the inputs of `estimate()` besides the candidate."""
+
+    arch: ModelArch
+    gpu: GPU
+    num_gpus: int  # ranks per node
+    num_nodes: int
+    method: str  # "sft" or "dpo"
+    host_memory_gb: float | None
+    budget_bytes: int | None
+    settings: Settings
+
+    @property
+    def world(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+
+def _check_inputs(job: Job, cand: Candidate) -> None:
+    if job.method not in ("sft", "dpo"):
+        raise EstimateError(f"method must be sft or dpo, got {job.method!r}")
+    if job.num_gpus < 1 or job.num_nodes < 1:
+        raise EstimateError(
+            f"num_gpus and num_nodes must be >= 1, got {job.num_gpus} and {job.num_nodes}"
+        )
+    if job.method == "dpo" and cand.ref == "adapter" and cand.finetune == "full":
+        raise EstimateError("ref=adapter needs finetune=lora or qlora")
+    check_arch(job.arch)
+
+
+def _one_pool(job: Job) -> bool:
+    """On `cpu` the device is the host: one pool, unless the caller gives a per-rank tensor
+    budget (the workflow's `cpu_memory_mib`), which is then checked like a GPU's memory."""
+    return job.gpu.name == "cpu" and job.budget_bytes is None
+
+
+def _activation_terms(job: Job, cand: Candidate, est: Estimate) -> Activations:
+    """Analytic activations, or traced ones (with what the trace could not run said in a note)."""
+    settings = job.settings
+    analytic = activations(job.arch, cand, job.method, settings)
+    if settings.activations == "analytic":
+        return analytic
+    if settings.activations != "traced":
+        raise EstimateError(f"activations must be analytic or traced, got {settings.activations!r}")
+    traced = traced_activations(job.arch, cand, job.method, settings, analytic)
+    est.activations_source = "traced"
+    if cand.attn == "flash":
+        est.notes.append(
+            "activations traced with sdpa: FlashAttention-2 cannot run on the CPU; SDPA's CPU "
+            "kernel keeps the same tensors (output and log-sum-exp)"
+        )
+    if cand.finetune == "qlora":
+        est.notes.append("activations traced as LoRA: bitsandbytes' 4-bit kernels need CUDA")
+    return traced
+
+
+def _eager_attention_cost(job: Job, cand: Candidate, est: Estimate) -> None:
+    """What the materialised scores cost: the same configuration with a fused kernel."""
+    fused = _estimate(job, dataclasses.replace(cand, attn="sdpa"))
+    est.eager_attention_extra_bytes = est.device_total_bytes - fused.device_total_bytes
+    kept = "one recomputed layer's" if cand.grad_ckpt else "every layer's"
+    est.notes.append(
+        f"eager attention keeps {kept} {cand.seq_len}x{cand.seq_len} attention probabilities: "
+        f"+{est.eager_attention_extra_bytes / GIB:.2f} GiB on the device versus sdpa/flash"
+    )
+
+
+def _verdict(job: Job, est: Estimate) -> None:
+    """Margins and whether it fits: device and host separately, or one pool on `cpu`."""
+    if _one_pool(job):
+        # the "device" is the host: every rank's peak plus the processes' own memory
+        need = job.num_gpus * est.device_total_bytes + est.host_bytes
+        est.margin_bytes = est.device_memory_bytes - need
+        est.host_margin_bytes = est.margin_bytes
+        est.fits = est.margin_bytes >= 0
+    else:
+        est.margin_bytes = est.device_memory_bytes - est.device_total_bytes
+        est.host_margin_bytes = est.host_memory_bytes - est.host_bytes
+        est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
+
+
+def _estimate(job: Job, cand: Candidate) -> Estimate:
+    _check_inputs(job, cand)
+    arch, gpu, settings, world = job.arch, job.gpu, job.settings, job.world
+    trainable = trainable_params(arch, cand, settings)
+    est = Estimate(params_total=param_layout(arch).total, params_trainable=trainable)
+    host_gb = job.host_memory_gb if job.host_memory_gb is not None else gpu.typical_host_memory_gb
+    budget = job.budget_bytes
+    est.device_memory_bytes = int(budget if budget is not None else gpu.memory_bytes)
+    est.host_memory_bytes = est.device_memory_bytes if _one_pool(job) else int(host_gb * 1e9)
+    problems = hardware_problems(gpu, cand)
+    if problems:
+        est.invalid, est.reason = True, "; ".join(problems)
+        return est
+
+    # phases: what each phase of a step allocates; the largest is the peak
+    states = model_states(arch, cand, world, settings, job.method)
+    acts = _activation_terms(job, cand, est)
+    est.notes += states.notes
+    phases = step_phases(arch, cand, gpu, states, acts, trainable, world, settings)
+    est.phases = phases.allocated
+    est.peak_phase = phases.peak_phase
+    est.peak_allocated_bytes = phases.allocated[est.peak_phase]
+
+    # breakdown: the peak's components; reserved adds fragmentation of the shape-varying part,
+    # nvidia-smi's total the CUDA context, cuBLAS and NCCL
+    breakdown = peak_breakdown(phases, states, acts, cand, job.method, trainable, world)
+    transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
+    fragmented = fragmentation(transient, settings, gpu.name == "cpu")
+    overheads = sum(device_overheads(gpu, world).values())
+    est.peak_reserved_bytes = est.peak_allocated_bytes + fragmented
+    est.device_total_bytes = est.peak_reserved_bytes + overheads
+    breakdown["overheads"] = fragmented + overheads
+    est.breakdown = {k: int(v) for k, v in breakdown.items()}
+    if cand.attn == "eager":
+        _eager_attention_cost(job, cand, est)
+    host = host_memory(arch, cand, gpu, states, job.num_gpus, world, settings)
+    est.host_breakdown, est.host_phases, est.host_bytes = host.breakdown, host.phases, host.peak
+
+    # verdict: fits or not, and how fast
+    _verdict(job, est)
+    est.time_breakdown = step_time(
+        arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings
+    )
+    est.step_time_s = round(sum(est.time_breakdown.values()), 6)
+    sequences = cand.micro_batch * (2 if job.method == "dpo" else 1)
+    tokens = sequences * cand.seq_len * cand.grad_accum * world
+    est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
+    return est
+
+
+def estimate(
+    arch: ModelArch,
+    gpu: GPU,
+    num_gpus: int = 1,
+    num_nodes: int = 1,
+    method: str = "sft",
+    cand: Candidate | None = None,
+    host_memory_gb: float | None = None,
+    budget_bytes: int | None = None,
+    settings: Settings = DEFAULT_SETTINGS,
+) -> Estimate:
+    """Predict one configuration on `num_gpus` GPUs per node x `num_nodes` nodes.
+
+    `budget_bytes` replaces the device's memory (the demo's `cpu` entry, or a headroom budget).
+    Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
+    `EstimateError`.
+    """
+    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+    return _estimate(job, cand or Candidate())
+
+
+def estimate_space(
+    arch: ModelArch,
+    gpu: GPU,
+    num_gpus: int,
+    num_nodes: int,
+    method: str,
+    candidates,
+    host_memory_gb: float | None = None,
+    budget_bytes: int | None = None,
+    settings: Settings = DEFAULT_SETTINGS,
+) -> list[dict[str, Any]]:
+    """`estimate()` of every candidate: the estimate JSON plus "candidate" and "id"."""
+    candidates = list(candidates)
+    if settings.activations == "traced":
+        prefetch_traces(arch, gpu, candidates, settings)
+    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+    rows = []
+    for cand in candidates:
+        row = _estimate(job, cand).to_dict()
+        row["candidate"] = cand.to_dict()
+        row["id"] = cand.id
+        rows.append(row)
+    return rows
+
+
+def fit(
+    arch: ModelArch,
+    gpu: GPU,
+    num_gpus: int,
+    num_nodes: int,
+    method: str,
+    cand: Candidate,
+    maximize: str,
+    host_memory_gb: float | None = None,
+    budget_bytes: int | None = None,
+    settings: Settings = DEFAULT_SETTINGS,
+    upper: int | None = None,
+) -> tuple[int, Estimate | None]:
+    """Binary search for the largest `maximize` value that fits (memory grows monotonically in
+    both). Returns (0, estimate at 1) when even 1 does not fit or the hardware cannot run it."""
+    if maximize not in ("seq_len", "micro_batch"):
+        raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
+    hi = upper or (arch.max_position_embeddings if maximize == "seq_len" else 65536)
+    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+
+    def at(value: int) -> Estimate:
+        return _estimate(job, dataclasses.replace(cand, **{maximize: value}))
+
+    first = at(1)
+    if first.invalid or not first.fits:
+        return 0, first
+    top = at(hi)
+    if top.fits:
+        return hi, top
+    lo, best = 1, first
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        e = at(mid)
+        if e.fits:
+            lo, best = mid, e
+        else:
+            hi = mid
+    return lo, best

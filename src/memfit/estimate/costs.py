@@ -1,0 +1,225 @@
+"""What a configuration costs besides its tensors: memory nvidia-smi shows that no tensor holds
+(CUDA context, cuBLAS, NCCL), the caching allocator's fragmentation, host RAM per node, and the
+time of one optimizer step. The numbers are stated heuristics, each with its source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.catalog import GPU, ModelArch
+from memfit.estimate.settings import Settings, dtype_bytes
+from memfit.estimate.states import ModelStates, param_layout, trainable_params
+from memfit.space import Candidate
+from memfit.units import GIB, MIB
+
+
+def device_overheads(gpu: GPU, world: int) -> dict[str, int]:
+    """Memory nvidia-smi shows that no tensor holds. Heuristics, stated:
+    - CUDA context with lazy module loading (CUDA >= 11.7): ~300-500 MiB; 500 MiB on sm80+,
+      400 MiB before (PyTorch docs, "CUDA semantics: memory management" and measured
+      torch.cuda.mem_get_info deltas reported in PyTorch issue 20532);
+    - cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8 per handle, 32 MiB
+      on Hopper (PyTorch `getChosenWorkspaceSize`); the allocator reserves it, counted here once;
+    - NCCL: ~ 2 x NCCL_BUFFSIZE (4 MiB) per channel per peer; ~ 256 MiB for an 8-GPU ring.
+    """
+    if gpu.name == "cpu":
+        return {"cuda_context": 0, "cublas": 0, "nccl": 0}
+    major = int(gpu.compute_capability.split(".")[0])
+    context = 500 * MIB if major >= 8 else 400 * MIB
+    cublas = 32 * MIB if major >= 9 else 9 * MIB
+    peers = world - 1
+    nccl = 0 if world == 1 else min(256, 32 * max(peers, 1)) * MIB
+    return {"cuda_context": context, "cublas": cublas, "nccl": nccl}
+
+
+def fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
+    """Reserved-but-unallocated bytes of the CUDA caching allocator at the peak.
+
+    Blocks freed by one step's activations are cached for reuse; with variable-length batches the
+    next step asks for other sizes and the cache splits into pieces (PyTorch docs, "Optimizing
+    memory usage with PYTORCH_CUDA_ALLOC_CONF"). Modelled as a share of the shape-varying
+    (activation/logit) bytes: 30% with variable lengths, 8% with fixed padded shapes, 3% with
+    expandable_segments (segments grow in place, PyTorch 2.1+). Calibrate with probes.
+    """
+    if is_cpu:
+        return 0
+    if settings.expandable_segments:
+        share = 0.03
+    elif settings.variable_length:
+        share = 0.30
+    else:
+        share = 0.08
+    return int(share * transient)
+
+
+@dataclass
+class HostMemory:
+    """Host RAM per node: the components at the peak and the total of each phase, bytes."""
+
+    breakdown: dict[str, int]
+    phases: dict[str, int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+
+def host_memory(
+    arch: ModelArch,
+    cand: Candidate,
+    gpu: GPU,
+    states: ModelStates,
+    ranks_per_node: int,
+    world: int,
+    settings: Settings,
+) -> HostMemory:
+    """Host RAM per node. Per rank: the process itself (CUDA/NCCL/Python, ~3 GiB on GPU nodes,
+    0.6 GiB for a CPU rank: measured RSS of `import deepspeed, transformers`), the offloaded
+    states, pinned buffers (power-of-two rounded), and the transient phases:
+    - load: from_pretrained reads safetensors through mmap (page cache shared by the node's ranks)
+    - resume: every rank torch.load()s its optimizer shard (12 T / N fp32: master, m, v) and for
+      ZeRO-0/1/2 the whole 16-bit module state (mp_rank_00_model_states.pt) at the same time
+    - save: the same tensors copied to host memory by torch.save."""
+    ranks = ranks_per_node
+    d = dtype_bytes(cand.precision)
+    total = param_layout(arch).total
+    trainable = trainable_params(arch, cand, settings)
+    process = int((0.6 if gpu.name == "cpu" else 3.0) * GIB)
+    offloaded = states.host_optimizer + states.host_params
+    steady = ranks * (process + offloaded + states.host_pinned)
+    optimizer_shard = 12 * trainable // (world if cand.zero >= 1 else 1)
+    module_file = d * total if cand.zero < 3 else d * total // world
+    checkpoint = ranks * (optimizer_shard + module_file)
+    init_pin = ranks * states.host_pin_source if cand.pin_memory else 0
+    phases = {
+        "steady": steady,
+        "load": steady + d * total,
+        "resume": steady + checkpoint,
+        "init": steady + init_pin,
+    }
+    breakdown = {
+        "process": ranks * process,
+        "offloaded_optimizer": ranks * states.host_optimizer,
+        "offloaded_params": ranks * states.host_params,
+        "pinned_rounding": ranks * states.host_pinned,
+        "checkpoint_resume": checkpoint,
+    }
+    return HostMemory(
+        breakdown={k: int(v) for k, v in breakdown.items()},
+        phases={k: int(v) for k, v in phases.items()},
+    )
+
+
+def _compute_seconds(
+    arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings
+) -> float:
+    """6 FLOPs per parameter per token (Kaplan et al. 2020, sec. 2.1) plus attention 12*L*s*h per
+    token (causal: half), 8/6 with recomputation (Korthikanti et al. 2022, sec. 5); LoRA skips
+    weight gradients (4 instead of 6); DPO's reference adds a forward (2)."""
+    layout = param_layout(arch)
+    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    attention = 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
+    per_token_forward = 2 * (layout.total - layout.embed) + attention
+    passes = 3.0 if cand.finetune == "full" else 2.0
+    if cand.grad_ckpt:
+        passes += 1.0
+    flops = per_token_forward * tokens * passes
+    if method == "dpo" and cand.ref in ("model", "adapter"):
+        flops += per_token_forward * tokens
+    peak = gpu.tflops(cand.precision) * 1e12
+    if peak <= 0:
+        peak = gpu.tflops_fp32 * 1e12
+    efficiency = settings.mfu * (0.7 if cand.attn == "eager" else 1.0)
+    return cand.grad_accum * flops / (peak * efficiency)
+
+
+def _communication_seconds(
+    cand: Candidate,
+    gpu: GPU,
+    num_gpus: int,
+    num_nodes: int,
+    total: int,
+    trainable: int,
+    settings: Settings,
+) -> float:
+    """ZeRO-3: all-gather of the parameters in forward and backward (and recompute),
+    reduce-scatter of gradients (ZeRO paper sec. 7: 1.5x the all-reduce volume); ZeRO-0/1/2:
+    the gradient all-reduce, plus the all-gather of updated params at stage 1/2."""
+    world = num_gpus * num_nodes
+    if world == 1:
+        return 0.0
+    d = dtype_bytes(cand.precision)
+    intra = gpu.interconnect_gbs * 1e9
+    bandwidth = min(intra, settings.internode_gbs * 1e9 * num_gpus) if num_nodes > 1 else intra
+    seconds = 0.0
+    if cand.zero == 3:
+        passes = 3 if cand.grad_ckpt else 2
+        seconds += cand.grad_accum * passes * d * total * (world - 1) / world / bandwidth
+        seconds += cand.grad_accum * d * trainable * (world - 1) / world / bandwidth
+    else:
+        seconds += 2 * d * trainable * (world - 1) / world / bandwidth
+        if cand.zero >= 1:
+            seconds += (
+                d * trainable * (world - 1) / world / bandwidth
+            )  # all-gather of updated params
+    return seconds
+
+
+def _offload_seconds(
+    cand: Candidate,
+    gpu: GPU,
+    num_gpus: int,
+    world: int,
+    total: int,
+    trainable: int,
+    states: ModelStates,
+    settings: Settings,
+) -> float:
+    """Gradients down and parameters up over the host link, DeepSpeedCPUAdam's step."""
+    d = dtype_bytes(cand.precision)
+    link = gpu.host_link_gbs * 1e9
+    seconds = 0.0
+    if cand.offload_optimizer == "cpu":
+        fraction = states.offload_fraction if cand.zero == 3 else 1.0
+        seconds += (
+            fraction * (4 + d) * trainable / world / link
+        )  # fp32 grads down, 16-bit params up
+        seconds += fraction * trainable * num_gpus / world / settings.cpu_adam_params_per_s
+    if cand.offload_param == "cpu":
+        passes = 3 if cand.grad_ckpt else 2
+        seconds += cand.grad_accum * passes * d * total / world / link
+    return seconds
+
+
+def step_time(
+    arch: ModelArch,
+    cand: Candidate,
+    gpu: GPU,
+    method: str,
+    num_gpus: int,
+    num_nodes: int,
+    states: ModelStates,
+    settings: Settings,
+) -> dict[str, float]:
+    """Seconds per optimizer step, good enough to rank candidates (calibrated by probes later):
+    compute, communication, offload, the optimizer's pass over its states, fixed overhead."""
+    world = num_gpus * num_nodes
+    total = param_layout(arch).total
+    trainable = trainable_params(arch, cand, settings)
+    # a step's fixed overhead (launches, Python, optimizer bookkeeping)
+    overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
+    # the device optimizer reads and writes 16 bytes per trainable parameter (memory bound)
+    optimizer = (
+        0.0
+        if cand.offload_optimizer == "cpu"
+        else 16 * trainable / world / (gpu.memory_bandwidth_gbs * 1e9)
+    )
+    return {
+        "compute": _compute_seconds(arch, cand, gpu, method, settings),
+        "communication": _communication_seconds(
+            cand, gpu, num_gpus, num_nodes, total, trainable, settings
+        ),
+        "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings),
+        "optimizer": optimizer,
+        "overhead": overhead,
+    }

@@ -1,0 +1,315 @@
+"""Which phase of training holds the device peak, and what is in memory then.
+
+A step's phases: the forward, the loss backward, the top and the bottom layer's backward, the
+end of the backward, the optimizer step, a resume (loading optimizer states), and for DPO the
+reference forward. Each phase's allocated bytes are the model states present throughout
+(`static`) plus what that phase adds; `peak_breakdown` splits the peak phase into components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memfit.catalog import GPU, ModelArch
+from memfit.estimate.activation_memory import Activations
+from memfit.estimate.settings import Settings, dtype_bytes
+from memfit.estimate.states import ModelStates, lora_targets, param_layout
+from memfit.space import Candidate
+
+FORWARD_BACKWARD = (
+    "forward",
+    "loss_backward",
+    "top_layer_backward",
+    "bottom_layer_backward",
+    "backward_end",
+)
+
+
+@dataclass
+class BackwardGradients:
+    """Gradient bytes that appear during the backward, before the optimizer step."""
+
+    head: int = 0  # lm_head's weight gradient (ZeRO-0/1, full)
+    per_layer: int = 0  # one decoder layer's weight gradients (ZeRO-0/1)
+    below_bottom: int = 0  # at the bottom layer's backward: head + every other layer's
+    tied_pending: int = 0  # tied embeddings: the head's [V, h] gradient waiting for the embedding's
+    held: int = 0  # gradients that outlive their micro step (ZeRO-0 with grad_accum, ZeRO-3 on cpu)
+
+
+@dataclass
+class StepPhases:
+    """Allocated bytes of each phase, and the terms `peak_breakdown` splits the peak into."""
+
+    static: int  # params + grads + optimizer + buckets, present in every phase
+    gathered: int  # ZeRO-3 gathered module, present in the forward/backward phases
+    forward_backward: dict[str, int]  # each forward/backward phase beyond static + gathered
+    grads: BackwardGradients
+    backward_end: int  # the backward's last gradients (embedding's), held gradients not included
+    optimizer_step: int
+    resume: int
+    reference_forward: int  # DPO reference forward (0: none)
+    allocated: dict[str, int] = field(default_factory=dict)  # every phase, total bytes
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.allocated, key=self.allocated.get)
+
+
+def _in_layer_backward(arch: ModelArch, cand: Candidate, acts: Activations, layer_grad: int) -> int:
+    """Transients at one layer's backward. Inside a layer's backward the weight gradients of that
+    layer appear part by part: at the MLP's peak only down_proj's, at the attention's the MLP's
+    and o_proj's."""
+    if not (layer_grad and cand.finetune == "full"):
+        return acts.layer_bwd + layer_grad
+    d = dtype_bytes(cand.precision)
+    shapes = param_layout(arch).linear_shapes
+    mlp_linear = sum(i * o for n, i, o in shapes if n in ("down_proj", "dense_4h_to_h"))
+    attention_linear = sum(
+        i * o for n, i, o in shapes if n not in ("q_proj", "k_proj", "v_proj", "query_key_value")
+    )
+    return max(
+        acts.mlp_bwd + d * mlp_linear,
+        acts.attn_bwd + d * (attention_linear + arch.hidden_size),
+    )
+
+
+def _backward_gradients(arch: ModelArch, cand: Candidate, trainable: int) -> BackwardGradients:
+    d = dtype_bytes(cand.precision)
+    layout = param_layout(arch)
+    full = cand.finetune == "full"
+    grads = BackwardGradients()
+    if cand.zero < 2:  # ZeRO-2/3 move gradients into their partitions as they arrive
+        grads.head = d * layout.lm_head if full else 0
+        grads.per_layer = d * (layout.per_layer if full else trainable // arch.num_layers)
+    grads.below_bottom = grads.head + (arch.num_layers - 1) * grads.per_layer
+    # Tied embeddings, full fine-tuning: the head's [V, h] weight gradient waits in autograd's
+    # input buffer of the shared weight's AccumulateGrad until the embedding's backward adds its
+    # share (torch/csrc/autograd/input_buffer.cpp accumulates; engine.cpp runs a node once all
+    # its inputs arrived), i.e. through every layer's backward, at every ZeRO stage (DeepSpeed's
+    # gradient hooks fire at accumulation). Seen by the traced run (memfit.trace, real and fake
+    # tensors alike: a TEMP [V, h] tensor at each layer's backward).
+    grads.tied_pending = d * layout.embed if (full and arch.tie_word_embeddings) else 0
+    return grads
+
+
+def _forward_backward(
+    arch: ModelArch,
+    cand: Candidate,
+    states: ModelStates,
+    acts: Activations,
+    grads: BackwardGradients,
+) -> dict[str, int]:
+    """Each forward/backward phase beyond the static states. The peak is at the loss backward
+    (all activations + logit gradients) or inside the first or last layer's backward (gradients
+    grow while activations shrink)."""
+    d = dtype_bytes(cand.precision)
+    # while the layers run backward, the logits and the final norm's tensors are gone
+    layers_kept = acts.saved - acts.logits_saved - acts.final
+    in_layer = _in_layer_backward(arch, cand, acts, grads.per_layer)
+    top = layers_kept + acts.recompute + in_layer + grads.head + grads.tied_pending
+    bottom_kept = layers_kept - (arch.num_layers - 1) * acts.kept_per_layer
+    bottom = bottom_kept + acts.recompute + in_layer + grads.below_bottom + grads.tied_pending
+    if cand.finetune == "full" and cand.zero < 2:
+        # embedding_dense_backward's [V, h] gradient arrives last (twice when tied: accumulated)
+        embedding = d * param_layout(arch).embed if arch.tie_word_embeddings else 0
+        end = states.grads_dynamic + embedding
+    else:
+        end = 0
+    return {
+        "forward": acts.forward,
+        "loss_backward": acts.saved + acts.logits_bwd_extra,
+        "top_layer_backward": top,
+        "bottom_layer_backward": bottom,
+        "backward_end": end,
+    }
+
+
+def _hold_gradients(
+    cand: Candidate, gpu: GPU, trainable: int, phases: dict[str, int], grads: BackwardGradients
+) -> None:
+    """Gradients that outlive the micro step they were produced in (DeepSpeed engines), added to
+    the forward/backward phases.
+
+    ZeRO-0, grad_accum > 1: runtime/engine.py `DeepSpeedEngine.step` calls `_take_model_step`
+    (optimizer.step + zero_grad) only at `is_gradient_accumulation_boundary()`, so the plain
+    torch optimizer's param.grad (d*T) stays allocated through the next micro steps' forward and
+    backward, and autograd accumulates into it (no new full-size gradient per micro step).
+    ZeRO-3: runtime/zero/stage3.py `reduce_independent_p_g_buckets_and_remove_grads` /
+    `__add_grad_to_ipg_bucket` keep a parameter's full-size gradient referenced until its bucket
+    is reduce-scattered (`__reduce_and_partition_ipg_grads` -> `partition_grads` sets
+    param.grad = None); on the 2-rank gloo probes (tests/test_estimate_deepspeed.py) nearly all
+    of d*T is live at the backward's peak, in every micro step (grad_accum 1 and 4 alike), so
+    the whole d*T is counted. ZeRO-1/2 copy gradients into their partitions as they arrive
+    (stage_1_and_2.py `reduce_independent_p_g_buckets_and_remove_grads`): nothing held.
+    """
+    d = dtype_bytes(cand.precision)
+    if cand.zero == 0 and cand.grad_accum > 1:
+        grads.held = d * trainable
+        counted = {"top_layer_backward": grads.head, "bottom_layer_backward": grads.below_bottom}
+        for k in ("forward", "loss_backward", "top_layer_backward", "bottom_layer_backward"):
+            phases[k] += grads.held - counted.get(k, 0)
+    elif cand.zero == 3 and gpu.name == "cpu":
+        # Measured on DeepSpeed's CPU accelerator only. On CUDA, overlap_comm reduce-scatters each
+        # full bucket on a side stream and frees its gradients (ZeRO paper Sec. 5.2: gradients are
+        # reduced as they are produced), so only the buckets are live; not yet measured on a GPU
+        # here, so GPUs keep the bucket-only term rather than this CPU observation.
+        grads.held = d * trainable
+        for k in phases:
+            phases[k] += grads.held
+
+
+def _optimizer_resident_fraction(cand: Candidate, states: ModelStates) -> float:
+    if cand.zero == 3:
+        return states.optimizer_resident_fraction
+    return 0.0 if cand.offload_optimizer == "cpu" else 1.0
+
+
+def _optimizer_temporaries(
+    arch: ModelArch,
+    cand: Candidate,
+    gpu: GPU,
+    states: ModelStates,
+    trainable: int,
+    world: int,
+    settings: Settings,
+) -> int:
+    """The optimizer step's temporaries: torch's single-tensor AdamW holds sqrt(v) and the
+    denominator for the largest tensor, foreach AdamW a full copy of v (torch/optim/adamw.py
+    `_multi_tensor_adamw`: torch._foreach_sqrt), DeepSpeed's FusedAdam nothing."""
+    impl = settings.optimizer_impl or ("single" if gpu.name == "cpu" else "fused")
+    on_device = _optimizer_resident_fraction(cand, states)
+    largest_trainable = (
+        param_layout(arch).largest_module
+        if cand.finetune == "full"
+        else max(cand.lora_rank * max(i, o) for _, i, o in lora_targets(arch, settings))
+    )
+    temporaries = {"single": 2 * 4 * largest_trainable, "foreach": 4 * trainable, "fused": 0}[impl]
+    if cand.zero >= 1:
+        temporaries = 0 if impl == "fused" else int(temporaries * on_device / max(world, 1))
+    return int(temporaries * (on_device if cand.zero == 0 else 1))
+
+
+def step_phases(
+    arch: ModelArch,
+    cand: Candidate,
+    gpu: GPU,
+    states: ModelStates,
+    acts: Activations,
+    trainable: int,
+    world: int,
+    settings: Settings,
+) -> StepPhases:
+    """Allocated bytes of every phase of a training step on one rank."""
+    static = states.params + states.grads + states.optimizer + states.buckets
+    grads = _backward_gradients(arch, cand, trainable)
+    forward_backward = _forward_backward(arch, cand, states, acts, grads)
+    backward_end = forward_backward["backward_end"]  # before held gradients are added
+    _hold_gradients(cand, gpu, trainable, forward_backward, grads)
+    optimizer_temporaries = _optimizer_temporaries(
+        arch, cand, gpu, states, trainable, world, settings
+    )
+    on_device = _optimizer_resident_fraction(cand, states)
+    # resume: torch.optim.Optimizer.load_state_dict copies each saved state to the parameter's
+    # device before the old state is dropped, so m and v of the device-resident part exist twice.
+    # DeepSpeed ZeRO-1/2/3 create their optimizer states at initialisation
+    # (`initialize_optimizer_states`); at stage 0 torch's Adam creates them lazily, so loading
+    # fills empty slots.
+    resume = static + (int(8 * trainable / world * on_device) if cand.zero >= 1 else 0)
+    # DPO reference forward (no_grad) after the policy forward
+    reference = static + states.gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
+    phases = StepPhases(
+        static=static,
+        gathered=states.gathered,
+        forward_backward=forward_backward,
+        grads=grads,
+        backward_end=backward_end,
+        optimizer_step=static + states.grads_dynamic + optimizer_temporaries,
+        resume=resume,
+        reference_forward=reference,
+    )
+    allocated = {k: static + states.gathered + v for k, v in forward_backward.items()}
+    allocated["optimizer_step"] = phases.optimizer_step
+    allocated["resume"] = resume
+    if reference:
+        allocated["reference_forward"] = reference
+    phases.allocated = {k: int(v) for k, v in allocated.items()}
+    return phases
+
+
+def _reference_share(
+    states: ModelStates, cand: Candidate, method: str, trainable: int, world: int
+) -> int:
+    """The DPO reference copy's part of `states.params` (ref=model: the same weights again)."""
+    if not (method == "dpo" and cand.ref == "model"):
+        return 0
+    if cand.finetune == "full":
+        return states.params // 2
+    # params = weights + adapters + reference weights; the reference weights = the weights
+    adapters = (trainable * dtype_bytes(cand.precision)) // (world if cand.zero == 3 else 1)
+    return (states.params - adapters) // 2
+
+
+def _forward_backward_breakdown(
+    phases: StepPhases,
+    states: ModelStates,
+    acts: Activations,
+    cand: Candidate,
+    breakdown: dict[str, int],
+) -> None:
+    where = phases.peak_phase
+    grads = phases.grads
+    breakdown["temporaries"] += phases.gathered
+    if where == "forward":
+        breakdown["grads"] += grads.held
+        breakdown["activations"] = acts.forward
+    elif where == "loss_backward":
+        breakdown["grads"] += grads.held
+        breakdown["activations"] = acts.saved - acts.logits_saved
+        breakdown["logits"] = acts.logits_saved + acts.logits_bwd_extra
+    elif where == "backward_end":
+        breakdown["grads"] += states.grads_dynamic + (grads.held if cand.zero == 3 else 0)
+        breakdown["temporaries"] += phases.backward_end - states.grads_dynamic
+    else:  # the top or the bottom layer's backward
+        present = grads.head if where == "top_layer_backward" else grads.below_bottom
+        present = (grads.held if grads.held else present) + grads.tied_pending
+        breakdown["grads"] += present
+        breakdown["activations"] = phases.forward_backward[where] - present
+
+
+def peak_breakdown(
+    phases: StepPhases,
+    states: ModelStates,
+    acts: Activations,
+    cand: Candidate,
+    method: str,
+    trainable: int,
+    world: int,
+) -> dict[str, int]:
+    """The components of the peak phase's allocated bytes (they sum to it); "overheads" is 0
+    here (fragmentation and the CUDA context are not allocated)."""
+    breakdown = {
+        "params": states.params,
+        "grads": states.grads,
+        "optimizer": states.optimizer,
+        "activations": 0,
+        "logits": 0,
+        "reference": 0,
+        "temporaries": states.buckets,
+        "overheads": 0,
+    }
+    reference = _reference_share(states, cand, method, trainable, world)
+    breakdown["params"] -= reference
+    breakdown["reference"] = reference
+    where = phases.peak_phase
+    if where in phases.forward_backward:
+        _forward_backward_breakdown(phases, states, acts, cand, breakdown)
+    elif where == "optimizer_step":
+        breakdown["grads"] += states.grads_dynamic
+        breakdown["temporaries"] += phases.optimizer_step - phases.static - states.grads_dynamic
+    elif where == "resume":
+        breakdown["optimizer"] += phases.resume - phases.static
+    else:  # reference_forward
+        breakdown["temporaries"] += phases.gathered + acts.ref_forward
+        breakdown["activations"] = acts.saved - acts.logits_saved
+        breakdown["logits"] = acts.logits_saved
+    return breakdown

@@ -1,0 +1,42 @@
+"""What the estimator takes besides the candidate (`Settings`), how it reports bad input, and
+the one dtype size every module uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides the candidate that changes memory. Defaults follow what memfit's
+    trainer writes (`dsconfig.build`): DeepSpeed defaults, with the bucket sizes scaled to the
+    model (`dsconfig.bucket_sizes`, HF's resolution of "auto") when `scaled_buckets`."""
+
+    scaled_buckets: bool = True  # bucket sizes = h*h (dsconfig.bucket_sizes); False: DS defaults
+    reduce_bucket_size: int | None = None  # elements; None: from scaled_buckets
+    stage3_prefetch_bucket_size: int | None = None  # elements gathered ahead of use (ZeRO-3)
+    stage3_max_live_parameters: int = 1_000_000_000  # DS default (runtime/zero/config.py)
+    sub_group_size: int = 1_000_000_000  # DS default; ZeRO-3 optimizer sub-group, elements
+    overlap_comm: bool | None = None  # None: as dsconfig writes it (stage >= 2)
+    lora_targets: tuple[str, ...] | None = None  # None: every linear of the decoder layer
+    lora_alpha_dropout: bool = False  # lora_dropout > 0 saves a dropout mask+output per target
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+    variable_length: bool = True  # batches of varying length (fragmentation), False: padded
+    optimizer_impl: str | None = None  # "fused" (DS FusedAdam), "foreach" or "single" (torch)
+    mfu: float = 0.40  # model FLOPs utilisation of the GPU's dense peak (Chowdhery et al. 2022)
+    cpu_adam_params_per_s: float = 1.0e9  # DeepSpeedCPUAdam throughput per node (AVX512, ~32 cores)
+    internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
+    activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.trace, cached)
+    trace_cache: str | None = None  # traced: cache directory (None: $MEMFIT_TRACE_CACHE or default)
+
+
+DEFAULT_SETTINGS = Settings()
+
+
+class EstimateError(ValueError):
+    """Bad input: unknown names, a config missing a field, an impossible combination."""
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes per element of the training dtype: fp32 4, bf16/fp16 2."""
+    return 4 if precision == "fp32" else 2

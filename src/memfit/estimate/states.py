@@ -1,0 +1,353 @@
+"""Model states per rank: how the parameters are laid out, which of them train, and what
+DeepSpeed ZeRO stage 0-3 keeps of weights, gradients and optimizer states on the device and
+on the host.
+
+The ZeRO paper (Rajbhandari et al. 2020, sec. 3, "2Ψ + 2Ψ + KΨ with K = 12") as DeepSpeed
+implements it in `deepspeed/runtime/zero/stage_1_and_2.py` and `stage3.py`; with DeepSpeed's
+own assumptions these equal `estimate_zero2_model_states_mem_needs` and
+`estimate_zero3_model_states_mem_needs` exactly (tests/test_estimate.py checks it).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from memfit.catalog import ModelArch
+from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
+from memfit.space import Candidate
+
+# bitsandbytes NF4 (Dettmers et al. 2023, QLoRA, sec. 3 "Double Quantization"): 4 bits per weight,
+# one fp32 absmax per block of 64; double quantization stores the absmax in 8 bits with one fp32
+# constant per 256 blocks: 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter.
+NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+
+# ---------------------------------------------------------------------------------------------
+# Parameters of the architecture, in HF module order.
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    total: int  # every parameter, tied embeddings once
+    embed: int  # V*h
+    lm_head: int  # V*h, 0 when tied
+    per_layer: int  # one decoder layer, norms and biases included
+    layer_tensors: tuple[int, ...]  # numel of each parameter tensor of one decoder layer
+    linear_shapes: tuple[tuple[str, int, int], ...]  # (name, in, out) per decoder layer
+    largest_module: int  # DS `model_to_params`: largest params of a single module (recurse=False)
+
+
+def _layer_tensors(arch: ModelArch) -> list[int]:
+    """Numel of each parameter tensor of one decoder layer: linears, their biases, the norms."""
+    h, hd = arch.hidden_size, arch.head_dim
+    q_out, kv_out = arch.num_attention_heads * hd, arch.num_kv_heads * hd
+    tensors: list[int] = []
+    for name, (fan_in, fan_out) in arch.linear_shapes().items():
+        tensors.append(fan_in * fan_out)
+        if arch.attention_bias and name in ("q_proj", "k_proj", "v_proj"):
+            tensors.append(fan_out)
+        if arch.attention_bias and name == "query_key_value":
+            tensors.append(q_out + 2 * kv_out)
+        if getattr(arch, "attention_out_bias", False) and name in ("o_proj", "dense"):
+            tensors.append(h)
+        if getattr(arch, "mlp_bias", False) and name in (
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "gate_up_proj",
+        ):
+            tensors.append(fan_out)
+    tensors += [h] * getattr(arch, "norms_per_layer", 2)
+    if arch.qk_norm:
+        tensors += [hd, hd]
+    return tensors
+
+
+@functools.lru_cache(maxsize=256)
+def param_layout(arch: ModelArch) -> ParamLayout:
+    """Parameter tensors of the HF implementation. Matches `ModelArch.num_params()`."""
+    tensors = _layer_tensors(arch)
+    per_layer = sum(tensors)
+    embed = arch.vocab_size * arch.hidden_size
+    lm_head = 0 if arch.tie_word_embeddings else embed
+    return ParamLayout(
+        total=embed + arch.num_layers * per_layer + arch.hidden_size + lm_head,
+        embed=embed,
+        lm_head=lm_head,
+        per_layer=per_layer,
+        layer_tensors=tuple(tensors),
+        linear_shapes=tuple((n, i, o) for n, (i, o) in arch.linear_shapes().items()),
+        largest_module=max([embed, *tensors]),
+    )
+
+
+def lora_targets(arch: ModelArch, settings: Settings) -> tuple[tuple[str, int, int], ...]:
+    """(name, in, out) of each adapted linear of one decoder layer."""
+    shapes = param_layout(arch).linear_shapes
+    if settings.lora_targets is None:
+        return shapes  # peft target_modules="all-linear" (lm_head excluded)
+    unknown = sorted(set(settings.lora_targets) - {n for n, _, _ in shapes})
+    if unknown:
+        raise EstimateError(
+            f"unknown LoRA target(s) {unknown} for {arch.name}; linear layers: {[n for n, _, _ in shapes]}"
+        )
+    return tuple(s for s in shapes if s[0] in settings.lora_targets)
+
+
+def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> int:
+    """Full: every parameter. LoRA/QLoRA: A (r x in) and B (out x r) per targeted linear
+    (Hu et al. 2021, sec. 4; peft LoraLayer.update_layer)."""
+    if cand.finetune == "full":
+        return param_layout(arch).total
+    r = cand.lora_rank
+    return arch.num_layers * sum(r * (i + o) for _, i, o in lora_targets(arch, settings))
+
+
+# ---------------------------------------------------------------------------------------------
+# Model states per rank (ZeRO)
+
+
+@dataclass
+class ModelStates:
+    """Bytes of the model states of one rank (device) and of its offloaded share (host)."""
+
+    params: int = 0  # device: weights (16-bit or fp32; QLoRA 4-bit) incl. the frozen reference
+    grads: int = 0  # device: gradient buffers that live through the step
+    grads_dynamic: int = 0  # device: param.grad tensors created by backward, freed by zero_grad
+    optimizer: int = 0  # device: fp32 master + Adam m and v (ZeRO's "K = 12")
+    gathered: int = 0  # device: ZeRO-3 gathered full layer (weights + its grad) in flight
+    buckets: int = 0  # device: ZeRO reduce/all-gather buckets, prefetch
+    host_optimizer: int = 0  # host per rank: offloaded master/m/v/fp32 grads
+    host_params: int = 0  # host per rank: offloaded 16-bit params
+    host_pinned: int = 0  # host per rank: bytes pinned buffers take beyond their size (rounding)
+    host_pin_source: int = 0  # host per rank: largest unpinned source copied into pinned memory
+    optimizer_resident_fraction: float = 1.0  # share of optimizer states on the device
+    offload_fraction: float = 0.0  # share actually offloaded (ZeRO-3 ratio, sub-group granularity)
+    notes: list[str] = field(default_factory=list)
+
+
+def pinned_rounding(n: int) -> int:
+    """Bytes a pinned buffer of n bytes takes beyond n.
+
+    PyTorch's CachingHostAllocator rounds pinned allocations up to the next power of two
+    (aten/src/ATen/core/CachingHostAllocator.h: "Round up the allocation to the nearest power of
+    two"), so a pinned 36 GB buffer takes 64 GB of page-locked RAM."""
+    return _next_pow2(n) - n
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (int(n) - 1).bit_length() if n > 0 else 0
+
+
+@functools.lru_cache(maxsize=1024)
+def zero3_subgroups(arch: ModelArch, world: int, sub_group_size: int) -> tuple[int, ...]:
+    """Numel of each ZeRO-3 optimizer sub-group on one rank.
+
+    stage3.py `_create_fp16_sub_groups`: parameters (their partition_numel, ceil(numel/world))
+    are appended in module order until the running sum reaches sub_group_size."""
+    layout = param_layout(arch)
+    order = [layout.embed]
+    order += list(layout.layer_tensors) * arch.num_layers
+    order += [arch.hidden_size] + ([layout.lm_head] if layout.lm_head else [])
+    parts = [-(-n // world) for n in order]
+    if sum(parts) <= sub_group_size:
+        return (sum(parts),)
+    groups, running = [], 0
+    for p in parts:
+        running += p
+        if running >= sub_group_size:
+            groups.append(running)
+            running = 0
+    if running:
+        groups.append(running)
+    return tuple(groups)
+
+
+def reduce_bucket_elements(arch: ModelArch, settings: Settings) -> int:
+    """reduce_bucket_size: h*h when scaled (dsconfig.bucket_sizes), else DeepSpeed's 5e8."""
+    if settings.reduce_bucket_size is not None:
+        return settings.reduce_bucket_size
+    return arch.hidden_size**2 if settings.scaled_buckets else 500_000_000
+
+
+def prefetch_bucket_elements(arch: ModelArch, settings: Settings) -> int:
+    """stage3_prefetch_bucket_size: 0.9*h*h when scaled (HF "auto"), else DeepSpeed's 5e7."""
+    if settings.stage3_prefetch_bucket_size is not None:
+        return settings.stage3_prefetch_bucket_size
+    return int(0.9 * arch.hidden_size**2) if settings.scaled_buckets else 50_000_000
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """The quantities every stage's formula uses (bytes unless the name says otherwise)."""
+
+    dtype: int  # d: bytes of the training dtype
+    trainable: int  # T: trainable parameters
+    world: int  # N: data-parallel ranks
+    resident: int  # weights + adapters + DPO reference copy, as they sit in memory
+    full: bool  # full fine-tuning (not LoRA/QLoRA)
+
+
+def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, method: str) -> int:
+    """Weights, LoRA adapters and the DPO reference copy, unpartitioned."""
+    layout = param_layout(arch)
+    d = dtype_bytes(cand.precision)
+    total = layout.total
+    # QLoRA: the decoder-layer linears are NF4, embeddings/norms/lm_head stay 16-bit; LoRA adapters
+    # are in the training dtype.
+    if cand.finetune == "qlora":
+        linear = arch.num_layers * sum(i * o for _, i, o in layout.linear_shapes)
+        weight_bytes = int(linear * NF4_BYTES_PER_PARAM) + (total - linear) * d
+        # peft.prepare_model_for_kbit_training upcasts the remaining (non-quantized) params to fp32
+        weight_bytes += (total - linear) * (4 - d)
+    else:
+        weight_bytes = total * d
+    adapter_bytes = 0 if cand.finetune == "full" else trainable * d
+    # DPO reference model (frozen, no grads or optimizer): a separate copy for ref=model (DeepSpeed
+    # wraps it in an inference engine with the same ZeRO stage), the same weights with adapters
+    # disabled for ref=adapter, nothing for precomputed log-probs.
+    reference_bytes = weight_bytes if (method == "dpo" and cand.ref == "model") else 0
+    return weight_bytes + adapter_bytes + reference_bytes
+
+
+def _stage0(cand: Candidate, sizes: _Sizes) -> ModelStates:
+    """16-bit params, param.grad from backward, an fp32 gradient accumulator (bf16/fp16:
+    runtime/bf16_optimizer.py), fp32 master + Adam m, v; fp32 training keeps no separate master
+    (the params are the master)."""
+    T, d = sizes.trainable, sizes.dtype
+    fp32 = cand.precision == "fp32"
+    return ModelStates(
+        params=sizes.resident,
+        grads_dynamic=d * T,
+        grads=0 if fp32 else 4 * T,
+        optimizer=(8 if fp32 else 12) * T,
+    )
+
+
+def _stage1_or_2(cand: Candidate, sizes: _Sizes) -> ModelStates:
+    """Only what the optimizer owns is partitioned: LoRA/QLoRA's frozen base weights stay
+    replicated. ZeRO-1/2 clone the fp32 partition (stage_1_and_2.py single_partition_of_fp32_groups)."""
+    T, d, N = sizes.trainable, sizes.dtype, sizes.world
+    states = ModelStates(params=sizes.resident, optimizer=12 * T // N)
+    if cand.zero == 1:
+        states.grads_dynamic = d * T  # full 16-bit grads until the reduce at the step boundary
+        states.grads = 4 * T // N  # fp32 partition of the averaged gradient
+    elif cand.precision == "fp32":
+        states.grads = 4 * T // N + 4 * T // N
+    else:
+        states.grads = (d + 4) * T // N  # grads_in_partition (16-bit) + fp32 partition grad
+    if cand.offload_optimizer == "cpu":
+        # stage_1_and_2.py with cpu_offload: fp32 master, m, v and the fp32 grad partition
+        # live on the host; the device keeps the 16-bit params and the buckets.
+        states.host_optimizer = 16 * T // N
+        states.grads, states.optimizer = 0, 0
+        if cand.pin_memory:
+            # the fp32 master partition (single_partition_of_fp32_groups) and the
+            # averaged-gradient partition are pinned
+            states.host_pinned = 2 * pinned_rounding(4 * T // N)
+            states.host_pin_source = 4 * T // N
+    return states
+
+
+def _stage3_offload_optimizer(
+    cand: Candidate,
+    sizes: _Sizes,
+    groups: tuple[int, ...],
+    sub_group_size: int,
+    states: ModelStates,
+) -> None:
+    """stage3.py `_create_fp32_partitions`: sub-group i goes to the host when
+    i >= int((1 - ratio) * n_subgroups); the rest stays on the device."""
+    T, N = sizes.trainable, sizes.world
+    n = len(groups)
+    first_offloaded = int((1 - cand.offload_ratio) * n)
+    on_device = sum(g for i, g in enumerate(groups) if i < first_offloaded)
+    on_host = sum(groups) - on_device
+    fraction = on_host / max(sum(groups), 1)
+    states.offload_fraction = fraction
+    states.optimizer_resident_fraction = 1 - fraction
+    if cand.offload_ratio < 1.0 and abs(fraction - cand.offload_ratio) > 0.02:
+        states.notes.append(
+            f"offload_ratio {cand.offload_ratio:g} offloads {fraction:.0%} of the optimizer states: "
+            f"{n} sub-group(s) of sub_group_size {sub_group_size:.3g} per rank "
+            f"(stage3.py _create_fp32_partitions rounds the ratio to whole sub-groups)"
+        )
+    # device keeps master/m/v (12) and the fp32 grad (4) of the device sub-groups
+    states.optimizer = 12 * on_device
+    states.grads = 4 * on_device
+    states.host_optimizer = 12 * on_host + 4 * T // N  # + grad_partitions_flat_buffer on the host
+    if cand.pin_memory:
+        # the host sub-groups' fp32 master buffers and grad_partitions_flat_buffer
+        host_groups = [g for i, g in enumerate(groups) if i >= first_offloaded]
+        states.host_pinned = sum(pinned_rounding(4 * g) for g in host_groups)
+        states.host_pinned += pinned_rounding(4 * T // N)
+        states.host_pin_source = 4 * max(groups)
+
+
+def _stage3(arch: ModelArch, cand: Candidate, sizes: _Sizes, settings: Settings) -> ModelStates:
+    """Everything partitioned, the DPO reference too, plus the gathered largest module in flight
+    and its 16-bit gradient before reduce-scatter (DeepSpeed's `largest_layer_memory =
+    4 * largest_layer_params`)."""
+    T, d, N = sizes.trainable, sizes.dtype, sizes.world
+    largest = param_layout(arch).largest_module
+    states = ModelStates(
+        params=sizes.resident // N,
+        gathered=d * largest + (d * largest if sizes.full else 0),
+        grads=4 * T // N,  # grad_partitions_flat_buffer (fp32) on the device
+        optimizer=12 * T // N,
+    )
+    if cand.offload_optimizer == "cpu":
+        groups = zero3_subgroups(arch, N, settings.sub_group_size) if sizes.full else (T // N,)
+        _stage3_offload_optimizer(cand, sizes, groups, settings.sub_group_size, states)
+    if cand.offload_param == "cpu":
+        # partitioned 16-bit params live on the host, fetched per layer
+        states.host_params, states.params = states.params, 0
+        if cand.pin_memory:
+            states.host_pinned += pinned_rounding(states.host_params)
+    prefetch = prefetch_bucket_elements(arch, settings)
+    states.buckets += d * min(prefetch, settings.stage3_max_live_parameters)
+    return states
+
+
+def model_states(
+    arch: ModelArch,
+    cand: Candidate,
+    world: int,
+    settings: Settings,
+    method: str = "sft",
+) -> ModelStates:
+    """Per-rank model states under DeepSpeed ZeRO stage 0-3 with optional offload.
+
+    Ψ = all params, T = trainable params, N = data-parallel world size, d = bytes of the
+    training dtype. ZeRO paper sec. 5 (Pos / Pos+g / Pos+g+p) as DeepSpeed implements it:
+      stage 0: 16-bit params dΨ, grads, fp32 master+m+v 12T (bf16: DeepSpeed's BF16_Optimizer also
+               keeps an fp32 gradient accumulator, 4T: runtime/bf16_optimizer.py)
+      stage 1: dΨ + d T grads + (4 + 12) T / N   (fp32 grad partition staged at reduce)
+      stage 2: dΨ + (d + 4) T / N + 12 T / N     (= DeepSpeed's 2Ψ + 18Ψ/N for bf16 full)
+      stage 3: (dΨ + (4 + 12) T) / N + 2 d * largest module (gathered weight and its grad;
+               DeepSpeed's `largest_layer_memory = 4 * largest_layer_params`)
+    fp32 training keeps no separate master copy at stage 0 (the params are the master), but
+    ZeRO-1/2 clone the fp32 partition (stage_1_and_2.py single_partition_of_fp32_groups).
+    """
+    trainable = trainable_params(arch, cand, settings)
+    sizes = _Sizes(
+        dtype=dtype_bytes(cand.precision),
+        trainable=trainable,
+        world=world,
+        resident=_resident_weight_bytes(arch, cand, trainable, method),
+        full=cand.finetune == "full",
+    )
+    if cand.zero == 0:
+        states = _stage0(cand, sizes)
+    elif cand.zero in (1, 2):
+        states = _stage1_or_2(cand, sizes)
+    else:
+        states = _stage3(arch, cand, sizes, settings)
+    # Reduce buckets (stage_1_and_2.py setup_buckets / stage3.py IPG buffer): one buffer of
+    # reduce_bucket_size elements, two with overlap_comm; ZeRO-1 stages fp32.
+    if cand.zero >= 1:
+        elements = min(reduce_bucket_elements(arch, settings), max(trainable, 1))
+        overlap = settings.overlap_comm if settings.overlap_comm is not None else cand.zero >= 2
+        buffers = 2 if (overlap and cand.zero < 3) else 1
+        states.buckets += elements * (4 if cand.zero == 1 else sizes.dtype) * buffers
+    return states

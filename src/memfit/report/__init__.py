@@ -1,0 +1,52 @@
+"""What ran, what was chosen and why, and whether it held: one self-contained HTML page.
+
+`write_report` reads the workflow's JSON outputs (selected.json with candidates.json
+beside it, train/summary.json with train/metrics.jsonl beside it, verify_resume.json,
+the data stats.json files) and writes a single HTML file: inline CSS, plots as inline
+PNG images (matplotlib's Agg canvas, no pyplot state), no script and no external URL,
+so the page can be mailed or attached to a ticket as it is.
+
+Every required input (the paths passed in) is read and checked before anything is
+written, and the page goes to a temporary sibling that is renamed into place: a
+malformed input raises `ReportError` naming the file and leaves the previous page (or
+none) untouched. Files found beside the inputs (candidates.json, metrics.jsonl) are
+optional: when missing or unreadable the page says so and goes on.
+
+Modules: `inputs` (reading and checking the files into `RunOutputs`), `charts` (figures),
+`fmt` (numbers and configurations in words), `page` (the HTML).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from memfit.atomic import write_text_atomic
+
+from .fmt import describe
+from .inputs import ReportError, RunOutputs, read_inputs
+from .page import render
+
+__all__ = ["ReportError", "RunOutputs", "describe", "write_report"]
+
+Paths = Iterable[str | os.PathLike] | str | os.PathLike
+
+
+def write_report(
+    selected: Paths,
+    summaries: Paths | None,
+    resume: Paths | None,
+    data_stats: Paths | None,
+    out_html: str | os.PathLike,
+) -> Path:
+    """Write the report page to `out_html` atomically; return its path.
+
+    `summaries` and `resume` are matched to runs by directory
+    (`<run>/train/summary.json`, `<run>/verify_resume.json`); any that match no run are
+    still shown, under "Inputs not matched to a run", so a failed check is never hidden.
+    """
+    page = render(read_inputs(selected, summaries, resume, data_stats))
+    out = Path(out_html)
+    write_text_atomic(out, page)
+    return out

@@ -1,0 +1,215 @@
+"""The page's figures: matplotlib on the Agg canvas (no pyplot state), embedded as inline PNG."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from typing import Any
+
+from memfit.rows import Budget
+
+from .fmt import _e, _measured, _num, _unit_for
+from .inputs import RunOutputs
+
+MAX_BARS = 40  # candidates drawn per chart (the table lists all); best ranked first
+BREAKDOWN = ("params", "grads", "optimizer", "activations", "logits", "reference", "temporaries", "overheads")
+DPO_CURVES = ("rewards/accuracies", "rewards/margins")
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _img(fig, alt: str) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
+    data = base64.b64encode(buf.getvalue()).decode("ascii")
+    return f'<img class="plot" alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _label(x: Any) -> str:
+    return str(x).replace("$", r"\$")  # a `$` would start matplotlib mathtext
+
+
+def _budget_lines(ax, budget: Budget, unit: int, uname: str) -> None:
+    dev, head = float(budget.device_bytes), float(budget.headroom)
+    limit = dev * (1.0 - head)
+    ax.axvline(dev / unit, color="black", lw=1.2, label=f"device budget {dev / unit:.2f} {uname}")
+    if head:
+        ax.axvspan(limit / unit, dev / unit, color="tab:red", alpha=0.12, label=f"{head:.0%} headroom")
+        ax.axvline(limit / unit, color="tab:red", lw=1.2, ls="--", label=f"usable {limit / unit:.2f} {uname}")
+
+
+def _bar_rows(run: RunOutputs) -> list:
+    return run.rows[:MAX_BARS]
+
+
+def _shown_of(run: RunOutputs) -> str:
+    n = len(run.rows)
+    return f'<p class="muted">Showing the {MAX_BARS} best ranked of {n} candidates; the table lists all.</p>' if n > MAX_BARS else ""
+
+
+def _style_ticks(ax, rows: list, selected_id: Any) -> None:
+    """Candidate ids on the y axis (CandidateRow or EstimateRow), the selected one in bold green."""
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([_label(r.id) for r in rows], fontsize=7)
+    for tick, r in zip(ax.get_yticklabels(), rows, strict=True):
+        if r.id == selected_id:
+            tick.set_fontweight("bold")
+            tick.set_color("tab:green")
+    ax.invert_yaxis()
+    ax.grid(axis="x", alpha=0.3)
+
+
+def memory_chart(run: RunOutputs) -> str:
+    """Predicted vs measured peak per candidate, against the budget and its headroom."""
+    rows = _bar_rows(run)
+    probes = [r.probe for r in rows if r.probe is not None]
+    if any(p.get("peak_reserved_bytes") is not None for p in probes):
+        key, what = "peak_reserved_bytes", "peak reserved"
+    elif probes:
+        key, what = "peak_allocated_bytes", "peak allocated"
+    else:
+        key, what = "device_total_bytes", "device total (reserved + CUDA context)"
+    pred = [_num(getattr(r.predicted, key)) for r in rows]
+    if key == "device_total_bytes":
+        pred = [p if p is not None else _num(r.device_bytes) for p, r in zip(pred, rows, strict=True)]
+    meas = [_num(_measured(r)[0]) if _measured(r)[1] in ("reserved", "allocated") else None for r in rows]
+    budget = run.selection.budget
+    if not any(v is not None for v in pred + meas):
+        return "<p>No memory figures to draw.</p>"
+    unit, uname = _unit_for([*pred, *meas, budget.device_bytes])
+    fig = _figure(9, 1.4 + 0.32 * len(rows))
+    ax = fig.add_subplot()
+    y = range(len(rows))
+    ax.barh([i - 0.2 for i in y], [(p or 0) / unit for p in pred], 0.4, color="tab:blue", alpha=0.55, label=f"predicted {what}")
+    if probes:
+        ax.barh([i + 0.2 for i in y], [(m or 0) / unit for m in meas], 0.4, color="tab:orange", label=f"measured {what} (probe)")
+    for i, r in enumerate(rows):
+        status = _measured(r)[1]
+        if status and status not in ("reserved", "allocated"):
+            ax.text(0, i + 0.2, f" {status} in probe", va="center", fontsize=7, color="tab:red", fontweight="bold")
+    _budget_lines(ax, budget, unit, uname)
+    _style_ticks(ax, rows, run.selected.id)
+    ax.set_xlabel(f"{what} per device ({uname})")
+    ax.set_title(f"Memory per candidate: {run.title}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars reach the budget
+    return _img(fig, f"memory per candidate, {run.title}") + _shown_of(run)
+
+
+def breakdown_chart(run: RunOutputs) -> str:
+    """The estimator's predicted device memory per candidate, stacked by component."""
+    if run.table is None:
+        return "<p>No candidates.json beside selected.json: the predicted breakdown is not shown.</p>"
+    by_id = {r.id: r for r in run.table.rows}
+    order = [r.id for r in run.rows if r.id in by_id] or list(by_id)
+    rows = [by_id[i] for i in order[:MAX_BARS] if by_id[i].breakdown is not None]
+    if not rows:
+        return "<p>The candidate table has no breakdown to draw.</p>"
+    totals = [sum(v for v in map(_num, r.breakdown.values()) if v is not None) for r in rows]
+    budget = run.selection.budget
+    unit, uname = _unit_for([*totals, budget.device_bytes])
+    fig = _figure(9, 1.6 + 0.32 * len(rows))
+    ax = fig.add_subplot()
+    left = [0.0] * len(rows)
+    colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
+    for comp, color in zip(BREAKDOWN, colors, strict=True):
+        vals = [(_num(r.breakdown.get(comp)) or 0.0) / unit for r in rows]
+        if any(vals):
+            ax.barh(range(len(rows)), vals, 0.7, left=left, color=color, label=comp)
+            left = [a + b for a, b in zip(left, vals, strict=True)]
+    _budget_lines(ax, budget, unit, uname)
+    _style_ticks(ax, rows, run.selected.id)
+    ax.set_xlabel(f"predicted device memory at the peak ({uname})")
+    ax.set_title(f"Predicted breakdown: {run.title}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _img(fig, f"predicted memory breakdown per candidate, {run.title}") + _shown_of(run)
+
+
+def curves_chart(metrics: list[dict[str, Any]], title: str) -> str:
+    """Loss (train and eval), DPO reward accuracy and margin, and peak memory per step."""
+    train = [r for r in metrics if r.get("split", "train") == "train"]
+    evals = [r for r in metrics if r.get("split") == "eval"]
+    panels = [("loss", "loss")]
+    panels += [(k, k) for k in DPO_CURVES if any(_num(r.get(k)) is not None for r in metrics)]
+    mem = any(_num(r.get("peak_allocated_bytes")) is not None for r in train)
+    if not any(_num(r.get("loss")) is not None for r in metrics):
+        return "<p>The metrics file has no loss values to draw.</p>"
+    n = len(panels) + (1 if mem else 0)
+    cols = 2 if n > 1 else 1
+    nrows = math.ceil(n / cols)
+    fig = _figure(9 if cols == 2 else 6, 3.0 * nrows)
+    for i, (key, label) in enumerate(panels):
+        ax = fig.add_subplot(nrows, cols, i + 1)
+        for rows, name, style in ((train, "train", "-"), (evals, "eval", "o-")):
+            pts = [(r["step"], _num(r.get(key))) for r in rows if _num(r.get(key)) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, ms=4, lw=1.2, label=name)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.set_title(label, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if mem:
+        ax = fig.add_subplot(nrows, cols, n)
+        unit, uname = _unit_for(r.get("peak_allocated_bytes") for r in train)
+        for key, name in (("peak_allocated_bytes", "allocated"), ("peak_reserved_bytes", "reserved")):
+            pts = [(r["step"], _num(r.get(key)) / unit) for r in train if _num(r.get(key)) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), lw=1.2, label=f"peak {name}")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(uname)
+        ax.set_title(f"device memory peak per step ({uname}, largest rank)", fontsize=9)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(_label(title), fontsize=10)
+    fig.tight_layout()
+    return _img(fig, f"training curves, {title}")
+
+
+def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, what: str = "Selected candidate memory", measured_from: int = 1, alt: str = "training peak vs probe peak") -> str:
+    """Peak allocated and reserved of several figure sets (predicted, probe, training...), side by side."""
+    # Only what was measured: a predicted reserved peak alone (the CPU reports none) compares nothing.
+    measured = figures[measured_from:]
+    kinds = [k for k in ("peak_allocated_bytes", "peak_reserved_bytes") if any(_num(f.get(k)) is not None for _, f in measured)]
+    if not kinds:
+        return ""
+    unit, uname = _unit_for(f.get(k) for _, f in figures for k in kinds)
+    fig = _figure(6, 2.8)
+    ax = fig.add_subplot()
+    width = 0.8 / len(figures)
+    for j, (name, f) in enumerate(figures):
+        xs = [i - 0.4 + width * (j + 0.5) for i in range(len(kinds))]
+        ax.bar(xs, [(_num(f.get(k)) or 0) / unit for k in kinds], width, label=name)
+    ax.set_xticks(range(len(kinds)))
+    ax.set_xticklabels([k.replace("_bytes", "").replace("_", " ") for k in kinds])
+    ax.set_ylabel(uname)
+    ax.set_title(_label(f"{what}: {title}"), fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    return _img(fig, f"{alt}, {title}")
+
+
+def length_chart(stats: dict[str, Any], title: str) -> str:
+    length = stats.get("length") if isinstance(stats.get("length"), dict) else {}
+    keys = [k for k in ("min", "p50", "p90", "p99", "max") if _num(length.get(k)) is not None]
+    if not keys:
+        return ""
+    fig = _figure(5.5, 2.6)
+    ax = fig.add_subplot()
+    ax.bar(keys, [_num(length[k]) for k in keys], color="tab:blue", alpha=0.7)
+    if _num(length.get("mean")) is not None:
+        ax.axhline(length["mean"], color="tab:green", lw=1, label=f"mean {length['mean']:.1f}")
+    if _num(stats.get("max_len")) is not None:
+        ax.axhline(stats["max_len"], color="tab:red", ls="--", lw=1, label=f"max_len {stats['max_len']}")
+    ax.set_ylabel("tokens per row")
+    ax.set_title(_label(f"Row length: {title}"), fontsize=10)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    return _img(fig, f"length distribution, {title}")

@@ -1,0 +1,463 @@
+"""The estimator against published GPU measurements (`tests/public_measurements.yaml`).
+
+Each row of the table is one fine-tuning run someone else measured on real GPUs, with its
+setting (model, GPUs, ZeRO stage/FSDP, offload, LoRA/QLoRA, sequence length, micro batch,
+checkpointing, attention kernel) and what was measured. `load_table` checks every row and
+turns it into an estimator call; `compare` runs `memfit.estimate.estimate` and compares the
+figure that matches the measurement:
+
+    torch.cuda.max_memory_allocated -> Estimate.peak_allocated_bytes
+    torch.cuda.max_memory_reserved  -> Estimate.peak_reserved_bytes
+    nvidia-smi (device memory used) -> Estimate.device_total_bytes
+    max-fit (longest run that fit)  -> Estimate.device_total_bytes vs the GPU's memory
+
+The error is `predicted / published - 1`: negative means memfit predicts less than was
+measured (optimistic: a user following it can OOM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from memfit import catalog
+
+# the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
+# package); Estimate is only used for annotations
+from memfit.estimate import EstimateError, Settings, estimate
+from memfit.space import Candidate
+from memfit.units import GIB, MIB
+
+if TYPE_CHECKING:
+    from memfit.estimate import Estimate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TABLE = REPO_ROOT / "tests" / "public_measurements.yaml"
+FIXTURE_MODELS = REPO_ROOT / "tests" / "fixtures" / "public_models"
+
+REQUIRED = (
+    "id",
+    "source",
+    "quote",
+    "framework",
+    "model",
+    "gpu",
+    "num_gpus",
+    "finetune",
+    "lora_rank",
+    "lora_targets",
+    "lora_dropout",
+    "precision",
+    "zero",
+    "offload",
+    "seq_len",
+    "micro_batch",
+    "grad_accum",
+    "grad_ckpt",
+    "attn",
+    "measured",
+    "loss_impl",
+    "published",
+    "notes",
+)
+OPTIONAL = ("unit_note", "explained", "device_memory")
+MEASURED = ("allocated", "reserved", "nvidia-smi", "max-fit")
+# The estimator figure each kind of measurement is compared with.
+FIGURE = {
+    "allocated": "peak_allocated_bytes",
+    "reserved": "peak_reserved_bytes",
+    "nvidia-smi": "device_total_bytes",
+    "max-fit": "device_total_bytes",
+}
+UNITS = {"GB": 10**9, "GiB": GIB, "MiB": MIB}
+LOSS_IMPL = ("hf-model-fp32", "hf-loss-function", "torchtune-held")
+OFFLOAD = {
+    "none": ("none", "none"),
+    "optimizer": ("cpu", "none"),
+    "optimizer+param": ("cpu", "cpu"),
+}
+
+# Targets of the issue (#16): median |error| <= 8%, no row more than 5% low unless explained.
+TARGET_MEDIAN = 0.08
+TARGET_LOW = -0.05
+
+
+class TableError(ValueError):
+    """A row of the measurement table is incomplete or does not map to an estimator call."""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    raw: Mapping[str, Any]
+    model: str
+    gpu: str
+    num_gpus: int
+    cand: Candidate
+    settings: Settings
+    measured: str
+    published_bytes: int
+    explained: str = ""
+    budget_bytes: int | None = None  # device memory of a max-fit/oom row when not the GPU's own
+
+    @property
+    def figure(self) -> str:
+        return FIGURE[self.measured]
+
+
+@dataclass
+class Result:
+    row: Row
+    est: Estimate
+    predicted_bytes: int
+    published_bytes: int
+    error: float  # predicted / published - 1
+    dominant: str  # largest component of the estimate's breakdown at its peak
+
+    @property
+    def low(self) -> bool:
+        """More than 5% below the measurement (the estimate would let a user OOM)."""
+        return self.error < TARGET_LOW
+
+
+def _model(name: str):
+    fixture = FIXTURE_MODELS / f"{name}.json"
+    if fixture.exists():
+        return catalog.model_from_config_file(fixture)
+    return catalog.model(name)
+
+
+def _row(d: Mapping[str, Any], where: str) -> Row:
+    rid = d.get("id", "?")
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise TableError(f"{where}: row {rid!r} lacks {missing}")
+    unknown = sorted(set(d) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise TableError(f"{where}: row {rid!r} has unknown keys {unknown}")
+    for k in ("source", "quote", "framework"):
+        if not str(d[k]).strip():
+            raise TableError(f"{where}: row {rid!r}: {k} is empty")
+    if d["measured"] not in MEASURED:
+        raise TableError(
+            f"{where}: row {rid!r}: measured must be one of {MEASURED}, got {d['measured']!r}"
+        )
+    if d["loss_impl"] not in LOSS_IMPL:
+        raise TableError(
+            f"{where}: row {rid!r}: loss_impl must be one of {LOSS_IMPL}, got {d['loss_impl']!r}"
+        )
+    if d["offload"] not in OFFLOAD:
+        raise TableError(
+            f"{where}: row {rid!r}: offload must be one of {sorted(OFFLOAD)}, got {d['offload']!r}"
+        )
+    try:
+        arch = _model(str(d["model"]))
+        gpu = catalog.gpu(str(d["gpu"]))
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        raise TableError(f"{where}: row {rid!r}: {exc}") from None
+    pub = d["published"]
+    if not isinstance(pub, Mapping) or set(pub) != {"value", "unit"}:
+        raise TableError(f"{where}: row {rid!r}: published must be {{value, unit}}, got {pub!r}")
+    budget = None
+    if "device_memory" in d:
+        dm = d["device_memory"]
+        if not isinstance(dm, Mapping) or dm.get("unit") not in UNITS or "unit_note" not in d:
+            raise TableError(
+                f"{where}: row {rid!r}: device_memory must be {{value, unit}} with unit in "
+                f"{sorted(UNITS)} and a unit_note, got {dm!r}"
+            )
+        budget = int(float(dm["value"]) * UNITS[dm["unit"]])
+    if d["measured"] == "max-fit" or pub["unit"] == "device":
+        if not (d["measured"] == "max-fit" or rid.endswith("-oom")) or pub["unit"] != "device":
+            raise TableError(
+                f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)"
+            )
+        published = budget if budget is not None else gpu.memory_bytes
+    else:
+        if pub["unit"] not in UNITS:
+            raise TableError(
+                f"{where}: row {rid!r}: unit must be one of {sorted(UNITS)} or device, got {pub['unit']!r}"
+            )
+        if pub["unit"] == "GB" or pub["unit"] == "GiB":
+            if "unit_note" not in d:
+                raise TableError(
+                    f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)"
+                )
+        published = int(float(pub["value"]) * UNITS[pub["unit"]])
+    oo, op = OFFLOAD[d["offload"]]
+    finetune = d["finetune"]
+    if finetune == "full":
+        if d["lora_rank"] is not None or d["lora_targets"] is not None:
+            raise TableError(
+                f"{where}: row {rid!r}: full fine-tuning takes lora_rank/lora_targets null"
+            )
+        rank, targets = Candidate.lora_rank, None
+    else:
+        rank = int(d["lora_rank"])
+        t = d["lora_targets"]
+        if t == "all-linear":
+            targets = None
+        elif isinstance(t, list) and t:
+            targets = tuple(str(x) for x in t)
+        else:
+            raise TableError(
+                f"{where}: row {rid!r}: lora_targets must be all-linear or a list, got {t!r}"
+            )
+    try:
+        cand = Candidate(
+            zero=int(d["zero"]),
+            offload_optimizer=oo,
+            offload_param=op,
+            grad_ckpt=bool(d["grad_ckpt"]),
+            attn=d["attn"],
+            finetune=finetune,
+            lora_rank=rank,
+            micro_batch=int(d["micro_batch"]),
+            seq_len=int(d["seq_len"]),
+            grad_accum=int(d["grad_accum"]),
+            precision=d["precision"],
+            ref="precomputed" if finetune == "full" else "adapter",
+        )
+    except ValueError as exc:
+        raise TableError(f"{where}: row {rid!r}: {exc}") from None
+    settings = dataclasses.replace(
+        Settings(),
+        lora_targets=targets,
+        lora_alpha_dropout=bool(d["lora_dropout"]),
+        # every row's batches are packed or padded to seq_len (see the rows' notes): one shape
+        # every step, the estimator's fixed-shape fragmentation share
+        variable_length=False,
+    )
+    row = Row(
+        id=str(rid),
+        raw=dict(d),
+        model=str(d["model"]),
+        gpu=gpu.name,
+        num_gpus=int(d["num_gpus"]),
+        cand=cand,
+        settings=settings,
+        measured=d["measured"],
+        published_bytes=published,
+        explained=str(d.get("explained", "") or ""),
+        budget_bytes=budget,
+    )
+    # the row must map to a valid estimator call (targets that exist, hardware that can run it)
+    try:
+        e = estimate(
+            arch, gpu, row.num_gpus, 1, "sft", cand, budget_bytes=budget, settings=settings
+        )
+    except EstimateError as exc:
+        raise TableError(f"{where}: row {rid!r}: {exc}") from None
+    if e.invalid:
+        raise TableError(f"{where}: row {rid!r}: the estimator calls it invalid: {e.reason}")
+    return row
+
+
+def load_table(path: Path = TABLE) -> tuple[list[Row], list[Row]]:
+    """(measurement rows, out-of-memory rows) of the table, each checked."""
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc, Mapping) or "rows" not in doc:
+        raise TableError(f"{path}: expected a mapping with `rows:`")
+    rows = [_row(d, f"{path} rows[{i}]") for i, d in enumerate(doc["rows"])]
+    ooms = [_row(d, f"{path} oom[{i}]") for i, d in enumerate(doc.get("oom") or [])]
+    ids = [r.id for r in rows + ooms]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise TableError(f"{path}: duplicate row ids {dup}")
+    return rows, ooms
+
+
+def predict(row: Row) -> Estimate:
+    arch = _model(row.model)
+    return estimate(
+        arch,
+        catalog.gpu(row.gpu),
+        row.num_gpus,
+        1,
+        "sft",
+        row.cand,
+        budget_bytes=row.budget_bytes,
+        settings=row.settings,
+    )
+
+
+def _dominant(e: Estimate) -> str:
+    bd = {k: v for k, v in e.breakdown.items() if v > 0}
+    return max(bd, key=bd.get) if bd else ""
+
+
+def compare(row: Row, est: Estimate | None = None) -> Result:
+    e = est if est is not None else predict(row)
+    pred = int(getattr(e, row.figure))
+    return Result(
+        row=row,
+        est=e,
+        predicted_bytes=pred,
+        published_bytes=row.published_bytes,
+        error=pred / row.published_bytes - 1,
+        dominant=_dominant(e),
+    )
+
+
+@dataclass(frozen=True)
+class Summary:
+    n: int
+    median_abs: float
+    worst: Result
+    low_unexplained: tuple[str, ...]  # ids more than 5% low without an `explained:` note
+    n_low: int
+    n_high: int
+
+    @property
+    def meets_targets(self) -> bool:
+        return self.median_abs <= TARGET_MEDIAN and not self.low_unexplained
+
+    def line(self) -> str:
+        w = self.worst
+        return (
+            f"{self.n} rows: median |error| {self.median_abs:.1%}, worst {w.error:+.1%} ({w.row.id}); "
+            f"{self.n_low} predicted low, {self.n_high} high; "
+            f"> 5% low without explanation: {len(self.low_unexplained)}"
+        )
+
+
+def summarize(results: Iterable[Result]) -> Summary:
+    res = list(results)
+    if not res:
+        raise TableError("no rows to summarize")
+    worst = max(res, key=lambda r: abs(r.error))
+    return Summary(
+        n=len(res),
+        median_abs=statistics.median(abs(r.error) for r in res),
+        worst=worst,
+        low_unexplained=tuple(r.row.id for r in res if r.low and not r.row.explained),
+        n_low=sum(r.error < 0 for r in res),
+        n_high=sum(r.error >= 0 for r in res),
+    )
+
+
+def max_fitting_seq_len(
+    row: Row, lo: int = 128, hi: int = 1 << 20, with_proposals: bool = False
+) -> int:
+    """The longest seq_len the estimator says fits this row's device (bisection on the device
+    total); with_proposals adds the prototyped terms of PROPOSALS at each length."""
+
+    def fits(s: int) -> bool:
+        r = dataclasses.replace(row, cand=dataclasses.replace(row.cand, seq_len=s))
+        e = predict(r)
+        extra = sum(f(r, e) for f in PROPOSALS.values()) if with_proposals else 0
+        return e.device_total_bytes + extra <= e.device_memory_bytes
+
+    if not fits(lo):
+        return 0
+    while lo < hi - 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def table_lines(results: Iterable[Result]) -> list[str]:
+    """The comparison as fixed-width text lines."""
+    head = f"{'id':46} {'measured':10} {'published':>11} {'memfit':>11} {'error':>7}  {'peak phase':20} dominant"
+    out = [head, "-" * len(head)]
+    for r in results:
+        out.append(
+            f"{r.row.id:46} {r.row.measured:10} {r.published_bytes / GIB:8.2f} GiB "
+            f"{r.predicted_bytes / GIB:8.2f} GiB {r.error:+7.1%}  {r.est.peak_phase:20} {r.dominant}"
+            + ("  [explained]" if r.row.explained else "")
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Proposed estimator changes, prototyped on the table and not applied to memfit.estimate (the
+# mechanism and source of each is in its docstring). Each returns the bytes it would add to the
+# figure the row is compared with.
+
+
+def _tokens_vocab(row: Row) -> int:
+    return row.cand.micro_batch * row.cand.seq_len * _model(row.model).vocab_size
+
+
+def held_logits_term(row: Row, e: Estimate) -> int:
+    """Logits the caller still references while the loss runs or backpropagates.
+
+    - torchtune-held: the recipe's `logits` (fp32: TransformerDecoder's output `.float()`) stays
+      referenced through `loss.backward()`; torchtune later added `del logits  # free logits
+      otherwise it peaks backward memory` to its recipes (recipes/lora_finetune_single_device.py).
+      +4 t V at the loss backward.
+    - hf-loss-function: transformers >= 4.46 `LlamaForCausalLM.forward` keeps its 16-bit
+      `logits` while `self.loss_function` (loss/loss_utils.py ForCausalLMLoss) builds the fp32
+      upcast, the shifted `.contiguous()` copy and log_softmax's output: 2 + 4 + 4 + 4 = 14 t V
+      at the loss forward, where memfit's largest logits phase holds 12 t V. +2 t V.
+    - hf-model-fp32 (transformers <= 4.45): the upcast rebinds `logits`, the 16-bit tensor is
+      freed; 12 t V at most, as memfit counts. +0.
+    Only the part above the estimate's current peak moves the figure.
+    """
+    impl = row.raw["loss_impl"]
+    tv = _tokens_vocab(row)
+    extra = {"torchtune-held": 4 * tv, "hf-loss-function": 2 * tv}.get(impl, 0)
+    if not extra:
+        return 0
+    return max(0, e.phases["loss_backward"] + extra - e.peak_allocated_bytes)
+
+
+def logits_block_cache_term(row: Row, e: Estimate) -> int:
+    """Reserved memory the caching allocator cannot reuse for the next step's logits.
+
+    The fp32 [t, V] blocks (log_softmax's output and its gradients) are the largest transient
+    allocations. Freed after the loss backward they stay cached; the next forward's long-lived
+    allocations (checkpointed layer inputs, live until the backward) are carved out of them,
+    because the caching allocator splits cached large-pool blocks to serve smaller requests
+    (PyTorch "CUDA semantics": max_split_size_mb "prevents the native allocator from splitting
+    blocks larger than this size ... can reduce fragmentation"; c10/cuda/CUDACachingAllocator.cpp
+    `get_free_block` / `alloc_found_block`), so the next loss needs a fresh segment. One such
+    block, 4 t V, stays reserved beyond the allocated peak. Device-level figures only, and not
+    with expandable_segments (segments then grow in place).
+    """
+    if row.measured == "allocated" or row.settings.expandable_segments:
+        return 0
+    return 4 * _tokens_vocab(row)
+
+
+# NCCL's device memory per process with cuMem allocation (NCCL >= 2.19 enables it by default,
+# NCCL docs "NCCL_CUMEM_ENABLE", quoted in vllm-project/vllm PR #5091): vLLM's memory profiler
+# measured non-torch memory of 1.79 GiB for one H100 process and 3.58 GiB for each of two
+# tensor-parallel processes (vllm-project/vllm PR #10511, Meta-Llama-3-8B, -tp 1 vs -tp 2): the
+# communicator adds 1.79 GiB per process. An outside measurement, not fitted to this table.
+NCCL_CUMEM_BYTES = int(1.79 * GIB)
+
+
+def nccl_buffers_term(row: Row, e: Estimate) -> int:
+    """NCCL communicator memory beyond what memfit counts, for device-level figures of
+    multi-GPU runs. memfit's `_device_overheads` counts min(256, 32 x peers) MiB
+    (2 x NCCL_BUFFSIZE per channel per peer, ring); with cuMem (NCCL >= 2.19) one communicator
+    took 1.79 GiB per process on an H100 (NCCL_CUMEM_BYTES). On H100 NVSwitch systems with more
+    than 2 GPUs NCCL also maps NVLink-SHARP buffers (NCCL log `nvlsTotalSize`, vllm issue #9699),
+    not counted here.
+    """
+    if row.num_gpus < 2 or row.measured in ("allocated", "reserved"):
+        return 0
+    counted = min(256, 32 * (row.num_gpus - 1)) * MIB  # memfit.estimate._device_overheads
+    return max(0, NCCL_CUMEM_BYTES - counted)
+
+
+PROPOSALS = {
+    "held_logits": held_logits_term,
+    "logits_block_cache": logits_block_cache_term,
+    "nccl_buffers": nccl_buffers_term,
+}
+
+
+def with_proposals(r: Result) -> tuple[float, dict[str, int]]:
+    """The row's error if the proposed terms were in the estimator, and each term's bytes."""
+    terms = {name: f(r.row, r.est) for name, f in PROPOSALS.items()}
+    pred = r.predicted_bytes + sum(terms.values())
+    return pred / r.published_bytes - 1, terms

@@ -1,0 +1,59 @@
+"""Device overheads, fragmentation, host memory and step time (memfit.estimate.costs)."""
+
+from __future__ import annotations
+
+from memfit import catalog
+from memfit.estimate import (
+    Settings,
+    device_overheads,
+    fragmentation,
+    host_memory,
+    model_states,
+    step_time,
+)
+from memfit.space import Candidate
+from memfit.units import GIB, MIB
+
+
+def test_device_overheads_by_gpu_and_world():
+    assert sum(device_overheads(catalog.gpu("cpu"), 8).values()) == 0
+    a100, h100 = catalog.gpu("a100-80gb"), catalog.gpu("h100-80gb")
+    assert device_overheads(a100, 1) == {"cuda_context": 500 * MIB, "cublas": 9 * MIB, "nccl": 0}
+    assert device_overheads(h100, 2)["cublas"] == 32 * MIB
+    assert device_overheads(a100, 2)["nccl"] == 32 * MIB
+    assert device_overheads(a100, 64)["nccl"] == 256 * MIB  # capped
+    assert device_overheads(catalog.gpu("v100-32gb"), 1)["cuda_context"] == 400 * MIB
+
+
+def test_fragmentation_shares():
+    n = 10 * GIB
+    assert fragmentation(n, Settings(), is_cpu=True) == 0
+    assert fragmentation(n, Settings(), is_cpu=False) == int(0.30 * n)
+    assert fragmentation(n, Settings(variable_length=False), is_cpu=False) == int(0.08 * n)
+    assert fragmentation(n, Settings(expandable_segments=True), is_cpu=False) == int(0.03 * n)
+
+
+def test_host_memory_grows_with_offload_and_peaks_at_resume():
+    arch, gpu, s = catalog.model("qwen2.5-7b"), catalog.gpu("a100-80gb"), Settings()
+    plain = Candidate(zero=3)
+    offload = Candidate(zero=3, offload_optimizer="cpu", offload_param="cpu", pin_memory=True)
+    h0 = host_memory(arch, plain, gpu, model_states(arch, plain, 8, s), 8, 8, s)
+    h1 = host_memory(arch, offload, gpu, model_states(arch, offload, 8, s), 8, 8, s)
+    assert h0.peak == max(h0.phases.values()) == h0.phases["resume"]
+    assert h1.breakdown["offloaded_optimizer"] > 0 and h1.breakdown["offloaded_params"] > 0
+    assert h1.breakdown["pinned_rounding"] >= 0 and h1.peak > h0.peak
+    assert h0.breakdown["offloaded_optimizer"] == h0.breakdown["offloaded_params"] == 0
+
+
+def test_step_time_terms():
+    arch, gpu, s = catalog.model("llama-3.1-8b"), catalog.gpu("a100-80gb"), Settings()
+    one = Candidate(zero=2)
+    t1 = step_time(arch, one, gpu, "sft", 1, 1, model_states(arch, one, 1, s), s)
+    assert t1["communication"] == 0.0 and t1["offload"] == 0.0 and t1["compute"] > 0
+    t8 = step_time(arch, one, gpu, "sft", 8, 1, model_states(arch, one, 8, s), s)
+    assert t8["communication"] > 0 and t8["optimizer"] < t1["optimizer"]
+    ckpt = Candidate(zero=2, grad_ckpt=True)
+    tc = step_time(arch, ckpt, gpu, "sft", 1, 1, model_states(arch, ckpt, 1, s), s)
+    assert abs(tc["compute"] / t1["compute"] - 4 / 3) < 1e-9  # recomputation: 8/6 of the FLOPs
+    dpo = step_time(arch, one, gpu, "dpo", 1, 1, model_states(arch, one, 1, s, "dpo"), s)
+    assert dpo["compute"] > 2 * t1["compute"]  # twice the sequences plus the reference forward

@@ -1,0 +1,119 @@
+"""memfit.launch: the torchrun command and environment, exit codes, logs, timeouts and signals.
+
+The rank processes here are small Python programs standing in for `memfit train` (the real
+multi-rank runs are in test_train.py, marked slow); what is tested is launch's own behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit import launch as launch_mod
+from memfit.launch import command, launch, launch_env
+from memfit.train import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+
+
+def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):
+    cmd = command(tmp_path / "run.json", 3)
+    assert cmd == [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+        "-m", "memfit.cli", "train", "--config", str(tmp_path / "run.json"),
+    ]
+
+
+def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_set(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the accelerator is DeepSpeed's default")
+    for var in ("DS_ACCELERATOR", "OMP_NUM_THREADS", "TORCH_EXTENSIONS_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # the user's choice wins over the default
+    env = launch_env(threads_per_rank=3)
+    assert env["DS_ACCELERATOR"] == "cpu"
+    assert env["OMP_NUM_THREADS"] == "3"
+    assert env["HF_HUB_OFFLINE"] == "0"
+    assert env["TOKENIZERS_PARALLELISM"] == "false"
+    assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    assert launch_env()["DS_ACCELERATOR"] == "cuda"
+    assert "OMP_NUM_THREADS" not in launch_env()
+
+
+def fake_ranks(monkeypatch, code: str) -> None:
+    """Launch runs `python -c code` instead of torchrun (the config path is in sys.argv[1])."""
+    monkeypatch.setattr(launch_mod, "command", lambda config, nproc: [sys.executable, "-c", code, str(config)])
+
+
+def run_json(tmp_path: Path) -> Path:
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"out_dir": str(tmp_path / "out")}))
+    return path
+
+
+def test_exit_code_and_output_go_to_the_appended_log(tmp_path, monkeypatch):
+    fake_ranks(monkeypatch, "import sys; print('rank says hi'); sys.exit(5)")
+    log = tmp_path / "logs" / "train.log"
+    log.parent.mkdir()
+    log.write_text("earlier attempt\n")
+    assert launch(run_json(tmp_path), 2, log=log) == 5
+    text = log.read_text()
+    assert text.startswith("earlier attempt\n$ ")  # appended, with the command line first
+    assert "rank says hi" in text
+
+
+def test_a_run_that_outlives_its_timeout_is_killed_and_raises(tmp_path, monkeypatch):
+    import subprocess
+
+    fake_ranks(monkeypatch, "import time; time.sleep(60)")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch(run_json(tmp_path), 1, log=tmp_path / "log", timeout_s=1)
+    assert time.monotonic() - start < 30
+
+
+def test_preempted_ranks_report_the_preempted_exit_code(tmp_path, monkeypatch):
+    # torchrun exits 1 after forwarding SIGTERM; the marker rank 0 wrote says the ranks saved
+    code = (
+        "import json, sys, pathlib; out = pathlib.Path(json.load(open(sys.argv[1]))['out_dir']);"
+        f"out.mkdir(); (out / {PREEMPTED_MARKER!r}).write_text('{{}}'); sys.exit(1)"
+    )
+    fake_ranks(monkeypatch, code)
+    assert launch(run_json(tmp_path), 2, log=tmp_path / "log") == PREEMPTED_EXIT_CODE
+    other = tmp_path / "other"  # no marker: a plain failure stays a failure
+    other.mkdir()
+    fake_ranks(monkeypatch, "import sys; sys.exit(1)")
+    assert launch(run_json(other), 2, log=other / "log") == 1
+
+
+def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path, monkeypatch):
+    """SLURM's warning before the wall-time kill goes to the job step; the ranks must get it."""
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, sys, time, pathlib\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(60)\n"
+    )
+    fake_ranks(monkeypatch, code)
+
+    def send_when_ready():
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGUSR1)  # forwarded as SIGTERM
+
+    before = signal.getsignal(signal.SIGUSR1)
+    sender = threading.Thread(target=send_when_ready)
+    sender.start()
+    rc = launch(run_json(tmp_path), 1, log=tmp_path / "log", timeout_s=30)
+    sender.join()
+    assert rc == 42
+    assert signal.getsignal(signal.SIGUSR1) is before  # the launcher's handlers are removed afterwards
