@@ -201,11 +201,14 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         acts.attention_scores = L * _eager_probabilities(step)
     # final norm, logits and the loss (HF ForCausalLMLoss / losses.token_logps):
     acts.final = step.rmsnorm(step.full)
-    # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
-    # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
-    acts.logits_saved = 4 * t * V
-    # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
-    acts.logits_bwd_extra = 8 * t * V
+    if cand.loss_impl == "chunked":
+        acts.logits_saved, acts.logits_bwd_extra = chunked_loss_terms(arch, cand, step.tokens, step.full, settings)
+    else:
+        # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
+        # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
+        acts.logits_saved = 4 * t * V
+        # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
+        acts.logits_bwd_extra = 8 * t * V
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
     ids = 3 * 8 * t  # int64 input ids, attention mask and labels
     if cand.grad_ckpt:
@@ -237,9 +240,38 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     # either one reference attention call or the reference's logits, their fp32 copy in 16-bit
     # training and its log-softmax.
     if method == "dpo" and cand.ref in ("model", "adapter"):
-        ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
-        acts.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
+        if cand.loss_impl == "chunked":  # no logits held by the policy; the reference's per chunk
+            c = _chunk_tokens(arch, t, settings)
+            acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h)
+        else:
+            ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
+            acts.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
     return acts
+
+
+def _chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
+    from memfit.vocab_loss import default_chunk_tokens
+
+    return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size, arch.hidden_size, tokens))
+
+
+def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:
+    """(saved, backward transient) bytes of memfit.vocab_loss's chunked log-probs, every token
+    scored (the worst case; a prompt-masked SFT batch projects fewer).
+
+    Saved: the scored hidden states (a d x h copy per token), the fp32 log-sum-exp, the int64
+    targets, the scattered fp32 [B, T-1] log-probs and its bool mask. Backward, per chunk of c
+    tokens: the recomputed logits (d), their fp32 copy when d < 4, the fp32 gradient
+    softmax - onehot and its cast back to d; the hidden states' gradient (d x h per token); with a
+    trained head its chunk gradient beside the running sum (2 x V x h x d). The forward's chunk
+    (logits, fp32 copy, logsumexp's fp32 exp) is smaller than the backward's and not separate.
+    """
+    d, h, V, t = dtype_bytes(cand.precision), arch.hidden_size, arch.vocab_size, tokens
+    c = _chunk_tokens(arch, t, settings)
+    saved = t * (d * h + 4 + 8) + t * (4 + 1)
+    chunk = c * V * (d + 4 + ((4 + d) if d < 4 else 0))
+    head_grads = 2 * V * h * d if full else 0
+    return saved, chunk + t * d * h + head_grads
 
 
 def traced_activations(
@@ -294,6 +326,12 @@ def traced_activations(
     acts.forward = traced.at("fwd_peak", L, seqs) + ids
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
+    if cand.loss_impl == "chunked":
+        # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
+        # (memfit.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
+        acts.saved += analytic.logits_saved - acts.logits_saved
+        acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
+        acts.forward = min(acts.forward, analytic.forward)
     return acts
 
 
