@@ -111,10 +111,13 @@ def test_no_grad_and_nothing_scored():
     lp.sum().backward()  # still part of the graph
 
 
-def test_default_chunk_follows_liger():
-    # Liger: next_power_of_2(cdiv(BT, cdiv(V, H)))
-    assert default_chunk_tokens(vocab_size=262144, hidden_size=3840, scored_tokens=16384) == 256
-    assert default_chunk_tokens(vocab_size=100, hidden_size=256, scored_tokens=100) == 128
+def test_default_chunk_is_a_fixed_logits_budget():
+    # 256 MiB of fp32 logits: 256 tokens of Gemma-3 (262,144) and Qwen2 (151,936), 2,048 of Llama-2 (32,000)
+    assert default_chunk_tokens(262144) == 256
+    assert default_chunk_tokens(151936) == 256
+    assert default_chunk_tokens(32000) == 2048
+    assert default_chunk_tokens(321) == 2**17  # a tiny vocabulary: the whole batch in one chunk
+    assert default_chunk_tokens(10**9) == 64  # never fewer than 64 tokens
 
 
 def test_softcapping_refused():

@@ -22,7 +22,7 @@ class StepRunner:
         `dpo` the DPOConfig fields (DPO only); `ref` model, adapter or precomputed (Candidate.ref);
         `loss_on` response or all (SFT); `flatten_packs` packs as one [1, B*L] row (flash attention);
         `loss_impl` full (logits, then log-softmax) or chunked (memfit.vocab_loss: the full logits
-        never exist), `loss_chunk_tokens` its chunk (None: Liger's heuristic)."""
+        never exist), `loss_chunk_tokens` its chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
         self.ref_mode, self.loss_on, self.flatten_packs = ref, loss_on, flatten_packs
         self.dpo = DPOConfig(**(dpo or {})) if method == "dpo" else None

@@ -24,7 +24,6 @@ reduce a gradient exactly once: `stage_1_and_2.py`, "Gradient computed twice for
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -33,16 +32,21 @@ from torch import nn
 IGNORE_INDEX = -100  # HF convention: CrossEntropyLoss(ignore_index=-100) skips these labels
 
 
-def default_chunk_tokens(vocab_size: int, hidden_size: int, scored_tokens: int) -> int:
-    """Tokens per chunk so that a chunk's logits are about as large as the hidden states.
+CHUNK_LOGITS_BYTES = 256 * 2**20  # fp32 logits of one chunk: a fixed transient, whatever the context
 
-    Liger-Kernel's heuristic (`liger_kernel/ops/fused_linear_cross_entropy.py`:
-    `inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))`): the chunk's
-    logits (chunk x V) then hold about BT x H elements, no more than the hidden states themselves.
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk: the largest power of two whose fp32 logits fit CHUNK_LOGITS_BYTES, at least 64.
+
+    A fixed budget keeps the loss's transient independent of the sequence length (the point of
+    chunking). Not Liger-Kernel's `next_power_of_2(cdiv(BT, cdiv(V, H)))`
+    (`liger_kernel/ops/fused_linear_cross_entropy.py`): that suits its fused kernel, but here every
+    chunk's backward also adds a [V, H] weight gradient, so chunks of a few tokens (Liger's choice for
+    a 150k vocabulary at small H) spend the step on that memory traffic; measured in
+    benchmarks/bench_vocab_loss.py.
     """
-    inc = max(1, math.ceil(vocab_size / max(hidden_size, 1)))
-    want = max(1, math.ceil(scored_tokens / inc))
-    return 1 << (want - 1).bit_length()
+    fit = CHUNK_LOGITS_BYTES // (4 * max(vocab_size, 1))
+    return max(64, 1 << max(fit, 1).bit_length() - 1)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -118,7 +122,7 @@ def chunked_token_logps(
         return out + 0.0 * hidden[:, :-1].sum(-1).float(), mask  # keep the graph connected
     fn = head_fn or (lambda x: type(head).forward(head, x))
     vocab = _vocab_size(head, fn, h)
-    chunk = chunk_tokens or default_chunk_tokens(vocab, h.shape[-1], h.shape[0])
+    chunk = chunk_tokens or default_chunk_tokens(vocab)
     params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
     logps = _ChunkedLogProbs.apply(h, targets, fn, chunk, *params)
     out = out.masked_scatter(mask, logps)

@@ -241,8 +241,11 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     # training and its log-softmax.
     if method == "dpo" and cand.ref in ("model", "adapter"):
         if cand.loss_impl == "chunked":  # no logits held by the policy; the reference's per chunk
+            # without a [t, V] block, a reference layer's transients set the peak: its attention
+            # call, or its MLP (the residual stream, the normed input, gate, up and act(gate)*up)
             c = _chunk_tokens(arch, t, settings)
-            acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h)
+            mlp = d * t * (2 * h + 3 * arch.intermediate_size)
+            acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
         else:
             ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
             acts.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
@@ -252,7 +255,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
 def _chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
     from memfit.vocab_loss import default_chunk_tokens
 
-    return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size, arch.hidden_size, tokens))
+    return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size))
 
 
 def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:

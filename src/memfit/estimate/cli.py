@@ -57,7 +57,7 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
         default="full",
         help="full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward",
     )
-    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="chunked: tokens per chunk (default: Liger's heuristic)")
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="chunked: tokens per chunk (default: 256 MiB of fp32 logits a chunk)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3)
     p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none")
     p.add_argument("--offload-param", choices=["none", "cpu"], default="none")
