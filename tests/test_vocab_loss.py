@@ -60,6 +60,20 @@ def test_chunked_equals_full_logps_and_grads(tied, chunk):
         torch.testing.assert_close(ch_g[name], full_g[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_plain_linear_head_with_bias():
+    """The in-place backward of a plain nn.Linear head (weight and bias gradients accumulated)."""
+    model = _model(tied=False)
+    model.lm_head = torch.nn.Linear(32, 300, bias=True)
+    torch.nn.init.normal_(model.lm_head.bias, std=0.5)
+    ids, labels = _batch(300)
+    full_lp, full_g = _run(model, ids, labels, 5, "full")
+    ch_lp, ch_g = _run(model, ids, labels, 5, "chunked")
+    torch.testing.assert_close(ch_lp, full_lp, rtol=0, atol=1e-6)
+    assert {"lm_head.weight", "lm_head.bias"} <= ch_g.keys() and full_g.keys() == ch_g.keys()
+    for name in full_g:
+        torch.testing.assert_close(ch_g[name], full_g[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_head_bias_and_lora_head():
     from peft import LoraConfig, get_peft_model
 

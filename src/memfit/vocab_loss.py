@@ -68,11 +68,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 out[s : s + chunk] = logits.gather(1, targets[s : s + chunk, None]).squeeze(1) - lse[s : s + chunk]
                 del logits
         ctx.head_fn, ctx.chunk, ctx.params = head_fn, chunk, params
+        ctx.linear = getattr(head_fn, "linear", None)
         ctx.save_for_backward(hidden, targets, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.linear is not None:
+            return _linear_backward(ctx, grad_out)
         hidden, targets, lse = ctx.saved_tensors
         want_hidden = ctx.needs_input_grad[0]
         wanted = [p for p, need in zip(ctx.params, ctx.needs_input_grad[4:], strict=True) if need]
@@ -99,6 +102,35 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return (grad_hidden, None, None, None, *param_grads)
 
 
+def _linear_backward(ctx, grad_out):
+    """The backward for a plain `nn.Linear` head, in place: one chunk of logits at a time becomes
+    its own gradient (softmax - onehot, scaled), and the weight and bias gradients accumulate into
+    one buffer each (addmm_), so a chunk costs one [chunk, V] block and no [V, H] temporaries."""
+    hidden, targets, lse = ctx.saved_tensors
+    weight, bias = ctx.linear
+    need = dict(zip(map(id, ctx.params), ctx.needs_input_grad[4:], strict=True))
+    grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+    grad_w = torch.zeros_like(weight) if need.get(id(weight)) else None
+    grad_b = torch.zeros_like(bias) if bias is not None and need.get(id(bias)) else None
+    grad_out = grad_out.float()
+    with torch.no_grad():
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h, t, g = hidden[s : s + ctx.chunk], targets[s : s + ctx.chunk], grad_out[s : s + ctx.chunk]
+            d = torch.nn.functional.linear(h, weight, bias).float()  # a copy unless already fp32
+            # d log p(t) / d logits = onehot(t) - softmax(logits), the softmax from the saved lse
+            d.sub_(lse[s : s + ctx.chunk, None]).exp_().mul_(-g[:, None]).scatter_add_(1, t[:, None], g[:, None])
+            d = d.to(weight.dtype)
+            if grad_hidden is not None:
+                torch.mm(d, weight, out=grad_hidden[s : s + ctx.chunk])
+            if grad_w is not None:
+                grad_w.addmm_(d.t(), h)
+            if grad_b is not None:
+                grad_b.add_(d.sum(0))
+            del d
+    by_id = {id(weight): grad_w} | ({id(bias): grad_b} if bias is not None else {})
+    return (grad_hidden, None, None, None, *(by_id.get(id(p)) for p in ctx.params))
+
+
 def chunked_token_logps(
     hidden: torch.Tensor,
     labels: torch.Tensor,
@@ -120,13 +152,25 @@ def chunked_token_logps(
     out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
     if h.shape[0] == 0:
         return out + 0.0 * hidden[:, :-1].sum(-1).float(), mask  # keep the graph connected
-    fn = head_fn or (lambda x: type(head).forward(head, x))
+    fn = head_fn or _head_fn(head)
     vocab = _vocab_size(head, fn, h)
     chunk = chunk_tokens or default_chunk_tokens(vocab)
     params = [p for p in head.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
     logps = _ChunkedLogProbs.apply(h, targets, fn, chunk, *params)
     out = out.masked_scatter(mask, logps)
     return out, mask
+
+
+def _head_fn(head: nn.Module):
+    """The head's own forward, bypassing module hooks (the caller's module call ran them); a plain
+    `nn.Linear` head also carries its (weight, bias) for the in-place backward."""
+
+    def fn(x):
+        return type(head).forward(head, x)
+
+    if type(head) is nn.Linear:
+        fn.linear = (head.weight, head.bias)
+    return fn
 
 
 def _vocab_size(head: nn.Module, fn, h: torch.Tensor) -> int:

@@ -259,22 +259,22 @@ def _chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
 
 
 def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:
-    """(saved, backward transient) bytes of memfit.vocab_loss's chunked log-probs, every token
-    scored (the worst case; a prompt-masked SFT batch projects fewer).
+    """(saved, transient) bytes of memfit.vocab_loss's chunked log-probs, every token scored (the
+    worst case; a prompt-masked SFT batch projects fewer).
 
     Saved: the scored hidden states (a d x h copy per token), the fp32 log-sum-exp, the int64
-    targets, the scattered fp32 [B, T-1] log-probs and its bool mask. Backward, per chunk of c
-    tokens: the recomputed logits (d), their fp32 copy when d < 4, the fp32 gradient
-    softmax - onehot and its cast back to d; the hidden states' gradient (d x h per token); with a
-    trained head its chunk gradient beside the running sum (2 x V x h x d). The forward's chunk
-    (logits, fp32 copy, logsumexp's fp32 exp) is smaller than the backward's and not separate.
+    targets, the scattered fp32 [B, T-1] log-probs and its bool mask. Transient, per chunk of c
+    tokens: 8 bytes x c x V either way: the forward's fp32 logits and logsumexp's fp32 exp(x - max);
+    the backward's fp32 logits turned in place into their gradient, the d-byte projection before
+    its fp32 copy or the cast back (`vocab_loss._linear_backward`, a plain nn.Linear head, which
+    memfit's LoRA never adapts). Beside the chunk: the hidden states' gradient (d x h per token)
+    and, for a trained head, its gradient buffer (V x h x d).
     """
     d, h, V, t = dtype_bytes(cand.precision), arch.hidden_size, arch.vocab_size, tokens
     c = _chunk_tokens(arch, t, settings)
     saved = t * (d * h + 4 + 8) + t * (4 + 1)
-    chunk = c * V * (d + 4 + ((4 + d) if d < 4 else 0))
-    head_grads = 2 * V * h * d if full else 0
-    return saved, chunk + t * d * h + head_grads
+    head_grad = V * h * d if full else 0
+    return saved, 8 * c * V + t * d * h + head_grad
 
 
 def traced_activations(
