@@ -109,7 +109,7 @@ class _Engine:
         return self.module(**kwargs)
 
 
-def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
+def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int | None = None) -> int:
     """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
     from peft import LoraConfig, get_peft_model
 
@@ -139,7 +139,8 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
     g = torch.Generator().manual_seed(1)
     # The trainer's own step (memfit.steps.StepRunner: collate, forward, memfit's losses) on
     # the plain model; the engine stand-in gives it the DeepSpeed engine's `.module`.
-    runner = StepRunner(method, _Engine(model), ref, pad_id=0, dpo={}, ref=cand.ref, loss_on="all")
+    runner = StepRunner(method, _Engine(model), ref, pad_id=0, dpo={}, ref=cand.ref, loss_on="all",
+                        loss_impl=cand.loss_impl, loss_chunk_tokens=chunk)
 
     def rows():
         """A micro batch of random full-length rows; DPO: every token of chosen and rejected scored."""
@@ -160,9 +161,9 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
     return t.peak_bytes
 
 
-def predict(kind: str, method: str, cand: Candidate) -> int:
+def predict(kind: str, method: str, cand: Candidate, chunk: int | None = None) -> int:
     e = estimate(
-        make_arch(kind), CPU, 1, 1, method, cand, settings=Settings(optimizer_impl="single")
+        make_arch(kind), CPU, 1, 1, method, cand, settings=Settings(optimizer_impl="single", loss_chunk_tokens=chunk)
     )
     return e.peak_allocated_bytes
 
@@ -234,6 +235,23 @@ def test_every_case_within_5_percent(results):
 def test_median_within_2_percent(results):
     med = statistics.median(abs(r[-1]) for r in results)
     assert med <= 0.02, f"median |error| {med:.2%}"
+
+
+# loss_impl chunked (memfit.vocab_loss) in several chunks of 64 tokens: no full logits, the
+# estimator's `chunked_loss_terms` instead of the logit terms
+CHUNKED = [
+    (kind, method, Candidate(finetune=ft, attn="sdpa", grad_ckpt=gc, micro_batch=2, seq_len=160, zero=0, precision="fp32",
+                             ref="precomputed" if method == "sft" else ("model" if ft == "full" else "adapter"),
+                             loss_impl="chunked"))
+    for kind, method, ft, gc in [("llama", "sft", "full", False), ("qwen2", "sft", "lora", True),
+                                 ("llama", "dpo", "lora", False), ("qwen2", "dpo", "full", False)]
+]
+
+
+@pytest.mark.parametrize("kind,method,cand", CHUNKED, ids=[f"{k}-{m}-{c.id}" for k, m, c in CHUNKED])
+def test_chunked_loss_within_5_percent(kind, method, cand):
+    m, p = measure(kind, method, cand, chunk=64), predict(kind, method, cand, chunk=64)
+    assert abs(p - m) / m <= 0.05, f"measured {m} predicted {p} ({(p - m) / m:+.1%})"
 
 
 if __name__ == "__main__":

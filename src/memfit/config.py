@@ -161,7 +161,7 @@ class WorkflowConfig:
         dpo = {k: per_method.pop(k) for k in ("beta", "loss_type", "label_smoothing") if k in per_method}
         if "export" in per_method:  # train.<method>.export: merged | adapter
             per_method["export_format"] = per_method.pop("export")
-        common = {k: train[k] for k in ("seed", "save_every", "keep_last", "eval_every", "log_every") if k in train}
+        common = {k: train[k] for k in ("seed", "save_every", "keep_last", "eval_every", "log_every", "loss_chunk_tokens") if k in train}
         return RunConfig(
             method=method,
             model_path=model_path,

@@ -12,7 +12,6 @@ import torch
 from memfit import dist as dist_env
 from memfit import dsconfig
 from memfit.batches import collate, rank_batches
-from memfit.losses import sequence_logps
 from memfit.modeling import hidden_size, load_model, model_dir
 from memfit.space import Candidate
 
@@ -86,15 +85,21 @@ def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any]):
     return engine
 
 
-def reference_logps(engine, rows: list[dict[str, Any]], pad_id: int, micro: int, world: int, rank: int) -> torch.Tensor:
-    """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce."""
+def reference_logps(engine, rows: list[dict[str, Any]], pad_id: int, micro: int, world: int, rank: int,
+                    loss_impl: str = "full", loss_chunk_tokens: int | None = None) -> torch.Tensor:
+    """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce.
+    `loss_impl` as the policy's (StepRunner): chunked never holds the reference's full logits."""
+    from memfit.steps import StepRunner
+
+    runner = StepRunner("dpo", engine, None, pad_id, loss_impl=loss_impl, loss_chunk_tokens=loss_chunk_tokens)
     out = torch.zeros(len(rows), 2, dtype=torch.float64)
     device = dist_env.device()
     with torch.no_grad():
         for idx, batch_rows in rank_batches(rows, micro, world, rank):
             batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, pad_id).items()}
-            logits = engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            lp, _ = sequence_logps(logits, batch["labels"])
+            token_lp, _ = runner.token_logps(engine, batch["labels"], input_ids=batch["input_ids"],
+                                             attention_mask=batch["attention_mask"])
+            lp = token_lp.sum(-1)
             n = len(batch_rows)
             if idx:
                 out[idx, 0] = lp[:n].double().cpu()

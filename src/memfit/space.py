@@ -20,6 +20,7 @@ Finetune = Literal["full", "lora", "qlora"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Attn = Literal["flash", "sdpa", "eager"]
 RefMode = Literal["precomputed", "model", "adapter"]
+LossImpl = Literal["full", "chunked"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class Candidate:
     grad_accum: int = 1  # micro steps per optimizer step
     precision: Precision = "bf16"  # compute/weights dtype; fp32 master weights kept by DeepSpeed
     ref: RefMode = "model"  # DPO reference: frozen copy, LoRA adapter disabled, or precomputed log-probs
+    # full: the head's logits of every token, then an fp32 log-softmax (HF's loss) | chunked: the
+    # head, log-softmax and target log-prob per token chunk, recomputed in backward (memfit.vocab_loss)
+    loss_impl: LossImpl = "full"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -63,6 +67,8 @@ class Candidate:
             out.append(f"lora_rank must be >= 1, got {self.lora_rank}")
         if self.ref == "adapter" and self.finetune == "full":
             out.append("ref=adapter needs finetune=lora or qlora (the reference is the adapter-free model)")
+        if self.loss_impl not in ("full", "chunked"):
+            out.append(f"loss_impl must be full or chunked, got {self.loss_impl!r}")
         for name in ("micro_batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -96,6 +102,8 @@ class Candidate:
         parts.append(f"s{self.seq_len}")
         parts.append(self.precision)
         parts.append(f"ref-{self.ref}")
+        if self.loss_impl != "full":  # ids of full-loss candidates stay what they were
+            parts.append(f"loss-{self.loss_impl}")
         return "-".join(parts)
 
     def digest(self) -> str:

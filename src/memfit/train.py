@@ -98,6 +98,7 @@ class RunConfig:
     ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
     probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
+    loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -228,7 +229,8 @@ class Run:
             self.ref_engine = reference_engine(cand, cfg.ref_model_path or cfg.model_path, ds_cfg)
         del hf_ds
         self.runner = StepRunner(cfg.method, self.engine, self.ref_engine, self.pad_id, dpo=cfg.dpo, ref=cand.ref,
-                                 loss_on=cfg.loss_on, flatten_packs=cand.attn == "flash")
+                                 loss_on=cfg.loss_on, flatten_packs=cand.attn == "flash",
+                                 loss_impl=cand.loss_impl, loss_chunk_tokens=cfg.loss_chunk_tokens)
 
     def _pack(self) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
         """SFT packing: the training rows in packs of at most seq_len tokens (memfit.data.pack)."""
@@ -268,7 +270,8 @@ class Run:
         if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
             engine = reference_engine(self.cand, ref_path, ds_cfg)
             t0 = time.perf_counter()
-            values = {k: reference_logps(engine, rows, self.pad_id, self.cand.micro_batch, self.world, self.rank)
+            values = {k: reference_logps(engine, rows, self.pad_id, self.cand.micro_batch, self.world, self.rank,
+                                         self.cand.loss_impl, self.cfg.loss_chunk_tokens)
                       for k, rows in splits.items()}
             self.log(f"reference log-probs of {sum(sizes.values())} rows precomputed in {time.perf_counter() - t0:.1f} s")
             weights = _storage_refs(engine.module)

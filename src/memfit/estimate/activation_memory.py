@@ -309,11 +309,14 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         acts.attention_scores = L * _eager_probabilities(step)
     # final norm, logits and the loss (HF ForCausalLMLoss / losses.token_logps):
     acts.final = step.rmsnorm(step.full)
-    # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
-    # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
-    acts.logits_saved = 4 * t * V
-    # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
-    acts.logits_bwd_extra = 8 * t * V
+    if cand.loss_impl == "chunked":
+        acts.logits_saved, acts.logits_bwd_extra = chunked_loss_terms(arch, cand, step.tokens, step.full, settings)
+    else:
+        # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
+        # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
+        acts.logits_saved = 4 * t * V
+        # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
+        acts.logits_bwd_extra = 8 * t * V
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
     ids = 3 * 8 * t  # int64 input ids, attention mask and labels
     if cand.grad_ckpt:
@@ -349,13 +352,20 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
-    # DPO reference forward under no_grad, after the policy forward (memfit's train.py, as TRL and
-    # OpenRLHF do): the policy's saved tensors and logits (the output is still referenced), then
-    # either one reference attention call or the reference's logits, their fp32 copy in 16-bit
-    # training and its log-softmax.
+    # DPO reference forward under no_grad, after the policy forward (memfit.steps, as TRL and
+    # OpenRLHF do): the policy's saved tensors (its output, logits included, is dropped once its
+    # log-probs are taken: StepRunner.token_logps), then either one reference attention call or
+    # the reference's logits, their fp32 copy in 16-bit training and its log-softmax.
     if method == "dpo" and cand.ref in ("model", "adapter"):
-        ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
-        acts.ref_forward = d * t * V + max(ref_logits, attn_fwd + 3 * d * t * h)
+        if cand.loss_impl == "chunked":  # the reference's logits per chunk only
+            # without a [t, V] block, a reference layer's transients set the peak: its attention
+            # call, or its MLP (the residual stream, the normed input, gate, up and act(gate)*up)
+            c = _chunk_tokens(arch, t, settings)
+            mlp = d * t * (2 * h + 3 * arch.intermediate_size)
+            acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
+        else:
+            ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
+            acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h)
     return acts
 
 
@@ -381,6 +391,31 @@ def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings)
             "the parametrized expert weights each layer keeps"
         )
     return ""
+
+
+def _chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
+    from memfit.vocab_loss import default_chunk_tokens
+
+    return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size))
+
+
+def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:
+    """(saved, transient) bytes of memfit.vocab_loss's chunked log-probs, every token scored (the
+    worst case; a prompt-masked SFT batch projects fewer).
+
+    Saved: the scored hidden states (a d x h copy per token), the fp32 log-sum-exp, the int64
+    targets, the scattered fp32 [B, T-1] log-probs and its bool mask. Transient, per chunk of c
+    tokens: 8 bytes x c x V either way: the forward's fp32 logits and logsumexp's fp32 exp(x - max);
+    the backward's fp32 logits turned in place into their gradient, the d-byte projection before
+    its fp32 copy or the cast back (`vocab_loss._linear_backward`, a plain nn.Linear head, which
+    memfit's LoRA never adapts). Beside the chunk: the hidden states' gradient (d x h per token)
+    and, for a trained head, its gradient buffer (V x h x d).
+    """
+    d, h, V, t = dtype_bytes(cand.precision), arch.hidden_size, arch.vocab_size, tokens
+    c = _chunk_tokens(arch, t, settings)
+    saved = t * (d * h + 4 + 8) + t * (4 + 1)
+    head_grad = V * h * d if full else 0
+    return saved, 8 * c * V + t * d * h + head_grad
 
 
 def traced_activations(
@@ -435,6 +470,12 @@ def traced_activations(
     acts.forward = traced.at("fwd_peak", L, seqs) + ids
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
+    if cand.loss_impl == "chunked":
+        # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
+        # (memfit.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
+        acts.saved += analytic.logits_saved - acts.logits_saved
+        acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
+        acts.forward = min(acts.forward, analytic.forward)
     return acts
 
 

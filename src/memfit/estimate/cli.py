@@ -53,6 +53,13 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attn", choices=["flash", "sdpa", "eager"], default="flash")
+    p.add_argument(
+        "--loss-impl",
+        choices=["full", "chunked"],
+        default="full",
+        help="full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward",
+    )
+    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="chunked: tokens per chunk (default: 256 MiB of fp32 logits a chunk)")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3)
     p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none")
     p.add_argument("--offload-param", choices=["none", "cpu"], default="none")
@@ -215,9 +222,12 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
             grad_accum=args.grad_accum,
             precision=args.precision,
             ref=ref,
+            loss_impl=args.loss_impl,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
+        raise EstimateError(f"--loss-chunk-tokens must be >= 1, got {args.loss_chunk_tokens}")
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     settings = dataclasses.replace(
         DEFAULT_SETTINGS,
@@ -226,6 +236,7 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         expandable_segments=args.expandable_segments,
         activations=args.activations,
         trace_cache=args.trace_cache,
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )
     return arch, gpu, cand, settings
 

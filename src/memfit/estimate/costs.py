@@ -129,6 +129,10 @@ def _compute_seconds(
     flops = per_token_forward * tokens * passes
     if method == "dpo" and cand.ref in ("model", "adapter"):
         flops += per_token_forward * tokens
+    if cand.loss_impl == "chunked":
+        # the head's projection (2 h V per token) runs again in the backward: the recompute of
+        # Cut Cross-Entropy (Wijmans et al. 2024) and TRL's chunked_nll
+        flops += 2 * arch.hidden_size * arch.vocab_size * tokens
     peak = gpu.tflops(cand.precision) * 1e12
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12

@@ -28,6 +28,7 @@ class Settings:
     internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
     activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.trace, cached)
     trace_cache: str | None = None  # traced: cache directory (None: $MEMFIT_TRACE_CACHE or default)
+    loss_chunk_tokens: int | None = None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
 
 
 DEFAULT_SETTINGS = Settings()
