@@ -40,7 +40,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit import catalog
+from memfit import calibration, catalog
 from memfit.catalog import GPU, ModelArch
 from memfit.space import Candidate
 
@@ -106,6 +106,7 @@ class Estimate:
     params_trainable: int = 0
     eager_attention_extra_bytes: int = 0  # eager only: device bytes over the same config with sdpa
     activations_source: str = "analytic"  # "analytic" or "traced" (activation/logit terms)
+    calibration: str = calibration.UNCALIBRATED  # "measured <date> on <device>" or uncalibrated
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
@@ -687,14 +688,9 @@ def _device_overheads(gpu: GPU, world: int, ranks_per_node: int) -> dict[str, in
       it is reserved by the allocator, we count it here once;
     - NCCL: ~ 2 x NCCL_BUFFSIZE (4 MiB) per channel per peer; ~ 256 MiB for an 8-GPU ring.
     """
-    if gpu.name == "cpu":
-        return {"cuda_context": 0, "cublas": 0, "nccl": 0}
-    major = int(gpu.compute_capability.split(".")[0])
-    ctx = 500 * MIB if major >= 8 else 400 * MIB
-    cublas = 32 * MIB if major >= 9 else 9 * MIB
-    peers = world - 1
-    nccl = 0 if world == 1 else min(256, 32 * max(peers, 1)) * MIB
-    return {"cuda_context": ctx, "cublas": cublas, "nccl": nccl}
+    cal = calibration.for_gpu(gpu.name, gpu.compute_capability)  # defaults: the values above
+    nccl = 0 if world == 1 else min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
+    return {"cuda_context": cal.cuda_context_bytes, "cublas": cal.cublas_workspace_bytes, "nccl": nccl}
 
 
 def _fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
@@ -954,9 +950,13 @@ def estimate(
     # reserved: fragmentation of the shape-varying part
     transient = ac.saved + ac.logits_bwd_extra + ac.layer_bwd + ac.recompute
     frag = _fragmentation(transient, settings, is_cpu)
+    cal_frag = calibration.for_gpu(gpu.name, gpu.compute_capability).fragmentation
+    if cal_frag is not None and not is_cpu:  # measured reserved/allocated - 1 at the peak
+        frag = int(cal_frag * est.peak_allocated_bytes)
     est.peak_reserved_bytes = est.peak_allocated_bytes + frag
     ov = _device_overheads(gpu, world, num_gpus)
     est.device_total_bytes = est.peak_reserved_bytes + sum(ov.values())
+    est.calibration = calibration.for_gpu(gpu.name, gpu.compute_capability).label()
     bd["overheads"] = frag + sum(ov.values())
     est.breakdown = {k: int(v) for k, v in bd.items()}
     if cand.attn == "eager":
@@ -1070,6 +1070,9 @@ def step_time(
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12
     eff = settings.mfu * (0.7 if cand.attn == "eager" else 1.0)
+    achieved = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("matmul")
+    if achieved:  # measured model-FLOP rate of the whole step replaces peak x mfu
+        peak, eff = achieved * 1e12, (0.7 if cand.attn == "eager" else 1.0)
     compute = cand.grad_accum * flops / (peak * eff)
     bw_intra = gpu.interconnect_gbs * 1e9
     bw = min(bw_intra, settings.internode_gbs * 1e9 * num_gpus) if num_nodes > 1 else bw_intra
