@@ -1070,7 +1070,7 @@ def step_time(
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12
     eff = settings.mfu * (0.7 if cand.attn == "eager" else 1.0)
-    achieved = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("matmul")
+    achieved = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step")
     if achieved:  # measured model-FLOP rate of the whole step replaces peak x mfu
         peak, eff = achieved * 1e12, (0.7 if cand.attn == "eager" else 1.0)
     compute = cand.grad_accum * flops / (peak * eff)
