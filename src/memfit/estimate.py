@@ -1403,6 +1403,7 @@ def render(
         f"  (peak in {max(e.host_phases, key=e.host_phases.get)})"
     )
     lines.append(f"step time {e.step_time_s:.3f} s  ({e.tokens_per_s:,.0f} tokens/s)")
+    lines.append(f"calibration: {e.calibration}")
     for n in e.notes:
         lines.append(f"note: {n}")
     verdict = "FITS" if e.fits else "DOES NOT FIT"
