@@ -194,9 +194,11 @@ class DevicePoller:
         self._t = threading.Thread(target=self._loop, daemon=True)
 
     def _used(self) -> int:
-        out = subprocess.run([self.exe, "--query-compute-apps=used_memory", "--format=csv,noheader,nounits"],
+        out = subprocess.run([self.exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=10).stdout
-        return sum(int(x) for x in out.split() if x.strip().isdigit()) * MIB  # nvidia-smi: MiB
+        rows = [line.split(",") for line in out.splitlines() if "," in line]
+        # every compute process but this driver (which never touches CUDA), in MiB
+        return sum(int(m) for pid, m in rows if int(pid) != os.getpid() and m.strip().isdigit()) * MIB
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -343,6 +345,9 @@ def stage_long_context(profile: Profile, model_dir, data, work, cuda: bool) -> l
         budget = int(estimate(arch, gpu, 1, 1, "sft", base, settings=settings).device_total_bytes * 1.25)
     n, _ = fit(arch, gpu, 1, 1, "sft", base, "seq_len", budget_bytes=budget, settings=settings,
                upper=arch.max_position_embeddings)
+    if n == 0 or n >= arch.max_position_embeddings:
+        return [{"id": "long-context", "status": f"skipped: fit gave seq_len {n} (no limit below "
+                 f"max_position_embeddings {arch.max_position_embeddings} to test)"}]
     rows = []
     for tag, s in (("fit", n), ("fit+10%", int(n * 1.1))):
         r = Row(f"long-context-{tag}-seq{s}", "sft", {**LONG_CONTEXT, "seq_len": s})
@@ -394,7 +399,7 @@ def header(profile: Profile, cuda: bool) -> dict[str, Any]:
             else catalog.model(profile.model))
     return {
         "gpu": profile.gpu,
-        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_name": _smi_name() if cuda else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "profile": profile.name,
@@ -416,10 +421,18 @@ def _version(mod: str) -> str | None:
         return "present"
 
 
-def detect_gpu() -> str:
-    import torch
+def _smi_name() -> str:
+    """The GPU's name from nvidia-smi: torch.cuda.get_device_name would create a CUDA context in
+    this driver process, which the device-total polls would then count."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        raise SystemExit("nvidia-smi not found: pass --gpu <catalog name> (config/gpus.yaml)")
+    return subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=30).stdout.splitlines()[0].strip()
 
-    name = torch.cuda.get_device_name().lower()
+
+def detect_gpu() -> str:
+    name = _smi_name().lower()
     for key, cat in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb"), ("l40s", "l40s")):
         if key in name:
             return cat
@@ -429,7 +442,8 @@ def detect_gpu() -> str:
 def table(doc: dict[str, Any]) -> str:
     lines = [f"{'row':34} {'status':8} {'alloc est/meas':>21} {'err':>6} {'reserved err':>12} "
              f"{'total err':>9} {'step s est/meas':>17} {'MFU':>5}"]
-    for st in doc.get("stages", {}).values():
+    stages = doc.get("stages", {})
+    for st in [stages[k] for k in STAGES if k in stages]:
         for r in st["rows"]:
             if r.get("status") != "ok" or "estimate" not in r:
                 lines.append(f"{r['id']:34} {r.get('status', '')[:60]}")
