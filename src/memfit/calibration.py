@@ -10,6 +10,7 @@ exactly the values the estimator used before calibration existed (sources cited 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,13 @@ def validate(d: dict[str, Any], where: str) -> Calibration:
 
 
 def load(path: str | Path) -> Calibration:
+    p = Path(path)
+    return _load_cached(str(p), p.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_cached(path: str, _mtime_ns: int) -> Calibration:
+    """Parsed once per file version: the estimator asks for every candidate of a search space."""
     p = Path(path)
     try:
         d = json.loads(p.read_text())
