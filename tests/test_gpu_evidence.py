@@ -88,6 +88,10 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
     fit_row, over = doc["stages"]["long_context"]["rows"]
     assert fit_row["verdict"] == "ok: fits" and over["candidate"]["seq_len"] == int(fit_row["fit_seq_len"] * 1.1)
     assert doc["summary"]["n"] == sum(1 for st in doc["stages"].values() for r in st["rows"] if r["status"] == "ok")
+    # calibration needs the GPU-only context stage: a dry JSON is refused, nothing written
+    cal = subprocess.run([sys.executable, str(script), "--write-calibration", str(out)], capture_output=True, text=True)
+    assert cal.returncode != 0 and "context stage has no measurement" in cal.stderr
+    assert not (repo / "config/calibration/cpu.json").exists()
     # resumable: a stage already in the JSON is not run again without --force
     again = subprocess.run(cmd + ["--stage", "sft_zero"], capture_output=True, text=True, timeout=300)
     assert "already in" in again.stdout and json.loads(out.read_text())["stages"]["sft_zero"] == doc["stages"]["sft_zero"]
