@@ -327,6 +327,7 @@ def render(
         f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
         f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",
         f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s)",
+        f"calibration: {result.calibration}",
     ]
     lines += [f"note: {note}" for note in result.notes]
     advice = _resume_advice(result, cand)

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from memfit import calibration
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate.activation_memory import (
     Activations,
@@ -52,6 +53,7 @@ class Estimate:
     params_trainable: int = 0
     eager_attention_extra_bytes: int = 0  # eager only: device bytes over the same config with sdpa
     activations_source: str = "analytic"  # "analytic" or "traced" (activation/logit terms)
+    calibration: str = calibration.UNCALIBRATED  # "measured <date> on <device>" or uncalibrated
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
@@ -189,6 +191,10 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     breakdown = peak_breakdown(phases, states, acts, cand, job.method, trainable, world)
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
     fragmented = fragmentation(transient, settings, gpu.name == "cpu")
+    cal = calibration.for_gpu(gpu.name, gpu.compute_capability)
+    if cal.fragmentation is not None and gpu.name != "cpu":  # measured reserved/allocated - 1 at the peak
+        fragmented = int(cal.fragmentation * est.peak_allocated_bytes)
+    est.calibration = cal.label()
     overheads = sum(device_overheads(gpu, world).values())
     est.peak_reserved_bytes = est.peak_allocated_bytes + fragmented
     est.device_total_bytes = est.peak_reserved_bytes + overheads

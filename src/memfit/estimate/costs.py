@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memfit import calibration
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.estimate.states import ModelStates, param_layout, trainable_params
 from memfit.space import Candidate
-from memfit.units import GIB, MIB
+from memfit.units import GIB
 
 
 def device_overheads(gpu: GPU, world: int) -> dict[str, int]:
@@ -22,14 +23,9 @@ def device_overheads(gpu: GPU, world: int) -> dict[str, int]:
       on Hopper (PyTorch `getChosenWorkspaceSize`); the allocator reserves it, counted here once;
     - NCCL: ~ 2 x NCCL_BUFFSIZE (4 MiB) per channel per peer; ~ 256 MiB for an 8-GPU ring.
     """
-    if gpu.name == "cpu":
-        return {"cuda_context": 0, "cublas": 0, "nccl": 0}
-    major = int(gpu.compute_capability.split(".")[0])
-    context = 500 * MIB if major >= 8 else 400 * MIB
-    cublas = 32 * MIB if major >= 9 else 9 * MIB
-    peers = world - 1
-    nccl = 0 if world == 1 else min(256, 32 * max(peers, 1)) * MIB
-    return {"cuda_context": context, "cublas": cublas, "nccl": nccl}
+    cal = calibration.for_gpu(gpu.name, gpu.compute_capability)  # defaults: the values above
+    nccl = 0 if world == 1 else min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
+    return {"cuda_context": cal.cuda_context_bytes, "cublas": cal.cublas_workspace_bytes, "nccl": nccl}
 
 
 def fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
@@ -137,6 +133,9 @@ def _compute_seconds(
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12
     efficiency = settings.mfu * (0.7 if cand.attn == "eager" else 1.0)
+    achieved = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step")
+    if achieved:  # measured model-FLOP rate of the whole step (benchmarks/gpu_evidence.py) replaces peak x mfu
+        peak, efficiency = achieved * 1e12, (0.7 if cand.attn == "eager" else 1.0)
     return cand.grad_accum * flops / (peak * efficiency)
 
 

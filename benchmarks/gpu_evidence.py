@@ -1,0 +1,573 @@
+"""GPU evidence: the estimator against real probes on one CUDA GPU, in resumable stages.
+
+Every row runs `memfit.probe.run_probe` (the real training step of `memfit.train`, one rank, a
+few optimizer steps on the worst-case batch padded to seq_len) on a model built from a catalog
+config with random init (no network, no weights; layers reduced so the full model fits, the
+scaling stated in the JSON), and compares it with `memfit.estimate.estimate` for the same
+model/candidate: peak allocated, peak reserved, device total (nvidia-smi), step time, tokens/s,
+MFU, and the relative error of each (measured / estimate - 1).
+
+    python benchmarks/gpu_evidence.py --list-stages
+    python benchmarks/gpu_evidence.py --stage sft_zero --out benchmarks/results/gpu_evidence_h100-80gb.json
+    python benchmarks/gpu_evidence.py --write-calibration benchmarks/results/gpu_evidence_h100-80gb.json
+
+`--dry` runs the same code path on the CPU with the demo model (2 layers, seq_len 24, fp32),
+one probe row per stage; CUDA-only rows are recorded as "skipped: <reason>", never faked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+from memfit import calibration, catalog  # noqa: E402
+from memfit.atomic import write_json_atomic  # noqa: E402
+from memfit.estimate import Settings, estimate, fit, param_layout  # noqa: E402
+from memfit.space import Candidate  # noqa: E402
+from memfit.units import GIB, MIB, fmt_bytes  # noqa: E402
+
+# Wheels needed beyond PyTorch (fetched by benchmarks/fetch_gpu_wheels.sh). Optional ones make
+# their rows "skipped: <reason>" when absent.
+WHEELS = ["deepspeed", "peft", "transformers", "accelerate", "safetensors", "tokenizers",
+          "pyarrow", "pyyaml", "tqdm"]
+OPTIONAL_WHEELS = {"bitsandbytes": "QLoRA rows", "liger-kernel": "not used by rows yet",
+                   "flash-attn": "attn=flash rows (only if a wheel exists for this torch/CUDA)"}
+
+STEPS = 3  # optimizer steps per probe: first is warm-up, the median of the rest is step_time_s
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    method: str  # sft | dpo
+    cand: dict[str, Any]  # Candidate fields over the profile's base
+    expandable_segments: bool = False
+    needs: tuple[str, ...] = ()  # "cuda", "flash_attn", "bitsandbytes"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a run measures on: the model, its layer reduction, the base candidate."""
+
+    name: str
+    model: str  # catalog name or config.json path
+    layers: int  # layers built (the catalog model's count scaled down to fit one GPU)
+    gpu: str  # catalog GPU name
+    base: dict[str, Any] = field(default_factory=dict)
+    data_max_len: int = 128
+
+
+def gpu_profile(gpu: str) -> Profile:
+    # Llama-3.1-8B with 4 of its 32 layers: 1.9e9 params (full FT with Adam ~30 GiB), so every
+    # full-FT row fits an 80 GB GPU with room for activations; LoRA rows use the same model.
+    return Profile("gpu", "llama-3.1-8b", 4, gpu,
+                   dict(precision="bf16", seq_len=2048, micro_batch=1, grad_accum=1, attn="sdpa"))
+
+
+def dry_profile() -> Profile:
+    return Profile("dry", str(REPO / "config/models/demo-tiny.json"), 2, "cpu",
+                   dict(precision="fp32", seq_len=24, micro_batch=2, grad_accum=1, attn="sdpa"), 24)
+
+
+# Stage name -> rows. Each stage is sized for < 8 minutes on one H100 (about 40-70 s a probe:
+# process start, model load, DeepSpeed init, 3 steps), the whole matrix < 20 minutes.
+STAGES: dict[str, list[Row]] = {
+    "context": [],  # CUDA context, cuBLAS workspace, GEMM and SDPA TFLOP/s (no probe; ~20 s)
+    "sft_zero": [
+        Row("sft-full-z0", "sft", dict(zero=0)),
+        Row("sft-full-z2", "sft", dict(zero=2)),
+        Row("sft-full-z3", "sft", dict(zero=3)),
+    ],
+    "sft_gc_lora": [
+        Row("sft-full-z2-gc", "sft", dict(zero=2, grad_ckpt=True)),
+        Row("sft-lora-z2", "sft", dict(zero=2, finetune="lora")),
+        Row("sft-lora-z2-gc", "sft", dict(zero=2, finetune="lora", grad_ckpt=True)),
+    ],
+    "dpo_ref": [
+        Row("dpo-lora-precomputed", "dpo", dict(zero=2, finetune="lora", ref="precomputed")),
+        Row("dpo-lora-model", "dpo", dict(zero=2, finetune="lora", ref="model")),
+        Row("dpo-lora-adapter", "dpo", dict(zero=2, finetune="lora", ref="adapter")),
+        Row("dpo-full-model-z3", "dpo", dict(zero=3, ref="model")),
+    ],
+    "attention": [
+        Row("sft-full-z2-eager", "sft", dict(zero=2, attn="eager")),
+        Row("sft-full-z2-flash", "sft", dict(zero=2, attn="flash"), needs=("cuda", "flash_attn")),
+    ],
+    "qlora": [
+        Row("sft-lora-z0", "sft", dict(zero=0, finetune="lora")),
+        Row("sft-qlora-z0", "sft", dict(zero=0, finetune="qlora"), needs=("cuda", "bitsandbytes")),
+        Row("sft-qlora-z0-gc", "sft", dict(zero=0, finetune="qlora", grad_ckpt=True),
+            needs=("cuda", "bitsandbytes")),
+    ],
+    "allocator": [
+        Row("sft-full-z2-expandable-off", "sft", dict(zero=2), expandable_segments=False),
+        Row("sft-full-z2-expandable-on", "sft", dict(zero=2), expandable_segments=True,
+            needs=("cuda",)),
+    ],
+    "long_context": [],  # rows made at run time from memfit.estimate.fit (~3 min)
+}
+LONG_CONTEXT = dict(zero=2, finetune="lora", grad_ckpt=True)
+
+
+def _missing(needs: tuple[str, ...], cuda: bool) -> str | None:
+    if "cuda" in needs and not cuda:
+        return "needs CUDA (this run has no GPU)"
+    if "flash_attn" in needs and importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn is not installed (no wheel for this torch/CUDA?)"
+    if "bitsandbytes" in needs and importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and data, built once per profile into the work directory
+
+
+def model_arch(profile: Profile) -> catalog.ModelArch:
+    arch = (catalog.model_from_config_file(profile.model) if profile.model.endswith(".json")
+            else catalog.model(profile.model))
+    return dataclasses.replace(arch, num_layers=profile.layers)
+
+
+def build(profile: Profile, work: Path) -> tuple[Path, dict[str, Path]]:
+    """A random-init HF model of the profile's architecture (the demo tokenizer: token ids are
+    < 400, inside every catalog vocabulary) and the demo SFT/DPO data prepared for it."""
+    from memfit.data import prepare
+    from memfit.demo import train_tokenizer
+
+    model_dir = work / f"model-{profile.name}"
+    if not (model_dir / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        arch = model_arch(profile)
+        tok = train_tokenizer(REPO / "data/demo")
+        cfg = arch.to_hf_config()
+        cfg.num_hidden_layers = profile.layers
+        cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+        dtype = torch.bfloat16 if profile.base["precision"] == "bf16" else torch.float32
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        tmp = work / f".model-{profile.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        del model
+        os.replace(tmp, model_dir)
+    data = {}
+    for m in ("sft", "dpo"):
+        data[m] = work / f"data-{profile.name}-{m}"
+        if not (data[m] / "stats.json").exists():
+            prepare(m, REPO / f"data/demo/{m}.jsonl", model_dir, data[m], max_len=profile.data_max_len,
+                    eval_fraction=0.05)
+    return model_dir, data
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+class DevicePoller:
+    """Peak device memory of every compute process as nvidia-smi reports it (what a user sees),
+    polled every 0.1 s while a probe runs. `None` with a reason where nvidia-smi is absent."""
+
+    def __init__(self) -> None:
+        self.exe = shutil.which("nvidia-smi")
+        self.peak = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _used(self) -> int:
+        out = subprocess.run([self.exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+        rows = [line.split(",") for line in out.splitlines() if "," in line]
+        # every compute process but this driver (which never touches CUDA), in MiB
+        return sum(int(m) for pid, m in rows if int(pid) != os.getpid() and m.strip().isdigit()) * MIB
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, self._used())
+            except (subprocess.SubprocessError, OSError, ValueError):
+                pass
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> DevicePoller:
+        if self.exe:
+            self._t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.exe:
+            self._t.join()
+
+    def result(self) -> tuple[int | None, str]:
+        if not self.exe:
+            return None, "skipped: nvidia-smi not found"
+        return (self.peak or None), "nvidia-smi --query-compute-apps used_memory (peak of 0.1 s polls)"
+
+
+def model_flops(arch, cand: Candidate, method: str) -> float:
+    """Model FLOPs of one optimizer step (the estimator's own count, memfit.estimate.step_time):
+    6 per parameter per token for full FT, 4 for LoRA (no weight gradients), +2 with
+    recomputation (Kaplan et al. 2020 sec. 2.1; Korthikanti et al. 2022 sec. 5), attention
+    2*L*s*heads*head_dim per token forward, DPO's reference forward +2."""
+    lay = param_layout(arch)
+    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    fwd = 2 * (lay.total - lay.embed) + 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
+    mult = (3.0 if cand.finetune == "full" else 2.0) + (1.0 if cand.grad_ckpt else 0.0)
+    flops = fwd * tokens * mult
+    if method == "dpo" and cand.ref in ("model", "adapter"):
+        flops += fwd * tokens
+    return cand.grad_accum * flops
+
+
+def _err(measured, est) -> float | None:
+    if measured is None or not est:
+        return None
+    return round(measured / est - 1, 4)
+
+
+def run_row(row: Row, profile: Profile, model_dir: Path, data: dict[str, Path], work: Path,
+            cuda: bool, settings_kw: dict | None = None, budget: int | None = None) -> dict[str, Any]:
+    from memfit.probe import run_probe
+    from memfit.train import RunConfig
+
+    out: dict[str, Any] = {"id": row.id, "method": row.method, "expandable_segments": row.expandable_segments}
+    cand = Candidate(**{**profile.base, **row.cand})
+    out["candidate"] = cand.to_dict()
+    reason = _missing(row.needs, cuda)
+    if reason:
+        return out | {"status": f"skipped: {reason}"}
+    arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
+    settings = Settings(expandable_segments=row.expandable_segments, variable_length=False, **(settings_kw or {}))
+    est = estimate(arch, gpu, 1, 1, row.method, cand, budget_bytes=budget, settings=settings)
+    out["estimate"] = {k: getattr(est, k) for k in (
+        "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "step_time_s", "tokens_per_s",
+        "fits", "margin_bytes", "peak_phase", "calibration")}
+    out["estimate"]["mfu"] = round(model_flops(arch, cand, row.method) / est.step_time_s / (gpu.tflops(cand.precision) * 1e12), 4)
+    run = RunConfig(method=row.method, model_path=str(model_dir), data_dir=str(data[row.method]),
+                    out_dir=str(work / "runs"), candidate=cand.to_dict(),
+                    dpo={"beta": 0.1} if row.method == "dpo" else {},
+                    expandable_segments=row.expandable_segments)
+    env_before = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # "off" means off
+    t0 = time.time()
+    try:
+        with DevicePoller() as poll:
+            res = run_probe(run, nproc=1, out_json=work / "probe" / f"{row.id}.json",
+                            log=work / "probe" / f"{row.id}.log", steps=STEPS, timeout_s=420)
+    finally:
+        if env_before is not None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = env_before
+    out["wall_s"] = round(time.time() - t0, 1)
+    out["status"] = res["status"]
+    if res["status"] != "ok":
+        out["error"] = str(res.get("error", ""))[:2000]
+        out["log_tail"] = res.get("log_tail", "")[-2000:]
+        return out
+    dev_total, dev_src = poll.result() if cuda else (None, "skipped: needs CUDA (this run has no GPU)")
+    step = res.get("step_time_s")
+    tokens = cand.micro_batch * cand.seq_len * cand.grad_accum * (2 if row.method == "dpo" else 1)
+    meas = {
+        "peak_allocated_bytes": res.get("peak_allocated_bytes"),
+        "peak_reserved_bytes": res.get("peak_reserved_bytes"),
+        "device_total_bytes": dev_total,
+        "device_total_source": dev_src,
+        "memory_source": res.get("memory_source"),
+        "step_time_s": step,
+        "first_step_time_s": res.get("first_step_time_s"),
+        "tokens_per_s": tokens / step if step else None,  # padded tokens, as the estimate counts
+        "mfu": round(model_flops(arch, cand, row.method) / step / (gpu.tflops(cand.precision) * 1e12), 4) if step else None,
+        "achieved_tflops": model_flops(arch, cand, row.method) / step / 1e12 if step else None,
+        "device": res.get("device"),
+    }
+    out["measured"] = meas
+    out["error_rel"] = {k: _err(meas[k], out["estimate"][k]) for k in (
+        "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "step_time_s", "tokens_per_s", "mfu")}
+    return out
+
+
+def stage_context(cuda: bool) -> list[dict[str, Any]]:
+    """CUDA context and cuBLAS workspace in a fresh process (mem_get_info used minus the
+    allocator's reserved bytes), and achieved bf16 GEMM / SDPA TFLOP/s."""
+    if not cuda:
+        return [{"id": "context", "status": "skipped: needs CUDA (this run has no GPU)"}]
+    code = r"""
+import json, time, torch, torch.nn.functional as F
+def used(): f, t = torch.cuda.mem_get_info(); return t - f
+torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+base = used() - torch.cuda.memory_reserved()
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+(a @ b); torch.cuda.synchronize()
+cublas = used() - torch.cuda.memory_reserved() - base
+def rate(fn, flops, n=20):
+    fn(); torch.cuda.synchronize(); t = time.perf_counter()
+    for _ in range(n): fn()
+    torch.cuda.synchronize(); return flops * n / (time.perf_counter() - t) / 1e12
+mm = rate(lambda: a @ b, 2 * 8192**3)
+q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
+att = rate(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 4 * 32 * 8192**2 * 128 / 2)
+print(json.dumps({"cuda_context_bytes": base, "cublas_workspace_bytes": cublas, "matmul_tflops": mm,
+                  "attention_tflops": att, "device": torch.cuda.get_device_name()}))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        return [{"id": "context", "status": "error", "error": p.stderr[-2000:]}]
+    m = json.loads(p.stdout.strip().splitlines()[-1])
+    return [{"id": "context", "status": "ok", "measured": m}]
+
+
+def stage_long_context(profile: Profile, model_dir, data, work, cuda: bool) -> list[dict[str, Any]]:
+    """The largest seq_len `fit` predicts for LONG_CONTEXT must run; +10% must OOM or come
+    within the headroom (measured device total >= 90% of the device's memory)."""
+    arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
+    base = Candidate(**{**profile.base, **LONG_CONTEXT})
+    settings = Settings(variable_length=False)
+    budget = None
+    if not cuda:  # dry: a budget 25% above seq_len's own estimate, so fit lands near seq_len
+        budget = int(estimate(arch, gpu, 1, 1, "sft", base, settings=settings).device_total_bytes * 1.25)
+    n, _ = fit(arch, gpu, 1, 1, "sft", base, "seq_len", budget_bytes=budget, settings=settings,
+               upper=arch.max_position_embeddings)
+    if n == 0 or n >= arch.max_position_embeddings:
+        return [{"id": "long-context", "status": f"skipped: fit gave seq_len {n} (no limit below "
+                 f"max_position_embeddings {arch.max_position_embeddings} to test)"}]
+    rows = []
+    for tag, s in (("fit", n), ("fit+10%", int(n * 1.1))):
+        r = Row(f"long-context-{tag}-seq{s}", "sft", {**LONG_CONTEXT, "seq_len": s})
+        rows.append(run_row(r, profile, model_dir, data, work, cuda, budget=budget) | {"fit_seq_len": n})
+    lim = gpu.memory_bytes
+    over = rows[1]
+    total = (over.get("measured") or {}).get("device_total_bytes")
+    rows[0]["verdict"] = "ok: fits" if rows[0]["status"] == "ok" else "FAIL: predicted limit did not run"
+    if over["status"] == "oom":
+        rows[1]["verdict"] = "ok: +10% ran out of memory"
+    elif not cuda:
+        rows[1]["verdict"] = "n/a on cpu: no device memory limit to hit"
+    elif total is not None and total >= 0.9 * lim:
+        rows[1]["verdict"] = f"ok: +10% used {fmt_bytes(total)} of {fmt_bytes(lim)} (within headroom)"
+    else:
+        rows[1]["verdict"] = "FAIL: +10% ran well below the device's memory (estimate too pessimistic)"
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def run_stage(name: str, profile: Profile, work: Path, cuda: bool, dry: bool) -> dict[str, Any]:
+    t0 = time.time()
+    if name == "context":
+        rows = stage_context(cuda)
+    else:
+        model_dir, data = build(profile, work)
+        if name == "long_context":
+            rows = stage_long_context(profile, model_dir, data, work, cuda)
+        else:
+            rows, ran = [], 0
+            for r in STAGES[name]:
+                if dry and (ran >= 1 or _missing(r.needs, cuda)):
+                    reason = _missing(r.needs, cuda) or "dry run: one probe per stage"
+                    rows.append({"id": r.id, "method": r.method, "status": f"skipped: {reason}"})
+                    continue
+                rows.append(run_row(r, profile, model_dir, data, work, cuda))
+                ran += 1
+    return {"rows": rows, "wall_s": round(time.time() - t0, 1), "finished": dt.datetime.now(dt.timezone.utc).isoformat()}
+
+
+def header(profile: Profile, cuda: bool) -> dict[str, Any]:
+    import torch
+
+    arch = model_arch(profile)
+    full = (catalog.model_from_config_file(profile.model) if profile.model.endswith(".json")
+            else catalog.model(profile.model))
+    return {
+        "gpu": profile.gpu,
+        "device_name": _smi_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "profile": profile.name,
+        "model": profile.model,
+        "scaling": f"{arch.num_layers} of {full.num_layers} layers ({arch.num_params():,} of "
+                   f"{full.num_params():,} params), random init; estimates use the same reduced model",
+        "packages": {m: _version(m) for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel")},
+    }
+
+
+def _version(mod: str) -> str | None:
+    if importlib.util.find_spec(mod) is None:
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version({"flash_attn": "flash-attn", "liger_kernel": "liger-kernel"}.get(mod, mod))
+    except Exception:  # noqa: BLE001 - a module without metadata still reports as present
+        return "present"
+
+
+def _smi_name() -> str:
+    """The GPU's name from nvidia-smi: torch.cuda.get_device_name would create a CUDA context in
+    this driver process, which the device-total polls would then count."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        raise SystemExit("nvidia-smi not found: pass --gpu <catalog name> (config/gpus.yaml)")
+    return subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                          text=True, timeout=30).stdout.splitlines()[0].strip()
+
+
+def detect_gpu() -> str:
+    name = _smi_name().lower()
+    for key, cat in (("h200", "h200"), ("h100", "h100-80gb"), ("a100", "a100-80gb"), ("l40s", "l40s")):
+        if key in name:
+            return cat
+    raise SystemExit(f"unknown GPU {name!r}: pass --gpu <catalog name> (config/gpus.yaml)")
+
+
+def table(doc: dict[str, Any]) -> str:
+    lines = [f"{'row':34} {'status':8} {'alloc est/meas':>21} {'err':>6} {'reserved err':>12} "
+             f"{'total err':>9} {'step s est/meas':>17} {'MFU':>5}"]
+    stages = doc.get("stages", {})
+    for st in [stages[k] for k in STAGES if k in stages]:
+        for r in st["rows"]:
+            if r.get("status") != "ok" or "estimate" not in r:
+                lines.append(f"{r['id']:34} {r.get('status', '')[:60]}")
+                continue
+            e, m, er = r["estimate"], r["measured"], r["error_rel"]
+
+            def pct(x):
+                return "  n/a" if x is None else f"{100 * x:+.0f}%"
+            lines.append(
+                f"{r['id']:34} {'ok':8} {e['peak_allocated_bytes'] / GIB:9.2f}/{m['peak_allocated_bytes'] / GIB:7.2f} GiB "
+                f"{pct(er['peak_allocated_bytes']):>6} {pct(er['peak_reserved_bytes']):>12} {pct(er['device_total_bytes']):>9} "
+                f"{e['step_time_s']:8.3f}/{m['step_time_s']:7.3f} {m['mfu'] or 0:5.2f}")
+    s = summary(doc)
+    if s["n"]:
+        lines.append(f"allocated error over {s['n']} rows: median {100 * s['median']:+.1f}%, worst {100 * s['worst']:+.1f}%")
+    return "\n".join(lines)
+
+
+def summary(doc: dict[str, Any]) -> dict[str, Any]:
+    errs = [r["error_rel"]["peak_allocated_bytes"] for st in doc.get("stages", {}).values() for r in st["rows"]
+            if r.get("status") == "ok" and r.get("error_rel", {}).get("peak_allocated_bytes") is not None]
+    if not errs:
+        return {"n": 0}
+    return {"n": len(errs), "median": statistics.median(errs), "worst": max(errs, key=abs)}
+
+
+def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
+    """config/calibration/<gpu>.json from a finished evidence JSON; each value names its source."""
+    rows = {r["id"]: r for st in doc["stages"].values() for r in st["rows"]}
+    ctx = rows.get("context", {})
+    if ctx.get("status") != "ok":
+        raise SystemExit("the context stage has no measurement: run --stage context on the GPU first")
+    ok = [r for r in rows.values() if r.get("status") == "ok" and "measured" in r and r["measured"].get("peak_reserved_bytes")]
+    frag_rows = [r for r in ok if not r["expandable_segments"]]
+    step_rows = [r for r in ok if r["candidate"]["attn"] == "sdpa" and r["candidate"]["precision"] == "bf16"]
+    if not frag_rows or not step_rows:
+        raise SystemExit("no finished probe rows with reserved memory and step time: run the probe stages first")
+    m = ctx["measured"]
+    return {
+        "_comment": "written by benchmarks/gpu_evidence.py --write-calibration; values from the named measurements",
+        "device": doc["gpu"],
+        "measured_on": doc["stages"]["context"]["finished"][:10],
+        "measured_device": m["device"],
+        "source": f"benchmarks/results/gpu_evidence_{doc['gpu']}.json",
+        "cuda_context_bytes": int(m["cuda_context_bytes"]),
+        "cublas_workspace_bytes": int(max(m["cublas_workspace_bytes"], 0)),
+        "fragmentation": round(statistics.median(
+            r["measured"]["peak_reserved_bytes"] / r["measured"]["peak_allocated_bytes"] - 1 for r in frag_rows), 4),
+        "tflops": {
+            "step": round(statistics.median(r["measured"]["achieved_tflops"] for r in step_rows), 1),
+            "matmul": round(m["matmul_tflops"], 1),
+            "attention": round(m["attention_tflops"], 1),
+        },
+        "measurements": {
+            "cuda_context_bytes": "stage context: mem_get_info used - memory_reserved after torch.zeros(1)",
+            "cublas_workspace_bytes": "stage context: the same after the first bf16 GEMM",
+            "fragmentation": f"median reserved/allocated - 1 of {[r['id'] for r in frag_rows]}",
+            "tflops.step": f"median model FLOPs / step time of {[r['id'] for r in step_rows]}",
+            "tflops.matmul": "stage context: 8192^3 bf16 GEMM",
+            "tflops.attention": "stage context: causal SDPA 32x8192x128 bf16",
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", action="append", help="stage to run (repeatable; default: all)")
+    ap.add_argument("--list-stages", action="store_true")
+    ap.add_argument("--list-wheels", action="store_true")
+    ap.add_argument("--out", type=Path, help="evidence JSON (default benchmarks/results/gpu_evidence_<gpu>.json)")
+    ap.add_argument("--gpu", help="catalog GPU name (default: detected)")
+    ap.add_argument("--work", type=Path, default=REPO / "benchmarks/results/.work", help="models, data, probe logs")
+    ap.add_argument("--force", action="store_true", help="re-run stages already in the JSON")
+    ap.add_argument("--dry", action="store_true", help="CPU, demo model, tiny shapes, one probe per stage")
+    ap.add_argument("--write-calibration", type=Path, metavar="EVIDENCE_JSON")
+    a = ap.parse_args(argv)
+    if a.list_stages:
+        for k, rows in STAGES.items():
+            what = {"context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s (~20 s)",
+                    "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)"}.get(k)
+            print(f"{k:14} {what or ', '.join(r.id for r in rows)}")
+        return 0
+    if a.list_wheels:
+        print(" ".join(WHEELS))
+        for k, v in OPTIONAL_WHEELS.items():
+            print(f"optional: {k} ({v})")
+        return 0
+    if a.write_calibration:
+        doc = json.loads(a.write_calibration.read_text())
+        cal = derive_calibration(doc)
+        calibration.validate(cal, str(a.write_calibration))
+        dest = calibration.CALIBRATION_DIR / f"{doc['gpu']}.json"
+        write_json_atomic(dest, cal)
+        print(f"wrote {dest}")
+        return 0
+    import torch
+
+    cuda = torch.cuda.is_available() and not a.dry
+    if not cuda and not a.dry:
+        raise SystemExit("no CUDA device: run on a GPU machine, or pass --dry for the CPU dry run")
+    profile = dry_profile() if a.dry else gpu_profile(a.gpu or detect_gpu())
+    out = a.out or REPO / f"benchmarks/results/gpu_evidence_{profile.gpu}.json"
+    stages = a.stage or list(STAGES)
+    for s in stages:
+        if s not in STAGES:
+            raise SystemExit(f"unknown stage {s!r}; stages: {', '.join(STAGES)}")
+    a.work.mkdir(parents=True, exist_ok=True)
+    for s in stages:
+        doc = json.loads(out.read_text()) if out.exists() else {}
+        if s in doc.get("stages", {}) and not a.force:
+            print(f"stage {s}: already in {out}, skipped (--force to re-run)")
+            continue
+        print(f"stage {s}: running", flush=True)
+        part = run_stage(s, profile, a.work, cuda, a.dry)
+        doc = json.loads(out.read_text()) if out.exists() else {}  # re-read: stages may run side by side
+        doc.update(header(profile, cuda))
+        doc.setdefault("stages", {})[s] = part
+        doc["summary"] = summary(doc)
+        write_json_atomic(out, doc)
+        print(f"stage {s}: {part['wall_s']:.0f} s, written to {out}", flush=True)
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

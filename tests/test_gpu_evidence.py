@@ -1,0 +1,97 @@
+"""benchmarks/gpu_evidence.py in its CPU dry form, and the calibration files the estimator reads.
+
+The dry run is the GPU script's own code path (real `memfit.probe.run_probe` probes against
+`memfit.estimate.estimate`) with the demo model reduced to 2 layers, seq_len 24, fp32, one
+probe per stage; CUDA-only rows must say why they were skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memfit import calibration, catalog
+from memfit.estimate import estimate
+from memfit.space import Candidate
+from memfit.units import MIB
+
+
+def test_uncalibrated_defaults_are_the_stated_heuristics(tmp_path):
+    h100 = calibration.for_gpu("h100-80gb", "9.0", directory=tmp_path)
+    a100 = calibration.for_gpu("a100-80gb", "8.0", directory=tmp_path)
+    assert not h100.measured and h100.label() == "uncalibrated (stated heuristics)"
+    assert (h100.cuda_context_bytes, h100.cublas_workspace_bytes) == (500 * MIB, 32 * MIB)
+    assert a100.cublas_workspace_bytes == 9 * MIB
+    assert calibration.for_gpu("cpu", "cpu", directory=tmp_path).cuda_context_bytes == 0
+
+
+def test_estimate_uses_a_measured_calibration_and_says_so(tmp_path, monkeypatch):
+    arch, gpu = catalog.model("llama-3.1-8b"), catalog.gpu("h100-80gb")
+    cand = Candidate(zero=2, finetune="lora", seq_len=2048)
+    monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
+    before = estimate(arch, gpu, 1, 1, "sft", cand)
+    assert before.calibration == "uncalibrated (stated heuristics)"
+    (tmp_path / "h100-80gb.json").write_text(json.dumps({
+        "device": "h100-80gb", "measured_on": "2026-11-22", "measured_device": "NVIDIA H100 80GB HBM3",
+        "cuda_context_bytes": 600 * MIB, "cublas_workspace_bytes": 32 * MIB,
+        "fragmentation": 0.0, "tflops": {"step": 400.0}}))
+    after = estimate(arch, gpu, 1, 1, "sft", cand)
+    assert after.calibration == "measured 2026-11-22 on NVIDIA H100 80GB HBM3"
+    assert after.peak_allocated_bytes == before.peak_allocated_bytes
+    assert after.peak_reserved_bytes == after.peak_allocated_bytes  # fragmentation 0 measured
+    assert after.device_total_bytes - after.peak_reserved_bytes == 632 * MIB
+    assert after.time_breakdown["compute"] < before.time_breakdown["compute"]  # 400 > 0.4 x 989
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"cuda_context_bytes": -1}, "cuda_context_bytes"),
+    ({"tflops": {"gemm": 1.0}}, "tflops.gemm"),
+    ({"fragmentation": 3}, "fragmentation"),
+    ({"measured_on": ""}, "measured_on"),
+    ({"colour": 1}, "colour"),
+])
+def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
+    d = {"device": "h100-80gb", "measured_on": "2026-11-22", "cuda_context_bytes": 1, "cublas_workspace_bytes": 1}
+    (tmp_path / "h100-80gb.json").write_text(json.dumps(d | bad))
+    with pytest.raises(calibration.CalibrationError, match=key):
+        calibration.for_gpu("h100-80gb", "9.0", directory=tmp_path)
+
+
+@pytest.mark.slow
+def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo, tmp_path):
+    script = repo / "benchmarks/gpu_evidence.py"
+    out, work = tmp_path / "evidence.json", tmp_path / "work"
+    cmd = [sys.executable, str(script), "--dry", "--out", str(out), "--work", str(work)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    listed = subprocess.run([sys.executable, str(script), "--list-stages"], capture_output=True, text=True).stdout
+    stages = [line.split()[0] for line in listed.splitlines()]
+    assert set(doc["stages"]) == set(stages) and len(stages) == 8
+    assert doc["stages"]["context"]["rows"][0]["status"].startswith("skipped: needs CUDA")
+    for name in stages[1:]:
+        ok = [r for r in doc["stages"][name]["rows"] if r["status"] == "ok"]
+        assert ok, (name, doc["stages"][name])
+        for r in ok:
+            e, m, err = r["estimate"], r["measured"], r["error_rel"]
+            assert e["peak_allocated_bytes"] > 0 and m["peak_allocated_bytes"] > 0
+            assert e["step_time_s"] > 0 and m["step_time_s"] > 0 and m["tokens_per_s"] > 0
+            assert err["peak_allocated_bytes"] == round(m["peak_allocated_bytes"] / e["peak_allocated_bytes"] - 1, 4)
+            assert err["step_time_s"] == round(m["step_time_s"] / e["step_time_s"] - 1, 4)
+            assert m["device_total_bytes"] is None and m["device_total_source"].startswith("skipped: needs CUDA")
+            assert e["calibration"] == "uncalibrated (stated heuristics)"
+    skipped = {r["id"]: r["status"] for st in doc["stages"].values() for r in st["rows"]}
+    for cuda_only in ("sft-full-z2-flash", "sft-qlora-z0", "sft-full-z2-expandable-on"):
+        assert skipped[cuda_only].startswith("skipped: needs CUDA"), skipped[cuda_only]
+    fit_row, over = doc["stages"]["long_context"]["rows"]
+    assert fit_row["verdict"] == "ok: fits" and over["candidate"]["seq_len"] == int(fit_row["fit_seq_len"] * 1.1)
+    assert doc["summary"]["n"] == sum(1 for st in doc["stages"].values() for r in st["rows"] if r["status"] == "ok")
+    # calibration needs the GPU-only context stage: a dry JSON is refused, nothing written
+    cal = subprocess.run([sys.executable, str(script), "--write-calibration", str(out)], capture_output=True, text=True)
+    assert cal.returncode != 0 and "context stage has no measurement" in cal.stderr
+    assert not (repo / "config/calibration/cpu.json").exists()
+    # resumable: a stage already in the JSON is not run again without --force
+    again = subprocess.run(cmd + ["--stage", "sft_zero"], capture_output=True, text=True, timeout=300)
+    assert "already in" in again.stdout and json.loads(out.read_text())["stages"]["sft_zero"] == doc["stages"]["sft_zero"]
