@@ -37,6 +37,13 @@ pre { background: #f6f8fa; border: 1px solid #ddd; padding: 0.6em; overflow-x: a
 .banner.info { background: #eef3fb; border: 1px solid #4c72b0; color: #2b4a80; }
 .muted { color: #666; } img.plot { max-width: 100%; display: block; margin: 0.6em 0; }
 .note { color: #8a5a00; }
+@media print {
+  body { max-width: none; padding: 0; font-size: 11px; }
+  h2 { break-before: auto; break-after: avoid; } h3 { break-after: avoid; }
+  img.plot, tr, pre, .banner { break-inside: avoid; }
+  a { color: inherit; text-decoration: none; }
+  tr.selected td, th, .banner { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+}
 """
 
 
