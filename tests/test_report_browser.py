@@ -135,18 +135,31 @@ def test_resume_and_training_numbers_match_their_files(page, seen):
             if not check["passed"]:
                 assert "Resume check did NOT pass" in text
             assert check["resumed_from"] in text
-            assert f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in text
+            assert (
+                f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in text
+            )
             checked += 1
         summary = run / "train" / "summary.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
             assert f"steps\t{_plain(s['steps'])}" in text
             assert f"peak allocated per device\t{_bytes(s['peak_allocated_bytes'])}" in text
-            rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line]
+            rows = [
+                json.loads(line)
+                for line in (run / "train" / "metrics.jsonl").read_text().splitlines()
+                if line
+            ]
             for split in ("train", "eval"):
-                last = [r for r in rows if r.get("split", "train") == split and r.get("loss") is not None]
+                last = [
+                    r
+                    for r in rows
+                    if r.get("split", "train") == split and r.get("loss") is not None
+                ]
                 if last:
-                    assert f"final {split} loss (step {last[-1]['step']})\t{_plain(last[-1]['loss'])}" in text
+                    assert (
+                        f"final {split} loss (step {last[-1]['step']})\t{_plain(last[-1]['loss'])}"
+                        in text
+                    )
             checked += 1
     if not os.environ.get("MEMFIT_REPORT_HTML"):
         assert checked == 2, "the synthetic page has one trained run with a resume check"

@@ -95,7 +95,9 @@ class BrowserError(RuntimeError):
 class PageCheck:
     """What headless Chromium saw when it opened the page at `width` CSS pixels."""
 
-    errors: list[str]  # console.error calls, uncaught exceptions, failed loads, Chromium's console errors
+    errors: list[
+        str
+    ]  # console.error calls, uncaught exceptions, failed loads, Chromium's console errors
     images: list[dict]  # src prefix, alt, complete, naturalWidth/Height, rendered width
     resources: list[str]  # every non-data: URL the page fetched (the report must fetch none)
     scroll_width: int  # document.documentElement.scrollWidth, CSS px
@@ -127,7 +129,9 @@ def _run(exe: str, args: list[str], profile: Path, timeout: float) -> subprocess
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
-        raise BrowserError(f"Chromium did not finish within {timeout:.0f} s: {' '.join(cmd)}") from e
+        raise BrowserError(
+            f"Chromium did not finish within {timeout:.0f} s: {' '.join(cmd)}"
+        ) from e
 
 
 # Chromium's console lines on stderr: `[...:INFO:CONSOLE(12)] "message", source: file:///x.html (12)`;
@@ -135,8 +139,14 @@ def _run(exe: str, args: list[str], profile: Path, timeout: float) -> subprocess
 _CONSOLE = re.compile(r":(INFO|WARNING|ERROR|VERBOSE\d*):CONSOLE\(\d+\)\] \"(.*)\", source:")
 
 
-def inspect_page(page: str | os.PathLike, *, width: int = 1280, height: int = 900,
-                 chromium: str | None = None, timeout: float = 90.0) -> PageCheck:
+def inspect_page(
+    page: str | os.PathLike,
+    *,
+    width: int = 1280,
+    height: int = 900,
+    chromium: str | None = None,
+    timeout: float = 90.0,
+) -> PageCheck:
     """Load `page` (an HTML file) in headless Chromium at `width` x `height` and return what it saw."""
     exe = _chromium(chromium)
     src = Path(page)
@@ -146,14 +156,24 @@ def inspect_page(page: str | os.PathLike, *, width: int = 1280, height: int = 90
     m = re.search(r"<head[^>]*>", text, flags=re.I)
     if m is None:
         raise BrowserError(f"{src}: no <head> element to add the probe to")
-    probed = text[: m.end()] + _PROBE + text[m.end():]
+    probed = text[: m.end()] + _PROBE + text[m.end() :]
     with tempfile.TemporaryDirectory(prefix="memfit-browser-") as tmp:
         tmp_path = Path(tmp)
         copy = tmp_path / "page.html"
         copy.write_text(probed, encoding="utf-8")
-        proc = _run(exe, [f"--window-size={width},{height}", "--enable-logging=stderr", "--v=0",
-                          "--virtual-time-budget=5000", "--dump-dom", copy.as_uri()],
-                    tmp_path / "profile", timeout)
+        proc = _run(
+            exe,
+            [
+                f"--window-size={width},{height}",
+                "--enable-logging=stderr",
+                "--v=0",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+                copy.as_uri(),
+            ],
+            tmp_path / "profile",
+            timeout,
+        )
     found = re.search(rf'<pre id="{_PROBE_ID}"[^>]*>(.*?)</pre>', proc.stdout, flags=re.S)
     if found is None:
         raise BrowserError(
@@ -165,24 +185,50 @@ def inspect_page(page: str | os.PathLike, *, width: int = 1280, height: int = 90
     for level, message in _CONSOLE.findall(proc.stderr):
         if level == "ERROR" or message.startswith("Uncaught"):
             errors.append(f"console {level}: {message}")
-    return PageCheck(errors=errors, images=seen["images"], resources=seen["resources"],
-                     scroll_width=int(seen["scrollWidth"]), inner_width=int(seen["innerWidth"]),
-                     scroll_height=int(seen["scrollHeight"]), text=seen["text"])
+    return PageCheck(
+        errors=errors,
+        images=seen["images"],
+        resources=seen["resources"],
+        scroll_width=int(seen["scrollWidth"]),
+        inner_width=int(seen["innerWidth"]),
+        scroll_height=int(seen["scrollHeight"]),
+        text=seen["text"],
+    )
 
 
-def screenshot(page: str | os.PathLike, png: str | os.PathLike, *, width: int = 1280,
-               max_height: int = 2400, chromium: str | None = None, timeout: float = 90.0) -> Path:
+def screenshot(
+    page: str | os.PathLike,
+    png: str | os.PathLike,
+    *,
+    width: int = 1280,
+    max_height: int = 2400,
+    chromium: str | None = None,
+    timeout: float = 90.0,
+) -> Path:
     """Write a PNG of `page` at `width` CSS px, as tall as the page up to `max_height` px."""
     exe = _chromium(chromium)
-    height = min(max(inspect_page(page, width=width, chromium=exe, timeout=timeout).scroll_height, 600), max_height)
+    height = min(
+        max(inspect_page(page, width=width, chromium=exe, timeout=timeout).scroll_height, 600),
+        max_height,
+    )
     out = Path(png).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="memfit-shot-") as tmp:
         shot = Path(tmp) / "shot.png"
-        proc = _run(exe, [f"--window-size={width},{height}", f"--screenshot={shot}",
-                          "--virtual-time-budget=5000", Path(page).resolve().as_uri()],
-                    Path(tmp) / "profile", timeout)
+        proc = _run(
+            exe,
+            [
+                f"--window-size={width},{height}",
+                f"--screenshot={shot}",
+                "--virtual-time-budget=5000",
+                Path(page).resolve().as_uri(),
+            ],
+            Path(tmp) / "profile",
+            timeout,
+        )
         if not shot.is_file() or shot.stat().st_size == 0:
-            raise BrowserError(f"Chromium wrote no screenshot of {page} (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+            raise BrowserError(
+                f"Chromium wrote no screenshot of {page} (exit {proc.returncode}):\n{proc.stderr[-2000:]}"
+            )
         shutil.move(str(shot), out)
     return out

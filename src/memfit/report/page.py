@@ -17,6 +17,7 @@ from .charts import (
     memory_chart,
     memory_compare_chart,
 )
+from .facts import exports_block, facts_section
 from .fmt import _bytes, _e, _measured, _num, _plain, _secs, _tps, _verdict, describe
 from .inputs import Inputs, RunOutputs
 
@@ -80,8 +81,8 @@ def _resume_status(check: dict[str, Any] | None) -> tuple[str, str]:
     return "unknown (no 'passed' field)", "bad"
 
 
-def render(inputs: Inputs) -> str:
-    """The whole page as one string."""
+def render(inputs: Inputs, facts_root: Path | None = None) -> str:
+    """The whole page as one string; with `facts_root` (the Snakemake working directory) a "Run facts" section."""
     runs, stats, loose_summaries, loose_resume = inputs.runs, inputs.stats, inputs.loose_summaries, inputs.loose_resume
 
     def distinct(key: str) -> str:
@@ -120,6 +121,8 @@ def render(inputs: Inputs) -> str:
         body.append("<p>No data statistics were given (plan only, or data not prepared).</p>")
     for i, (p, s) in enumerate(stats):
         body.append(_data_section(p, s, f"data-{i}"))
+    if facts_root is not None:
+        body.append(facts_section(facts_root))
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -161,6 +164,7 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
     out.append(_selected_block(run, method, world))
     if sel.launch:
         out.append(f"<p>Launch command:</p><pre><code>{_e(sel.launch)}</code></pre>")
+    out.append(exports_block(Path(run.path).parent))
     if data_anchor:
         out.append(f'<p>Data: <a href="#{data_anchor}">statistics for {_e(sel.model)} · {_e(method)}</a>.</p>')
 

@@ -1,0 +1,45 @@
+"""Run facts and exports on the report page: versions, config hash, wall time per rule, launch files."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import re
+from pathlib import Path
+
+from test_report import _dpo_run, _render, _text
+
+
+def test_versions_config_hash_and_wall_time_per_rule(tmp_path: Path):
+    paths = _dpo_run(tmp_path)
+    cfg = tmp_path / "config" / "config.yaml"
+    cfg.parent.mkdir()
+    cfg.write_text("models: [demo-tiny]\n")
+    bench = tmp_path / "benchmarks" / "demo-tiny" / "cpu" / "dpo"
+    (bench / "probes").mkdir(parents=True)
+    head = "s\th:m:s\tmax_rss\tmax_vms\n"
+    (bench / "train.tsv").write_text(head + "179.40\t0:02:59\t900.5\t2000\n")
+    (bench / "probes" / "z0-a.tsv").write_text(head + "10.00\t0:00:10\t500\t900\n")
+    (bench / "probes" / "z2-b.tsv").write_text(head + "5.50\t0:00:05\tNA\t900\n")
+    text = _text(_render(tmp_path, paths))
+    facts = text[text.index("Run facts") :]
+    assert f"torch {importlib.metadata.version('torch')}" in facts
+    assert f"deepspeed {importlib.metadata.version('deepspeed')}" in facts
+    assert "snakemake" in facts and "git commit" in facts
+    assert f"config/config.yaml sha256 {hashlib.sha256(cfg.read_bytes()).hexdigest()[:16]}" in facts
+    # probes are one rule (probe_candidate), summed over candidates: 10 s + 5.5 s
+    assert re.search(r"train 179\.4 s .*probe_candidate 15\.5 s", facts)
+    assert "demo-tiny/cpu/dpo/probes/z0-a" in facts and "900 MB" in facts
+
+
+def test_launch_files_and_exports_beside_selected_json_are_shown(tmp_path: Path):
+    paths = _dpo_run(tmp_path)
+    run_dir = paths["selected"].parent
+    (run_dir / "llamafactory.yaml").write_text("stage: dpo\ndeepspeed: ds_config.json <x>\n")
+    (run_dir / "launch.sh").write_text("#!/bin/sh\nmemfit launch --nproc 2\n")
+    page = _render(tmp_path, paths)
+    text = _text(page)
+    assert "llamafactory.yaml" in text and "launch.sh" in text
+    assert "deepspeed: ds_config.json &lt;x&gt;" in page  # escaped, shown verbatim
+    assert "<details>" in page
+    assert "candidates.json (" not in text  # bookkeeping, not an export
