@@ -6,8 +6,8 @@ candidate, its device peak and throughput, the launch command, the resume verdic
 losses) are on the page as they are in selected.json, verify_resume.json, train/summary.json
 and train/metrics.jsonl.
 
-By default the page is rendered from synthetic inputs (a trained DPO run and a plan-only
-one); set MEMFIT_REPORT_HTML=results/report.html to check a real run's page instead (.ci/run
+By default the page is rendered from synthetic inputs (a trained DPO run and plan-only runs for
+several models x GPU types); set MEMFIT_REPORT_HTML=results/report.html to check a real run's page instead (.ci/run
 does this after the demo). Skipped, with the reason, where no Chromium binary exists.
 """
 
@@ -34,21 +34,31 @@ pytestmark = pytest.mark.skipif(
 WIDTH = 1280
 
 
+PLANNED = [("demo-tiny", "h100-80gb"), ("qwen2.5-7b", "h100-80gb"), ("qwen2.5-7b", "a100-40gb")]
+
+
 def _synthetic(tmp_path: Path) -> Path:
-    """A page with a trained DPO run (failed resume check) and a plan-only SFT-less twin on another GPU."""
+    """A cluster-like page: one trained DPO run (its resume check failed) and plan-only runs for
+    several models x GPU types (the plan-only fixture relabelled)."""
     trained = _dpo_run(tmp_path)
-    plan_root = tmp_path / "plan"
-    plan = _dpo_run(plan_root, plan_only=True)
-    moved = tmp_path / "results" / "demo-tiny" / "h100" / "dpo"
-    moved.mkdir(parents=True)
-    for f in plan["selected"].parent.iterdir():
-        obj = json.loads(f.read_text())
-        if f.name == "selected.json":
-            obj["gpu"] = "h100"
-        (moved / f.name).write_text(json.dumps(obj))
+    plan = _dpo_run(tmp_path / "plan", plan_only=True)["selected"].parent
+    selected = [trained["selected"]]
+    for model, gpu in PLANNED:
+        run = tmp_path / "results" / model / gpu / "dpo"
+        run.mkdir(parents=True)
+        for f in plan.iterdir():
+            obj = json.loads(f.read_text())
+            if f.name == "selected.json":
+                obj.update(
+                    model=model,
+                    gpu=gpu,
+                    launch=obj["launch"].replace("demo-tiny/cpu", f"{model}/{gpu}"),
+                )
+            (run / f.name).write_text(json.dumps(obj))
+        selected.append(run / "selected.json")
     out = tmp_path / "results" / "report.html"
     report.write_report(
-        selected=[str(trained["selected"]), str(moved / "selected.json")],
+        selected=[str(p) for p in selected],
         summaries=[str(trained["summary"])],
         resume=[str(trained["resume"])],
         data_stats=[str(trained["data"])],
@@ -120,7 +130,7 @@ def test_selection_numbers_match_selected_json(page, seen):
         if chosen.get("tokens_per_s") is not None:
             assert _tps(chosen["tokens_per_s"]) in text
         if sel.get("plan_only"):
-            assert "Plan only" in text
+            assert "Plan only" in text and "Not trained: plan only." in text
 
 
 def test_resume_and_training_numbers_match_their_files(page, seen):
@@ -163,3 +173,14 @@ def test_resume_and_training_numbers_match_their_files(page, seen):
             checked += 1
     if not os.environ.get("MEMFIT_REPORT_HTML"):
         assert checked == 2, "the synthetic page has one trained run with a resume check"
+
+
+def test_every_combination_is_in_the_contents_and_folds(page, seen):
+    runs = _runs(page)
+    html = page.read_text()
+    nav = re.search(r'<nav class="toc">(.*?)</nav>', html, flags=re.S)
+    assert nav is not None, "no table of contents"
+    assert len(re.findall(r'href="#run-\d+"', nav.group(1))) == len(runs)
+    if len(runs) > 1:
+        assert html.count('<details open class="run">') == len(runs)
+    assert "Run facts" in seen.text

@@ -38,11 +38,14 @@ pre { background: #f6f8fa; border: 1px solid #ddd; padding: 0.6em; overflow-x: a
 .banner.info { background: #eef3fb; border: 1px solid #4c72b0; color: #2b4a80; }
 .muted { color: #666; } img.plot { max-width: 100%; display: block; margin: 0.6em 0; }
 .note { color: #8a5a00; }
+nav.toc { margin: 0.8em 0; line-height: 1.9; } nav.toc a { white-space: nowrap; }
+details.run { margin-top: 1.5em; } details.run > summary { cursor: pointer; color: #666; font-size: 12px; }
+details.run > summary + h2 { margin-top: 0.3em; }
 @media print {
   body { max-width: none; padding: 0; font-size: 11px; }
   h2 { break-before: auto; break-after: avoid; } h3 { break-after: avoid; }
   img.plot, tr, pre, .banner { break-inside: avoid; }
-  a { color: inherit; text-decoration: none; }
+  a { color: inherit; text-decoration: none; } nav.toc, details.run > summary { display: none; }
   tr.selected td, th, .banner { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
 }
 """
@@ -104,8 +107,16 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
     for i, (p, s) in enumerate(stats):
         model, method = _data_identity(p, s)
         data_anchor.setdefault((model, method), f"data-{i}")
+    # Contents: every run (model x GPU x method), then the data and the run facts.
+    toc = [f'<a href="#run-{i}">{_e(r.title)}</a>' for i, r in enumerate(runs)] + ['<a href="#data">Data</a>']
+    if facts_root is not None:
+        toc.append('<a href="#facts">Run facts</a>')
+    body.insert(3, f'<nav class="toc"><b>Contents:</b> {" · ".join(toc)}</nav>')
     for i, run in enumerate(runs):
-        body.append(_run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method)))))
+        section = _run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method))))
+        if len(runs) > 1:  # several combinations: each one folds (open by default, so it prints)
+            section = f'<details open class="run"><summary>{_e(run.title)}</summary>\n{section}\n</details>'
+        body.append(section)
     if loose_summaries or loose_resume:
         body.append("<h2>Inputs not matched to a run</h2>")
         body.append('<p class="muted">These files are not in a run directory of any selected.json given to the report.</p>')
@@ -116,7 +127,7 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
                 body.append(curves_chart(metrics, str(p)))
         for p, check in loose_resume:
             body.append(f"<h3>Resume check: <code>{_e(p)}</code></h3>" + _resume_block(check, p))
-    body.append("<h2>Data</h2>")
+    body.append('<h2 id="data">Data</h2>')
     if not stats:
         body.append("<p>No data statistics were given (plan only, or data not prepared).</p>")
     for i, (p, s) in enumerate(stats):
