@@ -262,7 +262,18 @@ def _selection_table(run: RunOutputs) -> str:
         ])
         classes.append("selected" if r.id == sid else "")
     header = ["#", "candidate", "predicted device total", "measured peak (probe)", "host per node", "step time", "throughput", "judged on", "verdict", "reason"]
-    return _table(header, cells, classes)
+    # Candidates judged on predictions alone (never probed) fold away below the ones the selection
+    # actually weighed, so a long search space does not bury the probes; ranks are kept.
+    weighed = [i for i, r in enumerate(rows) if r.id == sid or r.source != "predicted"]
+    rest = [i for i in range(len(rows)) if i not in set(weighed)]
+    if len(rest) <= 5 or not weighed:
+        return _table(header, cells, classes)
+    return (
+        _table(header, [cells[i] for i in weighed], [classes[i] for i in weighed])
+        + f"<details><summary>{len(rest)} more candidates judged on predictions only (not probed)</summary>"
+        + _table(header, [cells[i] for i in rest], [classes[i] for i in rest])
+        + "</details>"
+    )
 
 
 def _or_predicted(value: Any, predicted: Any, fmt) -> str:
