@@ -1,4 +1,4 @@
-"""Run facts and exports on the report page: versions, config hash, wall time per rule, launch files."""
+"""Run facts, exports and the estimator-accuracy scatter on the report page."""
 
 from __future__ import annotations
 
@@ -43,3 +43,12 @@ def test_launch_files_and_exports_beside_selected_json_are_shown(tmp_path: Path)
     assert "deepspeed: ds_config.json &lt;x&gt;" in page  # escaped, shown verbatim
     assert "<details>" in page
     assert "candidates.json (" not in text  # bookkeeping, not an export
+
+
+def test_predicted_vs_measured_scatter_only_where_probes_measured(tmp_path: Path):
+    page = _render(tmp_path / "run", _dpo_run(tmp_path / "run"))
+    # the winner: predicted 150 MiB allocated, probe measured 160 MiB; the OOM probe has no figure
+    assert 'alt="predicted vs measured peak, demo-tiny · cpu · dpo"' in page
+    assert "1 probed candidate(s); the largest miss is 6% of the measured peak" in _text(page)
+    plan = _render(tmp_path / "plan", _dpo_run(tmp_path / "plan", plan_only=True))
+    assert "predicted vs measured peak" not in plan

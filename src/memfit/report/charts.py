@@ -213,3 +213,40 @@ def length_chart(stats: dict[str, Any], title: str) -> str:
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     return _img(fig, f"length distribution, {title}")
+
+
+def accuracy_chart(run: RunOutputs) -> str:
+    """Predicted vs measured peak per probed candidate, with the identity line: how far to trust
+    the estimator on this hardware. Empty where nothing was measured (plan only)."""
+    pts = []
+    for r in run.rows:
+        value, kind = _measured(r)
+        if kind not in ("reserved", "allocated"):
+            continue
+        # like with like: the probe's allocated peak against the predicted allocated peak, reserved against reserved
+        pred = _num(getattr(r.predicted, f"peak_{kind}_bytes"))
+        if pred is not None and _num(value) is not None:
+            pts.append((pred, float(value), r.id == run.selected.id, kind))
+    if not pts:
+        return ""
+    unit, uname = _unit_for([v for p in pts for v in p[:2]])
+    fig = _figure(5.2, 4.2)
+    ax = fig.add_subplot()
+    lo = min(min(p[0], p[1]) for p in pts) / unit * 0.9
+    hi = max(max(p[0], p[1]) for p in pts) / unit * 1.1
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="measured = predicted")
+    for sel in (False, True):
+        xs = [p[0] / unit for p in pts if p[2] == sel]
+        ys = [p[1] / unit for p in pts if p[2] == sel]
+        if xs:
+            ax.scatter(xs, ys, s=40 if sel else 22, color="tab:green" if sel else "tab:orange", label="selected" if sel else "probed candidate", zorder=3)
+    kinds = sorted({p[3] for p in pts})
+    ax.set_xlabel(f"predicted peak {'/'.join(kinds)} per device ({uname})")
+    ax.set_ylabel(f"measured peak {'/'.join(kinds)} per device ({uname})")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_title(f"Predicted vs measured: {run.title}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    worst = max(abs(p[1] - p[0]) / p[1] for p in pts)
+    note = f'<p class="muted">{len(pts)} probed candidate(s); the largest miss is {worst:.0%} of the measured peak. Above the line: the estimator under-predicted.</p>'
+    return _img(fig, f"predicted vs measured peak, {run.title}") + note

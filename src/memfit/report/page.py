@@ -11,6 +11,7 @@ from memfit import __version__
 
 from .charts import (
     MAX_BARS,
+    accuracy_chart,
     breakdown_chart,
     curves_chart,
     length_chart,
@@ -188,6 +189,7 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
         f"without, the prediction is the device total selection judges. At most {MAX_BARS} candidates, best ranked first.</p>"
     )
     out.append(memory_chart(run))
+    out.append(accuracy_chart(run))
     out.append("<h3>Predicted memory breakdown</h3>")
     if run.table is not None and run.table.estimator:
         out.append(f'<p class="muted">Predicted by {_e(run.table.estimator)}.</p>')
