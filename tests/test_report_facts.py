@@ -52,3 +52,28 @@ def test_predicted_vs_measured_scatter_only_where_probes_measured(tmp_path: Path
     assert "1 probed candidate(s); the largest miss is 6% of the measured peak" in _text(page)
     plan = _render(tmp_path / "plan", _dpo_run(tmp_path / "plan", plan_only=True))
     assert "predicted vs measured peak" not in plan
+
+
+def _longest(text: str, gpu: str) -> int:
+    m = re.search(rf"\b{re.escape(gpu)} \d+ GiB ([\d,]+)", text)
+    assert m, f"no fit-map row for {gpu}"
+    return int(m.group(1).replace(",", ""))
+
+
+def test_fit_map_longest_sequence_per_gpu_type_for_a_catalog_model(tmp_path: Path):
+    import json
+
+    paths = _dpo_run(tmp_path)
+    sel = json.loads(paths["selected"].read_text())
+    sel["model"] = "qwen2.5-0.5b"
+    paths["selected"].write_text(json.dumps(sel))
+    text = _text(_render(tmp_path, paths))
+    fit = text[text.index("What hardware fits") :]
+    # more memory never shortens the longest trainable sequence of the same configuration
+    assert _longest(fit, "h200") >= _longest(fit, "h100-80gb") >= _longest(fit, "a100-40gb") > 0
+    assert "fits at 32 tokens" in fit
+
+
+def test_fit_map_says_why_it_is_missing(tmp_path: Path):
+    text = _text(_render(tmp_path, _dpo_run(tmp_path)))  # demo-tiny: no catalog card, no run.json
+    assert "No fit map for demo-tiny · cpu · dpo" in text

@@ -19,6 +19,7 @@ from .charts import (
     memory_compare_chart,
 )
 from .facts import exports_block, facts_section
+from .fitmap import fit_map
 from .fmt import _bytes, _e, _measured, _num, _plain, _secs, _tps, _verdict, describe
 from .inputs import Inputs, RunOutputs
 
@@ -114,7 +115,7 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
         toc.append('<a href="#facts">Run facts</a>')
     body.insert(3, f'<nav class="toc"><b>Contents:</b> {" · ".join(toc)}</nav>')
     for i, run in enumerate(runs):
-        section = _run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method))))
+        section = _run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method))), facts_root)
         if len(runs) > 1:  # several combinations: each one folds (open by default, so it prints)
             section = f'<details open class="run"><summary>{_e(run.title)}</summary>\n{section}\n</details>'
         body.append(section)
@@ -164,7 +165,7 @@ def _overview(runs: list[RunOutputs]) -> str:
     return "<h2>Runs</h2>" + _table(["run (model · GPU · method)", "selected candidate", "device peak", "judged on", "throughput", "training", "resume check"], rows)
 
 
-def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
+def _run_section(run: RunOutputs, i: int, data_anchor: str | None, root: Path | None = None) -> str:
     sel = run.selection
     method = sel.method
     world = (run.summary or {}).get("world_size") or (run.table.world_size if run.table is not None else None)
@@ -190,6 +191,8 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
     )
     out.append(memory_chart(run))
     out.append(accuracy_chart(run))
+    out.append("<h3>What hardware fits: longest sequence per GPU type</h3>")
+    out.append(fit_map(run, root or Path.cwd()))
     out.append("<h3>Predicted memory breakdown</h3>")
     if run.table is not None and run.table.estimator:
         out.append(f'<p class="muted">Predicted by {_e(run.table.estimator)}.</p>')
