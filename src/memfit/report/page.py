@@ -18,7 +18,7 @@ from .charts import (
     memory_chart,
     memory_compare_chart,
 )
-from .facts import exports_block, facts_section
+from .facts import exports_block, facts_section, fallbacks_block
 from .fitmap import fit_map
 from .fmt import _bytes, _e, _measured, _num, _plain, _secs, _tps, _verdict, describe
 from .inputs import Inputs, RunOutputs
@@ -204,6 +204,7 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None, root: Path | 
     else:
         out.append(f'<p class="muted">From <code>{_e(run.summary_path)}</code>.</p>')
         out.append(_training_table(run.summary, run.metrics))
+        out.append(fallbacks_block(run.summary))
         out.append(_memory_compare(run))
         out.append(_reference_compare(run))
         if run.metrics:
