@@ -123,6 +123,13 @@ def breakdown_chart(run: RunOutputs) -> str:
         if any(vals):
             ax.barh(range(len(rows)), vals, 0.7, left=left, color=color, label=comp)
             left = [a + b for a, b in zip(left, vals, strict=True)]
+    # the probes' measured peaks over the predicted stacks: where the components under- or over-shoot
+    cand_rows = {r.id: r for r in run.rows}
+    meas = [_measured(cand_rows[r.id]) if r.id in cand_rows else (None, "") for r in rows]
+    pts = [(float(v) / unit, i) for i, (v, k) in enumerate(meas) if k in ("reserved", "allocated") and _num(v) is not None]
+    if pts:
+        kinds = "/".join(sorted({k for _, k in meas if k in ("reserved", "allocated")}))
+        ax.scatter(*zip(*pts, strict=True), marker="D", s=28, color="black", zorder=4, label=f"measured peak {kinds} (probe)")
     _budget_lines(ax, budget, unit, uname)
     _style_ticks(ax, rows, run.selected.id)
     ax.set_xlabel(f"predicted device memory at the peak ({uname})")
