@@ -39,14 +39,19 @@ def write_report(
     resume: Paths | None,
     data_stats: Paths | None,
     out_html: str | os.PathLike,
+    facts_root: str | os.PathLike | None = None,
 ) -> Path:
     """Write the report page to `out_html` atomically; return its path.
 
     `summaries` and `resume` are matched to runs by directory
     (`<run>/train/summary.json`, `<run>/verify_resume.json`); any that match no run are
     still shown, under "Inputs not matched to a run", so a failed check is never hidden.
+    `facts_root` (default: the parent of `out_html`'s directory) is where config/ and
+    benchmarks/ are read for the "Run facts" section.
     """
-    page = render(read_inputs(selected, summaries, resume, data_stats))
     out = Path(out_html)
+    # the report rule writes results/report.html: the Snakemake working directory is its parent's parent
+    root = Path(facts_root) if facts_root is not None else out.resolve().parent.parent
+    page = render(read_inputs(selected, summaries, resume, data_stats), facts_root=root)
     write_text_atomic(out, page)
     return out

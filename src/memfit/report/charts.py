@@ -123,6 +123,13 @@ def breakdown_chart(run: RunOutputs) -> str:
         if any(vals):
             ax.barh(range(len(rows)), vals, 0.7, left=left, color=color, label=comp)
             left = [a + b for a, b in zip(left, vals, strict=True)]
+    # the probes' measured peaks over the predicted stacks: where the components under- or over-shoot
+    cand_rows = {r.id: r for r in run.rows}
+    meas = [_measured(cand_rows[r.id]) if r.id in cand_rows else (None, "") for r in rows]
+    pts = [(float(v) / unit, i) for i, (v, k) in enumerate(meas) if k in ("reserved", "allocated") and _num(v) is not None]
+    if pts:
+        kinds = "/".join(sorted({k for _, k in meas if k in ("reserved", "allocated")}))
+        ax.scatter(*zip(*pts, strict=True), marker="D", s=28, color="black", zorder=4, label=f"measured peak {kinds} (probe)")
     _budget_lines(ax, budget, unit, uname)
     _style_ticks(ax, rows, run.selected.id)
     ax.set_xlabel(f"predicted device memory at the peak ({uname})")
@@ -213,3 +220,40 @@ def length_chart(stats: dict[str, Any], title: str) -> str:
     ax.legend(fontsize=7)
     ax.grid(axis="y", alpha=0.3)
     return _img(fig, f"length distribution, {title}")
+
+
+def accuracy_chart(run: RunOutputs) -> str:
+    """Predicted vs measured peak per probed candidate, with the identity line: how far to trust
+    the estimator on this hardware. Empty where nothing was measured (plan only)."""
+    pts = []
+    for r in run.rows:
+        value, kind = _measured(r)
+        if kind not in ("reserved", "allocated"):
+            continue
+        # like with like: the probe's allocated peak against the predicted allocated peak, reserved against reserved
+        pred = _num(getattr(r.predicted, f"peak_{kind}_bytes"))
+        if pred is not None and _num(value) is not None:
+            pts.append((pred, float(value), r.id == run.selected.id, kind))
+    if not pts:
+        return ""
+    unit, uname = _unit_for([v for p in pts for v in p[:2]])
+    fig = _figure(5.2, 4.2)
+    ax = fig.add_subplot()
+    lo = min(min(p[0], p[1]) for p in pts) / unit * 0.9
+    hi = max(max(p[0], p[1]) for p in pts) / unit * 1.1
+    ax.plot([lo, hi], [lo, hi], color="black", lw=1, label="measured = predicted")
+    for sel in (False, True):
+        xs = [p[0] / unit for p in pts if p[2] == sel]
+        ys = [p[1] / unit for p in pts if p[2] == sel]
+        if xs:
+            ax.scatter(xs, ys, s=40 if sel else 22, color="tab:green" if sel else "tab:orange", label="selected" if sel else "probed candidate", zorder=3)
+    kinds = sorted({p[3] for p in pts})
+    ax.set_xlabel(f"predicted peak {'/'.join(kinds)} per device ({uname})")
+    ax.set_ylabel(f"measured peak {'/'.join(kinds)} per device ({uname})")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_title(f"Predicted vs measured: {run.title}", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    worst = max(abs(p[1] - p[0]) / p[1] for p in pts)
+    note = f'<p class="muted">{len(pts)} probed candidate(s); the largest miss is {worst:.0%} of the measured peak. Above the line: the estimator under-predicted.</p>'
+    return _img(fig, f"predicted vs measured peak, {run.title}") + note

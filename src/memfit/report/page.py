@@ -11,12 +11,15 @@ from memfit import __version__
 
 from .charts import (
     MAX_BARS,
+    accuracy_chart,
     breakdown_chart,
     curves_chart,
     length_chart,
     memory_chart,
     memory_compare_chart,
 )
+from .facts import exports_block, facts_section, fallbacks_block
+from .fitmap import fit_map
 from .fmt import _bytes, _e, _measured, _num, _plain, _secs, _tps, _verdict, describe
 from .inputs import Inputs, RunOutputs
 
@@ -37,6 +40,16 @@ pre { background: #f6f8fa; border: 1px solid #ddd; padding: 0.6em; overflow-x: a
 .banner.info { background: #eef3fb; border: 1px solid #4c72b0; color: #2b4a80; }
 .muted { color: #666; } img.plot { max-width: 100%; display: block; margin: 0.6em 0; }
 .note { color: #8a5a00; }
+nav.toc { margin: 0.8em 0; line-height: 1.9; } nav.toc a { white-space: nowrap; }
+details.run { margin-top: 1.5em; } details.run > summary { cursor: pointer; color: #666; font-size: 12px; }
+details.run > summary + h2 { margin-top: 0.3em; }
+@media print {
+  body { max-width: none; padding: 0; font-size: 11px; }
+  h2 { break-before: auto; break-after: avoid; } h3 { break-after: avoid; }
+  img.plot, tr, pre, .banner { break-inside: avoid; }
+  a { color: inherit; text-decoration: none; } nav.toc, details.run > summary { display: none; }
+  tr.selected td, th, .banner { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+}
 """
 
 
@@ -73,8 +86,8 @@ def _resume_status(check: dict[str, Any] | None) -> tuple[str, str]:
     return "unknown (no 'passed' field)", "bad"
 
 
-def render(inputs: Inputs) -> str:
-    """The whole page as one string."""
+def render(inputs: Inputs, facts_root: Path | None = None) -> str:
+    """The whole page as one string; with `facts_root` (the Snakemake working directory) a "Run facts" section."""
     runs, stats, loose_summaries, loose_resume = inputs.runs, inputs.stats, inputs.loose_summaries, inputs.loose_resume
 
     def distinct(key: str) -> str:
@@ -96,8 +109,16 @@ def render(inputs: Inputs) -> str:
     for i, (p, s) in enumerate(stats):
         model, method = _data_identity(p, s)
         data_anchor.setdefault((model, method), f"data-{i}")
+    # Contents: every run (model x GPU x method), then the data and the run facts.
+    toc = [f'<a href="#run-{i}">{_e(r.title)}</a>' for i, r in enumerate(runs)] + ['<a href="#data">Data</a>']
+    if facts_root is not None:
+        toc.append('<a href="#facts">Run facts</a>')
+    body.insert(3, f'<nav class="toc"><b>Contents:</b> {" · ".join(toc)}</nav>')
     for i, run in enumerate(runs):
-        body.append(_run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method)))))
+        section = _run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method))), facts_root)
+        if len(runs) > 1:  # several combinations: each one folds (open by default, so it prints)
+            section = f'<details open class="run"><summary>{_e(run.title)}</summary>\n{section}\n</details>'
+        body.append(section)
     if loose_summaries or loose_resume:
         body.append("<h2>Inputs not matched to a run</h2>")
         body.append('<p class="muted">These files are not in a run directory of any selected.json given to the report.</p>')
@@ -108,11 +129,13 @@ def render(inputs: Inputs) -> str:
                 body.append(curves_chart(metrics, str(p)))
         for p, check in loose_resume:
             body.append(f"<h3>Resume check: <code>{_e(p)}</code></h3>" + _resume_block(check, p))
-    body.append("<h2>Data</h2>")
+    body.append('<h2 id="data">Data</h2>')
     if not stats:
         body.append("<p>No data statistics were given (plan only, or data not prepared).</p>")
     for i, (p, s) in enumerate(stats):
         body.append(_data_section(p, s, f"data-{i}"))
+    if facts_root is not None:
+        body.append(facts_section(facts_root))
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
@@ -142,7 +165,7 @@ def _overview(runs: list[RunOutputs]) -> str:
     return "<h2>Runs</h2>" + _table(["run (model · GPU · method)", "selected candidate", "device peak", "judged on", "throughput", "training", "resume check"], rows)
 
 
-def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
+def _run_section(run: RunOutputs, i: int, data_anchor: str | None, root: Path | None = None) -> str:
     sel = run.selection
     method = sel.method
     world = (run.summary or {}).get("world_size") or (run.table.world_size if run.table is not None else None)
@@ -154,6 +177,7 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
     out.append(_selected_block(run, method, world))
     if sel.launch:
         out.append(f"<p>Launch command:</p><pre><code>{_e(sel.launch)}</code></pre>")
+    out.append(exports_block(Path(run.path).parent))
     if data_anchor:
         out.append(f'<p>Data: <a href="#{data_anchor}">statistics for {_e(sel.model)} · {_e(method)}</a>.</p>')
 
@@ -166,6 +190,9 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
         f"without, the prediction is the device total selection judges. At most {MAX_BARS} candidates, best ranked first.</p>"
     )
     out.append(memory_chart(run))
+    out.append(accuracy_chart(run))
+    out.append("<h3>What hardware fits: longest sequence per GPU type</h3>")
+    out.append(fit_map(run, root or Path.cwd()))
     out.append("<h3>Predicted memory breakdown</h3>")
     if run.table is not None and run.table.estimator:
         out.append(f'<p class="muted">Predicted by {_e(run.table.estimator)}.</p>')
@@ -177,6 +204,7 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None) -> str:
     else:
         out.append(f'<p class="muted">From <code>{_e(run.summary_path)}</code>.</p>')
         out.append(_training_table(run.summary, run.metrics))
+        out.append(fallbacks_block(run.summary))
         out.append(_memory_compare(run))
         out.append(_reference_compare(run))
         if run.metrics:
@@ -240,7 +268,18 @@ def _selection_table(run: RunOutputs) -> str:
         ])
         classes.append("selected" if r.id == sid else "")
     header = ["#", "candidate", "predicted device total", "measured peak (probe)", "host per node", "step time", "throughput", "judged on", "verdict", "reason"]
-    return _table(header, cells, classes)
+    # Candidates judged on predictions alone (never probed) fold away below the ones the selection
+    # actually weighed, so a long search space does not bury the probes; ranks are kept.
+    weighed = [i for i, r in enumerate(rows) if r.id == sid or r.source != "predicted"]
+    rest = [i for i in range(len(rows)) if i not in set(weighed)]
+    if len(rest) <= 5 or not weighed:
+        return _table(header, cells, classes)
+    return (
+        _table(header, [cells[i] for i in weighed], [classes[i] for i in weighed])
+        + f"<details><summary>{len(rest)} more candidates judged on predictions only (not probed)</summary>"
+        + _table(header, [cells[i] for i in rest], [classes[i] for i in rest])
+        + "</details>"
+    )
 
 
 def _or_predicted(value: Any, predicted: Any, fmt) -> str:

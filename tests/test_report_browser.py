@@ -1,0 +1,186 @@
+"""The report as a reader's browser shows it: headless Chromium opens the page from disk, networking off.
+
+Asserts no console errors, every image decoded, nothing fetched from outside the file, no
+horizontal overflow at 1280 px, and that the numbers a reader acts on (the selected
+candidate, its device peak and throughput, the launch command, the resume verdict, the final
+losses) are on the page as they are in selected.json, verify_resume.json, train/summary.json
+and train/metrics.jsonl.
+
+By default the page is rendered from synthetic inputs (a trained DPO run and plan-only runs for
+several models x GPU types); set MEMFIT_REPORT_HTML=results/report.html to check a real run's page instead (.ci/run
+does this after the demo). Skipped, with the reason, where no Chromium binary exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from test_report import _dpo_run
+
+from memfit import report
+from memfit.report.browser import find_chromium, inspect_page
+from memfit.report.fmt import _bytes, _plain, _tps
+
+pytestmark = pytest.mark.skipif(
+    find_chromium() is None,
+    reason="no Chromium binary (apt-get install -y chromium, or set MEMFIT_CHROMIUM)",
+)
+
+WIDTH = 1280
+
+
+PLANNED = [("demo-tiny", "h100-80gb"), ("qwen2.5-7b", "h100-80gb"), ("qwen2.5-7b", "a100-40gb")]
+
+
+def _synthetic(tmp_path: Path) -> Path:
+    """A cluster-like page: one trained DPO run (its resume check failed) and plan-only runs for
+    several models x GPU types (the plan-only fixture relabelled)."""
+    trained = _dpo_run(tmp_path)
+    plan = _dpo_run(tmp_path / "plan", plan_only=True)["selected"].parent
+    selected = [trained["selected"]]
+    for model, gpu in PLANNED:
+        run = tmp_path / "results" / model / gpu / "dpo"
+        run.mkdir(parents=True)
+        for f in plan.iterdir():
+            obj = json.loads(f.read_text())
+            if f.name == "selected.json":
+                obj.update(
+                    model=model,
+                    gpu=gpu,
+                    launch=obj["launch"].replace("demo-tiny/cpu", f"{model}/{gpu}"),
+                )
+            (run / f.name).write_text(json.dumps(obj))
+        selected.append(run / "selected.json")
+    out = tmp_path / "results" / "report.html"
+    report.write_report(
+        selected=[str(p) for p in selected],
+        summaries=[str(trained["summary"])],
+        resume=[str(trained["resume"])],
+        data_stats=[str(trained["data"])],
+        out_html=str(out),
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory) -> Path:
+    given = os.environ.get("MEMFIT_REPORT_HTML")
+    if given:
+        path = Path(given).resolve()
+        assert path.is_file(), f"MEMFIT_REPORT_HTML={given}: no such file"
+        return path
+    return _synthetic(tmp_path_factory.mktemp("browser"))
+
+
+@pytest.fixture(scope="module")
+def seen(page):
+    t0 = time.perf_counter()
+    check = inspect_page(page, width=WIDTH)
+    print(f"Chromium opened {page} in {time.perf_counter() - t0:.1f} s")
+    return check
+
+
+def _runs(page: Path) -> list[Path]:
+    runs = sorted(p.parent for p in page.parent.rglob("selected.json"))
+    assert runs, f"no selected.json under {page.parent}"
+    return runs
+
+
+def _section(text: str, run: Path) -> str:
+    """The run's part of the page text: from its 'From …/selected.json.' line to the next run's."""
+    tail = "/".join(run.parts[-3:]) + "/selected.json"
+    starts = [m.start() for m in re.finditer(r"From \S*selected\.json\.", text)]
+    mine = [s for s in starts if text[s:].split(None, 2)[1].rstrip(".").endswith(tail)]
+    assert len(mine) == 1, f"the page has {len(mine)} sections for {tail}"
+    later = [s for s in starts if s > mine[0]]
+    return text[mine[0] : later[0] if later else len(text)]
+
+
+def test_no_console_errors_and_nothing_fetched(seen):
+    assert seen.errors == []
+    assert seen.resources == [], "the page must render from the file alone"
+
+
+def test_every_image_decoded(seen):
+    assert seen.images, "the page has no figures"
+    bad = [im for im in seen.images if not im["complete"] or im["naturalWidth"] <= 0]
+    assert bad == []
+
+
+def test_no_horizontal_overflow_at_laptop_width(seen):
+    assert seen.inner_width == WIDTH
+    assert seen.scroll_width <= WIDTH, f"page is {seen.scroll_width} px wide at a {WIDTH} px window"
+
+
+def test_selection_numbers_match_selected_json(page, seen):
+    for run in _runs(page):
+        sel = json.loads((run / "selected.json").read_text())
+        text = _section(seen.text, run)
+        chosen = sel["selected"]
+        assert chosen["id"] in text
+        if sel.get("launch"):
+            assert sel["launch"] in text
+        if chosen.get("device_bytes") is not None:
+            assert f"device peak {_bytes(chosen['device_bytes'])}" in text
+        if chosen.get("tokens_per_s") is not None:
+            assert _tps(chosen["tokens_per_s"]) in text
+        if sel.get("plan_only"):
+            assert "Plan only" in text and "Not trained: plan only." in text
+
+
+def test_resume_and_training_numbers_match_their_files(page, seen):
+    checked = 0
+    for run in _runs(page):
+        text = _section(seen.text, run)
+        resume = run / "verify_resume.json"
+        if resume.is_file():
+            check = json.loads(resume.read_text())
+            verdict = "passed" if check["passed"] else "FAILED"
+            assert f"result\t{verdict}" in text, f"{run}: resume verdict {verdict} not shown"
+            if not check["passed"]:
+                assert "Resume check did NOT pass" in text
+            assert check["resumed_from"] in text
+            assert (
+                f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in text
+            )
+            checked += 1
+        summary = run / "train" / "summary.json"
+        if summary.is_file():
+            s = json.loads(summary.read_text())
+            assert f"steps\t{_plain(s['steps'])}" in text
+            assert f"peak allocated per device\t{_bytes(s['peak_allocated_bytes'])}" in text
+            rows = [
+                json.loads(line)
+                for line in (run / "train" / "metrics.jsonl").read_text().splitlines()
+                if line
+            ]
+            for split in ("train", "eval"):
+                last = [
+                    r
+                    for r in rows
+                    if r.get("split", "train") == split and r.get("loss") is not None
+                ]
+                if last:
+                    assert (
+                        f"final {split} loss (step {last[-1]['step']})\t{_plain(last[-1]['loss'])}"
+                        in text
+                    )
+            checked += 1
+    if not os.environ.get("MEMFIT_REPORT_HTML"):
+        assert checked == 2, "the synthetic page has one trained run with a resume check"
+
+
+def test_every_combination_is_in_the_contents_and_folds(page, seen):
+    runs = _runs(page)
+    html = page.read_text()
+    nav = re.search(r'<nav class="toc">(.*?)</nav>', html, flags=re.S)
+    assert nav is not None, "no table of contents"
+    assert len(re.findall(r'href="#run-\d+"', nav.group(1))) == len(runs)
+    if len(runs) > 1:
+        assert html.count('<details open class="run">') == len(runs)
+    assert "Run facts" in seen.text

@@ -1,0 +1,92 @@
+"""Run facts, exports and the estimator-accuracy scatter on the report page."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import re
+from pathlib import Path
+
+from test_report import _dpo_run, _render, _text
+
+
+def test_versions_config_hash_and_wall_time_per_rule(tmp_path: Path):
+    paths = _dpo_run(tmp_path)
+    cfg = tmp_path / "config" / "config.yaml"
+    cfg.parent.mkdir()
+    cfg.write_text("models: [demo-tiny]\n")
+    bench = tmp_path / "benchmarks" / "demo-tiny" / "cpu" / "dpo"
+    (bench / "probes").mkdir(parents=True)
+    head = "s\th:m:s\tmax_rss\tmax_vms\n"
+    (bench / "train.tsv").write_text(head + "179.40\t0:02:59\t900.5\t2000\n")
+    (bench / "probes" / "z0-a.tsv").write_text(head + "10.00\t0:00:10\t500\t900\n")
+    (bench / "probes" / "z2-b.tsv").write_text(head + "5.50\t0:00:05\tNA\t900\n")
+    text = _text(_render(tmp_path, paths))
+    facts = text[text.index("Run facts") :]
+    assert f"torch {importlib.metadata.version('torch')}" in facts
+    assert f"deepspeed {importlib.metadata.version('deepspeed')}" in facts
+    assert "snakemake" in facts and "git commit" in facts
+    assert f"config/config.yaml sha256 {hashlib.sha256(cfg.read_bytes()).hexdigest()[:16]}" in facts
+    # probes are one rule (probe_candidate), summed over candidates: 10 s + 5.5 s
+    assert re.search(r"train 179\.4 s .*probe_candidate 15\.5 s", facts)
+    assert "demo-tiny/cpu/dpo/probes/z0-a" in facts and "900 MB" in facts
+
+
+def test_launch_files_and_exports_beside_selected_json_are_shown(tmp_path: Path):
+    paths = _dpo_run(tmp_path)
+    run_dir = paths["selected"].parent
+    (run_dir / "llamafactory.yaml").write_text("stage: dpo\ndeepspeed: ds_config.json <x>\n")
+    (run_dir / "launch.sh").write_text("#!/bin/sh\nmemfit launch --nproc 2\n")
+    page = _render(tmp_path, paths)
+    text = _text(page)
+    assert "llamafactory.yaml" in text and "launch.sh" in text
+    assert "deepspeed: ds_config.json &lt;x&gt;" in page  # escaped, shown verbatim
+    assert "<details>" in page
+    assert "candidates.json (" not in text  # bookkeeping, not an export
+
+
+def test_predicted_vs_measured_scatter_only_where_probes_measured(tmp_path: Path):
+    page = _render(tmp_path / "run", _dpo_run(tmp_path / "run"))
+    # the winner: predicted 150 MiB allocated, probe measured 160 MiB; the OOM probe has no figure
+    assert 'alt="predicted vs measured peak, demo-tiny · cpu · dpo"' in page
+    assert "1 probed candidate(s); the largest miss is 6% of the measured peak" in _text(page)
+    plan = _render(tmp_path / "plan", _dpo_run(tmp_path / "plan", plan_only=True))
+    assert "predicted vs measured peak" not in plan
+
+
+def _longest(text: str, gpu: str) -> int:
+    m = re.search(rf"\b{re.escape(gpu)} \d+ GiB ([\d,]+)", text)
+    assert m, f"no fit-map row for {gpu}"
+    return int(m.group(1).replace(",", ""))
+
+
+def test_fit_map_longest_sequence_per_gpu_type_for_a_catalog_model(tmp_path: Path):
+    import json
+
+    paths = _dpo_run(tmp_path)
+    sel = json.loads(paths["selected"].read_text())
+    sel["model"] = "qwen2.5-0.5b"
+    paths["selected"].write_text(json.dumps(sel))
+    text = _text(_render(tmp_path, paths))
+    fit = text[text.index("What hardware fits") :]
+    # more memory never shortens the longest trainable sequence of the same configuration
+    assert _longest(fit, "h200") >= _longest(fit, "h100-80gb") >= _longest(fit, "a100-40gb") > 0
+    assert "fits at 32 tokens" in fit
+
+
+def test_fit_map_says_why_it_is_missing(tmp_path: Path):
+    text = _text(_render(tmp_path, _dpo_run(tmp_path)))  # demo-tiny: no catalog card, no run.json
+    assert "No fit map for demo-tiny · cpu · dpo" in text
+
+
+def test_oom_fallbacks_from_the_training_summary_are_shown(tmp_path: Path):
+    import json
+
+    paths = _dpo_run(tmp_path)
+    assert "fell back" not in _text(_render(tmp_path, paths))  # absent: nothing said
+    s = json.loads(paths["summary"].read_text())
+    s["fallbacks"] = [{"step": 3, "phase": "backward", "from": "z2-mb4", "to": "z2-mb2-ga8"}]
+    paths["summary"].write_text(json.dumps(s))
+    text = _text(_render(tmp_path, paths))
+    assert "Training ran out of memory and fell back 1 time(s)" in text
+    assert "backward" in text and "z2-mb2-ga8" in text
