@@ -70,5 +70,5 @@ def test_host_ram_from_selected_else_worst_estimate(tmp_path):
     ests = [{"host_bytes": 10 * GIB}, {"host_bytes": 70 * GIB}]
     sel = tmp_path / "selected.json"
     assert host_bytes_of(sel, ests) == 70 * GIB  # select has not run: worst case
-    sel.write_text(json.dumps({"estimate": {"host_bytes": 10 * GIB}}))
+    sel.write_text(json.dumps({"selected": {"id": "c3", "host_bytes": 10 * GIB}}))
     assert host_bytes_of(sel, ests) == 10 * GIB

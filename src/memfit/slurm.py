@@ -79,8 +79,10 @@ def host_bytes_of(selected_json: Path | None, estimates: list[Mapping[str, Any]]
     submitted before select is decided never asks for too little."""
     if selected_json is not None and Path(selected_json).exists():
         sel = json.loads(Path(selected_json).read_text())
-        chosen = sel.get("estimate") or {}
-        if "host_bytes" in chosen:
+        chosen = (
+            sel.get("selected") or {}
+        )  # pipeline.select writes {"selected": {..., "host_bytes"}}
+        if chosen.get("host_bytes") is not None:
             return int(chosen["host_bytes"])
     if not estimates:
         raise SlurmConfigError("no estimates to derive host RAM from")
