@@ -49,7 +49,7 @@ def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_se
 
 def fake_ranks(monkeypatch, code: str) -> None:
     """Launch runs `python -c code` instead of torchrun (the config path is in sys.argv[1])."""
-    monkeypatch.setattr(launch_mod, "command", lambda config, nproc: [sys.executable, "-c", code, str(config)])
+    monkeypatch.setattr(launch_mod, "command", lambda config, nproc, rdzv=None: [sys.executable, "-c", code, str(config)])
 
 
 def run_json(tmp_path: Path) -> Path:

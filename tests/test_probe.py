@@ -33,9 +33,9 @@ def ranks_that(monkeypatch, end):
     """Replace the launched ranks: `end(run, cfg_path)` writes what the ranks would and returns the exit code."""
     calls = []
 
-    def fake_launch(cfg_path, nproc, log=None, timeout_s=None):
+    def fake_launch(cfg_path, nproc, log=None, timeout_s=None, nnodes=1):
         run = json.loads(Path(cfg_path).read_text())
-        calls.append({"run": run, "nproc": nproc, "timeout_s": timeout_s})
+        calls.append({"run": run, "nproc": nproc, "timeout_s": timeout_s, "nnodes": nnodes})
         return end(Path(run["out_dir"]), log)
 
     monkeypatch.setattr(probe, "launch", fake_launch)

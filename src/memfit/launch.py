@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,12 +38,102 @@ def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     return env
 
 
-def command(config: Path, nproc: int) -> list[str]:
+class LaunchError(RuntimeError):
+    """A run cannot be started as configured (e.g. several nodes without a rendezvous)."""
+
+
+# torchrun's c10d rendezvous port; any free port on the first node works, all nodes must agree.
+RDZV_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of one multi-node run meet (torchrun `--rdzv-backend=c10d`)."""
+
+    nnodes: int
+    node_rank: int
+    host: str
+    port: int = RDZV_PORT
+    run_id: str = "memfit"
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist such as `gpu[01-03,7],login1` into host names, in order.
+
+    Same result as `scontrol show hostnames` for the forms SLURM writes into
+    SLURM_JOB_NODELIST (prefix + bracketed comma list of numbers/ranges, zero padding kept;
+    see slurm/src/common/hostlist.c). Nested or multi-dimensional brackets are refused.
+    """
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\]([^\[\]]*)", part)
+        if m is None:
+            if "[" in part or "]" in part:
+                raise LaunchError(f"cannot parse SLURM nodelist {nodelist!r} at {part!r}")
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise LaunchError(f"cannot parse SLURM nodelist {nodelist!r}: bad range {r!r}")
+            width = len(lo)
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{width}d}{suffix}")
+    if not hosts:
+        raise LaunchError(f"SLURM nodelist {nodelist!r} names no host")
+    return hosts
+
+
+def rendezvous_from_env(env: Mapping[str, str], nnodes: int) -> Rendezvous | None:
+    """The rendezvous of a multi-node run started by `srun` (one launcher per node).
+
+    Returns None for a single-node run. For nnodes > 1 it needs SLURM_JOB_NODELIST and
+    SLURM_NODEID (set by srun on every node) or MEMFIT_RDZV_HOST + MEMFIT_NODE_RANK
+    (any other scheduler); otherwise it raises instead of silently running on one node.
+    """
+    if nnodes < 1:
+        raise LaunchError(f"num_nodes must be >= 1, got {nnodes}")
+    if nnodes == 1:
+        return None
+    run_id = env.get("SLURM_JOB_ID", "memfit")
+    if env.get("MEMFIT_RDZV_HOST") and env.get("MEMFIT_NODE_RANK") is not None:
+        host, rank = env["MEMFIT_RDZV_HOST"], int(env["MEMFIT_NODE_RANK"])
+    elif env.get("SLURM_JOB_NODELIST") and env.get("SLURM_NODEID") is not None:
+        hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        if len(hosts) < nnodes:
+            raise LaunchError(
+                f"num_nodes={nnodes} but SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r} has {len(hosts)} host(s)"
+            )
+        host, rank = hosts[0], int(env["SLURM_NODEID"])
+    else:
+        raise LaunchError(
+            f"num_nodes={nnodes} needs a rendezvous: run one launcher per node under `srun` "
+            "(SLURM_JOB_NODELIST, SLURM_NODEID) or set MEMFIT_RDZV_HOST and MEMFIT_NODE_RANK"
+        )
+    if not 0 <= rank < nnodes:
+        raise LaunchError(f"node rank {rank} out of range for num_nodes={nnodes}")
+    port = int(env.get("MEMFIT_RDZV_PORT", RDZV_PORT))
+    return Rendezvous(nnodes=nnodes, node_rank=rank, host=host, port=port, run_id=run_id)
+
+
+def command(config: Path, nproc: int, rdzv: Rendezvous | None = None) -> list[str]:
+    """torchrun for this node: `--standalone` on one node, c10d rendezvous across nodes."""
+    if rdzv is None:
+        dist = ["--standalone"]
+    else:
+        dist = [
+            f"--nnodes={rdzv.nnodes}",
+            f"--node-rank={rdzv.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
+            f"--rdzv-id={rdzv.run_id}",
+        ]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *dist,
         f"--nproc-per-node={nproc}",
         "-m",
         "memfit.cli",
@@ -50,13 +143,19 @@ def command(config: Path, nproc: int) -> list[str]:
     ]
 
 
-def launch(config: Path, nproc: int, log: Path | None = None, timeout_s: float | None = None) -> int:
+def launch(
+    config: Path,
+    nproc: int,
+    log: Path | None = None,
+    timeout_s: float | None = None,
+    nnodes: int = 1,
+) -> int:
     """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code.
 
     SIGTERM and SIGUSR1 sent to this process (SLURM's warning before the wall-time kill) are
     forwarded to the ranks, which checkpoint at the end of the current step and exit.
     """
-    cmd = command(config, nproc)
+    cmd = command(config, nproc, rendezvous_from_env(os.environ, nnodes))
     threads = max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else None
     out = None
     if log is not None:
@@ -64,19 +163,25 @@ def launch(config: Path, nproc: int, log: Path | None = None, timeout_s: float |
         out = open(log, "a")  # noqa: SIM115 - closed below
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-    proc = subprocess.Popen(cmd, env=launch_env(threads), stdout=out, stderr=subprocess.STDOUT if out else None)
+    proc = subprocess.Popen(
+        cmd, env=launch_env(threads), stdout=out, stderr=subprocess.STDOUT if out else None
+    )
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             # torchrun turns SIGTERM into SIGTERM to every rank (then SIGKILL after 30 s);
             # it has no handler for SIGUSR1, so that one is forwarded as SIGTERM too.
-            forwarded[sig] = signal.signal(sig, lambda _signum, _frame: proc.send_signal(signal.SIGTERM))
+            forwarded[sig] = signal.signal(
+                sig, lambda _signum, _frame: proc.send_signal(signal.SIGTERM)
+            )
     try:
         rc = proc.wait(timeout=timeout_s)
         if rc != 0 and _preempted(config):
             from memfit.train import PREEMPTED_EXIT_CODE
 
-            return PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
+            return (
+                PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
+            )
         return rc
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -99,10 +204,19 @@ def _preempted(config: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="memfit launch", description="Start all ranks of a run on this node.")
+    ap = argparse.ArgumentParser(
+        prog="memfit launch", description="Start all ranks of a run on this node."
+    )
     ap.add_argument("--config", required=True, type=Path, help="run config JSON")
-    ap.add_argument("--nproc", type=int, default=nproc_default(), help="ranks (GPUs; 2 on the CPU)")
+    ap.add_argument(
+        "--nproc", type=int, default=nproc_default(), help="ranks per node (GPUs; 2 on the CPU)"
+    )
+    ap.add_argument(
+        "--nnodes", type=int, default=1, help="nodes; >1 needs srun (SLURM) or MEMFIT_RDZV_HOST"
+    )
     args = ap.parse_args(argv)
     if args.nproc < 1:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")
-    return launch(args.config, args.nproc)
+    if args.nnodes < 1:
+        ap.error(f"--nnodes must be >= 1, got {args.nnodes}")
+    return launch(args.config, args.nproc, nnodes=args.nnodes)

@@ -124,6 +124,7 @@ def probe_candidate(
     return run_probe(
         run,
         nproc=cfg.num_gpus,
+        nnodes=cfg.num_nodes,
         out_json=Path(out_json),
         log=Path(log),
         steps=cfg.probe.steps,
@@ -170,6 +171,8 @@ def select_config(
     )
     write_json_atomic(out["ds_config"], ds)
     cmd = f"memfit launch --config {shlex.quote(str(out['run']))} --nproc {cfg.num_gpus}"
+    if cfg.num_nodes > 1:  # one launcher per node: srun starts them, torchrun meets at the first host
+        cmd = f"srun --nodes {cfg.num_nodes} --ntasks-per-node 1 {cmd} --nnodes {cfg.num_nodes}"
     Path(out["launch"]).write_text(
         "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
         f"# DeepSpeed config: {out['ds_config']} (the trainer rebuilds it with the step count).\nset -euo pipefail\n{cmd}\n"
@@ -188,12 +191,12 @@ def select_config(
     return selected
 
 
-def train(run_json: Path, nproc: int, log: Path) -> dict[str, Any]:
+def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1) -> dict[str, Any]:
     from memfit.launch import launch
 
     run = RunConfig.load(run_json)
     set_aside_stale_checkpoints(run, Path(log))
-    rc = launch(Path(run_json), nproc, log=Path(log))
+    rc = launch(Path(run_json), nproc, log=Path(log), nnodes=nnodes)
     if rc != 0:
         raise RuntimeError(f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint.")
     return json.loads((Path(run.out_dir) / "summary.json").read_text())

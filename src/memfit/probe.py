@@ -31,6 +31,7 @@ def run_probe(
     steps: int = 3,
     timeout_s: float = 900,
     prediction: dict[str, Any] | None = None,
+    nnodes: int = 1,
 ) -> dict[str, Any]:
     """Probe `run.candidate`; write and return the result (status ok | oom | error | timeout)."""
     out_json = Path(out_json)
@@ -41,7 +42,7 @@ def run_probe(
         cfg.save(cfg_path)
         result: dict[str, Any] = {"id": cfg.cand.id, "candidate": cfg.candidate, "world_size": nproc, "steps": steps}
         try:
-            rc = launch(cfg_path, nproc, log=log, timeout_s=timeout_s)
+            rc = launch(cfg_path, nproc, log=log, timeout_s=timeout_s, nnodes=nnodes)
         except subprocess.TimeoutExpired:
             rc = None
         ooms = sorted(work.glob("oom.rank*.json"))

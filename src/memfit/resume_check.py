@@ -18,7 +18,7 @@ from memfit.atomic import write_json_atomic
 from memfit.train import RunConfig
 
 
-def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5) -> dict[str, Any]:
+def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5, nnodes: int = 1) -> dict[str, Any]:
     """Resume the finished run from its previous checkpoint and compare with what it did uninterrupted."""
     from memfit.launch import launch
 
@@ -32,7 +32,7 @@ def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: f
     shutil.rmtree(work, ignore_errors=True)
     resumed = dataclasses.replace(run, out_dir=str(work), resume=str(ckpts / tag), keep_last=1)
     resumed.save(work / "run.json")
-    rc = launch(work / "run.json", nproc, log=Path(log))
+    rc = launch(work / "run.json", nproc, log=Path(log), nnodes=nnodes)
     if rc != 0:
         raise RuntimeError(f"resumed run failed (exit code {rc}); see {log}")
     result = compare_runs(Path(run.out_dir), work, int(tag.removeprefix("step")), rtol)

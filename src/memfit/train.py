@@ -150,6 +150,7 @@ class Run:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.cand = cfg.cand
+        self._probe_units: list[Any] | None = None  # the probe's worst-case micro batch, made once
         self.rank, self.world = dist_env.rank(), dist_env.world()
         self.out = Path(cfg.out_dir)
         self.ckpt_root = self.out / "checkpoints"
@@ -264,7 +265,8 @@ class Run:
 
         cache = self.out / "ref_logps.pt"
         ref_path = self.cfg.ref_model_path or self.cfg.model_path
-        splits = {"probe": worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)} if self.cfg.probe_steps else {"train": self.train_rows, "eval": self.eval_rows}
+        # the probe's rows are the very objects probe() runs (they receive the log-probs below)
+        splits = {"probe": self._worst_case_units()} if self.cfg.probe_steps else {"train": self.train_rows, "eval": self.eval_rows}
         sizes = {k: len(v) for k, v in splits.items()}
         stored = torch.load(cache, weights_only=False) if cache.exists() else None
         if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
@@ -505,11 +507,14 @@ class Run:
         """The probe's micro batch: the longest rows, or with packing the fullest packs, each
         padded to seq_len by the caller, so the probe runs the largest shape training can meet
         through the same (packed or padded) code path."""
-        if not self.cfg.packing:
-            return worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)
-        size = [sum(len(r["input_ids"]) for r in p) for p in self.train_units]
-        fullest = sorted(range(len(size)), key=lambda i: (-size[i], i))[: self.cand.micro_batch]
-        return [self.train_units[fullest[k % len(fullest)]] for k in range(self.cand.micro_batch)]
+        if self._probe_units is None:
+            if not self.cfg.packing:
+                self._probe_units = worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)
+            else:
+                size = [sum(len(r["input_ids"]) for r in p) for p in self.train_units]
+                fullest = sorted(range(len(size)), key=lambda i: (-size[i], i))[: self.cand.micro_batch]
+                self._probe_units = [self.train_units[fullest[k % len(fullest)]] for k in range(self.cand.micro_batch)]
+        return self._probe_units
 
     # -- metrics, checkpoints, export ---------------------------------------
     def _write_metrics(self, row: dict[str, Any]) -> None:
