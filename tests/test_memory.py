@@ -90,3 +90,53 @@ def test_cuda_peaks_see_what_was_allocated_and_the_tracker_agrees():
     assert peaks.allocated - start == 96 * MIB
     assert t.peak_bytes - t.baseline_bytes == 96 * MIB
     assert peaks.reserved >= peaks.allocated
+
+
+# -- the cpu device capacity ------------------------------------------------------------
+
+
+def test_capacity_raises_cuda_oom_type_at_the_op_that_crosses_it():
+    keep = torch.ones(1000)  # baseline: alive before tracking starts, counts toward the capacity
+    with AllocationTracker("cpu") as probe:
+        base = probe.baseline_bytes
+    assert base >= keep.nbytes
+    cap = base + 100_000  # room for 100,000 B more than the baseline
+    with AllocationTracker("cpu", capacity_bytes=cap) as t:
+        t.phase = "forward"
+        a = torch.empty(15_000)  # 60,000 B: fits
+        assert t.oom is None
+        with pytest.raises(torch.OutOfMemoryError, match="forward"):
+            torch.zeros(15_000)  # another 60,000 B: 120,000 B above baseline > capacity
+        assert t.oom["phase"] == "forward"
+        assert "zeros" in t.oom["op"]
+        assert t.oom["capacity_bytes"] == cap
+        assert t.oom["live_bytes"] == base + 120_000  # the outputs exist when the check runs
+        assert t.current_bytes == base + 60_000  # ...and are dropped with the error
+        t.phase = "backward"
+        with pytest.raises(torch.OutOfMemoryError, match="backward"):
+            a * 0.5  # another 60,000 B
+        assert t.oom["phase"] == "backward"
+        del a
+        small = torch.empty(1000)  # after the failures, what fits still allocates
+        assert t.current_bytes == base + small.nbytes
+
+
+def test_capacity_phase_and_baseline_are_reported():
+    with AllocationTracker("cpu") as probe:
+        base = probe.baseline_bytes
+    with AllocationTracker("cpu", capacity_bytes=base + 40_000) as t:
+        t.phase = "optimizer step"
+        x = torch.empty(5_000)  # 20,000 B
+        with pytest.raises(torch.OutOfMemoryError) as e:
+            x.add_(1).mul(2).clone()  # mul: +20,000 B fits (40,000), clone: +20,000 B does not
+        assert "optimizer step" in str(e.value)
+        assert t.oom["phase"] == "optimizer step" and "clone" in t.oom["op"]
+        del x
+
+
+def test_baseline_over_capacity_raises_when_tracking_starts():
+    params = torch.ones(100_000)  # 400,000 B, like parameters allocated before the step
+    t = AllocationTracker("cpu", capacity_bytes=100_000)
+    with pytest.raises(torch.OutOfMemoryError, match="baseline"):
+        t.__enter__()
+    assert t.oom["phase"] == "setup" and t.oom["live_bytes"] >= params.nbytes

@@ -18,6 +18,7 @@ import pytest
 from memfit import probe
 from memfit.space import Candidate
 from memfit.train import OOM_EXIT_CODE, RunConfig
+from memfit.units import MIB
 
 PREDICTION = {"id": "x", "peak_allocated_bytes": 123, "peak_reserved_bytes": 456, "host_bytes": 7, "step_time_s": 0.5,
               "breakdown": {"not": "copied"}}
@@ -113,3 +114,24 @@ def test_real_ranks_that_refuse_the_candidate_give_an_error_result(tmp_path):
     assert res["status"] == "error", res
     assert res["error"] == f"exit code 1; see {log}" and res["log_tail"]
     assert "RuntimeError: attn=flash needs a CUDA GPU" in log.read_text()  # the rank's reason, in the log named
+
+
+@pytest.mark.slow
+def test_real_ranks_over_the_cpu_capacity_oom_with_phase_and_bytes(tmp_path, demo_model, demo_data):
+    """Real torchrun ranks on the cpu device: under a capacity the step cannot fit, the tracker raises
+    torch.OutOfMemoryError, the trainer's OOM handler writes its marker, and the probe records where."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the cpu capacity applies without CUDA")
+    c = Candidate(zero=0, micro_batch=16, seq_len=32)
+    cap = 44 * MIB  # weights, Adam states and data (about 40 MiB, the baseline) fit; a micro batch of 16 does not
+    run = RunConfig(method="sft", model_path=str(demo_model), data_dir=str(demo_data / "sft"),
+                    out_dir=str(tmp_path / "train"), candidate=c.to_dict(), max_steps=3,
+                    device_capacity_bytes=cap)
+    log = tmp_path / "probe.log"
+    res = probe.run_probe(run, nproc=2, out_json=tmp_path / "p.json", log=log, steps=1, timeout_s=300)
+    assert res["status"] == "oom", (res, log.read_text()[-3000:])
+    assert res["oom"]["phase"] in ("forward", "backward", "optimizer step"), res
+    assert res["oom"]["capacity_bytes"] == cap and res["oom"]["live_bytes"] > cap
+    assert "CPU device capacity exceeded" in res["error"]

@@ -9,6 +9,17 @@ sees every op's outputs, and weak references on their storages that fire when
 a storage is freed), without module attribution, so it composes with
 DeepSpeed's own module hooks.
 
+With `capacity_bytes` set, the tracker is also the `cpu` device's capacity: when
+the live total of this rank would exceed it, the op raises `torch.OutOfMemoryError`,
+the exception CUDA's caching allocator raises, so the trainer's OOM handler
+(train.run_rank: OOM marker + OOM_EXIT_CODE) treats both alike. PyTorch 2.x has
+no pluggable CPU allocator (`torch.cuda.memory.CUDAPluggableAllocator` is
+CUDA-only, and c10's CPU allocator is replaced only from C++ via
+`c10::SetCPUAllocator`), so the check runs right after the op: its outputs are
+already allocated when the dispatch mode sees them, and the error drops them.
+The peak recorded therefore may exceed the capacity by one op's outputs, as a
+real device never would.
+
 On CUDA, `device_peaks()` reads the caching allocator's own statistics instead
 (allocated and reserved), which include what no Python op returns.
 """
@@ -27,6 +38,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.units import fmt_bytes
+
 
 class AllocationTracker(TorchDispatchMode):
     """Peak bytes of live tensor storages on `device` while the context is active.
@@ -38,8 +51,11 @@ class AllocationTracker(TorchDispatchMode):
     not counted at the peak, as in the CUDA caching allocator's `allocated`.
     """
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", capacity_bytes: int | None = None) -> None:
         super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self.phase = "setup"  # what the caller is doing: forward, backward, optimizer step, checkpoint save ...
+        self.oom: dict[str, object] | None = None  # phase, live and capacity bytes of the first OOM
         self.device_type = torch.device(device).type
         self._live: dict[int, int] = {}  # storage key -> nbytes
         self._refs: dict[int, weakref.ref] = {}
@@ -69,6 +85,18 @@ class AllocationTracker(TorchDispatchMode):
                 self.peak_bytes = self.current_bytes
         self._refs[key] = weakref.ref(st, lambda _ref, k=key: self._free(k))
 
+    def _check_capacity(self, op: str) -> None:
+        """Raise torch.OutOfMemoryError when the live total exceeds `capacity_bytes`."""
+        cap = self.capacity_bytes
+        if cap is None or self.current_bytes <= cap:
+            return
+        live = self.current_bytes
+        self.oom = {"phase": self.phase, "op": op, "live_bytes": live, "capacity_bytes": cap}
+        raise torch.OutOfMemoryError(
+            f"CPU device capacity exceeded in {self.phase} ({op}): {fmt_bytes(live)} live "
+            f"> capacity {fmt_bytes(cap)} (live {live} B, capacity {cap} B)"
+        )
+
     def _free(self, key: int) -> None:
         with self._lock:
             nbytes = self._live.pop(key, 0)
@@ -92,6 +120,7 @@ class AllocationTracker(TorchDispatchMode):
                     continue
         self.baseline_bytes = self.current_bytes
         self.peak_bytes = self.current_bytes
+        self._check_capacity("baseline")  # parameters and optimizer states alone do not fit
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -99,6 +128,7 @@ class AllocationTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
+        self._check_capacity(str(func))
         return out
 
 

@@ -121,6 +121,9 @@ def probe_candidate(
     if row is None:
         raise ValueError(f"{candidates_json}: no candidate {cand_id!r}")
     run = cfg.run_config(method, row["candidate"], model_path, data_dir, str(Path(out_json).parent))
+    # Without CUDA the rank's live tensor bytes are held to the budget's device memory
+    # (`cpu_memory_mib` on `cpu`): the probe then OOMs as it would on a GPU of that size.
+    run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
     return run_probe(
         run,
         nproc=cfg.num_gpus,
@@ -157,6 +160,7 @@ def select_config(
     b = Budget(**table["budget"])
     best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method))
     run = cfg.run_config(method, best.candidate, model_path, data_dir, train_dir)
+    run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
     run.save(out["run"])
     ds = dsconfig.build(
         run.cand,

@@ -52,8 +52,11 @@ def run_probe(
             result |= {"status": "timeout", "error": f"probe did not finish within {timeout_s:.0f} s"}
         elif ooms or rc in (OOM_EXIT_CODE, -signal.SIGKILL, 128 + signal.SIGKILL):
             # A CUDA OOM writes a marker; a host OOM is the kernel's SIGKILL.
-            detail = json.loads(ooms[0].read_text())["error"] if ooms else f"killed (exit {rc}): host out of memory?"
-            result |= {"status": "oom", "error": detail}
+            marker = json.loads(ooms[0].read_text()) if ooms else {}
+            detail = marker.get("error") or f"killed (exit {rc}): host out of memory?"
+            # phase (forward | backward | optimizer step | ...), live and capacity bytes at the OOM
+            where = {k: marker[k] for k in ("phase", "op", "live_bytes", "capacity_bytes") if k in marker}
+            result |= {"status": "oom", "error": detail, "oom": where or None}
         else:
             result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
         if prediction is not None:

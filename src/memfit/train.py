@@ -99,6 +99,7 @@ class RunConfig:
     probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
     loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
+    device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -155,6 +156,8 @@ class Run:
         self.out = Path(cfg.out_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.metrics_path = self.out / "metrics.jsonl"
+        self.tracker: AllocationTracker | None = None  # set by _start_tracking (CPU only)
+        self.oom_phase = "setup"  # what the run does now; recorded with an OOM
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -299,6 +302,7 @@ class Run:
         """Means over every held-out row; every rank runs the same number of forwards (ZeRO-3)."""
         sums: dict[str, float] = {}
         count = 0.0
+        self._phase("evaluation")
         self.engine.eval()
         with torch.no_grad():
             for idx, batch in rank_batches(self.eval_rows, self.cand.micro_batch, self.world, self.rank):
@@ -323,11 +327,15 @@ class Run:
         for idx in self.schedule.micro_batches(step, self.rank):
             rows = probe_rows if probe_rows is not None else [self.train_units[i] for i in idx]
             pad_to = self.cand.seq_len if probe_rows is not None else None
+            self._phase("forward")
             loss, m, tok = self.runner.loss(rows, pad_to=pad_to, packed=self.cfg.packing)
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss {float(loss)} at step {step + 1} on rank {self.rank}")
+            self._phase("backward")
             self.engine.backward(loss)
+            self._phase("optimizer step")
             self.engine.step()
+            self._phase("between steps")
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
             rows_seen += len(rows)
@@ -342,6 +350,12 @@ class Run:
         out["step_time_s"] = dt
         return out
 
+    def _phase(self, name: str) -> None:
+        """What the step does now, for the cpu capacity's OOM record (train.run_rank's marker)."""
+        self.oom_phase = name
+        if getattr(self, "tracker", None) is not None:
+            self.tracker.phase = name
+
     # -- the loop -------------------------------------------------------------
     def _stop_signal_received(self) -> bool:
         """True on every rank once any rank got SIGTERM/SIGUSR1 (one all-reduce per step)."""
@@ -355,7 +369,9 @@ class Run:
         # self.training` (modeling_layers.py GradientCheckpointingLayer), LoRA dropout likewise:
         # without this, probes and any run before its first evaluation trained in eval mode.
         self.engine.train()
-        tracker = None if torch.cuda.is_available() else AllocationTracker(dist_env.device())
+        tracker = (None if torch.cuda.is_available()
+                   else AllocationTracker(dist_env.device(), capacity_bytes=self.cfg.device_capacity_bytes))
+        self.tracker = tracker
         reset_device_peaks()
         if tracker is not None:
             tracker.__enter__()
@@ -444,7 +460,9 @@ class Run:
     def _resume(self, tracker) -> int:
         """Resume if a checkpoint says so; what loading it cost is kept apart from the training peak."""
         self.resume_peak = None
+        self._phase("checkpoint load")
         start_step = self.maybe_resume()
+        self._phase("between steps")
         if start_step:
             pk = device_peaks(tracker)
             alloc, reserved, rss = dist_env.all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
@@ -527,6 +545,7 @@ class Run:
             os.fsync(f.fileno())
 
     def save(self, step: int) -> None:
+        self._phase("checkpoint save")
         checkpoint.save(
             self.engine,
             self.ckpt_root,
@@ -630,6 +649,18 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def oom_record(run: Run) -> dict[str, Any]:
+    """Where an OOM happened: the phase, and (on the cpu capacity) the live and capacity bytes."""
+    tracker = getattr(run, "tracker", None)
+    if tracker is not None and tracker.oom is not None:
+        return {k: tracker.oom[k] for k in ("phase", "op", "live_bytes", "capacity_bytes")}
+    rec: dict[str, Any] = {"phase": getattr(run, "oom_phase", "setup")}
+    if torch.cuda.is_available():  # CUDA raised: what its allocator held at that moment
+        rec["live_bytes"] = int(torch.cuda.memory_allocated())
+        rec["capacity_bytes"] = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return rec
+
+
 def run_rank(cfg: RunConfig) -> dict[str, Any]:
     _die_with_parent()
     if cfg.expandable_segments:
@@ -646,7 +677,7 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
     except torch.OutOfMemoryError as e:
         marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"rank": run.rank, "error": str(e)[:2000]}))
+        marker.write_text(json.dumps({"rank": run.rank, "error": str(e)[:2000], **oom_record(run)}))
         raise SystemExit(OOM_EXIT_CODE) from e
 
 
