@@ -296,6 +296,8 @@ def test_snakemake_dry_run_refuses_save_every_zero(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     proc = subprocess.run(
         [
+            sys.executable,
+            "-m",
             "snakemake",
             "-n",
             "--configfile",
