@@ -217,8 +217,11 @@ def test_dpo_reference_modes_measured_side_by_side(tmp_path):
 def test_plan_only_run_without_training_or_resume(tmp_path):
     page = _render(tmp_path, _dpo_run(tmp_path, plan_only=True))
     text = _text(page)
-    assert "Plan only" in text and "Not trained: plan only" in text and "Not run: plan only" in text
-    assert WINNER in text and "No data statistics" in text
+    assert "Plan only" in text and "the data was not prepared" in text
+    # no training sections at all: the plan is the whole story
+    assert "Did training work" not in text and "Resume check" not in text and "training curves" not in page
+    assert "resume check" not in text  # nor the overview's training and resume columns
+    assert WINNER in text and "What hardware fits" in text
     assert 'alt="memory per candidate' in page
 
 

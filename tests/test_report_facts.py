@@ -77,16 +77,3 @@ def test_fit_map_longest_sequence_per_gpu_type_for_a_catalog_model(tmp_path: Pat
 def test_fit_map_says_why_it_is_missing(tmp_path: Path):
     text = _text(_render(tmp_path, _dpo_run(tmp_path)))  # demo-tiny: no catalog card, no run.json
     assert "No fit map for demo-tiny · cpu · dpo" in text
-
-
-def test_oom_fallbacks_from_the_training_summary_are_shown(tmp_path: Path):
-    import json
-
-    paths = _dpo_run(tmp_path)
-    assert "fell back" not in _text(_render(tmp_path, paths))  # absent: nothing said
-    s = json.loads(paths["summary"].read_text())
-    s["fallbacks"] = [{"step": 3, "phase": "backward", "from": "z2-mb4", "to": "z2-mb2-ga8"}]
-    paths["summary"].write_text(json.dumps(s))
-    text = _text(_render(tmp_path, paths))
-    assert "Training ran out of memory and fell back 1 time(s)" in text
-    assert "backward" in text and "z2-mb2-ga8" in text

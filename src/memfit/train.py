@@ -440,6 +440,8 @@ class Run:
                 self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
             for step in range(start_step, self.total_steps):
                 row = self._step_row(step, tracker, peaks, step_times)
+                if start_step and step == start_step:
+                    row["resumed_from_step"] = start_step  # the report marks each resume on the curves
                 done = row["step"]
                 self._after_step(row)
                 bar.update(1)

@@ -14,7 +14,6 @@ from .inputs import RunOutputs
 
 MAX_BARS = 40  # candidates drawn per chart (the table lists all); best ranked first
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "logits", "reference", "temporaries", "overheads")
-DPO_CURVES = ("rewards/accuracies", "rewards/margins")
 
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -138,46 +137,103 @@ def breakdown_chart(run: RunOutputs) -> str:
     return _img(fig, f"predicted memory breakdown per candidate, {run.title}") + _shown_of(run)
 
 
-def curves_chart(metrics: list[dict[str, Any]], title: str) -> str:
-    """Loss (train and eval), DPO reward accuracy and margin, and peak memory per step."""
+# The training curves' panels: (title with unit, [(metrics key, series name)], y unit kind).
+# Units: loss is the mean token cross-entropy in nats (SFT) or the DPO loss -log σ(β·margin);
+# DPO rewards are β·(log π - log π_ref) of the chosen/rejected completion (Rafailov et al. 2023,
+# arXiv:2305.18290, eq. 7 and TRL's DPOTrainer logs); tokens_per_s counts non-padding tokens of
+# rank 0 (memfit.train.Trainer.train_step); peaks are running maxima since the launch or resume.
+CURVE_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
+    ("loss", (("loss", "loss"),), ""),
+    ("DPO rewards β·log(π/π_ref)", (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")), ""),
+    ("DPO reward accuracy (pairs ranked right)", (("rewards/accuracies", "accuracy"),), "fraction"),
+    ("DPO reward margin (chosen - rejected)", (("rewards/margins", "margin"),), ""),
+    ("policy log-prob per completion", (("logps/chosen", "chosen"), ("logps/rejected", "rejected")), "nats"),
+    ("learning rate", (("lr", "lr"),), ""),
+    ("gradient norm (global)", (("grad_norm", "grad norm"),), ""),
+    ("throughput, rank 0 (non-padding tokens/s)", (("tokens_per_s", "tokens/s"),), "tok/s"),
+    ("device memory: running peak, largest rank", (("peak_allocated_bytes", "allocated"), ("peak_reserved_bytes", "reserved")), "bytes"),
+    ("host RSS: peak, largest rank", (("host_rss_bytes", "host RSS"),), "bytes"),
+)  # fmt: skip
+MARK_STYLE = {  # kind: (color, line style)
+    "oom": ("tab:red", "-"),
+    "fallback": ("tab:red", ":"),
+    "resume": ("tab:blue", "--"),
+    "resume-check": ("tab:purple", "-."),
+}
+
+
+def curves_figure(metrics: list[dict[str, Any]], title: str, marks: list | None = None):
+    """The training curves as a matplotlib Figure (None without loss values): one panel per
+    metric the rows hold, eval points as dots, and `marks` (memfit.report.marks.Mark) as vertical
+    lines on every panel, labelled on the first, with the steps an OOM made the run redo shaded."""
     train = [r for r in metrics if r.get("split", "train") == "train"]
     evals = [r for r in metrics if r.get("split") == "eval"]
-    panels = [("loss", "loss")]
-    panels += [(k, k) for k in DPO_CURVES if any(_num(r.get(k)) is not None for r in metrics)]
-    mem = any(_num(r.get("peak_allocated_bytes")) is not None for r in train)
     if not any(_num(r.get("loss")) is not None for r in metrics):
-        return "<p>The metrics file has no loss values to draw.</p>"
-    n = len(panels) + (1 if mem else 0)
-    cols = 2 if n > 1 else 1
-    nrows = math.ceil(n / cols)
-    fig = _figure(9 if cols == 2 else 6, 3.0 * nrows)
-    for i, (key, label) in enumerate(panels):
+        return None
+    panels = [p for p in CURVE_PANELS if any(_num(r.get(k)) is not None for r in metrics for k, _ in p[1])]
+    cols = 2 if len(panels) > 1 else 1
+    nrows = math.ceil(len(panels) / cols)
+    fig = _figure(9 if cols == 2 else 6, 2.7 * nrows + 0.4)
+    marks = marks or []
+    for i, (name, series, kind) in enumerate(panels):
         ax = fig.add_subplot(nrows, cols, i + 1)
-        for rows, name, style in ((train, "train", "-"), (evals, "eval", "o-")):
-            pts = [(r["step"], _num(r.get(key))) for r in rows if _num(r.get(key)) is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), style, ms=4, lw=1.2, label=name)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(label)
-        ax.set_title(label, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    if mem:
-        ax = fig.add_subplot(nrows, cols, n)
-        unit, uname = _unit_for(r.get("peak_allocated_bytes") for r in train)
-        for key, name in (("peak_allocated_bytes", "allocated"), ("peak_reserved_bytes", "reserved")):
-            pts = [(r["step"], _num(r.get(key)) / unit) for r in train if _num(r.get(key)) is not None]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), lw=1.2, label=f"peak {name}")
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel(uname)
-        ax.set_title(f"device memory peak per step ({uname}, largest rank)", fontsize=9)
-        ax.set_ylim(bottom=0)
+        unit, uname = (1, kind)
+        if kind == "bytes":
+            unit, uname = _unit_for(r.get(k) for r in metrics for k, _ in series)
+        for key, label in series:
+            for rows, split in ((train, "train"), (evals, "eval")):
+                pts = [(r["step"], _num(r.get(key)) / unit) for r in rows if _num(r.get(key)) is not None]
+                if not pts:
+                    continue
+                many = len(series) > 1
+                text = f"{label} ({split})" if many else split
+                if split == "eval":  # eval points as dots (joined when there are several)
+                    ax.plot(*zip(*pts, strict=True), marker="o", ms=4, ls="-" if len(pts) > 1 else "", lw=0.8, label=text)
+                else:
+                    ax.plot(*zip(*pts, strict=True), lw=1.1, label=text)
+        for m in marks:
+            color, ls = MARK_STYLE.get(m.kind, ("black", "--"))
+            ax.axvline(m.step, color=color, ls=ls, lw=1.0, alpha=0.9)
+            if m.redo_from is not None:
+                ax.axvspan(m.redo_from, m.step, color="tab:red", alpha=0.08)
+        if i == 0:
+            _mark_labels(ax, marks)
+        if kind == "bytes":
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel("optimizer step", fontsize=8)
+        ax.set_ylabel(uname, fontsize=8)
+        ax.set_title(_label(name), fontsize=9)
+        ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(_label(title), fontsize=10)
     fig.tight_layout()
-    return _img(fig, f"training curves, {title}")
+    return fig
+
+
+def _mark_labels(ax, marks: list) -> None:
+    """Each mark's short label, rotated along its line at the top of the panel; marks at one step share a label."""
+    from matplotlib.transforms import blended_transform_factory
+
+    by_step: dict[float, list] = {}
+    for m in marks:
+        by_step.setdefault(m.step, []).append(m)
+    trans = blended_transform_factory(ax.transData, ax.transAxes)
+    for step, ms in by_step.items():
+        color = MARK_STYLE.get(ms[0].kind, ("black", "--"))[0]
+        ax.text(step, 0.97, _label("\n".join(m.short for m in ms)), transform=trans, rotation=90, va="top", ha="right",
+                fontsize=6.5, color=color, bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})  # fmt: skip
+
+
+def curves_chart(metrics: list[dict[str, Any]], title: str, marks: list | None = None) -> str:
+    """Every logged metric over the steps, with eval points and the run's resume/OOM marks (see curves_figure)."""
+    fig = curves_figure(metrics, title, marks)
+    if fig is None:
+        return "<p>The metrics file has no loss values to draw.</p>"
+    alt = f"training curves, {title}"
+    if marks:
+        alt += "; marked: " + ", ".join(m.short for m in marks)
+    return _img(fig, alt)
 
 
 def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, what: str = "Selected candidate memory", measured_from: int = 1, alt: str = "training peak vs probe peak") -> str:

@@ -158,24 +158,3 @@ def exports_block(run_dir: Path) -> str:
             f"<details><summary><code>{_e(p.name)}</code> ({len(text):,} characters)</summary><pre><code>{_e(text[:_MAX_SHOWN] + cut)}</code></pre></details>"
         )
     return "\n".join(out)
-
-
-def fallbacks_block(summary: dict) -> str:
-    """train/summary.json `fallbacks`: each OOM the training recovered from by falling back to
-    another configuration (absent in older summaries: nothing is shown)."""
-    items = summary.get("fallbacks")
-    if not items:
-        return ""
-    if not isinstance(items, list):
-        return f"<p class='bad'>train/summary.json: 'fallbacks' is not a list ({_e(type(items).__name__)}).</p>"
-    rows = [i if isinstance(i, dict) else {"fallback": i} for i in items]
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    head = "".join(f"<th>{_e(k)}</th>" for k in keys)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{_e(r.get(k, '—'))}</td>" for k in keys) + "</tr>" for r in rows
-    )
-    return (
-        f"<div class='banner fail'>Training ran out of memory and fell back {len(rows)} time(s): "
-        "the selected configuration did not hold as launched.</div>"
-        f"<table><tr>{head}</tr>{body}</table>"
-    )

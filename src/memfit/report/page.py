@@ -18,10 +18,11 @@ from .charts import (
     memory_chart,
     memory_compare_chart,
 )
-from .facts import exports_block, facts_section, fallbacks_block
-from .fitmap import fit_map
+from .facts import exports_block, facts_section
+from .fitmap import FitResult, fit_grid, fit_map, fit_results
 from .fmt import _bytes, _e, _measured, _num, _plain, _secs, _tps, _verdict, describe
 from .inputs import Inputs, RunOutputs
+from .marks import fallbacks_block, marks_table, read_fallbacks, training_marks
 
 CSS = """
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1200px; padding: 1em 2em; color: #222; }
@@ -38,9 +39,16 @@ pre { background: #f6f8fa; border: 1px solid #ddd; padding: 0.6em; overflow-x: a
 .banner.pass { background: #e6f4ea; border: 1px solid #1a7f37; color: #1a7f37; }
 .banner.fail { background: #fdecea; border: 1px solid #c62828; color: #c62828; }
 .banner.info { background: #eef3fb; border: 1px solid #4c72b0; color: #2b4a80; }
+.banner.warn { background: #fff4e0; border: 1px solid #b26a00; color: #8a5200; }
+.wide { max-width: 100%; overflow-x: auto; }
+table.grid th, table.grid td { padding: 2px 6px; } table.grid td.ok { background: #e6f4ea; }
+table.grid td.short { background: #fff4e0; color: #8a5200; } table.grid td.bad { color: #c62828; font-weight: normal; }
+td.here, tr.here td { outline: 2px solid #222; outline-offset: -2px; font-weight: 600; }
+ul.legend { font-size: 12px; color: #444; list-style: none; padding-left: 0; }
 .muted { color: #666; } img.plot { max-width: 100%; display: block; margin: 0.6em 0; }
 .note { color: #8a5a00; }
-nav.toc { margin: 0.8em 0; line-height: 1.9; } nav.toc a { white-space: nowrap; }
+nav.toc { margin: 0.8em 0; line-height: 1.7; } nav.toc a { white-space: nowrap; }
+nav.toc ul { margin: 0.2em 0; padding-left: 1.2em; } nav.toc .model { font-weight: 600; }
 details.run { margin-top: 1.5em; } details.run > summary { cursor: pointer; color: #666; font-size: 12px; }
 details.run > summary + h2 { margin-top: 0.3em; }
 @media print {
@@ -48,7 +56,8 @@ details.run > summary + h2 { margin-top: 0.3em; }
   h2 { break-before: auto; break-after: avoid; } h3 { break-after: avoid; }
   img.plot, tr, pre, .banner { break-inside: avoid; }
   a { color: inherit; text-decoration: none; } nav.toc, details.run > summary { display: none; }
-  tr.selected td, th, .banner { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+  tr.selected td, th, .banner, table.grid td { -webkit-print-color-adjust: exact; print-color-adjust: exact; }
+  .wide { overflow: visible; }
 }
 """
 
@@ -109,13 +118,12 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
     for i, (p, s) in enumerate(stats):
         model, method = _data_identity(p, s)
         data_anchor.setdefault((model, method), f"data-{i}")
-    # Contents: every run (model x GPU x method), then the data and the run facts.
-    toc = [f'<a href="#run-{i}">{_e(r.title)}</a>' for i, r in enumerate(runs)] + ['<a href="#data">Data</a>']
-    if facts_root is not None:
-        toc.append('<a href="#facts">Run facts</a>')
-    body.insert(3, f'<nav class="toc"><b>Contents:</b> {" · ".join(toc)}</nav>')
+    fits = fit_results(runs, facts_root or Path.cwd())
+    body.insert(3, _contents(runs, facts_root is not None))
+    body.append(_fit_grid_section(runs, fits))
     for i, run in enumerate(runs):
-        section = _run_section(run, i, data_anchor.get((str(run.selection.model), str(run.selection.method))), facts_root)
+        anchor = data_anchor.get((str(run.selection.model), str(run.selection.method)))
+        section = _run_section(run, i, anchor, fits[i])
         if len(runs) > 1:  # several combinations: each one folds (open by default, so it prints)
             section = f'<details open class="run"><summary>{_e(run.title)}</summary>\n{section}\n</details>'
         body.append(section)
@@ -131,7 +139,9 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
             body.append(f"<h3>Resume check: <code>{_e(p)}</code></h3>" + _resume_block(check, p))
     body.append('<h2 id="data">Data</h2>')
     if not stats:
-        body.append("<p>No data statistics were given (plan only, or data not prepared).</p>")
+        plan = bool(runs) and all(r.selection.plan_only for r in runs)
+        body.append("<p>Plan only: the data was not prepared, so there are no length statistics.</p>" if plan
+                    else "<p>No data statistics were given (data not prepared).</p>")  # fmt: skip
     for i, (p, s) in enumerate(stats):
         body.append(_data_section(p, s, f"data-{i}"))
     if facts_root is not None:
@@ -145,27 +155,75 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
     )
 
 
+def _contents(runs: list[RunOutputs], facts: bool) -> str:
+    """Contents: the overview and fit map, every run (model x GPU x method) grouped by model, data, run facts."""
+    items = ['<a href="#runs">Runs</a>', '<a href="#fitmap">What hardware fits</a>']
+    models: dict[str, list[str]] = {}
+    for i, r in enumerate(runs):
+        s = r.selection
+        models.setdefault(str(s.model), []).append(f'<a href="#run-{i}">{_e(s.gpu)} · {_e(s.method)}</a>')
+    lines = [" · ".join(items)]
+    lines += [f'<span class="model">{_e(m)}</span>: {" · ".join(links)}' for m, links in models.items()]
+    tail = ['<a href="#data">Data</a>'] + (['<a href="#facts">Run facts</a>'] if facts else [])
+    lines.append(" · ".join(tail))
+    return '<nav class="toc"><b>Contents</b><ul>' + "".join(f"<li>{x}</li>" for x in lines) + "</ul></nav>"
+
+
+def _fit_grid_section(runs: list[RunOutputs], fits: list[FitResult]) -> str:
+    head = '<h2 id="fitmap">What hardware fits: GPU type × model × method</h2>'
+    if not runs:
+        return head + "<p>No runs were given.</p>"
+    return (
+        head
+        + '<p class="muted">For each selected setup (its ZeRO stage, offload, checkpointing, micro batch and precision, on as many GPUs '
+        "as the run): the longest sequence, in tokens, whose predicted peak fits one GPU of each catalog type with that type's "
+        "typical node RAM (<code>memfit fit --maximize seq_len</code>). Green: the selected sequence length fits; amber: only a "
+        "shorter one; —: not even one token. Outlined: the GPU types the setup was selected for. Each run's section below lists "
+        "why a GPU type cannot train it at all.</p>"
+        + fit_grid(runs, fits)
+    )
+
+
+def _training_word(run: RunOutputs) -> str:
+    if run.selection.plan_only:
+        return "plan only"
+    if not run.summary:
+        return "no training summary"
+    fallbacks, _ = read_fallbacks(run.summary)
+    if fallbacks:
+        return f"trained; {len(fallbacks)} OOM fallback(s), finished on {fallbacks[-1].dst}"
+    return "trained"
+
+
 def _overview(runs: list[RunOutputs]) -> str:
     if not runs:
-        return "<p>No runs were given.</p>"
+        return '<h2 id="runs">Runs</h2><p>No runs were given.</p>'
+    plan = all(r.selection.plan_only for r in runs)  # nothing trained anywhere: no training columns
     rows = []
     for i, run in enumerate(runs):
         s = run.selected
         status, cls = _resume_status(run.resume)
-        trained = "plan only" if run.selection.plan_only else ("trained" if run.summary else "no training summary")
-        rows.append([
+        word = _training_word(run)
+        row = [
             f'<a href="#run-{i}">{_e(run.title)}</a>',
             f"<code>{_e(s.id)}</code>",
             (_bytes(s.device_bytes), "n"),
             _e(s.source),
             (_tps(s.tokens_per_s), "n"),
-            _e(trained),
-            (_e(status), cls),
-        ])
-    return "<h2>Runs</h2>" + _table(["run (model · GPU · method)", "selected candidate", "device peak", "judged on", "throughput", "training", "resume check"], rows)
+        ]
+        if not plan:
+            row += [(_e(word), "bad" if "fallback" in word else ""), (_e(status), cls)]
+        rows.append(row)
+    header = ["run (model · GPU · method)", "selected candidate", "device peak", "judged on", "throughput"]
+    if not plan:
+        header += ["training", "resume check"]
+    note = '<p class="muted">Plan only: nothing was probed or trained; the figures are predictions.</p>' if plan else ""
+    return '<h2 id="runs">Runs</h2>' + note + _table(header, rows)
 
 
-def _run_section(run: RunOutputs, i: int, data_anchor: str | None, root: Path | None = None) -> str:
+def _run_section(run: RunOutputs, i: int, data_anchor: str | None, fits: FitResult) -> str:
+    """One run, in the order a reader asks: what was selected and why, will it fit, what hardware
+    fits, did training work (not for a plan-only run: it has no training sections)."""
     sel = run.selection
     method = sel.method
     world = (run.summary or {}).get("world_size") or (run.table.world_size if run.table is not None else None)
@@ -180,38 +238,47 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None, root: Path | 
     out.append(exports_block(Path(run.path).parent))
     if data_anchor:
         out.append(f'<p>Data: <a href="#{data_anchor}">statistics for {_e(sel.model)} · {_e(method)}</a>.</p>')
-
     out.append("<h3>Selection: every candidate</h3>")
     out.append(_selection_table(run))
-    out.append("<h3>Memory per candidate</h3>")
+
+    out.append("<h3>Will it fit? Memory per candidate</h3>")
     out.append(
         '<p class="muted">Predicted vs measured peak per device; the black line is the device budget, the red band the '
         "headroom kept free. With probes the bars compare like with like (peak reserved on a GPU, peak allocated on the CPU); "
         f"without, the prediction is the device total selection judges. At most {MAX_BARS} candidates, best ranked first.</p>"
     )
     out.append(memory_chart(run))
-    out.append(accuracy_chart(run))
-    out.append("<h3>What hardware fits: longest sequence per GPU type</h3>")
-    out.append(fit_map(run, root or Path.cwd()))
-    out.append("<h3>Predicted memory breakdown</h3>")
+    out.append("<h4>Predicted memory breakdown</h4>")
     if run.table is not None and run.table.estimator:
         out.append(f'<p class="muted">Predicted by {_e(run.table.estimator)}.</p>')
     out.append(breakdown_chart(run))
+    out.append(accuracy_chart(run))
+    out.append("<h3>What hardware fits: longest sequence per GPU type</h3>")
+    out.append(fit_map(run, fits))
 
-    out.append("<h3>Training</h3>")
+    if sel.plan_only:  # nothing trained, nothing to resume: no training sections at all
+        return "\n".join(out)
+    out.append("<h3>Did training work?</h3>")
     if run.summary is None:
-        out.append("<p>Not trained: plan only.</p>" if sel.plan_only else "<p>No training summary was given for this run.</p>")
+        out.append("<p>No training summary was given for this run.</p>")
     else:
+        marks = training_marks(run)
         out.append(f'<p class="muted">From <code>{_e(run.summary_path)}</code>.</p>')
+        out.append(fallbacks_block(run))
         out.append(_training_table(run.summary, run.metrics))
-        out.append(fallbacks_block(run.summary))
+        if run.metrics:
+            out.append(
+                '<p class="muted">Every metric the training logged, per optimizer step: lines are training steps, dots '
+                "evaluations on the held-out rows; vertical lines mark resumes, OOM fallbacks (the steps run again after an OOM "
+                "are shaded) and where the resume check restarted.</p>"
+            )
+            out.append(curves_chart(run.metrics, run.title, marks))
+            out.append(marks_table(marks))
         out.append(_memory_compare(run))
         out.append(_reference_compare(run))
-        if run.metrics:
-            out.append(curves_chart(run.metrics, run.title))
     out.append("<h3>Resume check</h3>")
     if run.resume is None:
-        out.append("<p>Not run: plan only.</p>" if sel.plan_only else "<p>No resume check was given for this run.</p>")
+        out.append("<p>No resume check was given for this run.</p>")
     else:
         out.append(_resume_block(run.resume, run.resume_path))
     return "\n".join(out)
