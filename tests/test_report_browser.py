@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from test_report import _dpo_run
+from test_report_curves import _with_fallback
 
 from memfit import report
 from memfit.report.browser import find_chromium, inspect_page
@@ -38,9 +39,10 @@ PLANNED = [("demo-tiny", "h100-80gb"), ("qwen2.5-7b", "h100-80gb"), ("qwen2.5-7b
 
 
 def _synthetic(tmp_path: Path) -> Path:
-    """A cluster-like page: one trained DPO run (its resume check failed) and plan-only runs for
-    several models x GPU types (the plan-only fixture relabelled)."""
-    trained = _dpo_run(tmp_path)
+    """A cluster-like page: one trained DPO run (resumed after a crash, one OOM fallback, its
+    resume check failed) and plan-only runs for several models x GPU types (the plan-only fixture
+    relabelled)."""
+    trained = _with_fallback(tmp_path)
     plan = _dpo_run(tmp_path / "plan", plan_only=True)["selected"].parent
     selected = [trained["selected"]]
     for model, gpu in PLANNED:
@@ -129,8 +131,12 @@ def test_selection_numbers_match_selected_json(page, seen):
             assert f"device peak {_bytes(chosen['device_bytes'])}" in text
         if chosen.get("tokens_per_s") is not None:
             assert _tps(chosen["tokens_per_s"]) in text
-        if sel.get("plan_only"):
-            assert "Plan only" in text and "Not trained: plan only." in text
+        if sel.get("plan_only"):  # the plan, and no training sections
+            assert (
+                "Plan only" in text
+                and "Did training work" not in text
+                and "Resume check" not in text
+            )
 
 
 def test_resume_and_training_numbers_match_their_files(page, seen):
@@ -152,7 +158,16 @@ def test_resume_and_training_numbers_match_their_files(page, seen):
         summary = run / "train" / "summary.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
+            assert "Did training work?" in text
             assert f"steps\t{_plain(s['steps'])}" in text
+            for n, f in enumerate(
+                s.get("fallbacks") or [], 1
+            ):  # each OOM fallback listed and marked
+                assert f"OOM {n} at step {f['oom_step']}" in text
+                assert (
+                    f"resumed from the checkpoint at step {f['resumed_from_step']} on {f['to']}"
+                    in text
+                )
             assert f"peak allocated per device\t{_bytes(s['peak_allocated_bytes'])}" in text
             rows = [
                 json.loads(line)

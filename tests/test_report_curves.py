@@ -3,10 +3,15 @@ the resume check marked, and the page's list of what switched."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
-from test_report import GiB, MiB, WINNER, _cand, _dpo_run, _pred, _render, _text, _write
+import pytest
+from deepspeed_runs import base_run
+from deepspeed_runs import run as run_training
+from test_report import WINNER, GiB, MiB, _cand, _dpo_run, _pred, _render, _text, _write
 
 from memfit.report.charts import curves_figure
 from memfit.report.inputs import read_inputs
@@ -77,16 +82,26 @@ def test_curves_draw_every_logged_metric_with_eval_points_and_labelled_marks(tmp
     assert "fallback 1: resumed from 4\nresume check from 4" in labels
     # and the lines on every panel, at the marks' steps
     for ax in fig.axes:
-        xs = {line.get_xdata()[0] for line in ax.get_lines() if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2}
+        xs = {
+            line.get_xdata()[0]
+            for line in ax.get_lines()
+            if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2
+        }
         assert {2, 4, 6} <= xs, f"{ax.get_title()}: vertical marks at {xs}"
     # units where there are units
     mem = next(ax for ax in fig.axes if ax.get_title().startswith("device memory"))
     assert mem.get_ylabel() == "MiB"
-    assert next(ax for ax in fig.axes if ax.get_title().startswith("throughput")).get_ylabel() == "tok/s"
+    assert (
+        next(ax for ax in fig.axes if ax.get_title().startswith("throughput")).get_ylabel()
+        == "tok/s"
+    )
 
 
 def test_sft_curves_have_no_dpo_panels():
-    rows = [{"step": s, "split": "train", "loss": 2.0 / s, "lr": 1e-4 * s, "tokens_per_s": 900.0} for s in range(1, 6)]
+    rows = [
+        {"step": s, "split": "train", "loss": 2.0 / s, "lr": 1e-4 * s, "tokens_per_s": 900.0}
+        for s in range(1, 6)
+    ]
     titles = [ax.get_title() for ax in curves_figure(rows, "sft", []).axes]
     assert titles == ["loss", "learning rate", "throughput, rank 0 (non-padding tokens/s)"]
 
@@ -98,14 +113,24 @@ def test_page_lists_the_switch_and_the_marks(tmp_path):
     assert "Training ran out of memory 1 time(s) and continued on another configuration" in text
     assert f"It finished on {SMALL}" in text
     # the switch: where, what, how much, from what to what, and which levers changed
-    assert f"6 backward aten::mm 3.20 GiB of 3.00 GiB {WINNER} 4 {SMALL} micro_batch 4 → 2, grad_accum 4 → 8" in text
+    assert (
+        f"6 backward aten::mm 3.20 GiB of 3.00 GiB {WINNER} 4 {SMALL} micro_batch 4 → 2, grad_accum 4 → 8"
+        in text
+    )
     assert f"trained; 1 OOM fallback(s), finished on {SMALL}" in text  # the overview says it too
     # the marks, in words, and named in the chart's alt text
     assert "training resumed from its checkpoint at step 2" in text
     assert f"resumed from the checkpoint at step 4 on {SMALL} (steps 5-6 run again)" in text
-    assert "out of memory at step 6 (backward, aten::mm, 3.20 GiB live of a 3.00 GiB capacity)" in text
-    assert "resume check: a copy of the finished run restarted from the checkpoint at step 4" in text
-    assert 'alt="training curves, demo-tiny · cpu · dpo; marked: resumed from 2, fallback 1: resumed from 4' in page
+    assert (
+        "out of memory at step 6 (backward, aten::mm, 3.20 GiB live of a 3.00 GiB capacity)" in text
+    )
+    assert (
+        "resume check: a copy of the finished run restarted from the checkpoint at step 4" in text
+    )
+    assert (
+        'alt="training curves, demo-tiny · cpu · dpo; marked: resumed from 2, fallback 1: resumed from 4'
+        in page
+    )
 
 
 def test_no_fallbacks_no_banner_and_a_malformed_entry_is_a_note(tmp_path):
@@ -122,8 +147,45 @@ def test_no_fallbacks_no_banner_and_a_malformed_entry_is_a_note(tmp_path):
 def test_an_older_summary_still_marks_its_resume(tmp_path):
     """No row carries resumed_from_step, but the summary says its launch resumed and ran 5 of 8 steps."""
     paths = _dpo_run(tmp_path)
-    summary = json.loads(paths["summary"].read_text()) | {"steps": 5, "resume_peak_allocated_bytes": 60 * MiB}
+    summary = json.loads(paths["summary"].read_text()) | {
+        "steps": 5,
+        "resume_peak_allocated_bytes": 60 * MiB,
+    }
     _write(paths["summary"], summary)
     marks = training_marks(_run(paths))
     assert [(m.step, m.kind) for m in marks] == [(3, "resume"), (4, "resume-check")]
     assert "from summary.json" in marks[0].label
+
+
+@pytest.mark.slow
+def test_a_real_resumed_training_is_marked_where_it_resumed(demo_model, demo_data, tmp_path):
+    """memfit's trainer, "killed" after step 4 and relaunched (it resumes from the checkpoint at
+    step 3): the report's curves mark the resume at step 3 and draw what the trainer logged."""
+    out = tmp_path / "sft-run"
+    cfg = base_run(demo_model, demo_data, out, zero=2)
+    run_training(dataclasses.replace(cfg, stop_after_step=4))
+    rows = run_training(cfg)
+    assert [r.get("resumed_from_step") for r in rows if r["split"] == "train"] == [
+        None,
+        None,
+        None,
+        3,
+        None,
+        None,
+    ]
+    paths = _dpo_run(tmp_path / "page")  # a selection to hang the real training outputs on
+    train_dir = paths["summary"].parent
+    for name in ("metrics.jsonl", "summary.json"):
+        shutil.copyfile(out / name, train_dir / name)
+    run = _run(paths)
+    assert [(m.step, m.kind) for m in training_marks(run)] == [(3, "resume"), (4, "resume-check")]
+    titles = [
+        ax.get_title() for ax in curves_figure(run.metrics, run.title, training_marks(run)).axes
+    ]
+    assert titles[0] == "loss" and {"learning rate", "gradient norm (global)", "throughput, rank 0 (non-padding tokens/s)",
+                                    "device memory: running peak, largest rank", "host RSS: peak, largest rank"} <= set(titles)  # fmt: skip
+    text = _text(_render(tmp_path / "page", paths))
+    assert (
+        "training resumed from its checkpoint at step 3 (a relaunch after a crash or preemption; from metrics.jsonl)"
+        in text
+    )

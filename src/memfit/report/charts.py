@@ -160,6 +160,7 @@ MARK_STYLE = {  # kind: (color, line style)
     "resume": ("tab:blue", "--"),
     "resume-check": ("tab:purple", "-."),
 }
+MARK_NAMES = {"oom": "OOM", "fallback": "fallback: resumed", "resume": "resumed", "resume-check": "resume check"}
 
 
 def curves_figure(metrics: list[dict[str, Any]], title: str, marks: list | None = None):
@@ -198,6 +199,9 @@ def curves_figure(metrics: list[dict[str, Any]], title: str, marks: list | None 
                 ax.axvspan(m.redo_from, m.step, color="tab:red", alpha=0.08)
         if i == 0:
             _mark_labels(ax, marks)
+            for kind in dict.fromkeys(m.kind for m in marks):  # the mark styles, explained in the first legend
+                color, ls = MARK_STYLE.get(kind, ("black", "--"))
+                ax.plot([], [], color=color, ls=ls, lw=1.0, label=MARK_NAMES.get(kind, kind))
         if kind == "bytes":
             ax.set_ylim(bottom=0)
         ax.set_xlabel("optimizer step", fontsize=8)

@@ -52,7 +52,9 @@ def _arch(run: RunOutputs, root: Path):
         return catalog.model(str(run.selection.model))
     except Exception:  # noqa: BLE001 - not a catalog name: try the model directory below
         run_json = Path(run.path).parent / "run.json"
-        model_path = json.loads(run_json.read_text()).get("model_path") if run_json.is_file() else None
+        model_path = (
+            json.loads(run_json.read_text()).get("model_path") if run_json.is_file() else None
+        )
         if not model_path:
             raise
         p = Path(model_path)
@@ -70,7 +72,17 @@ def fit_result(run: RunOutputs, root: Path) -> FitResult:
         cand = Candidate.from_dict(run.selected.candidate)
         gpus = []
         for name, gpu in catalog.load_gpus().items():
-            longest, est = fit(arch, gpu, num_gpus, 1, str(sel.method), cand, "seq_len", host_memory_gb=None, settings=SETTINGS)
+            longest, est = fit(
+                arch,
+                gpu,
+                num_gpus,
+                1,
+                str(sel.method),
+                cand,
+                "seq_len",
+                host_memory_gb=None,
+                settings=SETTINGS,
+            )
             why = ""
             if not longest and est is not None:
                 # at 1 token: what it would need, so a reader sees whether the GPU or the host is short
@@ -78,7 +90,15 @@ def fit_result(run: RunOutputs, root: Path) -> FitResult:
                 why = d.get("reason") or (
                     f"at 1 token needs {_bytes(d.get('device_total_bytes'))} per GPU, {_bytes(d.get('host_bytes'))} host RAM per node"
                 )
-            gpus.append(GpuFit(name, float(gpu.memory_gib), int(longest), longest == arch.max_position_embeddings, why))
+            gpus.append(
+                GpuFit(
+                    name,
+                    float(gpu.memory_gib),
+                    int(longest),
+                    longest == arch.max_position_embeddings,
+                    why,
+                )
+            )
     except Exception as e:  # noqa: BLE001 - the map is an aid: say why it is missing, keep the page
         return FitResult(seq, num_gpus, [], f"{type(e).__name__}: {e}")
     return FitResult(cand.seq_len, num_gpus, gpus)
@@ -138,13 +158,22 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
     if cols:
         columns = list(cols.values())
         models = list(dict.fromkeys(k[0] for k in cols))
-        head1 = "<tr><th rowspan='2'>GPU type</th><th rowspan='2'>memory</th>" + "".join(
-            f"<th colspan='{sum(1 for k in cols if k[0] == m)}'>{_e(m)}</th>" for m in models
-        ) + "</tr>"
+        head1 = (
+            "<tr><th rowspan='2'>GPU type</th><th rowspan='2'>memory</th>"
+            + "".join(
+                f"<th colspan='{sum(1 for k in cols if k[0] == m)}'>{_e(m)}</th>" for m in models
+            )
+            + "</tr>"
+        )
         ordered = [cols[k] for m in models for k in cols if k[0] == m]
-        head2 = "<tr>" + "".join(
-            f"<th>{_e(c['run'].selection.method)} <sup>{columns.index(c) + 1}</sup></th>" for c in ordered
-        ) + "</tr>"
+        head2 = (
+            "<tr>"
+            + "".join(
+                f"<th>{_e(c['run'].selection.method)} <sup>{columns.index(c) + 1}</sup></th>"
+                for c in ordered
+            )
+            + "</tr>"
+        )
         names = list(dict.fromkeys(g.gpu for c in columns for g in c["res"].gpus))
         mem = {g.gpu: g.memory_gib for c in columns for g in c["res"].gpus}
         body = []
@@ -160,8 +189,12 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
                     cls += " here"
                 title = f" title='{_e(g.why)}'" if g.why else ""
                 cells.append(f"<td class='n {cls}'{title}>{_e(text)}</td>")
-            body.append(f"<tr><td>{_e(name)}</td><td class='n'>{_e(f'{mem[name]:.0f} GiB')}</td>{''.join(cells)}</tr>")
-        out.append(f"<div class='wide'><table class='grid'>{head1}{head2}{''.join(body)}</table></div>")
+            body.append(
+                f"<tr><td>{_e(name)}</td><td class='n'>{_e(f'{mem[name]:.0f} GiB')}</td>{''.join(cells)}</tr>"
+            )
+        out.append(
+            f"<div class='wide'><table class='grid'>{head1}{head2}{''.join(body)}</table></div>"
+        )
         legend = "".join(
             f"<li><sup>{i}</sup> {_e(c['run'].selection.model)} · {_e(c['run'].selection.method)}: <code>{_e(c['run'].selected.id)}</code>, "
             f"selected for {_e(', '.join(c['gpus']))}; {c['res'].num_gpus} GPU(s), seq len {_e(_plain(c['res'].seq_len))}</li>"

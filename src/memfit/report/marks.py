@@ -20,7 +20,16 @@ from typing import Any
 from .fmt import _bytes, _e, _num, _plain
 from .inputs import RunOutputs
 
-FALLBACK_KEYS = ("oom_step", "resumed_from_step", "from", "to", "phase", "op", "bytes_live", "capacity_bytes")
+FALLBACK_KEYS = (
+    "oom_step",
+    "resumed_from_step",
+    "from",
+    "to",
+    "phase",
+    "op",
+    "bytes_live",
+    "capacity_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -57,7 +66,9 @@ def read_fallbacks(summary: dict[str, Any] | None) -> tuple[list[Fallback], list
     if not items:
         return [], []
     if not isinstance(items, list):
-        return [], [f"train/summary.json: 'fallbacks' is not a list ({type(items).__name__}); not shown"]
+        return [], [
+            f"train/summary.json: 'fallbacks' is not a list ({type(items).__name__}); not shown"
+        ]
     out, notes = [], []
     for i, f in enumerate(items):
         if not isinstance(f, dict):
@@ -67,7 +78,9 @@ def read_fallbacks(summary: dict[str, Any] | None) -> tuple[list[Fallback], list
         missing = [k for k, v in (("oom_step", oom), ("resumed_from_step", back)) if v is None]
         missing += [k for k in ("from", "to") if not isinstance(f.get(k), str)]
         if missing:
-            notes.append(f"train/summary.json: fallbacks[{i}] lacks {', '.join(missing)}; not shown")
+            notes.append(
+                f"train/summary.json: fallbacks[{i}] lacks {', '.join(missing)}; not shown"
+            )
             continue
         op = f.get("op")
         out.append(
@@ -81,12 +94,21 @@ def _resume_steps(run: RunOutputs, inferred: bool = True) -> list[tuple[int, str
     """(step, where it was read) of each resume of the training itself; with `inferred`, an older
     summary's last resume when no metrics row marks one."""
     rows = [r for r in run.metrics if r.get("split", "train") == "train"]
-    marked = [(s, "metrics.jsonl") for s in (_int(r.get("resumed_from_step")) for r in rows) if s is not None]
+    marked = [
+        (s, "metrics.jsonl")
+        for s in (_int(r.get("resumed_from_step")) for r in rows)
+        if s is not None
+    ]
     if marked:
         return marked
     s = run.summary or {}
     ran, last = _int(s.get("steps")), max((_int(r.get("step")) or 0 for r in rows), default=0)
-    if inferred and s.get("resume_peak_allocated_bytes") is not None and ran is not None and 0 < last - ran < last:
+    if (
+        inferred
+        and s.get("resume_peak_allocated_bytes") is not None
+        and ran is not None
+        and 0 < last - ran < last
+    ):
         return [(last - ran, "summary.json")]
     return []
 
@@ -100,8 +122,15 @@ def training_marks(run: RunOutputs) -> list[Mark]:
         live = ""
         if f.bytes_live is not None and f.capacity_bytes is not None:
             live = f", {_bytes(f.bytes_live)} live of a {_bytes(f.capacity_bytes)} capacity"
-        marks.append(Mark(f.oom_step, "oom", f"OOM {n} at step {f.oom_step}",
-                          f"out of memory at step {f.oom_step} ({where}{live}) on {f.src}", redo_from=f.resumed_from_step))
+        marks.append(
+            Mark(
+                f.oom_step,
+                "oom",
+                f"OOM {n} at step {f.oom_step}",
+                f"out of memory at step {f.oom_step} ({where}{live}) on {f.src}",
+                redo_from=f.resumed_from_step,
+            )
+        )
         marks.append(Mark(f.resumed_from_step, "fallback", f"fallback {n}: resumed from {f.resumed_from_step}",
                           f"resumed from the checkpoint at step {f.resumed_from_step} on {f.dst} "
                           f"(steps {f.resumed_from_step + 1}-{f.oom_step} run again)"))  # fmt: skip
@@ -123,7 +152,10 @@ def training_marks(run: RunOutputs) -> list[Mark]:
 def marks_table(marks: list[Mark]) -> str:
     if not marks:
         return ""
-    rows = "".join(f"<tr><td class='n'>{_e(_plain(m.step))}</td><td>{_e(m.short)}</td><td>{_e(m.label)}</td></tr>" for m in marks)
+    rows = "".join(
+        f"<tr><td class='n'>{_e(_plain(m.step))}</td><td>{_e(m.short)}</td><td>{_e(m.label)}</td></tr>"
+        for m in marks
+    )
     return (
         "<p>Marked on the curves (vertical lines on every panel):</p>"
         f"<table><tr><th>step</th><th>mark</th><th>what happened</th></tr>{rows}</table>"
@@ -136,7 +168,11 @@ def _changed(run: RunOutputs, src: str, dst: str) -> str:
     a, b = by_id.get(src), by_id.get(dst)
     if a is None or b is None:
         return "—"
-    diff = [f"{k} {_plain(a.get(k))} → {_plain(b.get(k))}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    diff = [
+        f"{k} {_plain(a.get(k))} → {_plain(b.get(k))}"
+        for k in dict.fromkeys([*a, *b])
+        if a.get(k) != b.get(k)
+    ]
     return ", ".join(diff) or "same configuration"
 
 
