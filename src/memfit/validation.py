@@ -30,7 +30,9 @@ from memfit import catalog
 
 # the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
 # package); Estimate is only used for annotations
-from memfit.estimate import EstimateError, Settings, estimate
+from memfit.estimate import NCCL_CUMEM_BYTES, EstimateError, Settings, estimate
+from memfit.estimate.activation_memory import fp32_logits_block, qlora_dequant
+from memfit.estimate.costs import cached_logits_block, device_overheads
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 
@@ -86,6 +88,10 @@ OFFLOAD = {
 # Targets of the issue (#16): median |error| <= 8%, no row more than 5% low unless explained.
 TARGET_MEDIAN = 0.08
 TARGET_LOW = -0.05
+
+__all__ = ["NCCL_CUMEM_BYTES", "TABLE", "Result", "Row", "Summary", "TableError", "compare",
+           "issue16_terms", "load_table", "max_fitting_seq_len", "predict", "summarize",
+           "table_lines"]
 
 
 class TableError(ValueError):
@@ -374,3 +380,29 @@ def table_lines(results: Iterable[Result]) -> list[str]:
             + ("  [explained]" if r.row.explained else "")
         )
     return out
+
+
+def issue16_terms(r: Result) -> dict[str, int]:
+    """The bytes each estimator term added for issue #16 brings to the row's compared figure:
+    the row's trainer's held logits (the figure minus the same row with memfit's own logits
+    handling), the cached fp32 logits block (reserved and device-level figures), NCCL's
+    communicator (device-level figures), and the largest dequantized QLoRA weight when the peak
+    phase holds one (the forward or a layer's backward)."""
+    row, e = r.row, r.est
+    mine = dataclasses.replace(row.settings, logits_handling="memfit")
+    own = predict(dataclasses.replace(row, settings=mine))
+    held = r.predicted_bytes - int(getattr(own, row.figure))
+    arch = _model(row.model)
+    gpu = catalog.gpu(row.gpu)
+    block = 0
+    nccl = 0
+    if row.measured != "allocated":
+        block = cached_logits_block(
+            fp32_logits_block(arch, row.cand, "sft", row.settings), row.settings, gpu.name == "cpu"
+        )
+    if row.measured in ("nvidia-smi", "max-fit"):
+        nccl = device_overheads(gpu, row.num_gpus, row.settings)["nccl"]
+    mlp, attn = qlora_dequant(arch, row.cand)
+    in_layer = ("forward", "top_layer_backward", "bottom_layer_backward")
+    dequant = max(mlp, attn) if e.peak_phase in in_layer else 0
+    return {"held_logits": held, "logits_block": block, "nccl": nccl, "qlora_dequant": dequant}
