@@ -68,8 +68,9 @@ def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(
 
 def _est(settings=DEFAULT_SETTINGS, gpu="a100-80gb", num_gpus=1, **cand):
     c = Candidate(**{"finetune": "lora", "seq_len": 4096, "grad_ckpt": True, **cand})
-    return estimate(catalog.model("llama-3.1-8b"), catalog.gpu(gpu), num_gpus, 1, "sft", c,
-                    settings=settings)
+    return estimate(
+        catalog.model("llama-3.1-8b"), catalog.gpu(gpu), num_gpus, 1, "sft", c, settings=settings
+    )
 
 
 def test_another_trainers_logits_handling_adds_only_its_own_tensors():
@@ -125,4 +126,7 @@ def test_qlora_counts_one_dequantized_weight():
     assert delta == delta_lora
     lora_static = lora.phases["resume"]
     q_static = q.phases["resume"]
-    assert q.phases["top_layer_backward"] - q_static == lora.phases["top_layer_backward"] - lora_static + w
+    assert (
+        q.phases["top_layer_backward"] - q_static
+        == lora.phases["top_layer_backward"] - lora_static + w
+    )

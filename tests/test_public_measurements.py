@@ -10,7 +10,6 @@ expected failure (strict) with today's numbers in the reason, so the test flips 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from pathlib import Path
 
 import pytest
@@ -166,7 +165,10 @@ def test_a_rows_trainer_reaches_the_estimate():
     """The row's loss_impl is the estimator's Settings.logits_handling: torchtune's held fp32
     logits add 4 t V to the reserved peak, transformers >= 4.46's loss 2 t V (bf16) at the loss
     forward; memfit's own trainer (the default) counts neither."""
-    for rid, extra in (("torchtune-llama2-7b-lora-4090", 4), ("unsloth-hf-fa2-llama3.1-8b-maxctx-24gb", 2)):
+    for rid, extra in (
+        ("torchtune-llama2-7b-lora-4090", 4),
+        ("unsloth-hf-fa2-llama3.1-8b-maxctx-24gb", 2),
+    ):
         row = next(r for r in ROWS if r.id == rid)
         tv = row.cand.micro_batch * row.cand.seq_len * v._model(row.model).vocab_size
         assert row.settings.logits_handling == row.raw["loss_impl"]

@@ -89,9 +89,21 @@ OFFLOAD = {
 TARGET_MEDIAN = 0.08
 TARGET_LOW = -0.05
 
-__all__ = ["NCCL_CUMEM_BYTES", "TABLE", "Result", "Row", "Summary", "TableError", "compare",
-           "issue16_terms", "load_table", "max_fitting_seq_len", "predict", "summarize",
-           "table_lines"]
+__all__ = [
+    "NCCL_CUMEM_BYTES",
+    "TABLE",
+    "Result",
+    "Row",
+    "Summary",
+    "TableError",
+    "compare",
+    "issue16_terms",
+    "load_table",
+    "max_fitting_seq_len",
+    "predict",
+    "summarize",
+    "table_lines",
+]
 
 
 class TableError(ValueError):

@@ -13,7 +13,6 @@ from memfit.estimate.states import ModelStates, param_layout, trainable_params
 from memfit.space import Candidate
 from memfit.units import GIB
 
-
 # NCCL's device memory per GPU process once a communicator exists. NCCL >= 2.19 allocates its
 # buffers with cuMem by default (NCCL docs, "Environment variables: NCCL_CUMEM_ENABLE"; quoted in
 # vllm-project/vllm PR #5091); vLLM's memory profiler measured 1.79 GiB of non-torch memory for

@@ -152,7 +152,13 @@ def _hold_gradients(
     if cand.zero == 0 and cand.grad_accum > 1:
         grads.held = d * trainable
         counted = {"top_layer_backward": grads.head, "bottom_layer_backward": grads.below_bottom}
-        for k in ("forward", "loss_forward", "loss_backward", "top_layer_backward", "bottom_layer_backward"):
+        for k in (
+            "forward",
+            "loss_forward",
+            "loss_backward",
+            "top_layer_backward",
+            "bottom_layer_backward",
+        ):
             if k in phases:
                 phases[k] += grads.held - counted.get(k, 0)
     elif cand.zero == 3 and gpu.name == "cpu":
