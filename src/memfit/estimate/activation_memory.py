@@ -452,9 +452,12 @@ def apply_trainer_terms(
     mlp, attn = qlora_dequant(arch, cand)
     if mlp or attn:
         acts.dequant = max(mlp, attn)
+        # the increase of the larger of the two (a traced layer_bwd also folds in the
+        # recomputation, so it is raised by the increase rather than recomputed)
+        before = max(acts.mlp_bwd, acts.attn_bwd)
         acts.mlp_bwd += mlp
         acts.attn_bwd += attn
-        acts.layer_bwd = max(acts.mlp_bwd, acts.attn_bwd)
+        acts.layer_bwd += max(acts.mlp_bwd, acts.attn_bwd) - before
         acts.forward += acts.dequant
     return acts
 
