@@ -1,7 +1,7 @@
 """memfit's estimate against published, measured GPU memory of fine-tuning runs.
 
     .venv/bin/python benchmarks/bench_public.py [--table tests/public_measurements.yaml]
-        [--no-proposals] [--no-maxfit]
+        [--no-terms] [--no-maxfit]
 
 Prints, per row of the table (sources and settings in the YAML): the published figure, the
 estimator's matching figure (max_memory_allocated -> peak allocated, reserved -> peak reserved,
@@ -9,14 +9,15 @@ nvidia-smi and max-fit -> device total), the error (negative: memfit predicts le
 measured, a user following it can OOM), the phase that holds the peak and the component that
 dominates it. Then the median and worst error, the direction, the rows more than 5% low
 without an `explained:` note, the longest sequence memfit says fits for the max-fit rows, and
-the out-of-memory rows. With proposals (default), the same rows with the estimator changes of
-issue #16 prototyped (memfit.validation.PROPOSALS, mechanisms and sources in their docstrings), term by term.
+the out-of-memory rows. Then (unless --no-terms) the bytes each term added for issue #16 brings
+to every row's figure: another trainer's held logits (Settings.logits_handling, from the row's
+loss_impl), the fp32 logits block the caching allocator keeps (costs.cached_logits_block) and
+NCCL's cuMem communicator (costs.NCCL_CUMEM_BYTES); sources in their docstrings.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from memfit.units import GIB
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--table", type=Path, default=v.TABLE)
-    p.add_argument("--no-proposals", action="store_true", help="skip the prototyped changes")
+    p.add_argument("--no-terms", action="store_true", help="skip the per-term table")
     p.add_argument("--no-maxfit", action="store_true", help="skip the max-fit bisection")
     args = p.parse_args(argv)
 
@@ -49,12 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             if r.measured == "max-fit":
                 pred = v.max_fitting_seq_len(r)
-                fixed = v.max_fitting_seq_len(r, with_proposals=True)
                 n = r.cand.seq_len
-                print(
-                    f"  {r.id:46} published {n:>7,}  memfit {pred:>7,} ({pred / n - 1:+.0%})"
-                    f"  with proposals {fixed:>7,} ({fixed / n - 1:+.0%})"
-                )
+                print(f"  {r.id:46} published {n:>7,}  memfit {pred:>7,} ({pred / n - 1:+.0%})")
 
     print("\nout-of-memory rows (memfit must not fit them):")
     for r in ooms:
@@ -65,23 +62,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{e.device_memory_bytes / GIB:.2f} GiB: {verdict}"
         )
 
-    if not args.no_proposals:
-        print("\nwith the proposed changes (memfit.validation.PROPOSALS), prototyped:")
-        names = list(v.PROPOSALS)
-        print(f"  {'id':46} {'now':>7} {'after':>7}  " + "  ".join(f"{n:>18}" for n in names))
-        after = []
+    if not args.no_terms:
+        print("\nissue #16's terms in each row's figure (GiB):")
+        names = ("held_logits", "logits_block", "nccl", "qlora_dequant")
+        print(f"  {'id':46} {'error':>7}  " + "  ".join(f"{n:>13}" for n in names))
         for r in results:
-            err, terms = v.with_proposals(r)
-            after.append((r, err))
-            cols = "  ".join(f"{terms[n] / GIB:+15.2f} GiB" for n in names)
-            print(f"  {r.row.id:46} {r.error:+7.1%} {err:+7.1%}  {cols}")
-        med = statistics.median(abs(e) for _, e in after)
-        worst_r, worst_e = max(after, key=lambda x: abs(x[1]))
-        low = [r.row.id for r, e in after if e < v.TARGET_LOW and not r.row.explained]
-        print(
-            f"  after: median |error| {med:.1%}, worst {worst_e:+.1%} ({worst_r.row.id}); "
-            f"> 5% low without explanation: {len(low)}" + (f" ({', '.join(low)})" if low else "")
-        )
+            terms = v.issue16_terms(r)
+            cols = "  ".join(f"{terms[n] / GIB:13.2f}" for n in names)
+            print(f"  {r.row.id:46} {r.error:+7.1%}  {cols}")
     return 0
 
 

@@ -227,3 +227,23 @@ def test_resume_peak_says_what_lowers_it(capsys):
     table = capsys.readouterr().out
     assert "per GPU at the peak (resume)" in table
     assert "note: resume sets the peak" in table and "--offload-optimizer cpu" in table
+
+
+def test_cli_trainer_logits_and_nccl_reach_the_estimate(capsys):
+    """--logits-handling describes another trainer's loss (torchtune's held fp32 logits: +4 t V
+    on the peak); --nccl-mib replaces the NCCL communicator figure of a multi-GPU run."""
+    base = ["--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--finetune", "lora", "--zero", "0"]
+    base += ["--seq-len", "1024", "--json"]
+
+    def run(*extra):
+        assert main(base + list(extra)) == 0
+        return json.loads(capsys.readouterr().out)
+
+    own = run()
+    held = run("--logits-handling", "torchtune-held")
+    assert held["peak_allocated_bytes"] - own["peak_allocated_bytes"] == 4 * 1024 * 128256
+    two = run("--num-gpus", "2")
+    small = run("--num-gpus", "2", "--nccl-mib", "256")
+    assert (
+        two["device_total_bytes"] - small["device_total_bytes"] == int(1.79 * 2**30) - 256 * 2**20
+    )

@@ -5,12 +5,14 @@ from __future__ import annotations
 from memfit import catalog
 from memfit.estimate import (
     Settings,
+    cached_logits_block,
     device_overheads,
     fragmentation,
     host_memory,
     model_states,
     step_time,
 )
+from memfit.estimate.costs import NCCL_CUMEM_BYTES
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 
@@ -20,9 +22,45 @@ def test_device_overheads_by_gpu_and_world():
     a100, h100 = catalog.gpu("a100-80gb"), catalog.gpu("h100-80gb")
     assert device_overheads(a100, 1) == {"cuda_context": 500 * MIB, "cublas": 9 * MIB, "nccl": 0}
     assert device_overheads(h100, 2)["cublas"] == 32 * MIB
-    assert device_overheads(a100, 2)["nccl"] == 32 * MIB
-    assert device_overheads(a100, 64)["nccl"] == 256 * MIB  # capped
+    # NCCL >= 2.19 cuMem communicator: vLLM's measured 1.79 GiB per process, any world > 1
+    assert (
+        device_overheads(a100, 2)["nccl"] == device_overheads(a100, 64)["nccl"] == NCCL_CUMEM_BYTES
+    )
+    assert 1.7 * GIB < NCCL_CUMEM_BYTES < 1.8 * GIB
+    assert device_overheads(a100, 8, Settings(nccl_bytes=256 * MIB))["nccl"] == 256 * MIB
+    assert device_overheads(catalog.gpu("cpu"), 8, Settings(nccl_bytes=GIB))["nccl"] == 0  # gloo
     assert device_overheads(catalog.gpu("v100-32gb"), 1)["cuda_context"] == 400 * MIB
+
+
+def test_measured_calibration_keeps_its_nccl_figure(tmp_path, monkeypatch):
+    """A calibration file measured on the GPU keeps its own NCCL per-peer figure."""
+    import json
+
+    from memfit import calibration
+
+    a100 = catalog.gpu("a100-80gb")
+    (tmp_path / "a100-80gb.json").write_text(
+        json.dumps(
+            {
+                "device": "a100-80gb",
+                "cuda_context_bytes": 520 * MIB,
+                "cublas_workspace_bytes": 9 * MIB,
+                "nccl_bytes_per_peer": 64 * MIB,
+                "nccl_max_bytes": 512 * MIB,
+                "measured_on": "2026-11-01",
+            }
+        )
+    )
+    monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
+    assert device_overheads(a100, 2)["nccl"] == 64 * MIB
+    assert device_overheads(a100, 16)["nccl"] == 512 * MIB
+
+
+def test_cached_logits_block_only_with_a_caching_allocator():
+    b = 4 * 2048 * 128256
+    assert cached_logits_block(b, Settings(), is_cpu=False) == b
+    assert cached_logits_block(b, Settings(), is_cpu=True) == 0
+    assert cached_logits_block(b, Settings(expandable_segments=True), is_cpu=False) == 0
 
 
 def test_fragmentation_shares():

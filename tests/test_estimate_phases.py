@@ -3,11 +3,20 @@ byte of the peak, and the peak is the largest phase."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from memfit import catalog
-from memfit.estimate import DEFAULT_SETTINGS, estimate_space
-from memfit.space import enumerate_space
+from memfit.estimate import (
+    DEFAULT_SETTINGS,
+    NCCL_CUMEM_BYTES,
+    EstimateError,
+    Settings,
+    estimate,
+    estimate_space,
+)
+from memfit.space import Candidate, enumerate_space
 
 AXES = {
     "zero": [0, 1, 2, 3],
@@ -20,17 +29,22 @@ AXES = {
 
 
 @pytest.mark.parametrize(
-    "model,gpu,method",
+    "model,gpu,method,logits_handling",
     [
-        ("llama-3.1-8b", "a100-80gb", "sft"),
-        ("glm-4-9b", "h100-80gb", "dpo"),
-        ("gemma-3-4b", "rtx4090", "dpo"),
+        ("llama-3.1-8b", "a100-80gb", "sft", "memfit"),
+        ("glm-4-9b", "h100-80gb", "dpo", "memfit"),
+        ("gemma-3-4b", "rtx4090", "dpo", "memfit"),
+        ("llama-3.1-8b", "a100-80gb", "sft", "hf-loss-function"),
+        ("llama-3.1-8b", "rtx4090", "sft", "torchtune-held"),
     ],
 )
-def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(model, gpu, method):
+def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(
+    model, gpu, method, logits_handling
+):
     cands = list(enumerate_space(AXES, {"ref": "model" if method == "dpo" else "precomputed"}))
+    settings = dataclasses.replace(DEFAULT_SETTINGS, logits_handling=logits_handling)
     rows = estimate_space(
-        catalog.model(model), catalog.gpu(gpu), 4, 1, method, cands, settings=DEFAULT_SETTINGS
+        catalog.model(model), catalog.gpu(gpu), 4, 1, method, cands, settings=settings
     )
     phases_seen = set()
     for row in rows:
@@ -50,3 +64,69 @@ def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(model, gpu
         phases_seen.add(row["peak_phase"])
     # the space is varied enough that the peak is not always in the same phase
     assert len(phases_seen) >= 2, phases_seen
+
+
+def _est(settings=DEFAULT_SETTINGS, gpu="a100-80gb", num_gpus=1, **cand):
+    c = Candidate(**{"finetune": "lora", "seq_len": 4096, "grad_ckpt": True, **cand})
+    return estimate(
+        catalog.model("llama-3.1-8b"), catalog.gpu(gpu), num_gpus, 1, "sft", c, settings=settings
+    )
+
+
+def test_another_trainers_logits_handling_adds_only_its_own_tensors():
+    """memfit's own trainer (the default) frees the model output before backward; the
+    transformers >= 4.46 loss function holds 2 t V more at the loss forward (bf16), torchtune's
+    recipes 4 t V through the backward; transformers <= 4.45 no more than memfit."""
+    tv = 4096 * catalog.model("llama-3.1-8b").vocab_size
+    own = _est()
+    assert "loss_forward" not in own.phases
+    hf = _est(Settings(logits_handling="hf-loss-function"))
+    assert hf.phases["loss_forward"] == own.phases["loss_backward"] + 2 * tv
+    assert hf.peak_phase == "loss_forward" and hf.breakdown["logits"] == 14 * tv
+    tt = _est(Settings(logits_handling="torchtune-held"))
+    for k in ("forward", "loss_backward", "top_layer_backward", "optimizer_step"):
+        assert tt.phases[k] == own.phases[k] + 4 * tv, k
+    old = _est(Settings(logits_handling="hf-model-fp32"))
+    assert old.phases == own.phases
+    with pytest.raises(EstimateError, match="logits_handling"):
+        _est(Settings(logits_handling="keras"))
+    with pytest.raises(EstimateError, match="chunked"):
+        _est(Settings(logits_handling="torchtune-held"), loss_impl="chunked")
+
+
+def test_gpu_only_terms_stay_off_the_cpu_device():
+    """The cached fp32 logits block and NCCL are GPU terms: the cpu device (no caching
+    allocator, gloo) is estimated as before; on a GPU the block is 4 t V (one chunk's with the
+    chunked loss) and NCCL's communicator is counted for world > 1."""
+    V = catalog.model("llama-3.1-8b").vocab_size
+    cpu = _est(gpu="cpu", num_gpus=2, seq_len=256)
+    assert cpu.peak_reserved_bytes == cpu.peak_allocated_bytes == cpu.device_total_bytes
+    one = _est(Settings(variable_length=False))
+    two = _est(Settings(variable_length=False), num_gpus=2)
+    assert two.device_total_bytes - two.peak_reserved_bytes == (
+        one.device_total_bytes - one.peak_reserved_bytes + NCCL_CUMEM_BYTES
+    )
+    frag = one.peak_reserved_bytes - one.peak_allocated_bytes
+    exp = _est(Settings(variable_length=False, expandable_segments=True))
+    assert frag - (exp.peak_reserved_bytes - exp.peak_allocated_bytes) > 4 * 4096 * V
+    chunked = _est(Settings(variable_length=False, loss_chunk_tokens=512), loss_impl="chunked")
+    assert chunked.peak_reserved_bytes - chunked.peak_allocated_bytes < frag - 4 * (4096 - 512) * V
+
+
+def test_qlora_counts_one_dequantized_weight():
+    """bitsandbytes' MatMul4Bit dequantizes the whole weight (16-bit) in forward and backward:
+    the largest MLP linear of llama-3.1-8b (14336 x 4096) inside a layer's backward."""
+    lora = _est(finetune="lora", seq_len=512)
+    q = _est(finetune="qlora", seq_len=512)
+    arch = catalog.model("llama-3.1-8b")
+    delta = q.phases["top_layer_backward"] - q.phases["forward"]
+    delta_lora = lora.phases["top_layer_backward"] - lora.phases["forward"]
+    w = 2 * arch.hidden_size * arch.intermediate_size
+    # the dequantized weight is in both phases (forward and backward): the difference is unchanged
+    assert delta == delta_lora
+    lora_static = lora.phases["resume"]
+    q_static = q.phases["resume"]
+    assert (
+        q.phases["top_layer_backward"] - q_static
+        == lora.phases["top_layer_backward"] - lora_static + w
+    )

@@ -30,7 +30,9 @@ from memfit import catalog
 
 # the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
 # package); Estimate is only used for annotations
-from memfit.estimate import EstimateError, Settings, estimate
+from memfit.estimate import NCCL_CUMEM_BYTES, EstimateError, Settings, estimate
+from memfit.estimate.activation_memory import fp32_logits_block, qlora_dequant
+from memfit.estimate.costs import cached_logits_block, device_overheads
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 
@@ -86,6 +88,22 @@ OFFLOAD = {
 # Targets of the issue (#16): median |error| <= 8%, no row more than 5% low unless explained.
 TARGET_MEDIAN = 0.08
 TARGET_LOW = -0.05
+
+__all__ = [
+    "NCCL_CUMEM_BYTES",
+    "TABLE",
+    "Result",
+    "Row",
+    "Summary",
+    "TableError",
+    "compare",
+    "issue16_terms",
+    "load_table",
+    "max_fitting_seq_len",
+    "predict",
+    "summarize",
+    "table_lines",
+]
 
 
 class TableError(ValueError):
@@ -233,6 +251,9 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         # every row's batches are packed or padded to seq_len (see the rows' notes): one shape
         # every step, the estimator's fixed-shape fragmentation share
         variable_length=False,
+        # the row's trainer's logits handling (the YAML's loss_impl names the same cases as
+        # memfit.estimate's Settings.logits_handling)
+        logits_handling=d["loss_impl"],
     )
     row = Row(
         id=str(rid),
@@ -343,17 +364,14 @@ def summarize(results: Iterable[Result]) -> Summary:
     )
 
 
-def max_fitting_seq_len(
-    row: Row, lo: int = 128, hi: int = 1 << 20, with_proposals: bool = False
-) -> int:
+def max_fitting_seq_len(row: Row, lo: int = 128, hi: int = 1 << 20) -> int:
     """The longest seq_len the estimator says fits this row's device (bisection on the device
-    total); with_proposals adds the prototyped terms of PROPOSALS at each length."""
+    total)."""
 
     def fits(s: int) -> bool:
         r = dataclasses.replace(row, cand=dataclasses.replace(row.cand, seq_len=s))
         e = predict(r)
-        extra = sum(f(r, e) for f in PROPOSALS.values()) if with_proposals else 0
-        return e.device_total_bytes + extra <= e.device_memory_bytes
+        return e.device_total_bytes <= e.device_memory_bytes
 
     if not fits(lo):
         return 0
@@ -376,88 +394,27 @@ def table_lines(results: Iterable[Result]) -> list[str]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Proposed estimator changes, prototyped on the table and not applied to memfit.estimate (the
-# mechanism and source of each is in its docstring). Each returns the bytes it would add to the
-# figure the row is compared with.
-
-
-def _tokens_vocab(row: Row) -> int:
-    return row.cand.micro_batch * row.cand.seq_len * _model(row.model).vocab_size
-
-
-def held_logits_term(row: Row, e: Estimate) -> int:
-    """Logits the caller still references while the loss runs or backpropagates.
-
-    - torchtune-held: the recipe's `logits` (fp32: TransformerDecoder's output `.float()`) stays
-      referenced through `loss.backward()`; torchtune later added `del logits  # free logits
-      otherwise it peaks backward memory` to its recipes (recipes/lora_finetune_single_device.py).
-      +4 t V at the loss backward.
-    - hf-loss-function: transformers >= 4.46 `LlamaForCausalLM.forward` keeps its 16-bit
-      `logits` while `self.loss_function` (loss/loss_utils.py ForCausalLMLoss) builds the fp32
-      upcast, the shifted `.contiguous()` copy and log_softmax's output: 2 + 4 + 4 + 4 = 14 t V
-      at the loss forward, where memfit's largest logits phase holds 12 t V. +2 t V.
-    - hf-model-fp32 (transformers <= 4.45): the upcast rebinds `logits`, the 16-bit tensor is
-      freed; 12 t V at most, as memfit counts. +0.
-    Only the part above the estimate's current peak moves the figure.
-    """
-    impl = row.raw["loss_impl"]
-    tv = _tokens_vocab(row)
-    extra = {"torchtune-held": 4 * tv, "hf-loss-function": 2 * tv}.get(impl, 0)
-    if not extra:
-        return 0
-    return max(0, e.phases["loss_backward"] + extra - e.peak_allocated_bytes)
-
-
-def logits_block_cache_term(row: Row, e: Estimate) -> int:
-    """Reserved memory the caching allocator cannot reuse for the next step's logits.
-
-    The fp32 [t, V] blocks (log_softmax's output and its gradients) are the largest transient
-    allocations. Freed after the loss backward they stay cached; the next forward's long-lived
-    allocations (checkpointed layer inputs, live until the backward) are carved out of them,
-    because the caching allocator splits cached large-pool blocks to serve smaller requests
-    (PyTorch "CUDA semantics": max_split_size_mb "prevents the native allocator from splitting
-    blocks larger than this size ... can reduce fragmentation"; c10/cuda/CUDACachingAllocator.cpp
-    `get_free_block` / `alloc_found_block`), so the next loss needs a fresh segment. One such
-    block, 4 t V, stays reserved beyond the allocated peak. Device-level figures only, and not
-    with expandable_segments (segments then grow in place).
-    """
-    if row.measured == "allocated" or row.settings.expandable_segments:
-        return 0
-    return 4 * _tokens_vocab(row)
-
-
-# NCCL's device memory per process with cuMem allocation (NCCL >= 2.19 enables it by default,
-# NCCL docs "NCCL_CUMEM_ENABLE", quoted in vllm-project/vllm PR #5091): vLLM's memory profiler
-# measured non-torch memory of 1.79 GiB for one H100 process and 3.58 GiB for each of two
-# tensor-parallel processes (vllm-project/vllm PR #10511, Meta-Llama-3-8B, -tp 1 vs -tp 2): the
-# communicator adds 1.79 GiB per process. An outside measurement, not fitted to this table.
-NCCL_CUMEM_BYTES = int(1.79 * GIB)
-
-
-def nccl_buffers_term(row: Row, e: Estimate) -> int:
-    """NCCL communicator memory beyond what memfit counts, for device-level figures of
-    multi-GPU runs. memfit's `_device_overheads` counts min(256, 32 x peers) MiB
-    (2 x NCCL_BUFFSIZE per channel per peer, ring); with cuMem (NCCL >= 2.19) one communicator
-    took 1.79 GiB per process on an H100 (NCCL_CUMEM_BYTES). On H100 NVSwitch systems with more
-    than 2 GPUs NCCL also maps NVLink-SHARP buffers (NCCL log `nvlsTotalSize`, vllm issue #9699),
-    not counted here.
-    """
-    if row.num_gpus < 2 or row.measured in ("allocated", "reserved"):
-        return 0
-    counted = min(256, 32 * (row.num_gpus - 1)) * MIB  # memfit.estimate._device_overheads
-    return max(0, NCCL_CUMEM_BYTES - counted)
-
-
-PROPOSALS = {
-    "held_logits": held_logits_term,
-    "logits_block_cache": logits_block_cache_term,
-    "nccl_buffers": nccl_buffers_term,
-}
-
-
-def with_proposals(r: Result) -> tuple[float, dict[str, int]]:
-    """The row's error if the proposed terms were in the estimator, and each term's bytes."""
-    terms = {name: f(r.row, r.est) for name, f in PROPOSALS.items()}
-    pred = r.predicted_bytes + sum(terms.values())
-    return pred / r.published_bytes - 1, terms
+def issue16_terms(r: Result) -> dict[str, int]:
+    """The bytes each estimator term added for issue #16 brings to the row's compared figure:
+    the row's trainer's held logits (the figure minus the same row with memfit's own logits
+    handling), the cached fp32 logits block (reserved and device-level figures), NCCL's
+    communicator (device-level figures), and the largest dequantized QLoRA weight when the peak
+    phase holds one (the forward or a layer's backward)."""
+    row, e = r.row, r.est
+    mine = dataclasses.replace(row.settings, logits_handling="memfit")
+    own = predict(dataclasses.replace(row, settings=mine))
+    held = r.predicted_bytes - int(getattr(own, row.figure))
+    arch = _model(row.model)
+    gpu = catalog.gpu(row.gpu)
+    block = 0
+    nccl = 0
+    if row.measured != "allocated":
+        block = cached_logits_block(
+            fp32_logits_block(arch, row.cand, "sft", row.settings), row.settings, gpu.name == "cpu"
+        )
+    if row.measured in ("nvidia-smi", "max-fit"):
+        nccl = device_overheads(gpu, row.num_gpus, row.settings)["nccl"]
+    mlp, attn = qlora_dequant(arch, row.cand)
+    in_layer = ("forward", "top_layer_backward", "bottom_layer_backward")
+    dequant = max(mlp, attn) if e.peak_phase in in_layer else 0
+    return {"held_logits": held, "logits_block": block, "nccl": nccl, "qlora_dequant": dequant}

@@ -38,7 +38,9 @@ from memfit.estimate.activation_memory import (
 from memfit.estimate.cli import fit_main, main, render
 from memfit.estimate.core import Estimate, Job, estimate, estimate_space, fit
 from memfit.estimate.costs import (
+    NCCL_CUMEM_BYTES,
     HostMemory,
+    cached_logits_block,
     device_overheads,
     fragmentation,
     host_memory,
@@ -60,6 +62,7 @@ from memfit.estimate.validity import check_arch, hardware_problems
 
 __all__ = [
     "DEFAULT_SETTINGS",
+    "NCCL_CUMEM_BYTES",
     "NF4_BYTES_PER_PARAM",
     "Activations",
     "Estimate",
@@ -71,6 +74,7 @@ __all__ = [
     "Settings",
     "StepPhases",
     "activations",
+    "cached_logits_block",
     "check_arch",
     "device_overheads",
     "estimate",

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.catalog import GPU, ModelArch
-from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
+from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings, dtype_bytes
 from memfit.estimate.states import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.validity import hardware_problems
 from memfit.space import Candidate
@@ -43,6 +43,10 @@ class Activations:
     )
     ref_forward: int = 0  # DPO reference forward transient (no_grad)
     forward: int = 0  # the policy forward's peak (last layer's attention call)
+    # another trainer's logits handling (Settings.logits_handling, `held_logits`); 0 for memfit's
+    loss_forward_extra: int = 0  # the loss forward's [t, V] tensors beyond the loss backward's
+    held_logits: int = 0  # logits the caller keeps referenced through backward and optimizer step
+    dequant: int = 0  # QLoRA: one linear's weight dequantized to 16 bits (in forward/backward)
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,95 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         else:
             ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
             acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h)
+    return acts
+
+
+def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:
+    """(loss forward's bytes beyond the loss backward's, bytes held through the backward) of the
+    [t, V] logits under another trainer's loss code (`Settings.logits_handling`).
+
+    memfit's trainer (default "memfit"): the model output is dropped before backward and the loss
+    keeps log_softmax's fp32 output (see `activations`): nothing more.
+    - "hf-model-fp32" (transformers <= 4.45 LlamaForCausalLM.forward): `logits = logits.float()`
+      rebinds (the 16-bit tensor is freed, `.float()`'s backward saves nothing), the shifted
+      `.contiguous()` copy and CrossEntropyLoss's log_softmax output: 12 t V in 16-bit training,
+      no more than memfit's loss backward holds (4 + 8 t V). +0.
+    - "hf-loss-function" (transformers >= 4.46): `LlamaForCausalLM.forward` keeps its 16-bit
+      `logits` (d t V) while `self.loss_function` (loss/loss_utils.py `ForCausalLMLoss`) builds
+      the fp32 upcast, the shifted `.contiguous()` copy and log_softmax's output:
+      d + 4 + 4 + 4 t V at the loss forward (the upcast is a no-op in fp32 training), +2 t V
+      over memfit's loss backward in bf16.
+    - "torchtune-held": torchtune's recipes kept `logits` (fp32: TransformerDecoder's output
+      `.float()`) referenced through `loss.backward()` and the optimizer step until the next
+      forward rebinds it; torchtune later added `del logits  # free logits otherwise it peaks
+      backward memory` (recipes/lora_finetune_single_device.py). +4 t V through the backward.
+    Only for the full-vocabulary loss: `loss_impl=chunked` is memfit's own (memfit.vocab_loss).
+    """
+    impl = settings.logits_handling
+    if impl not in LOGITS_HANDLING:
+        raise EstimateError(f"logits_handling must be one of {LOGITS_HANDLING}, got {impl!r}")
+    if impl == "memfit":
+        return 0, 0
+    if cand.loss_impl == "chunked":
+        raise EstimateError(
+            f"logits_handling={impl!r} describes another trainer's full-vocabulary loss; "
+            "loss_impl=chunked is memfit's own loss (use logits_handling='memfit')"
+        )
+    step = _micro_step(arch, cand, method, settings)
+    tv, d = step.tokens * arch.vocab_size, step.dtype
+    if impl == "hf-loss-function":
+        return max(0, (d + (4 if d < 4 else 0) + 4 + 4) * tv - 12 * tv), 0
+    if impl == "torchtune-held":
+        return 0, 4 * tv
+    return 0, 0  # hf-model-fp32
+
+
+def fp32_logits_block(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
+    """The largest fp32 logits allocation of a step: [t, V] (log_softmax's output and its
+    gradients), or one chunk's [c, V] with memfit's chunked loss (`chunked_loss_terms`)."""
+    step = _micro_step(arch, cand, method, settings)
+    t = step.tokens
+    if cand.loss_impl == "chunked":
+        t = _chunk_tokens(arch, t, settings)
+    return 4 * t * arch.vocab_size
+
+
+def qlora_dequant(arch: ModelArch, cand: Candidate) -> tuple[int, int]:
+    """(MLP, attention) bytes of one dequantized weight: bitsandbytes' 4-bit matmul
+    (bitsandbytes/autograd/_functions.py `MatMul4Bit.forward`:
+    `torch.nn.functional.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)`, and
+    its backward's `torch.matmul(grad_output, F.dequantize_4bit(B, ctx.state).to(grad_output.dtype).t())`)
+    materialises the whole weight in the compute dtype next to the matmul's input and output,
+    in the forward, the recompute and the backward of every quantized linear. The largest of
+    each block counts (0 unless finetune=qlora)."""
+    if cand.finetune != "qlora":
+        return 0, 0
+    d = dtype_bytes(cand.precision)
+    names = _linear_names(arch)
+    attention = set(names["qkv"]) | {names["o"]}
+    shapes = param_layout(arch).linear_shapes
+    mlp = max((i * o for n, i, o in shapes if n not in attention), default=0)
+    attn = max((i * o for n, i, o in shapes if n in attention), default=0)
+    return d * mlp, d * attn
+
+
+def apply_trainer_terms(
+    acts: Activations, arch: ModelArch, cand: Candidate, method: str, settings: Settings
+) -> Activations:
+    """Add the terms that depend on the training stack rather than on the model's saved tensors
+    (analytic or traced alike): another trainer's held logits (`held_logits`) and QLoRA's
+    dequantized weight (`qlora_dequant`, in the forward and inside a layer's backward)."""
+    acts.loss_forward_extra, acts.held_logits = held_logits(arch, cand, method, settings)
+    mlp, attn = qlora_dequant(arch, cand)
+    if mlp or attn:
+        acts.dequant = max(mlp, attn)
+        # the increase of the larger of the two (a traced layer_bwd also folds in the
+        # recomputation, so it is raised by the increase rather than recomputed)
+        before = max(acts.mlp_bwd, acts.attn_bwd)
+        acts.mlp_bwd += mlp
+        acts.attn_bwd += attn
+        acts.layer_bwd += max(acts.mlp_bwd, acts.attn_bwd) - before
+        acts.forward += acts.dequant
     return acts
 
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from memfit import catalog
 from memfit.catalog import GPU, ModelArch
 from memfit.estimate.core import Estimate, estimate, fit
-from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, EstimateError, Settings
 from memfit.space import Candidate
-from memfit.units import GIB, gib
+from memfit.units import GIB, MIB, gib
 
 
 def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
@@ -111,6 +111,21 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=False,
         help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    p.add_argument(
+        "--logits-handling",
+        choices=list(LOGITS_HANDLING),
+        default="memfit",
+        help="how the trainer holds the [tokens, vocab] logits around its loss: memfit (its own "
+        "trainer), hf-model-fp32 (transformers <= 4.45), hf-loss-function (transformers >= 4.46), "
+        "torchtune-held (torchtune recipes without `del logits`)",
+    )
+    p.add_argument(
+        "--nccl-mib",
+        type=float,
+        default=None,
+        help="NCCL communicator memory per GPU process when world > 1, MiB (default 1.79 GiB: "
+        "NCCL >= 2.19 cuMem, vLLM's measurement)",
     )
     p.add_argument(
         "--activations",
@@ -226,6 +241,8 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
+    if args.nccl_mib is not None and args.nccl_mib < 0:
+        raise EstimateError(f"--nccl-mib must be >= 0, got {args.nccl_mib}")
     if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
         raise EstimateError(f"--loss-chunk-tokens must be >= 1, got {args.loss_chunk_tokens}")
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
@@ -237,6 +254,8 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         activations=args.activations,
         trace_cache=args.trace_cache,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        logits_handling=args.logits_handling,
+        nccl_bytes=None if args.nccl_mib is None else int(args.nccl_mib * MIB),
     )
     return arch, gpu, cand, settings
 

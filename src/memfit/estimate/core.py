@@ -13,11 +13,19 @@ from memfit.catalog import GPU, ModelArch
 from memfit.estimate.activation_memory import (
     Activations,
     activations,
+    apply_trainer_terms,
+    fp32_logits_block,
     prefetch_traces,
     traced_activations,
     traced_fallback_reason,
 )
-from memfit.estimate.costs import device_overheads, fragmentation, host_memory, step_time
+from memfit.estimate.costs import (
+    cached_logits_block,
+    device_overheads,
+    fragmentation,
+    host_memory,
+    step_time,
+)
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import model_states, param_layout, trainable_params
@@ -179,7 +187,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
     # phases: what each phase of a step allocates; the largest is the peak
     states = model_states(arch, cand, world, settings, job.method)
-    acts = _activation_terms(job, cand, est)
+    acts = apply_trainer_terms(_activation_terms(job, cand, est), arch, cand, job.method, settings)
     est.notes += states.notes
     phases = step_phases(arch, cand, gpu, states, acts, trainable, world, settings)
     est.phases = phases.allocated
@@ -191,11 +199,15 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     breakdown = peak_breakdown(phases, states, acts, cand, job.method, trainable, world)
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
     fragmented = fragmentation(transient, settings, gpu.name == "cpu")
+    # plus the fp32 logits block the allocator keeps cached (costs.cached_logits_block)
+    fragmented += cached_logits_block(
+        fp32_logits_block(arch, cand, job.method, settings), settings, gpu.name == "cpu"
+    )
     cal = calibration.for_gpu(gpu.name, gpu.compute_capability)
     if cal.fragmentation is not None and gpu.name != "cpu":  # measured reserved/allocated - 1 at the peak
         fragmented = int(cal.fragmentation * est.peak_allocated_bytes)
     est.calibration = cal.label()
-    overheads = sum(device_overheads(gpu, world).values())
+    overheads = sum(device_overheads(gpu, world, settings).values())
     est.peak_reserved_bytes = est.peak_allocated_bytes + fragmented
     est.device_total_bytes = est.peak_reserved_bytes + overheads
     breakdown["overheads"] = fragmented + overheads

@@ -8,23 +8,42 @@ from dataclasses import dataclass
 
 from memfit import calibration
 from memfit.catalog import GPU, ModelArch
-from memfit.estimate.settings import Settings, dtype_bytes
+from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
 from memfit.estimate.states import ModelStates, param_layout, trainable_params
 from memfit.space import Candidate
 from memfit.units import GIB
 
+# NCCL's device memory per GPU process once a communicator exists. NCCL >= 2.19 allocates its
+# buffers with cuMem by default (NCCL docs, "Environment variables: NCCL_CUMEM_ENABLE"; quoted in
+# vllm-project/vllm PR #5091); vLLM's memory profiler measured 1.79 GiB of non-torch memory for
+# one H100 process and 3.58 GiB for each of two tensor-parallel processes (vllm-project/vllm
+# PR #10511, Meta-Llama-3-8B, -tp 1 vs -tp 2): the communicator adds 1.79 GiB per process. An
+# outside measurement, not fitted to memfit's validation table. On H100 NVSwitch systems with
+# more than 2 GPUs NCCL also maps NVLink-SHARP buffers (NCCL log `nvlsTotalSize`, vllm issue
+# #9699), not counted. `Settings.nccl_bytes` replaces it (e.g. NCCL_CUMEM_ENABLE=0 and a smaller
+# NCCL_BUFFSIZE); a measured calibration file (config/calibration/) keeps its own NCCL values.
+NCCL_CUMEM_BYTES = int(1.79 * GIB)
 
-def device_overheads(gpu: GPU, world: int) -> dict[str, int]:
+
+def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS) -> dict[str, int]:
     """Memory nvidia-smi shows that no tensor holds. Heuristics, stated:
     - CUDA context with lazy module loading (CUDA >= 11.7): ~300-500 MiB; 500 MiB on sm80+,
       400 MiB before (PyTorch docs, "CUDA semantics: memory management" and measured
       torch.cuda.mem_get_info deltas reported in PyTorch issue 20532);
     - cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8 per handle, 32 MiB
       on Hopper (PyTorch `getChosenWorkspaceSize`); the allocator reserves it, counted here once;
-    - NCCL: ~ 2 x NCCL_BUFFSIZE (4 MiB) per channel per peer; ~ 256 MiB for an 8-GPU ring.
+    - NCCL (world > 1): `NCCL_CUMEM_BYTES` per process (or `Settings.nccl_bytes`; a measured
+      calibration's per-peer figure). The `cpu` device runs gloo: no NCCL, no CUDA context.
     """
     cal = calibration.for_gpu(gpu.name, gpu.compute_capability)  # defaults: the values above
-    nccl = 0 if world == 1 else min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
+    if world == 1 or gpu.name == "cpu":
+        nccl = 0
+    elif settings.nccl_bytes is not None:
+        nccl = settings.nccl_bytes
+    elif cal.measured:
+        nccl = min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
+    else:
+        nccl = NCCL_CUMEM_BYTES
     return {"cuda_context": cal.cuda_context_bytes, "cublas": cal.cublas_workspace_bytes, "nccl": nccl}
 
 
@@ -46,6 +65,25 @@ def fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
     else:
         share = 0.08
     return int(share * transient)
+
+
+def cached_logits_block(block: int, settings: Settings, is_cpu: bool) -> int:
+    """Reserved memory the caching allocator cannot reuse for the next step's logits: one fp32
+    logits block (`activation_memory.fp32_logits_block`, 4 t V, or one chunk's 4 c V).
+
+    The fp32 [t, V] blocks (log_softmax's output and its gradients) are a step's largest
+    transient allocations. Freed after the loss backward they stay cached; the next forward's
+    long-lived allocations (checkpointed layer inputs, live until the backward) are carved out of
+    them, because the caching allocator splits cached large-pool blocks to serve smaller requests
+    (PyTorch docs "CUDA semantics": max_split_size_mb "prevents the native allocator from
+    splitting blocks larger than this size ... can reduce fragmentation";
+    c10/cuda/CUDACachingAllocator.cpp `get_free_block` / `alloc_found_block`), so the next loss
+    needs a fresh segment: one such block stays reserved beyond the allocated peak. Not on the
+    `cpu` device (no caching allocator), not with expandable_segments (segments grow in place).
+    """
+    if is_cpu or settings.expandable_segments:
+        return 0
+    return block
 
 
 @dataclass

@@ -18,6 +18,7 @@ from memfit.space import Candidate
 
 FORWARD_BACKWARD = (
     "forward",
+    "loss_forward",  # only with another trainer's logits handling (Settings.logits_handling)
     "loss_backward",
     "top_layer_backward",
     "bottom_layer_backward",
@@ -115,13 +116,18 @@ def _forward_backward(
         end = states.grads_dynamic + embedding
     else:
         end = 0
-    return {
+    out = {
         "forward": acts.forward,
         "loss_backward": acts.saved + acts.logits_bwd_extra,
         "top_layer_backward": top,
         "bottom_layer_backward": bottom,
         "backward_end": end,
     }
+    if acts.loss_forward_extra:  # another trainer's loss forward holds more [t, V] tensors
+        out["loss_forward"] = out["loss_backward"] + acts.loss_forward_extra
+    # another trainer's logits, referenced from the loss through the backward (and, until the
+    # next forward rebinds them, through that forward: activation_memory.held_logits)
+    return {k: v + acts.held_logits for k, v in out.items()}
 
 
 def _hold_gradients(
@@ -146,8 +152,15 @@ def _hold_gradients(
     if cand.zero == 0 and cand.grad_accum > 1:
         grads.held = d * trainable
         counted = {"top_layer_backward": grads.head, "bottom_layer_backward": grads.below_bottom}
-        for k in ("forward", "loss_backward", "top_layer_backward", "bottom_layer_backward"):
-            phases[k] += grads.held - counted.get(k, 0)
+        for k in (
+            "forward",
+            "loss_forward",
+            "loss_backward",
+            "top_layer_backward",
+            "bottom_layer_backward",
+        ):
+            if k in phases:
+                phases[k] += grads.held - counted.get(k, 0)
     elif cand.zero == 3 and gpu.name == "cpu":
         # Measured on DeepSpeed's CPU accelerator only. On CUDA, overlap_comm reduce-scatters each
         # full bucket on a side stream and frees its gradients (ZeRO paper Sec. 5.2: gradients are
@@ -223,7 +236,7 @@ def step_phases(
         forward_backward=forward_backward,
         grads=grads,
         backward_end=backward_end,
-        optimizer_step=static + states.grads_dynamic + optimizer_temporaries,
+        optimizer_step=static + states.grads_dynamic + optimizer_temporaries + acts.held_logits,
         resume=resume,
         reference_forward=reference,
     )
@@ -262,10 +275,12 @@ def _forward_backward_breakdown(
     if where == "forward":
         breakdown["grads"] += grads.held
         breakdown["activations"] = acts.forward
-    elif where == "loss_backward":
+    elif where in ("loss_backward", "loss_forward"):
         breakdown["grads"] += grads.held
         breakdown["activations"] = acts.saved - acts.logits_saved
         breakdown["logits"] = acts.logits_saved + acts.logits_bwd_extra
+        if where == "loss_forward":
+            breakdown["logits"] += acts.loss_forward_extra
     elif where == "backward_end":
         breakdown["grads"] += states.grads_dynamic + (grads.held if cand.zero == 3 else 0)
         breakdown["temporaries"] += phases.backward_end - states.grads_dynamic
@@ -273,7 +288,10 @@ def _forward_backward_breakdown(
         present = grads.head if where == "top_layer_backward" else grads.below_bottom
         present = (grads.held if grads.held else present) + grads.tied_pending
         breakdown["grads"] += present
-        breakdown["activations"] = phases.forward_backward[where] - present
+        breakdown["activations"] = phases.forward_backward[where] - present - acts.held_logits
+    if where == "backward_end":
+        breakdown["temporaries"] -= acts.held_logits
+    breakdown["logits"] += acts.held_logits
 
 
 def peak_breakdown(
@@ -305,7 +323,10 @@ def peak_breakdown(
         _forward_backward_breakdown(phases, states, acts, cand, breakdown)
     elif where == "optimizer_step":
         breakdown["grads"] += states.grads_dynamic
-        breakdown["temporaries"] += phases.optimizer_step - phases.static - states.grads_dynamic
+        breakdown["temporaries"] += (
+            phases.optimizer_step - phases.static - states.grads_dynamic - acts.held_logits
+        )
+        breakdown["logits"] += acts.held_logits
     elif where == "resume":
         breakdown["optimizer"] += phases.resume - phases.static
     else:  # reference_forward

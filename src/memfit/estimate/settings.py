@@ -28,8 +28,16 @@ class Settings:
     internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
     activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.trace, cached)
     trace_cache: str | None = None  # traced: cache directory (None: $MEMFIT_TRACE_CACHE or default)
+    # How the trainer holds the [tokens, vocab] logits around its loss (memfit.estimate.
+    # activation_memory.held_logits): "memfit" (memfit's trainer drops the model output before
+    # backward), "hf-model-fp32" (transformers <= 4.45), "hf-loss-function" (transformers >= 4.46
+    # ForCausalLMLoss), "torchtune-held" (torchtune recipes without `del logits`).
+    logits_handling: str = "memfit"
+    nccl_bytes: int | None = None  # NCCL communicator memory per GPU process (world > 1); None: costs.NCCL_CUMEM_BYTES
     loss_chunk_tokens: int | None = None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
 
+
+LOGITS_HANDLING = ("memfit", "hf-model-fp32", "hf-loss-function", "torchtune-held")
 
 DEFAULT_SETTINGS = Settings()
 
