@@ -49,7 +49,10 @@ def build(
         if hidden_size:
             zero.update(bucket_sizes(hidden_size, cand.zero))
     if cand.offload_optimizer != "none":
-        zero["offload_optimizer"] = {"device": cand.offload_optimizer, "pin_memory": cand.pin_memory}
+        zero["offload_optimizer"] = {
+            "device": cand.offload_optimizer,
+            "pin_memory": cand.pin_memory,
+        }
         if cand.zero == 3 and cand.offload_ratio != 1.0:
             # ZeRO-3 partial offload ("Twin-Flow"), config-json.md `offload_optimizer.ratio`.
             zero["offload_optimizer"]["ratio"] = cand.offload_ratio
@@ -124,7 +127,9 @@ def schedule_steps(run: RunConfig, steps_per_epoch: int | None) -> tuple[int, in
     elif run.max_steps:
         total = run.max_steps
     elif steps_per_epoch is None:
-        raise ValueError("schedule_steps: steps_per_epoch is needed when neither max_steps nor probe_steps is set")
+        raise ValueError(
+            "schedule_steps: steps_per_epoch is needed when neither max_steps nor probe_steps is set"
+        )
     else:
         total = max(1, math.floor(run.epochs * steps_per_epoch))
     return total, _warmup(run, total)
@@ -134,7 +139,9 @@ def _warmup(run: RunConfig, total_steps: int) -> int:
     return min(run.warmup_steps, total_steps // 2)
 
 
-def for_run(run: RunConfig, world_size: int, total_steps: int | None, hidden_size: int | None) -> dict[str, Any]:
+def for_run(
+    run: RunConfig, world_size: int, total_steps: int | None, hidden_size: int | None
+) -> dict[str, Any]:
     """The DeepSpeed config of `run` (what `memfit.train.Run.setup` hands `deepspeed.initialize`
     on a fresh start; a universal-checkpoint resume adds `checkpoint.load_universal` there).
     `total_steps` from `schedule_steps`; None writes "auto" (see `build`)."""
@@ -165,10 +172,14 @@ def training_units(data_dir: str | Path, packing: bool, seq_len: int, seed: int)
 
         path = data_dir / "train.parquet"
         if not path.exists():
-            raise FileNotFoundError(f"{path}: no prepared training data (needed to count the packs of the step schedule)")
+            raise FileNotFoundError(
+                f"{path}: no prepared training data (needed to count the packs of the step schedule)"
+            )
         lengths = pq.read_table(path, columns=["length"])["length"].to_pylist()
         if max(lengths) > seq_len:
-            raise ValueError(f"train.sft.packing: a training row has {max(lengths)} tokens, more than the seq_len {seq_len} a pack holds")
+            raise ValueError(
+                f"train.sft.packing: a training row has {max(lengths)} tokens, more than the seq_len {seq_len} a pack holds"
+            )
         return len(pack(lengths, seq_len, seed))
     path = data_dir / "stats.json"
     if not path.exists():
@@ -186,17 +197,32 @@ def planned_steps(run: RunConfig, world_size: int) -> tuple[int | None, dict[str
     from memfit.batches import Schedule
 
     cand = run.cand
-    info: dict[str, Any] = {"global_batch": cand.micro_batch * cand.grad_accum * world_size, "epochs": run.epochs,
-                            "max_steps": run.max_steps}
+    info: dict[str, Any] = {
+        "global_batch": cand.micro_batch * cand.grad_accum * world_size,
+        "epochs": run.epochs,
+        "max_steps": run.max_steps,
+    }
     if run.max_steps:
         total, warmup = schedule_steps(run, None)
-        return total, info | {"total_steps": total, "warmup_steps": warmup, "source": "train.max_steps"}
+        return total, info | {
+            "total_steps": total,
+            "warmup_steps": warmup,
+            "source": "train.max_steps",
+        }
     try:
         units = training_units(run.data_dir, run.packing, cand.seq_len, run.seed)
     except FileNotFoundError as e:
         return None, info | {"total_steps": None, "warmup_steps": None, "source": f"unknown: {e}"}
     unit = "packed sequences (train.sft.packing)" if run.packing else "training rows"
-    spe = Schedule(units, cand.micro_batch, cand.grad_accum, world_size, run.seed, unit=unit).steps_per_epoch
+    spe = Schedule(
+        units, cand.micro_batch, cand.grad_accum, world_size, run.seed, unit=unit
+    ).steps_per_epoch
     total, warmup = schedule_steps(run, spe)
-    return total, info | {"units": units, "unit": unit, "steps_per_epoch": spe, "total_steps": total,
-                          "warmup_steps": warmup, "source": f"{run.data_dir} ({units} {unit})"}
+    return total, info | {
+        "units": units,
+        "unit": unit,
+        "steps_per_epoch": spe,
+        "total_steps": total,
+        "warmup_steps": warmup,
+        "source": f"{run.data_dir} ({units} {unit})",
+    }

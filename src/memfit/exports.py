@@ -39,8 +39,12 @@ from memfit.atomic import write_json_atomic
 if TYPE_CHECKING:
     from memfit.train import RunConfig
 
-OPENRLHF_VERSION = "0.11.2"  # the flag names below are this release's (pip install openrlhf==0.11.2)
-LLAMAFACTORY_VERSION = "0.9.5"  # the argument names below are this release's (pip install llamafactory==0.9.5)
+OPENRLHF_VERSION = (
+    "0.11.2"  # the flag names below are this release's (pip install openrlhf==0.11.2)
+)
+LLAMAFACTORY_VERSION = (
+    "0.9.5"  # the argument names below are this release's (pip install llamafactory==0.9.5)
+)
 
 # Where each export lives, relative to the run directory (results/<model>/<gpu>/<method>).
 FILES = {
@@ -69,11 +73,15 @@ class ExportPlan:
     ds_config: dict[str, Any]  # memfit's ds_config.json
     num_gpus: int  # ranks per node
     num_nodes: int
-    total_steps: int | None  # optimizer steps (dsconfig.planned_steps); None: unknown (plan without data)
+    total_steps: (
+        int | None
+    )  # optimizer steps (dsconfig.planned_steps); None: unknown (plan without data)
     warmup_steps: int | None
     data_source: str | None  # the raw dataset the workflow prepares (config data.<method>)
     eval_fraction: float = 0.0
-    files: dict[str, Path] = dataclasses.field(default_factory=dict)  # paths(); for cross references
+    files: dict[str, Path] = dataclasses.field(
+        default_factory=dict
+    )  # paths(); for cross references
 
     @property
     def world(self) -> int:
@@ -87,7 +95,9 @@ class ExportPlan:
     @property
     def lora_alpha(self) -> float:
         c = self.run.cand
-        return self.run.lora_alpha if self.run.lora_alpha is not None else 2 * c.lora_rank  # memfit.modeling default
+        return (
+            self.run.lora_alpha if self.run.lora_alpha is not None else 2 * c.lora_rank
+        )  # memfit.modeling default
 
     def file(self, key: str) -> str:
         return str(self.files.get(key, FILES[key].format(method=self.run.method)))
@@ -127,8 +137,11 @@ def _source_format(source: str | None) -> str:
 
 def _header(plan: ExportPlan, tool: str, comment: str = "#") -> list[str]:
     run, c = plan.run, plan.run.cand
-    steps = (f"{plan.total_steps} optimizer steps, {plan.warmup_steps} warmup" if plan.total_steps is not None
-             else "step count unknown (no prepared data): the tool counts its own")
+    steps = (
+        f"{plan.total_steps} optimizer steps, {plan.warmup_steps} warmup"
+        if plan.total_steps is not None
+        else "step count unknown (no prepared data): the tool counts its own"
+    )
     return [
         f"{comment} memfit's selected {run.method} configuration for {tool}, written by select_config.",
         f"{comment} candidate {c.id}; global batch {plan.global_batch} = micro {c.micro_batch} x accum {c.grad_accum} "
@@ -152,12 +165,18 @@ def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
     if run.method == "sft":
         if _source_format(plan.data_source) == "messages":
             a.append(("--data.input_key", "messages"))
-            missing.append("SFT rows in `messages` form: memfit scores the last assistant turn only; OpenRLHF's "
-                           "SFTDataset with --data.input_key messages (no output key) does not split it the same way")
+            missing.append(
+                "SFT rows in `messages` form: memfit scores the last assistant turn only; OpenRLHF's "
+                "SFTDataset with --data.input_key messages (no output key) does not split it the same way"
+            )
         else:
             a += [("--data.input_key", "prompt"), ("--data.output_key", "response")]
     else:
-        a += [("--data.prompt_key", "prompt"), ("--data.chosen_key", "chosen"), ("--data.rejected_key", "rejected")]
+        a += [
+            ("--data.prompt_key", "prompt"),
+            ("--data.chosen_key", "chosen"),
+            ("--data.rejected_key", "rejected"),
+        ]
     a.append(("--data.apply_chat_template", True))
     a.append(("--data.max_len", c.seq_len))
     # batch
@@ -165,57 +184,92 @@ def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
     # DeepSpeed levers
     a.append(("--ds.zero_stage", c.zero))
     if c.zero >= 2:
-        a.append(("--ds.overlap_comm", True))  # memfit: overlap_comm + contiguous_gradients from ZeRO-2 on
+        a.append(
+            ("--ds.overlap_comm", True)
+        )  # memfit: overlap_comm + contiguous_gradients from ZeRO-2 on
     if c.offload_optimizer == "cpu":
         a.append(("--ds.adam_offload", True))
         if not c.pin_memory:
-            missing.append("pin_memory false: OpenRLHF always pins the offloaded optimizer (get_train_ds_config)")
+            missing.append(
+                "pin_memory false: OpenRLHF always pins the offloaded optimizer (get_train_ds_config)"
+            )
     if c.offload_param == "cpu":
-        missing.append("offload_param cpu: train_sft/train_dpo have no parameter-offload flag (only --ref.offload for "
-                       "the DPO reference)")
+        missing.append(
+            "offload_param cpu: train_sft/train_dpo have no parameter-offload flag (only --ref.offload for "
+            "the DPO reference)"
+        )
     if c.offload_ratio != 1.0:
         missing.append(f"offload_ratio {c.offload_ratio}: no partial optimizer offload flag")
     if c.grad_ckpt:
         a.append(("--model.gradient_checkpointing_enable", True))
-    a.append(("--ds.attn_implementation", {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}[c.attn]))
+    a.append(
+        (
+            "--ds.attn_implementation",
+            {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}[c.attn],
+        )
+    )
     if c.precision in ("bf16", "fp16"):
         a.append(("--ds.param_dtype", c.precision))
     else:
-        missing.append("precision fp32: --ds.param_dtype takes bf16 or fp16 only; this command trains in bf16 (the default)")
+        missing.append(
+            "precision fp32: --ds.param_dtype takes bf16 or fp16 only; this command trains in bf16 (the default)"
+        )
     if c.finetune in ("lora", "qlora"):
-        a += [("--ds.lora.rank", c.lora_rank), ("--ds.lora.alpha", _int_alpha(plan, "OpenRLHF", missing)),
-              ("--ds.lora.dropout", run.lora_dropout), ("--ds.lora.target_modules", _targets(run))]
+        a += [
+            ("--ds.lora.rank", c.lora_rank),
+            ("--ds.lora.alpha", _int_alpha(plan, "OpenRLHF", missing)),
+            ("--ds.lora.dropout", run.lora_dropout),
+            ("--ds.lora.target_modules", _targets(run)),
+        ]
         if c.finetune == "qlora":
             a.append(("--ds.load_in_4bit", True))
     if c.loss_impl == "chunked":
-        missing.append("loss_impl chunked: no chunked-vocabulary loss flag (full logits are materialised)")
+        missing.append(
+            "loss_impl chunked: no chunked-vocabulary loss flag (full logits are materialised)"
+        )
     # optimizer and schedule
-    a += [("--adam.lr", run.lr), ("--adam.betas", list(ADAM_BETAS)), ("--adam.eps", ADAM_EPS),
-          ("--adam.weight_decay", run.weight_decay), ("--max_norm", run.grad_clip),
-          ("--lr_scheduler", "cosine_with_min_lr"), ("--min_lr_ratio", run.min_lr_ratio)]
+    a += [
+        ("--adam.lr", run.lr),
+        ("--adam.betas", list(ADAM_BETAS)),
+        ("--adam.eps", ADAM_EPS),
+        ("--adam.weight_decay", run.weight_decay),
+        ("--max_norm", run.grad_clip),
+        ("--lr_scheduler", "cosine_with_min_lr"),
+        ("--min_lr_ratio", run.min_lr_ratio),
+    ]
     if plan.total_steps is not None and plan.warmup_steps is not None:
         # OpenRLHF warms up ceil(steps x ratio) steps (utils/deepspeed/deepspeed.py); half a step less
         # than memfit's warmup rounds up to exactly memfit's count
         ratio = max(plan.warmup_steps - 0.5, 0.0) / plan.total_steps
         a.append(("--lr_warmup_ratio", round(ratio, 8)))
     else:
-        missing.append(f"warmup_steps {run.warmup_steps}: OpenRLHF takes a ratio of the run; the step count is unknown here")
+        missing.append(
+            f"warmup_steps {run.warmup_steps}: OpenRLHF takes a ratio of the run; the step count is unknown here"
+        )
     epochs = run.epochs
     if run.max_steps:
-        missing.append(f"max_steps {run.max_steps}: OpenRLHF counts whole epochs only (--train.max_epochs)")
+        missing.append(
+            f"max_steps {run.max_steps}: OpenRLHF counts whole epochs only (--train.max_epochs)"
+        )
     elif float(epochs) != int(epochs):
-        missing.append(f"epochs {epochs}: --train.max_epochs is an integer; {max(1, round(epochs))} written")
+        missing.append(
+            f"epochs {epochs}: --train.max_epochs is an integer; {max(1, round(epochs))} written"
+        )
     a.append(("--train.max_epochs", max(1, round(epochs))))
     a.append(("--train.seed", run.seed))
     # the method
     if run.method == "sft":
         if run.loss_on == "all":
-            missing.append("loss_on all: OpenRLHF scores the output only (--model.pretrain_mode_enable scores a plain "
-                           "text column, another data format)")
+            missing.append(
+                "loss_on all: OpenRLHF scores the output only (--model.pretrain_mode_enable scores a plain "
+                "text column, another data format)"
+            )
         if run.packing:
             a.append(("--ds.packing_samples", True))
             if c.attn != "flash":
-                missing.append(f"packing with attn {c.attn}: OpenRLHF packs with flash_attention_2 only (it switches to it)")
+                missing.append(
+                    f"packing with attn {c.attn}: OpenRLHF packs with flash_attention_2 only (it switches to it)"
+                )
     else:
         dpo = run.dpo
         a.append(("--model.beta", dpo.get("beta", 0.1)))
@@ -226,23 +280,36 @@ def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
             missing.append(f"loss_type {loss}: OpenRLHF has the sigmoid (DPO) and IPO losses only")
         a.append(("--model.label_smoothing", dpo.get("label_smoothing", 0.0)))
         if c.ref != "model":
-            missing.append(f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)")
+            missing.append(
+                f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)"
+            )
     # bookkeeping
     out = f"{run.out_dir}_openrlhf"
-    a += [("--ckpt.output_dir", out), ("--ckpt.path", f"{out}/checkpoints"), ("--ckpt.max_num", run.keep_last),
-          ("--logger.logging_steps", run.log_every)]
+    a += [
+        ("--ckpt.output_dir", out),
+        ("--ckpt.path", f"{out}/checkpoints"),
+        ("--ckpt.max_num", run.keep_last),
+        ("--logger.logging_steps", run.log_every),
+    ]
     if run.save_every:
         a.append(("--ckpt.save_steps", run.save_every))
     if plan.eval_fraction:
-        missing.append(f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): OpenRLHF evaluates a separate "
-                       "--eval.dataset; memfit's split is not exported")
+        missing.append(
+            f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): OpenRLHF evaluates a separate "
+            "--eval.dataset; memfit's split is not exported"
+        )
     launcher = ["deepspeed", "--num_gpus", str(plan.num_gpus)]
     if plan.num_nodes > 1:
         launcher += ["--num_nodes", str(plan.num_nodes), "--hostfile", "hostfile"]
-        missing.append(f"{plan.num_nodes} nodes: DeepSpeed's launcher needs a hostfile (ssh between nodes), not written")
+        missing.append(
+            f"{plan.num_nodes} nodes: DeepSpeed's launcher needs a hostfile (ssh between nodes), not written"
+        )
     launcher += ["--module", f"openrlhf.cli.train_{run.method}"]
-    lines = ["#!/usr/bin/env bash", *_header(plan, f"OpenRLHF {OPENRLHF_VERSION}"),
-             "# not expressible in OpenRLHF's flags (this command differs from memfit's run here):"]
+    lines = [
+        "#!/usr/bin/env bash",
+        *_header(plan, f"OpenRLHF {OPENRLHF_VERSION}"),
+        "# not expressible in OpenRLHF's flags (this command differs from memfit's run here):",
+    ]
     lines += [f"#   - {m}" for m in missing] or ["#   (none)"]
     lines += ["set -euo pipefail", " ".join(launcher) + " \\"]
     argv = openrlhf_argv(a)
@@ -277,9 +344,11 @@ def _groups(argv: list[str]) -> list[list[str]]:
 
 def script_argv(text: str) -> list[str]:
     """The arguments after `--module <module>` in an exported script (for checking it with the tool's parser)."""
-    body = " ".join(line.removesuffix("\\") for line in text.splitlines() if not line.startswith(("#", "set ")))
+    body = " ".join(
+        line.removesuffix("\\") for line in text.splitlines() if not line.startswith(("#", "set "))
+    )
     toks = shlex.split(body)
-    return toks[toks.index("--module") + 2:]
+    return toks[toks.index("--module") + 2 :]
 
 
 # --------------------------------------------------------------------------- LLaMA-Factory
@@ -291,24 +360,44 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
     run, c = plan.run, plan.run.cand
     missing: list[str] = []
     name = f"memfit_{run.method}"
-    y: dict[str, Any] = {"model_name_or_path": run.model_path, "stage": run.method, "do_train": True,
-                         "finetuning_type": "full" if c.finetune == "full" else "lora"}
+    y: dict[str, Any] = {
+        "model_name_or_path": run.model_path,
+        "stage": run.method,
+        "do_train": True,
+        "finetuning_type": "full" if c.finetune == "full" else "lora",
+    }
     if c.finetune != "full":
         targets = _targets(run)
-        y |= {"lora_rank": c.lora_rank, "lora_alpha": _int_alpha(plan, "LLaMA-Factory", missing),
-              "lora_dropout": run.lora_dropout,
-              "lora_target": "all" if targets == ["all-linear"] else ",".join(targets)}
+        y |= {
+            "lora_rank": c.lora_rank,
+            "lora_alpha": _int_alpha(plan, "LLaMA-Factory", missing),
+            "lora_dropout": run.lora_dropout,
+            "lora_target": "all" if targets == ["all-linear"] else ",".join(targets),
+        }
         if c.finetune == "qlora":  # memfit.modeling: bitsandbytes nf4, double quantization
-            y |= {"quantization_bit": 4, "quantization_method": "bnb", "quantization_type": "nf4",
-                  "double_quantization": True}
+            y |= {
+                "quantization_bit": 4,
+                "quantization_method": "bnb",
+                "quantization_type": "nf4",
+                "double_quantization": True,
+            }
     y["flash_attn"] = {"flash": "fa2", "sdpa": "sdpa", "eager": "disabled"}[c.attn]
-    y["disable_gradient_checkpointing"] = not c.grad_ckpt  # LLaMA-Factory checkpoints unless told not to
+    y[
+        "disable_gradient_checkpointing"
+    ] = not c.grad_ckpt  # LLaMA-Factory checkpoints unless told not to
     y["deepspeed"] = plan.file("llamafactory_ds")
     # data: the registry beside this file; no `template`: LLaMA-Factory then parses the tokenizer's
     # chat template (data/template.py get_template_and_fix_tokenizer), as memfit renders prompts
-    y |= {"dataset": name, "dataset_dir": str(Path(plan.file("llamafactory_dataset_info")).parent),
-          "cutoff_len": c.seq_len}
+    y |= {
+        "dataset": name,
+        "dataset_dir": str(Path(plan.file("llamafactory_dataset_info")).parent),
+        "cutoff_len": c.seq_len,
+    }
     fmt = _source_format(plan.data_source)
+    missing.append(
+        "truncation: LLaMA-Factory shortens prompt and response to fit cutoff_len (data/processor/"
+        "processor_utils.py infer_seqlen); memfit never cuts a prompt (drops the row) and cuts responses only"
+    )
     if run.method == "sft":
         y["train_on_prompt"] = run.loss_on == "all"
         if run.packing:  # memfit packs without cross-row attention: neat_packing
@@ -316,39 +405,76 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
     else:
         dpo = run.dpo
         loss = dpo.get("loss_type", "sigmoid")
-        y |= {"pref_beta": dpo.get("beta", 0.1), "pref_loss": loss, "dpo_label_smoothing": dpo.get("label_smoothing", 0.0)}
+        y |= {
+            "pref_beta": dpo.get("beta", 0.1),
+            "pref_loss": loss,
+            "dpo_label_smoothing": dpo.get("label_smoothing", 0.0),
+        }
         if c.ref == "model":
             # a frozen copy; for LoRA without ref_model LLaMA-Factory would disable the adapter instead
             y["ref_model"] = run.ref_model_path or run.model_path
         elif c.ref == "precomputed":
-            missing.append("ref precomputed: LLaMA-Factory's DPO trainer turns TRL's precompute_ref_log_probs off; "
-                           "it holds a reference model (a copy for full fine-tuning)")
+            missing.append(
+                "ref precomputed: LLaMA-Factory's DPO trainer turns TRL's precompute_ref_log_probs off; "
+                "it holds a reference model (a copy for full fine-tuning)"
+            )
         # ref adapter: LoRA without ref_model = the adapter-disabled model (train/trainer_utils.py create_ref_model)
     if c.loss_impl == "chunked":
-        missing.append("loss_impl chunked: no chunked-vocabulary loss option (closest: enable_liger_kernel, another kernel)")
+        missing.append(
+            "loss_impl chunked: no chunked-vocabulary loss option (closest: enable_liger_kernel, another kernel)"
+        )
     y |= _hf_schedule(plan, missing)
-    y |= {"per_device_train_batch_size": c.micro_batch, "gradient_accumulation_steps": c.grad_accum,
-          "bf16": c.precision == "bf16", "fp16": c.precision == "fp16",
-          "output_dir": f"{run.out_dir}_llamafactory", "report_to": "none"}
+    y |= {
+        "per_device_train_batch_size": c.micro_batch,
+        "gradient_accumulation_steps": c.grad_accum,
+        "bf16": c.precision == "bf16",
+        "fp16": c.precision == "fp16",
+        "output_dir": f"{run.out_dir}_llamafactory",
+        "report_to": "none",
+    }
     if plan.eval_fraction:
-        y |= {"val_size": plan.eval_fraction, "per_device_eval_batch_size": c.micro_batch,
-              "eval_strategy": "steps", "eval_steps": run.eval_every}
-        missing.append(f"held-out split: val_size {plan.eval_fraction} draws random rows; memfit splits by prompt")
+        y |= {
+            "val_size": plan.eval_fraction,
+            "per_device_eval_batch_size": c.micro_batch,
+            "eval_strategy": "steps",
+            "eval_steps": run.eval_every,
+        }
+        missing.append(
+            f"held-out split: val_size {plan.eval_fraction} draws random rows; memfit splits by prompt"
+        )
     if plan.world > 1 and plan.num_nodes > 1:
-        missing.append(f"{plan.num_nodes} nodes: launch with FORCE_TORCHRUN=1 NNODES={plan.num_nodes} NODE_RANK=... "
-                       "MASTER_ADDR=... llamafactory-cli train (environment, not YAML)")
-    columns = ({"messages": "messages"} if fmt == "messages" and run.method == "sft"
-               else {"prompt": "prompt", "response": "response"} if run.method == "sft"
-               else {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"})
-    entry: dict[str, Any] = {"file_name": str(Path(plan.data_source).resolve()) if plan.data_source else "",
-                             "columns": columns}
+        missing.append(
+            f"{plan.num_nodes} nodes: launch with FORCE_TORCHRUN=1 NNODES={plan.num_nodes} NODE_RANK=... "
+            "MASTER_ADDR=... llamafactory-cli train (environment, not YAML)"
+        )
+    columns = (
+        {"messages": "messages"}
+        if fmt == "messages" and run.method == "sft"
+        else {"prompt": "prompt", "response": "response"}
+        if run.method == "sft"
+        else {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    )
+    entry: dict[str, Any] = {
+        "file_name": str(Path(plan.data_source).resolve()) if plan.data_source else "",
+        "columns": columns,
+    }
     if fmt == "messages" and run.method == "sft":
-        entry |= {"formatting": "sharegpt", "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
-                                                     "assistant_tag": "assistant", "system_tag": "system"}}
+        entry |= {
+            "formatting": "sharegpt",
+            "tags": {
+                "role_tag": "role",
+                "content_tag": "content",
+                "user_tag": "user",
+                "assistant_tag": "assistant",
+                "system_tag": "system",
+            },
+        }
     if run.method == "dpo":
         entry["ranking"] = True
     if not plan.data_source:
-        missing.append("data: no data source in the config (plan only); set file_name in dataset_info.json")
+        missing.append(
+            "data: no data source in the config (plan only); set file_name in dataset_info.json"
+        )
     return y, {name: entry}, missing
 
 
@@ -359,10 +485,17 @@ def _hf_schedule(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
     the same curve (linear warmup from 0, cosine to min_lr_ratio x lr) for a run without it."""
     run = plan.run
     out: dict[str, Any] = {
-        "learning_rate": run.lr, "weight_decay": run.weight_decay, "max_grad_norm": run.grad_clip,
-        "adam_beta1": ADAM_BETAS[0], "adam_beta2": ADAM_BETAS[1], "adam_epsilon": ADAM_EPS,
-        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": run.min_lr_ratio},
-        "seed": run.seed, "data_seed": run.seed, "logging_steps": run.log_every,
+        "learning_rate": run.lr,
+        "weight_decay": run.weight_decay,
+        "max_grad_norm": run.grad_clip,
+        "adam_beta1": ADAM_BETAS[0],
+        "adam_beta2": ADAM_BETAS[1],
+        "adam_epsilon": ADAM_EPS,
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": run.min_lr_ratio},
+        "seed": run.seed,
+        "data_seed": run.seed,
+        "logging_steps": run.log_every,
         "save_total_limit": run.keep_last,
     }
     if plan.total_steps is not None:
@@ -373,8 +506,10 @@ def _hf_schedule(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
         out |= {"num_train_epochs": run.epochs, "warmup_steps": run.warmup_steps}
     if run.save_every:
         out |= {"save_strategy": "steps", "save_steps": run.save_every}
-    missing.append("scheduler phase: memfit steps DeepSpeed's WarmupCosineLR once after initialize (step 1 at the "
-                   "schedule's step 1); the HF Trainer does not, so its lr runs one step behind memfit's")
+    missing.append(
+        "scheduler phase: memfit steps DeepSpeed's WarmupCosineLR once after initialize (step 1 at the "
+        "schedule's step 1); the HF Trainer does not, so its lr runs one step behind memfit's"
+    )
     return out
 
 
@@ -397,10 +532,17 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
         **_hf_schedule(plan, missing),
     }
     if plan.eval_fraction:
-        args |= {"eval_strategy": "steps", "eval_steps": run.eval_every, "per_device_eval_batch_size": c.micro_batch}
+        args |= {
+            "eval_strategy": "steps",
+            "eval_steps": run.eval_every,
+            "per_device_eval_batch_size": c.micro_batch,
+        }
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[c.precision]
     attn = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}[c.attn]
-    trl: dict[str, Any] = {"max_length": c.seq_len, "model_init_kwargs": {"attn_implementation": attn, "dtype": dtype}}
+    trl: dict[str, Any] = {
+        "max_length": c.seq_len,
+        "model_init_kwargs": {"attn_implementation": attn, "dtype": dtype},
+    }
     if run.method == "sft":
         trl_class = "trl.SFTConfig"
         trl |= {"completion_only_loss": run.loss_on == "response", "packing": run.packing}
@@ -409,28 +551,46 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
     else:
         trl_class = "trl.DPOConfig"
         dpo = run.dpo
-        trl |= {"beta": dpo.get("beta", 0.1), "loss_type": [dpo.get("loss_type", "sigmoid")],
-                "label_smoothing": dpo.get("label_smoothing", 0.0),
-                "precompute_ref_log_probs": c.ref == "precomputed"}
+        trl |= {
+            "beta": dpo.get("beta", 0.1),
+            "loss_type": [dpo.get("loss_type", "sigmoid")],
+            "label_smoothing": dpo.get("label_smoothing", 0.0),
+            "precompute_ref_log_probs": c.ref == "precomputed",
+        }
         if c.ref == "model" and c.finetune != "full":
-            missing.append("ref model with LoRA: pass DPOTrainer(ref_model=<a frozen copy>); without one TRL "
-                           "disables the adapter (memfit's ref adapter)")
+            missing.append(
+                "ref model with LoRA: pass DPOTrainer(ref_model=<a frozen copy>); without one TRL "
+                "disables the adapter (memfit's ref adapter)"
+            )
     peft = None
     if c.finetune != "full":
-        peft = {"r": c.lora_rank, "lora_alpha": plan.lora_alpha, "lora_dropout": run.lora_dropout,
-                "target_modules": run.lora_targets, "task_type": "CAUSAL_LM"}
+        peft = {
+            "r": c.lora_rank,
+            "lora_alpha": plan.lora_alpha,
+            "lora_dropout": run.lora_dropout,
+            "target_modules": run.lora_targets,
+            "task_type": "CAUSAL_LM",
+        }
         if c.finetune == "qlora":
             trl["model_init_kwargs"]["quantization_config"] = {
-                "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                "bnb_4bit_compute_dtype": dtype, "bnb_4bit_quant_storage": dtype}
+                "load_in_4bit": True,
+                "bnb_4bit_quant_type": "nf4",
+                "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": dtype,
+                "bnb_4bit_quant_storage": dtype,
+            }
     if c.loss_impl == "chunked":
-        missing.append("loss_impl chunked: TrainingArguments/TRL have no chunked-vocabulary loss (closest: "
-                       "use_liger_kernel, another kernel)")
+        missing.append(
+            "loss_impl chunked: TrainingArguments/TRL have no chunked-vocabulary loss (closest: "
+            "use_liger_kernel, another kernel)"
+        )
     if plan.eval_fraction:
-        missing.append(f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): pass your own eval_dataset")
+        missing.append(
+            f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): pass your own eval_dataset"
+        )
     args["_memfit"] = {
         "about": "not a TrainingArguments field: drop this key before TrainingArguments(**args) / "
-                 "HfArgumentParser(TrainingArguments).parse_dict(args)",
+        "HfArgumentParser(TrainingArguments).parse_dict(args)",
         "written_with": {"transformers": transformers.__version__},
         "candidate": c.id,
         "trl_class": trl_class,
@@ -453,10 +613,17 @@ def write_all(plan: ExportPlan) -> dict[str, Path]:
     write_text_atomic(files["openrlhf"], script)
     files["openrlhf"].chmod(0o755)
     lf, info, lf_missing = llamafactory_config(plan)
-    head = _header(plan, f"LLaMA-Factory {LLAMAFACTORY_VERSION} (llamafactory-cli train {files['llamafactory']})")
-    head += ["# not expressible in LLaMA-Factory's arguments (this run differs from memfit's here):"]
+    head = _header(
+        plan,
+        f"LLaMA-Factory {LLAMAFACTORY_VERSION} (llamafactory-cli train {files['llamafactory']})",
+    )
+    head += [
+        "# not expressible in LLaMA-Factory's arguments (this run differs from memfit's here):"
+    ]
     head += [f"#   - {m}" for m in lf_missing] or ["#   (none)"]
-    write_text_atomic(files["llamafactory"], "\n".join(head) + "\n" + yaml.safe_dump(lf, sort_keys=False))
+    write_text_atomic(
+        files["llamafactory"], "\n".join(head) + "\n" + yaml.safe_dump(lf, sort_keys=False)
+    )
     write_json_atomic(files["llamafactory_ds"], plan.ds_config)
     write_json_atomic(files["llamafactory_dataset_info"], info)
     args, _ = hf_training_args(plan)
