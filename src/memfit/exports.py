@@ -39,12 +39,9 @@ from memfit.atomic import write_json_atomic
 if TYPE_CHECKING:
     from memfit.train import RunConfig
 
-OPENRLHF_VERSION = (
-    "0.11.2"  # the flag names below are this release's (pip install openrlhf==0.11.2)
-)
-LLAMAFACTORY_VERSION = (
-    "0.9.5"  # the argument names below are this release's (pip install llamafactory==0.9.5)
-)
+# the flag and argument names below are these releases' (pip install openrlhf==0.11.2 llamafactory==0.9.5)
+OPENRLHF_VERSION = "0.11.2"
+LLAMAFACTORY_VERSION = "0.9.5"
 
 # Where each export lives, relative to the run directory (results/<model>/<gpu>/<method>).
 FILES = {
@@ -73,15 +70,13 @@ class ExportPlan:
     ds_config: dict[str, Any]  # memfit's ds_config.json
     num_gpus: int  # ranks per node
     num_nodes: int
-    total_steps: (
-        int | None
-    )  # optimizer steps (dsconfig.planned_steps); None: unknown (plan without data)
+    # optimizer steps (dsconfig.planned_steps); None: unknown (a plan without prepared data)
+    total_steps: int | None
     warmup_steps: int | None
     data_source: str | None  # the raw dataset the workflow prepares (config data.<method>)
     eval_fraction: float = 0.0
-    files: dict[str, Path] = dataclasses.field(
-        default_factory=dict
-    )  # paths(); for cross references
+    # paths(): where each export is written, for the references between them
+    files: dict[str, Path] = dataclasses.field(default_factory=dict)
 
     @property
     def world(self) -> int:
@@ -94,10 +89,9 @@ class ExportPlan:
 
     @property
     def lora_alpha(self) -> float:
-        c = self.run.cand
-        return (
-            self.run.lora_alpha if self.run.lora_alpha is not None else 2 * c.lora_rank
-        )  # memfit.modeling default
+        # memfit.modeling's default: 2 x rank
+        a = self.run.lora_alpha
+        return a if a is not None else 2 * self.run.cand.lora_rank
 
     def file(self, key: str) -> str:
         return str(self.files.get(key, FILES[key].format(method=self.run.method)))
@@ -184,9 +178,8 @@ def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
     # DeepSpeed levers
     a.append(("--ds.zero_stage", c.zero))
     if c.zero >= 2:
-        a.append(
-            ("--ds.overlap_comm", True)
-        )  # memfit: overlap_comm + contiguous_gradients from ZeRO-2 on
+        # memfit: overlap_comm + contiguous_gradients from ZeRO-2 on
+        a.append(("--ds.overlap_comm", True))
     if c.offload_optimizer == "cpu":
         a.append(("--ds.adam_offload", True))
         if not c.pin_memory:
