@@ -117,7 +117,7 @@ def test_select_configs_ds_config_is_the_one_the_trainer_initialises(
     """Before, select_config wrote total_num_steps=1 while training ran epochs x steps_per_epoch."""
     cfg = _demo_cfg(demo_model, packing=packing, epochs=1.5)
     run_dir = tmp_path / "demo-tiny/cpu/sft"
-    selected = _select(cfg, demo_model, demo_data / "sft", run_dir)
+    _select(cfg, demo_model, demo_data / "sft", run_dir)
     written = json.loads((run_dir / "ds_config.json").read_text())
 
     script, got = tmp_path / "trainer_ds.py", tmp_path / "trainer.json"
@@ -142,11 +142,10 @@ def test_select_configs_ds_config_is_the_one_the_trainer_initialises(
     )
     trainer = json.loads(got.read_text())
     assert trainer["ds_config"] == written
-    sched = selected["schedule"]
     steps = written["scheduler"]["params"]["total_num_steps"]
-    assert steps == trainer["total_steps"] == sched["total_steps"] > 1
+    assert steps == trainer["total_steps"] > 1
     # 1.5 epochs of the train rows (or packs) at the global batch of 32, the tail of an epoch skipped
-    units = sched["units"]
+    units = dsconfig.training_units(demo_data / "sft", packing, seq_len=32, seed=0)
     rows = json.loads((demo_data / "sft/stats.json").read_text())["rows_kept"]["train"]
     assert (units < rows) if packing else (units == rows)
     assert steps == int(1.5 * (units // 32))
@@ -158,21 +157,15 @@ def test_a_plan_without_prepared_data_leaves_the_step_count_to_the_trainer_that_
 ):
     cfg = _demo_cfg(demo_model)
     run_dir = tmp_path / "demo-tiny/cpu/sft"
-    selected = _select(cfg, demo_model, tmp_path / "not-prepared", run_dir)
+    _select(cfg, demo_model, tmp_path / "not-prepared", run_dir)
     params = json.loads((run_dir / "ds_config.json").read_text())["scheduler"]["params"]
-    assert (
-        params["total_num_steps"] == params["warmup_num_steps"] == "auto"
-    )  # the HF Trainer fills these
-    assert (
-        selected["schedule"]["total_steps"] is None
-        and "not-prepared" in selected["schedule"]["source"]
-    )
-    # max_steps needs no data
+    # the HF Trainer fills these in (exports/hf, exports/llamafactory)
+    assert params["total_num_steps"] == params["warmup_num_steps"] == "auto"
+    total, info = dsconfig.planned_steps(RunConfig.load(run_dir / "run.json"), 1)
+    assert total is None and "not-prepared" in info["source"]
+    # max_steps needs no data; warmup is capped at half the run
     cfg = _demo_cfg(demo_model, max_steps=7)
-    selected = _select(cfg, demo_model, tmp_path / "not-prepared", run_dir)
+    _select(cfg, demo_model, tmp_path / "not-prepared", run_dir)
     params = json.loads((run_dir / "ds_config.json").read_text())["scheduler"]["params"]
-    assert (params["total_num_steps"], params["warmup_num_steps"]) == (
-        7,
-        3,
-    )  # warmup capped at half the run
+    assert (params["total_num_steps"], params["warmup_num_steps"]) == (7, 3)
     assert RunConfig.load(run_dir / "run.json").max_steps == 7
