@@ -148,8 +148,14 @@ def select_config(
     train_dir: str,
     out: dict[str, Path],
 ) -> dict[str, Any]:
-    """Choose; write selected.json (with every loser's reason), ds_config.json, run.json, launch.sh."""
-    from memfit import dsconfig
+    """Choose; write selected.json (with every loser's reason), ds_config.json, run.json, launch.sh,
+    and the exports to OpenRLHF, LLaMA-Factory and HF (`memfit.exports.FILES`; `out` may name them,
+    else they go under exports/ beside selected.json).
+
+    ds_config.json is the DeepSpeed config training runs with: the step count comes from the
+    prepared data as the trainer computes it (`dsconfig.planned_steps`); a plan without prepared
+    data and without `max_steps` writes "auto" there (see `dsconfig.build`)."""
+    from memfit import dsconfig, exports
 
     cfg = WorkflowConfig.of(config)
     table = json.loads(Path(candidates_json).read_text())
@@ -162,25 +168,23 @@ def select_config(
     run = cfg.run_config(method, best.candidate, model_path, data_dir, train_dir)
     run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
     run.save(out["run"])
-    ds = dsconfig.build(
-        run.cand,
-        table["world_size"],
-        lr=run.lr,
-        total_steps=run.max_steps or 0,
-        warmup_steps=run.warmup_steps,
-        weight_decay=run.weight_decay,
-        grad_clip=run.grad_clip,
-        min_lr_ratio=run.min_lr_ratio,
-        hidden_size=table["arch"]["hidden_size"],
-    )
+    # (how the step count was found is not added to selected.json: tests/test_select.py pins its bytes)
+    total_steps, schedule = dsconfig.planned_steps(run, table["world_size"])
+    ds = dsconfig.for_run(run, table["world_size"], total_steps, table["arch"]["hidden_size"])
     write_json_atomic(out["ds_config"], ds)
     cmd = f"memfit launch --config {shlex.quote(str(out['run']))} --nproc {cfg.num_gpus}"
     if cfg.num_nodes > 1:  # one launcher per node: srun starts them, torchrun meets at the first host
         cmd = f"srun --nodes {cfg.num_nodes} --ntasks-per-node 1 {cmd} --nnodes {cfg.num_nodes}"
     Path(out["launch"]).write_text(
         "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
-        f"# DeepSpeed config: {out['ds_config']} (the trainer rebuilds it with the step count).\nset -euo pipefail\n{cmd}\n"
+        f"# DeepSpeed config: {out['ds_config']} (what the trainer builds from run.json).\nset -euo pipefail\n{cmd}\n"
     )
+    export_files = exports.paths(Path(out["selected"]).parent, method) | {k: Path(out[k]) for k in exports.FILES if k in out}
+    exports.write_all(exports.ExportPlan(
+        run=run, ds_config=ds, num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, total_steps=total_steps,
+        warmup_steps=schedule["warmup_steps"], data_source=cfg.raw["data"].get(method),
+        eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)), files=export_files,
+    ))
     selected = {
         "model": model,
         "gpu": gpu,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import signal
 import statistics
@@ -183,24 +182,9 @@ class Run:
             self.train_units, self.packing = self._pack()
         self.schedule = Schedule(len(self.train_units), cand.micro_batch, cand.grad_accum, self.world, cfg.seed,
                                  unit="packed sequences (train.sft.packing)" if cfg.packing else "training rows")
-        if cfg.probe_steps:
-            self.total_steps = cfg.probe_steps
-        elif cfg.max_steps:
-            self.total_steps = cfg.max_steps
-        else:
-            self.total_steps = max(1, math.floor(cfg.epochs * self.schedule.steps_per_epoch))
-
-        ds_cfg = dsconfig.build(
-            cand,
-            self.world,
-            lr=cfg.lr,
-            total_steps=self.total_steps,
-            warmup_steps=min(cfg.warmup_steps, self.total_steps // 2),
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
-            min_lr_ratio=cfg.min_lr_ratio,
-            hidden_size=hidden_size(model_dir(cfg.model_path)),
-        )
+        # the step count and DeepSpeed config select_config wrote to ds_config.json (dsconfig.planned_steps)
+        self.total_steps, _ = dsconfig.schedule_steps(cfg, self.schedule.steps_per_epoch)
+        ds_cfg = dsconfig.for_run(cfg, self.world, self.total_steps, hidden_size(model_dir(cfg.model_path)))
         self.ds_config = ds_cfg
         if cfg.method == "dpo" and cand.ref == "precomputed":
             self._precompute_reference(ds_cfg)

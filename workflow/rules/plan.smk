@@ -53,6 +53,13 @@ rule select_config:
         ds_config="results/{model}/{gpu}/{method}/ds_config.json",
         run="results/{model}/{gpu}/{method}/run.json",
         launch="results/{model}/{gpu}/{method}/launch.sh",
+        # the selected configuration for other trainers (memfit.exports.FILES)
+        openrlhf="results/{model}/{gpu}/{method}/exports/openrlhf/train_{method}.sh",
+        llamafactory="results/{model}/{gpu}/{method}/exports/llamafactory/train_{method}.yaml",
+        llamafactory_ds="results/{model}/{gpu}/{method}/exports/llamafactory/ds_config.json",
+        llamafactory_dataset_info="results/{model}/{gpu}/{method}/exports/llamafactory/dataset_info.json",
+        hf_args="results/{model}/{gpu}/{method}/exports/hf/training_args.json",
+        hf_ds="results/{model}/{gpu}/{method}/exports/hf/ds_config.json",
     log:
         "logs/{model}/{gpu}/{method}/select_config.log",
     conda:
