@@ -264,7 +264,9 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
                 f"{where}: row {rid!r}: bound must be one of {BOUNDS}, got {d['bound']!r}"
             )
         if published_range is not None:
-            raise TableError(f"{where}: row {rid!r}: bound and published_rounding exclude each other")
+            raise TableError(
+                f"{where}: row {rid!r}: bound and published_rounding exclude each other"
+            )
         published_range = (0, published)
     if d["measured"] == "max-fit" and d.get("bound") != "upper":
         raise TableError(

@@ -78,7 +78,11 @@ def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS
         nccl = min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
     else:
         nccl = NCCL_CUMEM_BYTES + nvls_bytes(gpu, world)
-    return {"cuda_context": cal.cuda_context_bytes, "cublas": cal.cublas_workspace_bytes, "nccl": nccl}
+    return {
+        "cuda_context": cal.cuda_context_bytes,
+        "cublas": cal.cublas_workspace_bytes,
+        "nccl": nccl,
+    }
 
 
 def fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
