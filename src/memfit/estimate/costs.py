@@ -28,8 +28,9 @@ NCCL_CUMEM_BYTES = int(1.79 * GIB)
 # by default (NCCL_NVLS_ENABLE, NCCL docs "Environment variables") where the GPUs support
 # multicast (Hopper and newer on NVSwitch, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) and the
 # communicator has more than 2 GPUs of the node (NVIDIA/nccl src/transport/nvls.cc
-# `ncclNvlsInit`: `gpuCount <= 2` returns; vllm-project/vllm issue #9699: "NVLS is only enabled
-# for n > 2 GPUs, in H100 and above"). Every GPU allocates `nvlsTotalSize` of its own memory
+# `ncclNvlsInit`: `gpuCount <= 2` returns; vllm-project/vllm issue #9699 found it enabled only
+# for more than 2 GPUs on H100 and above; NCCL 2.17-2.18 also enabled it for 2, not counted
+# here). Every GPU allocates `nvlsTotalSize` of its own memory
 # (nvls.cc `nvlsAllocateMem`/`nvlsGroupBindMem`: cuMemCreate on `comm->cudaDev`, bound to the
 # multicast group), with nvlsTotalSize = nvlsPerRankSize * nHeads and nHeads = the node's GPUs.
 # NCCL logged nvlsPerRankSize 301989888 (288 MiB: 24 channels x 2 x (4 MiB buffer + 2 MiB)) and
