@@ -474,8 +474,8 @@ def issue16_terms(r: Result) -> dict[str, int]:
     """The bytes each estimator term added for issue #16 brings to the row's compared figure:
     the row's trainer's held logits (the figure minus the same row with memfit's own logits
     handling), the cached fp32 logits block (reserved and device-level figures), NCCL's
-    communicator and its NVLS buffers (device-level figures), and the largest dequantized QLoRA weight when the peak
-    phase holds one (the forward or a layer's backward)."""
+    communicator and its NVLS buffers (device-level figures), and the largest dequantized QLoRA
+    weight when the peak phase holds one (the forward or a layer's backward)."""
     row, e = r.row, r.est
     mine = dataclasses.replace(row.settings, logits_handling="memfit")
     own = predict(dataclasses.replace(row, settings=mine))
