@@ -11,8 +11,11 @@ dominates it. Then the median and worst error, the direction, the rows more than
 without an `explained:` note, the longest sequence memfit says fits for the max-fit rows, and
 the out-of-memory rows. Then (unless --no-terms) the bytes each term added for issue #16 brings
 to every row's figure: another trainer's held logits (Settings.logits_handling, from the row's
-loss_impl), the fp32 logits block the caching allocator keeps (costs.cached_logits_block) and
-NCCL's cuMem communicator (costs.NCCL_CUMEM_BYTES); sources in their docstrings.
+loss_impl), the fp32 logits block the caching allocator keeps (costs.cached_logits_block),
+NCCL's cuMem communicator (costs.NCCL_CUMEM_BYTES) and its NVLS buffers on NVSwitch nodes
+(costs.nvls_bytes); sources in their docstrings. Rows with a rounded figure (published_rounding)
+or an upper bound (bound: upper, every max-fit row) also print their error against that
+interval (`vs range`), which is what decides whether such a row is more than 5% low.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_terms:
         print("\nissue #16's terms in each row's figure (GiB):")
-        names = ("held_logits", "logits_block", "nccl", "qlora_dequant")
+        names = ("held_logits", "logits_block", "nccl", "nvls", "qlora_dequant")
         print(f"  {'id':46} {'error':>7}  " + "  ".join(f"{n:>13}" for n in names))
         for r in results:
             terms = v.issue16_terms(r)

@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from memfit import catalog
 from memfit import validation as v
+from memfit.estimate import Settings
+from memfit.estimate.costs import device_overheads, nvls_bytes
 
 ROWS, OOMS = v.load_table()
 RESULTS = [v.compare(r) for r in ROWS]
@@ -91,12 +94,14 @@ def test_oom_rows_do_not_fit():
 
 def test_error_bounds_today():
     """Where the estimator stands now (recorded 2026-11-23, after issue #16's held logits,
-    cached logits block, NCCL cuMem and QLoRA dequantization terms): a regression fails here."""
+    cached logits block, NCCL cuMem and NVLS, and QLoRA dequantization terms, and the table's
+    corrected units and settings): a regression fails here."""
     s = v.summarize(RESULTS)
     assert s.median_abs <= 0.05, s.line()
     for res in RESULTS:
         if not res.row.explained:
-            assert -0.17 <= res.error <= 0.05, (res.row.id, f"{res.error:+.1%}")
+            assert -0.17 <= res.error <= 0.06, (res.row.id, f"{res.error:+.1%}")
+            assert -0.17 <= res.range_error <= 0.06, (res.row.id, f"{res.range_error:+.1%}")
 
 
 def test_explained_rows_say_why():
@@ -107,31 +112,22 @@ def test_explained_rows_say_why():
 
 # The rows that stay more than 5% low, and why (measured 2026-11-23 with
 # `.venv/bin/python benchmarks/bench_public.py`); none is reconciled by a mechanism with a source:
-# - peft-ds-z3-lora-70b-8xh100 (-13.4%): 8 H100s on NVSwitch; NCCL's NVLink-SHARP buffers
-#   (`nvlsTotalSize`, vllm issue #9699) come on top of the cuMem communicator and are not counted
-#   (no published size to count them with);
+# - peft-ds-z3-lora-70b-8xh100 (-9.9%, was -13.4% before NCCL's NVLS buffers, 2.25 GiB here,
+#   were counted): Llama-2-70B LoRA under ZeRO-3 on 8 H100s; 6.3 GiB unaccounted;
 # - peft-ds-z3-qlora-70b-2gpu (-15.9%), peft-fsdp-qlora-70b-no-offload (-13.5%): 70B QLoRA
-#   sharded over 2 GPUs (bitsandbytes with bf16 quant storage, ZeRO-3 / FSDP); not reconciled:
-#   FSDP gathers whole decoder layers (and prefetches the next) where memfit counts DeepSpeed's
-#   largest module, about 1 GiB here, not the 5 GiB gap;
-# - torchtune-llama2-7b-lora-2x4090 (-12.8%), torchtune-llama2-7b-lora-4090 (-5.4%): reserved
-#   memory of torchtune's LoRA recipes beyond the held fp32 logits; the 2-GPU row assumes
-#   activation checkpointing on where its config says off (see the row's notes);
-# - unsloth-hf-fa2-llama3.3-70b-maxctx-a100 (-8.2%): a max-fit row, 70B QLoRA on one A100; the
-#   published figure is the device (80 GB), an upper bound of the run's peak;
-# - llamafactory-llama2-7b-qlora-fa2-s2048/-s4096 (-5.6%, -8.3%), llamafactory-llama2-7b-lora-hf
-#   (-5.5%): the figures are whole GB (the rows' unit_note); against the lowest value that rounds
-#   to them (6.5, 8.5, 17.5 GiB) the errors are +1.7%, -2.8%, -2.8%.
+#   sharded over 2 GPUs (bitsandbytes with bf16 quant storage, ZeRO-3 / FSDP), 5-6 GiB
+#   unaccounted. Not reconciled: FSDP gathers whole decoder layers (and prefetches the next),
+#   DeepSpeed keeps up to stage3_max_live_parameters (1e9 elements, 1.9 GiB in 16 bits) gathered
+#   where memfit counts the largest module (0.5 GiB) and the prefetch bucket: together at most
+#   ~1.5 GiB of the gap. Neither figure's unit is certain (GB would make them -10% and -7%).
+# Fixed since the first list (same date): the torchtune rows were GB, not GiB (torchtune PR
+# #1348), and the 2-GPU one follows its config (checkpointing off: explained); the LLaMA-Factory
+# rows are whole numbers compared as intervals (published_rounding); the Unsloth max-fit rows
+# are upper bounds (`bound: upper`).
 REMAINING_LOW = (
     "peft-ds-z3-lora-70b-8xh100",
     "peft-ds-z3-qlora-70b-2gpu",
     "peft-fsdp-qlora-70b-no-offload",
-    "torchtune-llama2-7b-lora-4090",
-    "torchtune-llama2-7b-lora-2x4090",
-    "unsloth-hf-fa2-llama3.3-70b-maxctx-a100",
-    "llamafactory-llama2-7b-qlora-fa2-s2048",
-    "llamafactory-llama2-7b-qlora-fa2-s4096",
-    "llamafactory-llama2-7b-lora-hf",
 )
 
 
@@ -147,8 +143,8 @@ def test_the_rows_left_low_are_the_ones_named():
     strict=True,
     reason=(
         "issue #16 targets not met yet: on 2026-11-23 (25 rows) median |error| 4.6% "
-        "(target <= 8%: met), 9 rows more than 5% low without explanation (REMAINING_LOW), worst "
-        "unexplained -15.9% (peft-ds-z3-qlora-70b-2gpu)"
+        "(target <= 8%: met), 3 rows more than 5% low without explanation (REMAINING_LOW: "
+        "-9.9%, -15.9%, -13.5%), worst unexplained -15.9% (peft-ds-z3-qlora-70b-2gpu)"
     ),
 )
 def test_issue_16_targets():
@@ -196,3 +192,74 @@ def test_max_fit_rows_are_not_optimistic_beyond_a_fifth():
         if r.measured == "max-fit" and "llama3.1-8b" in r.id:
             n = v.max_fitting_seq_len(r)
             assert -0.25 <= n / r.cand.seq_len - 1 <= 0.20, (r.id, n, r.cand.seq_len)
+
+
+def _row_of(rid: str) -> v.Row:
+    return next(r for r in ROWS if r.id == rid)
+
+
+def test_rounded_figures_are_compared_as_intervals():
+    """A whole-GB figure (published_rounding: 1) holds any measurement within +-0.5 GB: inside
+    that interval the range error is 0, below it the error is taken against its low end."""
+    row = _row_of("llamafactory-llama2-7b-qlora-fa2-s4096")  # 9 GB
+    lo, hi = row.published_range
+    assert (lo, hi) == (int(8.5 * v.GIB), int(9.5 * v.GIB))
+    res = v.compare(row)
+    assert res.error < -0.05  # against the printed 9: more than 5% low
+    assert res.range_error == pytest.approx(res.predicted_bytes / lo - 1)
+    assert -0.05 < res.range_error < 0 and not res.low
+    inside = dataclasses.replace(res, predicted_bytes=int(9.2 * v.GIB))
+    assert inside.range_error == 0.0
+    above = dataclasses.replace(res, predicted_bytes=10 * v.GIB)
+    assert above.range_error == pytest.approx(10 / 9.5 - 1)
+    far_below = dataclasses.replace(res, predicted_bytes=7 * v.GIB)
+    assert far_below.low  # 7 / 8.5 - 1 = -17.6%
+
+
+def test_upper_bounds_are_never_low_but_can_be_exceeded():
+    """A max-fit row's published figure is the device: the run peaked at or below it. A
+    prediction below it is not called low; one above it is an error (memfit would say the
+    published length does not fit)."""
+    row = _row_of("unsloth-hf-fa2-llama3.3-70b-maxctx-a100")
+    assert row.published_range == (0, row.published_bytes)
+    res = v.compare(row)
+    assert res.error < -0.05 and res.range_error == 0.0 and not res.low
+    over = dataclasses.replace(res, predicted_bytes=int(res.published_bytes * 1.1))
+    assert over.range_error == pytest.approx(0.1, abs=1e-6)
+
+
+def test_interval_keys_are_checked(tmp_path: Path):
+    doc = yaml.safe_load(v.TABLE.read_text())
+    lf = next(d for d in doc["rows"] if d["id"] == "llamafactory-llama2-7b-qlora-fa2-s1024")
+    maxfit = next(d for d in doc["rows"] if d["id"] == "unsloth-hf-fa2-llama3.1-8b-maxctx-24gb")
+    cases = [
+        ({**lf, "published_rounding": -1}, r"published_rounding must be a positive number"),
+        ({**lf, "published_rounding": 20}, r"published_rounding must be a positive number"),
+        ({k: x for k, x in lf.items() if k != "unit_note"}, r"unit_note"),
+        ({**lf, "bound": "lower"}, r"bound must be one of"),
+        ({**lf, "bound": "upper"}, r"exclude each other"),
+        ({k: x for k, x in maxfit.items() if k != "bound"}, r"bound: upper"),
+    ]
+    for i, (row, msg) in enumerate(cases):
+        p = tmp_path / f"t{i}.yaml"
+        p.write_text(yaml.safe_dump({"rows": [row]}))
+        with pytest.raises(v.TableError, match=msg):
+            v.load_table(p)
+
+
+def test_nvls_buffers_only_on_nvswitch_nodes_with_more_than_two_gpus():
+    """NCCL's NVLink-SHARP buffers (costs.nvls_bytes): 288 MiB per GPU of the node on Hopper
+    NVSwitch parts with > 2 GPUs, on top of the cuMem communicator; none on A100 (no
+    multicast), PCIe cards or 2 GPUs. The 8x H100 row's nvidia-smi figure carries 2.25 GiB."""
+    h100, h200 = catalog.gpu("h100-80gb"), catalog.gpu("h200")
+    assert nvls_bytes(h100, 8) == nvls_bytes(h200, 8) == 8 * 288 * 2**20 == int(2.25 * v.GIB)
+    assert nvls_bytes(h100, 4) == 4 * 288 * 2**20
+    assert nvls_bytes(h100, 16) == nvls_bytes(h100, 8)  # per node: 8 GPUs
+    for gpu, world in (("h100-80gb", 2), ("a100-80gb", 8), ("h100-pcie", 8), ("rtx4090", 4)):
+        assert nvls_bytes(catalog.gpu(gpu), world) == 0, (gpu, world)
+    assert device_overheads(h100, 8)["nccl"] == v.NCCL_CUMEM_BYTES + 8 * 288 * 2**20
+    assert device_overheads(h100, 8, Settings(nccl_bytes=v.GIB))["nccl"] == v.GIB
+    res = next(r for r in RESULTS if r.row.id == "peft-ds-z3-lora-70b-8xh100")
+    assert v.issue16_terms(res)["nvls"] == int(2.25 * v.GIB)
+    one_node_2 = v.predict(dataclasses.replace(res.row, num_gpus=2))
+    assert one_node_2.breakdown["overheads"] < res.est.breakdown["overheads"]

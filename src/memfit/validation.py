@@ -13,6 +13,17 @@ figure that matches the measurement:
 
 The error is `predicted / published - 1`: negative means memfit predicts less than was
 measured (optimistic: a user following it can OOM).
+
+Some published figures are not points. A row's `published_rounding: r` says the figure was
+printed rounded to r of its unit (whole GB: r = 1), so the measurement lies in [value - r/2,
+value + r/2]; `bound: upper` says the figure only bounds the measurement from above (a max-fit
+row: the longest run that fit peaked at or below the device's memory, by how much is not
+published). Such a row is compared as an interval: `Result.range_error` is 0 inside it,
+`predicted / low end - 1` below it and `predicted / high end - 1` above it, and a row counts as
+more than 5% low only when its range error is (an upper bound has no low end, so a prediction
+below it is never called low; the max-fit rows' longest fitting sequence, `max_fitting_seq_len`,
+is the check of their optimism). The point error (`Result.error`) stays in the table and in the
+median.
 """
 
 from __future__ import annotations
@@ -26,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from memfit import catalog
+from memfit import calibration, catalog
 
 # the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
 # package); Estimate is only used for annotations
 from memfit.estimate import NCCL_CUMEM_BYTES, EstimateError, Settings, estimate
 from memfit.estimate.activation_memory import fp32_logits_block, qlora_dequant
-from memfit.estimate.costs import cached_logits_block, device_overheads
+from memfit.estimate.costs import cached_logits_block, device_overheads, nvls_bytes
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 
@@ -68,7 +79,8 @@ REQUIRED = (
     "published",
     "notes",
 )
-OPTIONAL = ("unit_note", "explained", "device_memory")
+OPTIONAL = ("unit_note", "explained", "device_memory", "published_rounding", "bound")
+BOUNDS = ("upper",)
 MEASURED = ("allocated", "reserved", "nvidia-smi", "max-fit")
 # The estimator figure each kind of measurement is compared with.
 FIGURE = {
@@ -123,6 +135,8 @@ class Row:
     published_bytes: int
     explained: str = ""
     budget_bytes: int | None = None  # device memory of a max-fit/oom row when not the GPU's own
+    # the interval the measurement lies in (published_rounding, bound: upper); None: the point
+    published_range: tuple[int, int] | None = None
 
     @property
     def figure(self) -> str:
@@ -139,9 +153,25 @@ class Result:
     dominant: str  # largest component of the estimate's breakdown at its peak
 
     @property
+    def range_error(self) -> float:
+        """The error against the interval the measurement lies in (a row's published_rounding
+        or `bound: upper`): 0 inside it, `predicted / low end - 1` below it, `predicted / high
+        end - 1` above it; the point error for a row with neither."""
+        rng = self.row.published_range
+        if rng is None:
+            return self.error
+        lo, hi = rng
+        if self.predicted_bytes > hi:
+            return self.predicted_bytes / hi - 1
+        if lo > 0 and self.predicted_bytes < lo:
+            return self.predicted_bytes / lo - 1
+        return 0.0
+
+    @property
     def low(self) -> bool:
-        """More than 5% below the measurement (the estimate would let a user OOM)."""
-        return self.error < TARGET_LOW
+        """More than 5% below the measurement, or below its interval's low end (the estimate
+        would let a user OOM)."""
+        return self.range_error < TARGET_LOW
 
 
 def _model(name: str):
@@ -208,6 +238,41 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
                     f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)"
                 )
         published = int(float(pub["value"]) * UNITS[pub["unit"]])
+    published_range = None
+    if d.get("published_rounding") is not None:  # null: a merged row drops its anchor's
+        r = d["published_rounding"]
+        if (
+            pub["unit"] not in UNITS
+            or isinstance(r, bool)
+            or not isinstance(r, (int, float))
+            or not 0 < r <= float(pub["value"])
+        ):
+            raise TableError(
+                f"{where}: row {rid!r}: published_rounding must be a positive number in the "
+                f"published unit (GB, GiB or MiB), at most the value; got {r!r} {pub['unit']}"
+            )
+        if "unit_note" not in d:
+            raise TableError(
+                f"{where}: row {rid!r}: say how the figure was rounded (unit_note) with "
+                "published_rounding"
+            )
+        half = float(r) / 2 * UNITS[pub["unit"]]
+        published_range = (int(published - half), int(published + half))
+    if "bound" in d:
+        if d["bound"] not in BOUNDS:
+            raise TableError(
+                f"{where}: row {rid!r}: bound must be one of {BOUNDS}, got {d['bound']!r}"
+            )
+        if published_range is not None:
+            raise TableError(
+                f"{where}: row {rid!r}: bound and published_rounding exclude each other"
+            )
+        published_range = (0, published)
+    if d["measured"] == "max-fit" and d.get("bound") != "upper":
+        raise TableError(
+            f"{where}: row {rid!r}: a max-fit figure (the device's memory) only bounds the run's "
+            "peak from above: say `bound: upper`"
+        )
     oo, op = OFFLOAD[d["offload"]]
     finetune = d["finetune"]
     if finetune == "full":
@@ -267,6 +332,7 @@ def _row(d: Mapping[str, Any], where: str) -> Row:
         published_bytes=published,
         explained=str(d.get("explained", "") or ""),
         budget_bytes=budget,
+        published_range=published_range,
     )
     # the row must map to a valid estimator call (targets that exist, hardware that can run it)
     try:
@@ -335,6 +401,7 @@ class Summary:
     low_unexplained: tuple[str, ...]  # ids more than 5% low without an `explained:` note
     n_low: int
     n_high: int
+    n_range: int = 0  # rows compared as an interval (published_rounding) or a bound
 
     @property
     def meets_targets(self) -> bool:
@@ -345,6 +412,7 @@ class Summary:
         return (
             f"{self.n} rows: median |error| {self.median_abs:.1%}, worst {w.error:+.1%} ({w.row.id}); "
             f"{self.n_low} predicted low, {self.n_high} high; "
+            f"{self.n_range} compared as an interval or bound; "
             f"> 5% low without explanation: {len(self.low_unexplained)}"
         )
 
@@ -361,6 +429,7 @@ def summarize(results: Iterable[Result]) -> Summary:
         low_unexplained=tuple(r.row.id for r in res if r.low and not r.row.explained),
         n_low=sum(r.error < 0 for r in res),
         n_high=sum(r.error >= 0 for r in res),
+        n_range=sum(r.row.published_range is not None for r in res),
     )
 
 
@@ -383,13 +452,20 @@ def max_fitting_seq_len(row: Row, lo: int = 128, hi: int = 1 << 20) -> int:
 
 def table_lines(results: Iterable[Result]) -> list[str]:
     """The comparison as fixed-width text lines."""
-    head = f"{'id':46} {'measured':10} {'published':>11} {'memfit':>11} {'error':>7}  {'peak phase':20} dominant"
+    head = (
+        f"{'id':46} {'measured':10} {'published':>12} {'memfit':>11} {'error':>7} "
+        f"{'vs range':>8}  {'peak phase':20} dominant"
+    )
     out = [head, "-" * len(head)]
     for r in results:
+        rng = r.row.published_range
+        # "~": rounded figure (an interval), "<": an upper bound
+        mark = " " if rng is None else ("<" if rng[0] == 0 else "~")
+        vs = f"{r.range_error:+8.1%}" if rng is not None else " " * 8
         out.append(
-            f"{r.row.id:46} {r.row.measured:10} {r.published_bytes / GIB:8.2f} GiB "
-            f"{r.predicted_bytes / GIB:8.2f} GiB {r.error:+7.1%}  {r.est.peak_phase:20} {r.dominant}"
-            + ("  [explained]" if r.row.explained else "")
+            f"{r.row.id:46} {r.row.measured:10} {mark}{r.published_bytes / GIB:7.2f} GiB "
+            f"{r.predicted_bytes / GIB:7.2f} GiB {r.error:+7.1%} {vs}  {r.est.peak_phase:20} "
+            f"{r.dominant}" + ("  [explained]" if r.row.explained else "")
         )
     return out
 
@@ -398,8 +474,8 @@ def issue16_terms(r: Result) -> dict[str, int]:
     """The bytes each estimator term added for issue #16 brings to the row's compared figure:
     the row's trainer's held logits (the figure minus the same row with memfit's own logits
     handling), the cached fp32 logits block (reserved and device-level figures), NCCL's
-    communicator (device-level figures), and the largest dequantized QLoRA weight when the peak
-    phase holds one (the forward or a layer's backward)."""
+    communicator and its NVLS buffers (device-level figures), and the largest dequantized QLoRA
+    weight when the peak phase holds one (the forward or a layer's backward)."""
     row, e = r.row, r.est
     mine = dataclasses.replace(row.settings, logits_handling="memfit")
     own = predict(dataclasses.replace(row, settings=mine))
@@ -412,9 +488,20 @@ def issue16_terms(r: Result) -> dict[str, int]:
         block = cached_logits_block(
             fp32_logits_block(arch, row.cand, "sft", row.settings), row.settings, gpu.name == "cpu"
         )
+    nvls = 0
     if row.measured in ("nvidia-smi", "max-fit"):
         nccl = device_overheads(gpu, row.num_gpus, row.settings)["nccl"]
+        measured_nccl = calibration.for_gpu(gpu.name, gpu.compute_capability).measured
+        if row.settings.nccl_bytes is None and row.num_gpus > 1 and not measured_nccl:
+            nvls = nvls_bytes(gpu, row.num_gpus)
+            nccl -= nvls
     mlp, attn = qlora_dequant(arch, row.cand)
     in_layer = ("forward", "top_layer_backward", "bottom_layer_backward")
     dequant = max(mlp, attn) if e.peak_phase in in_layer else 0
-    return {"held_logits": held, "logits_block": block, "nccl": nccl, "qlora_dequant": dequant}
+    return {
+        "held_logits": held,
+        "logits_block": block,
+        "nccl": nccl,
+        "nvls": nvls,
+        "qlora_dequant": dequant,
+    }

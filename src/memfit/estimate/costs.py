@@ -18,11 +18,45 @@ from memfit.units import GIB
 # vllm-project/vllm PR #5091); vLLM's memory profiler measured 1.79 GiB of non-torch memory for
 # one H100 process and 3.58 GiB for each of two tensor-parallel processes (vllm-project/vllm
 # PR #10511, Meta-Llama-3-8B, -tp 1 vs -tp 2): the communicator adds 1.79 GiB per process. An
-# outside measurement, not fitted to memfit's validation table. On H100 NVSwitch systems with
-# more than 2 GPUs NCCL also maps NVLink-SHARP buffers (NCCL log `nvlsTotalSize`, vllm issue
-# #9699), not counted. `Settings.nccl_bytes` replaces it (e.g. NCCL_CUMEM_ENABLE=0 and a smaller
-# NCCL_BUFFSIZE); a measured calibration file (config/calibration/) keeps its own NCCL values.
+# outside measurement, not fitted to memfit's validation table. On NVSwitch systems NCCL also
+# maps NVLink-SHARP buffers (`NCCL_NVLS_BYTES_PER_GPU` below). `Settings.nccl_bytes` replaces
+# both (e.g. NCCL_CUMEM_ENABLE=0, NCCL_NVLS_ENABLE=0 and a smaller NCCL_BUFFSIZE); a measured
+# calibration file (config/calibration/) keeps its own NCCL values.
 NCCL_CUMEM_BYTES = int(1.79 * GIB)
+
+# NCCL's NVLink SHARP (NVLS) buffers, per GPU process and per GPU of the node. NCCL enables NVLS
+# by default (NCCL_NVLS_ENABLE, NCCL docs "Environment variables") where the GPUs support
+# multicast (Hopper and newer on NVSwitch, CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED) and the
+# communicator has more than 2 GPUs of the node (NVIDIA/nccl src/transport/nvls.cc
+# `ncclNvlsInit`: `gpuCount <= 2` returns; vllm-project/vllm issue #9699 found it enabled only
+# for more than 2 GPUs on H100 and above; NCCL 2.17-2.18 also enabled it for 2, not counted
+# here). Every GPU allocates `nvlsTotalSize` of its own memory
+# (nvls.cc `nvlsAllocateMem`/`nvlsGroupBindMem`: cuMemCreate on `comm->cudaDev`, bound to the
+# multicast group), with nvlsTotalSize = nvlsPerRankSize * nHeads and nHeads = the node's GPUs.
+# NCCL logged nvlsPerRankSize 301989888 (288 MiB: 24 channels x 2 x (4 MiB buffer + 2 MiB)) and
+# nvlsTotalSize 2415919104 (2.25 GiB) on 8 H200s (vllm issue #9699; disabling NVLS there gave
+# the KV cache more GPU blocks). Older NCCL (2.18: 16 channels) allocated 192 MiB per GPU of the
+# node and newer NCCL (1 MiB buffers) less: the logged 288 MiB errs high, as an uncertain term
+# should (issue #16). Memory nvidia-smi shows, outside torch's counters.
+NCCL_NVLS_BYTES_PER_GPU = 288 * 2**20
+
+
+def nvls_bytes(gpu: GPU, world: int) -> int:
+    """NCCL's NVLS buffers of one GPU process (`NCCL_NVLS_BYTES_PER_GPU` x the node's GPUs):
+    only on multicast-capable GPUs (compute capability >= 9.0) joined by NVLink (the catalog's
+    NVSwitch parts: `interconnect_kind` "nvlink") and with more than 2 GPUs in the node. The
+    node's GPUs are min(world, the GPU's `typical_gpus_per_node`): a multi-node job is taken
+    to fill its nodes, which errs high when it does not."""
+    if gpu.name == "cpu" or gpu.interconnect_kind != "nvlink":
+        return 0
+    try:
+        major = int(str(gpu.compute_capability).split(".")[0])
+    except ValueError:
+        return 0
+    local = min(world, max(gpu.typical_gpus_per_node, 1))
+    if major < 9 or local <= 2:
+        return 0
+    return NCCL_NVLS_BYTES_PER_GPU * local
 
 
 def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS) -> dict[str, int]:
@@ -32,8 +66,9 @@ def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS
       torch.cuda.mem_get_info deltas reported in PyTorch issue 20532);
     - cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8 per handle, 32 MiB
       on Hopper (PyTorch `getChosenWorkspaceSize`); the allocator reserves it, counted here once;
-    - NCCL (world > 1): `NCCL_CUMEM_BYTES` per process (or `Settings.nccl_bytes`; a measured
-      calibration's per-peer figure). The `cpu` device runs gloo: no NCCL, no CUDA context.
+    - NCCL (world > 1): `NCCL_CUMEM_BYTES` per process plus the NVLS buffers on NVSwitch
+      systems (`nvls_bytes`), or `Settings.nccl_bytes`, or a measured calibration's per-peer
+      figure. The `cpu` device runs gloo: no NCCL, no CUDA context.
     """
     cal = calibration.for_gpu(gpu.name, gpu.compute_capability)  # defaults: the values above
     if world == 1 or gpu.name == "cpu":
@@ -43,8 +78,12 @@ def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS
     elif cal.measured:
         nccl = min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
     else:
-        nccl = NCCL_CUMEM_BYTES
-    return {"cuda_context": cal.cuda_context_bytes, "cublas": cal.cublas_workspace_bytes, "nccl": nccl}
+        nccl = NCCL_CUMEM_BYTES + nvls_bytes(gpu, world)
+    return {
+        "cuda_context": cal.cuda_context_bytes,
+        "cublas": cal.cublas_workspace_bytes,
+        "nccl": nccl,
+    }
 
 
 def fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
