@@ -67,6 +67,33 @@ def run_probe(
         shutil.rmtree(work, ignore_errors=True)
 
 
+class ProbeFailed(RuntimeError):
+    """A probe ended for a reason other than running out of memory or time: a bug, a broken
+    model or data directory, a missing package. Not a measurement: the workflow stops on it."""
+
+
+def error_excerpt(log: Path | None, n: int = 25) -> str:
+    """The first error in a probe's log: its first Python traceback (the first rank's, up to its
+    exception line), else the first line that names an error, with what follows; at most `n` lines.
+    The ranks' tracebacks come before torchrun's summary of them, so the first is the cause."""
+    if log is None or not Path(log).exists():
+        return ""
+    lines = Path(log).read_text(errors="replace").splitlines()
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is None:
+        start = next((i for i, line in enumerate(lines) if "error" in line.lower()), max(0, len(lines) - n))
+        return "\n".join(lines[start : start + n])
+    # a traceback ends at its first unindented line after the header (the exception)
+    prefix = lines[start][: lines[start].index("Traceback")]  # torchrun's "[rank0]: " prefix, if any
+    end = start + 1
+    while end < len(lines) and lines[end][len(prefix) :].startswith((" ", "\t")):
+        end += 1
+    block = lines[start : end + 1]
+    if len(block) > n:  # keep the head (where it entered) and the tail (where it failed)
+        block = block[:3] + ["  ..."] + block[-(n - 4) :]
+    return "\n".join(block)
+
+
 def _tail(log: Path | None, n: int = 40) -> str:
     if log is None or not Path(log).exists():
         return ""
