@@ -59,7 +59,10 @@ def test_a_complete_model_directory_passes(demo_model, sharded_model):
 def test_a_missing_shard_names_the_shard(sharded_model, tmp_path):
     shard = sorted(sharded_model.glob("model-*-of-*.safetensors"))[1].name
     d = broken(sharded_model, tmp_path, lambda d: (d / shard).unlink())
-    with pytest.raises(ModelCheckError, match=rf"^{d / shard}: missing \(model.safetensors.index.json maps \d+ tensors"):
+    with pytest.raises(
+        ModelCheckError,
+        match=rf"^{d / shard}: missing \(model.safetensors.index.json maps \d+ tensors",
+    ):
         check_model_dir(d)
 
 
@@ -70,13 +73,17 @@ def test_a_shard_that_does_not_match_its_index(sharded_model, tmp_path):
         shutil.copy(d / b.name, d / a.name)
 
     d = broken(sharded_model, tmp_path, swap)
-    with pytest.raises(ModelCheckError, match=rf"^{d / a.name}: has no tensor '.+' .* does not match the index"):
+    with pytest.raises(
+        ModelCheckError, match=rf"^{d / a.name}: has no tensor '.+' .* does not match the index"
+    ):
         check_model_dir(d)
 
 
 def test_no_weights_at_all(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: (d / "model.safetensors").unlink())
-    with pytest.raises(ModelCheckError, match=rf"^{d / 'model.safetensors'}: missing: no weights in {d}"):
+    with pytest.raises(
+        ModelCheckError, match=rf"^{d / 'model.safetensors'}: missing: no weights in {d}"
+    ):
         check_model_dir(d)
 
 
@@ -87,31 +94,45 @@ def test_a_truncated_safetensors_file(demo_model, tmp_path, keep):
         os.truncate(p, keep if keep < 100 else p.stat().st_size - keep)
 
     d = broken(demo_model, tmp_path, cut)
-    with pytest.raises(ModelCheckError, match=rf"^{d / 'model.safetensors'}: unreadable safetensors file .*truncated"):
+    with pytest.raises(
+        ModelCheckError,
+        match=rf"^{d / 'model.safetensors'}: unreadable safetensors file .*truncated",
+    ):
         check_model_dir(d)
 
 
 def test_a_missing_tokenizer(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: (d / "tokenizer.json").unlink())
-    with pytest.raises(ModelCheckError, match=rf"^{d / 'tokenizer.json'}: missing: no tokenizer files in {d}"):
+    with pytest.raises(
+        ModelCheckError, match=rf"^{d / 'tokenizer.json'}: missing: no tokenizer files in {d}"
+    ):
         check_model_dir(d)
 
 
 def test_a_corrupt_tokenizer(demo_model, tmp_path):
-    d = broken(demo_model, tmp_path, lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": '))
+    d = broken(
+        demo_model,
+        tmp_path,
+        lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": '),
+    )
     with pytest.raises(ModelCheckError, match=rf"^{d / 'tokenizer.json'}: not readable JSON"):
         check_model_dir(d)
 
 
 def test_an_unsupported_architecture(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: edit_config(d, model_type="gpt_neox"))
-    with pytest.raises(ModelCheckError, match=rf"^{d / 'config.json'}: model_type 'gpt_neox' is not supported"):
+    with pytest.raises(
+        ModelCheckError, match=rf"^{d / 'config.json'}: model_type 'gpt_neox' is not supported"
+    ):
         check_model_dir(d)
 
 
 def test_unmodelled_experts_are_refused_as_such(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: edit_config(d, num_local_experts=8))
-    with pytest.raises(ModelCheckError, match=rf"^{d / 'config.json'}: 'num_local_experts' = 8 \(mixture-of-experts\) is not modelled"):
+    with pytest.raises(
+        ModelCheckError,
+        match=rf"^{d / 'config.json'}: 'num_local_experts' = 8 \(mixture-of-experts\) is not modelled",
+    ):
         check_model_dir(d)
 
 
@@ -128,13 +149,19 @@ def test_config_json_missing_or_not_json(demo_model, tmp_path):
 def demo_config(repo: Path, model_dir: Path, **overrides) -> WorkflowConfig:
     raw = yaml.safe_load((repo / "config/config.yaml").read_text())
     raw["models"] = {"demo-tiny": {"path": str(model_dir)}}
-    raw["data"] = {**raw["data"], "sft": str(repo / "data/demo/sft.jsonl"), "dpo": str(repo / "data/demo/dpo.jsonl")}
+    raw["data"] = {
+        **raw["data"],
+        "sft": str(repo / "data/demo/sft.jsonl"),
+        "dpo": str(repo / "data/demo/dpo.jsonl"),
+    }
     raw["estimate"] = {"activations": "analytic"}
     raw.update(overrides)
     return WorkflowConfig.load(raw)
 
 
-def test_the_stages_before_the_probes_refuse_a_broken_model(repo, demo_model, tmp_path, monkeypatch):
+def test_the_stages_before_the_probes_refuse_a_broken_model(
+    repo, demo_model, tmp_path, monkeypatch
+):
     """prepare_data and estimate_candidates stop on a truncated weight file (which the config's
     own validation, a presence check, lets through); neither leaves an output."""
 
@@ -153,7 +180,9 @@ def test_the_stages_before_the_probes_refuse_a_broken_model(repo, demo_model, tm
         pipeline.estimate_candidates(cfg, "demo-tiny", "cpu", "sft", out)
     assert not out.parent.exists() or not any(out.parent.iterdir())
     # a plan-only run never loads the weights: it plans from config.json alone
-    table = pipeline.estimate_candidates(demo_config(repo, d, plan_only=True), "demo-tiny", "cpu", "sft", out)
+    table = pipeline.estimate_candidates(
+        demo_config(repo, d, plan_only=True), "demo-tiny", "cpu", "sft", out
+    )
     assert table["probe"] == [] and out.exists()
 
 
@@ -170,12 +199,27 @@ def test_snakemake_stops_at_prepare_data_naming_the_file(repo, demo_model, tmp_p
     (tmp_path / "broken.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "PYTHONPATH": str(repo / "src")}
     res = subprocess.run(
-        [sys.executable, "-m", "snakemake", "results/demo-tiny/cpu/sft/selected.json", "--nolock", "--cores", "1",
-         "--configfile", str(tmp_path / "broken.yaml")],
-        cwd=root, capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "results/demo-tiny/cpu/sft/selected.json",
+            "--nolock",
+            "--cores",
+            "1",
+            "--configfile",
+            str(tmp_path / "broken.yaml"),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     console = res.stdout + res.stderr
     assert res.returncode != 0, console
     assert f"memfit: ModelCheckError: {d / 'tokenizer.json'}: missing" in console, console
     assert "Error in rule prepare_data" in console
-    assert not (root / "results").exists() or not list((root / "results").rglob("*.json")), list((root / "results").rglob("*"))
+    assert not (root / "results").exists() or not list((root / "results").rglob("*.json")), list(
+        (root / "results").rglob("*")
+    )

@@ -52,7 +52,9 @@ class ModelCheck:
     tokenizer_files: list[Path] = field(default_factory=list)
 
 
-def check_model_dir(path: str | Path, *, weights: bool = True, tokenizer: bool = True) -> ModelCheck:
+def check_model_dir(
+    path: str | Path, *, weights: bool = True, tokenizer: bool = True
+) -> ModelCheck:
     """Check that the model directory `path` loads (see the module doc); ModelCheckError if not.
 
     `weights=False, tokenizer=False` checks config.json and the architecture only (plan-only runs,
@@ -71,7 +73,9 @@ def check_model_dir(path: str | Path, *, weights: bool = True, tokenizer: bool =
             raise ModelCheckError(str(e)) from None
         adapter = _first_existing(d, ("adapter_model.safetensors", "adapter_model.bin"))
         if weights and adapter is None:
-            raise ModelCheckError(f"{d / 'adapter_model.safetensors'}: missing (no adapter weights beside {ADAPTER_CONFIG})")
+            raise ModelCheckError(
+                f"{d / 'adapter_model.safetensors'}: missing (no adapter weights beside {ADAPTER_CONFIG})"
+            )
         own_tok = tokenizer and _tokenizer_files(d)
         found = check_model_dir(base, weights=weights, tokenizer=tokenizer and not own_tok)
         adapter_files = [_check_weight_file(adapter)] if weights and adapter else []
@@ -132,7 +136,9 @@ def _check_index(index: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise TypeError("weight_map is empty or not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelCheckError(f"{index}: not a usable shard index ({type(e).__name__}: {e})") from None
+        raise ModelCheckError(
+            f"{index}: not a usable shard index ({type(e).__name__}: {e})"
+        ) from None
     by_shard: dict[str, list[str]] = {}
     for tensor, shard in weight_map.items():
         by_shard.setdefault(str(shard), []).append(tensor)
@@ -175,7 +181,9 @@ def _tensor_names(p: Path) -> set[str]:
     try:
         with zipfile.ZipFile(p) as z:
             if not any(n.endswith("data.pkl") for n in z.namelist()):
-                raise ModelCheckError(f"{p}: a zip archive without data.pkl, not a torch checkpoint")
+                raise ModelCheckError(
+                    f"{p}: a zip archive without data.pkl, not a torch checkpoint"
+                )
     except zipfile.BadZipFile:
         return _legacy_torch_names(p)
     except OSError as e:
@@ -189,7 +197,9 @@ def _legacy_torch_names(p: Path) -> set[str]:
     try:  # torch < 1.6 files (no zip): loading them is the only check there is
         state = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ModelCheckError(f"{p}: unreadable torch checkpoint ({type(e).__name__}: {e}); truncated or corrupt?") from None
+        raise ModelCheckError(
+            f"{p}: unreadable torch checkpoint ({type(e).__name__}: {e}); truncated or corrupt?"
+        ) from None
     return set(state) if isinstance(state, dict) else set()
 
 
@@ -223,5 +233,7 @@ def _check_tokenizer(d: Path) -> list[Path]:
     except Exception as e:  # transformers raises OSError, ValueError, tokenizers' Exception ...
         names = ", ".join(p.name for p in files)
         first = str(e).splitlines()[0] if str(e) else ""
-        raise ModelCheckError(f"{files[0]}: the tokenizer in {d} ({names}) does not load: {type(e).__name__}: {first}") from None
+        raise ModelCheckError(
+            f"{files[0]}: the tokenizer in {d} ({names}) does not load: {type(e).__name__}: {first}"
+        ) from None
     return files
