@@ -148,3 +148,27 @@ def test_a_probe_that_fails_stops_the_workflow_with_its_error(repo, demo_model, 
     assert "Traceback (most recent call last)" in msg and "train.parquet" in msg, msg
     assert len(msg.splitlines()) <= 30
     assert not out.exists() and list(out.parent.iterdir()) == []
+
+
+def test_the_error_shown_is_this_runs_first_traceback(tmp_path):
+    """Probe logs are appended to, and both ranks write at once: the excerpt is the first rank's
+    traceback of the latest launch, not an older run's and not two ranks' lines interleaved."""
+    from memfit.probe import error_excerpt
+
+    log = tmp_path / "probe.log"
+    log.write_text(
+        "Traceback (most recent call last):\n  File \"old.py\"\nOldError: a previous run\n"
+        "$ torchrun --nproc-per-node 2 -m memfit.train --config run.json\n"
+        "UserWarning: not an error\n"
+        "[rank1]: Traceback (most recent call last):\n[rank0]: Traceback (most recent call last):\n"
+        "[rank1]:   File \"train.py\", line 10, in setup\n[rank0]:   File \"train.py\", line 10, in setup\n"
+        "[rank1]:     rows = read(data)\n[rank0]:     rows = read(data)\n"
+        "[rank1]: FileNotFoundError: data/train.parquet\n[rank0]: FileNotFoundError: data/train.parquet\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: memfit.train FAILED\n"
+    )
+    assert error_excerpt(log).splitlines() == [
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]:   File \"train.py\", line 10, in setup",
+        "[rank1]:     rows = read(data)",
+        "[rank1]: FileNotFoundError: data/train.parquet",
+    ]
