@@ -206,7 +206,7 @@ def probe_failure_message(cand_id: str, result: dict[str, Any], log: Path | str 
         f"probe of {cand_id} failed ({result.get('error', 'error')}), not for lack of memory or time; "
         + (f"the first error in {log}:" if log else "the end of its log:")
         + f"\n{indented}\n"
-        "Fix the cause and re-run: the other candidates would fail the same way."
+        "Fix the cause and re-run (other candidates would likely fail alike; a re-run probes this one again)."
     )
 
 
