@@ -1,12 +1,11 @@
-"""Snakemake script: prepare_data -> memfit.data.prepare."""
+"""Snakemake script: prepare_data -> memfit.pipeline.prepare_data (model check, then tokenize)."""
 
 from pathlib import Path
 
-from memfit.data import prepare
-from memfit.pipeline import log_to
+from memfit.pipeline import log_to, prepare_data
 
 log_to(snakemake.log[0])
-prepare(
+prepare_data(
     snakemake.wildcards.method,
     snakemake.input.source,
     snakemake.params.tokenizer,

@@ -274,3 +274,18 @@ def test_selection_rows_are_checked_once_naming_file_and_key(tmp_path):
     _write(paths["selected"].parent / "candidates.json", {"world_size": 2, "rows": []})
     text = _text(_render(tmp_path, paths))
     assert "predicted breakdown not shown" in text and "budget: missing" in text
+
+
+def test_an_oom_probe_shows_its_phase_and_bytes(tmp_path):
+    """A probe that ran out of memory (the cpu capacity, or CUDA) shows where: phase, op, live bytes
+    against the capacity, as memfit.probe records them."""
+    paths = _dpo_run(tmp_path)
+    sel = json.loads(paths["selected"].read_text())
+    oom = {"phase": "forward", "op": "aten.mm.default", "live_bytes": 97 * MiB, "capacity_bytes": 96 * MiB}
+    for row in sel["candidates"]:
+        if row["id"] == OOM:
+            row["probe"]["oom"] = oom
+    paths["selected"].write_text(json.dumps(sel))
+    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", _render(tmp_path, paths), re.S) if OOM in r)
+    assert "OOM in forward" in _text(row) and "(aten.mm.default)" in row
+    assert "97.0 MiB live &gt; 96.0 MiB capacity" in row

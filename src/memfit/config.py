@@ -50,6 +50,9 @@ class ProbeSettings:
     top_k: int
     steps: int
     timeout_s: float
+    # One probe more for the fastest candidate predicted over the budget by at most this fraction
+    # (a "boundary probe": measures the estimator where it decides); 0: none. See README.
+    boundary_margin: float = 0.20
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,12 @@ class WorkflowConfig:
     @property
     def probe(self) -> ProbeSettings:
         p = self.raw["probe"]
-        return ProbeSettings(top_k=int(p["top_k"]), steps=int(p["steps"]), timeout_s=float(p.get("timeout_s", 900)))
+        return ProbeSettings(
+            top_k=int(p["top_k"]),
+            steps=int(p["steps"]),
+            timeout_s=float(p.get("timeout_s", 900)),
+            boundary_margin=float(p.get("boundary_margin", 0.20)),
+        )
 
     @property
     def estimate(self) -> dict[str, Any]:

@@ -23,6 +23,30 @@ from memfit.train import RunConfig
 
 
 # --------------------------------------------------------------------------- stages
+def prepare_data(method: str, source: str, model_path: str, out_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    """Check that the model directory loads (config, weights, tokenizer: `memfit.model_check`),
+    then tokenize `source` with its tokenizer (`memfit.data.prepare`, `kwargs` passed on)."""
+    from memfit.data import prepare
+    from memfit.model_check import check_model_dir
+
+    check_model_dir(model_path)
+    return prepare(method, source, model_path, out_dir, **kwargs)
+
+
+def check_model(cfg: WorkflowConfig, model: str) -> None:
+    """Before any probe: the model directory loads (`memfit.model_check`). A plan-only run
+    never loads weights: it checks only the config.json of a directory that exists."""
+    from memfit.model_check import check_model_dir
+
+    path = cfg.model_path(model)
+    if not cfg.plan_only:
+        if not path:
+            raise ValueError(f"models.{model}.path: not set; probes and training need the model directory")
+        check_model_dir(path)
+    elif path and (Path(path) / "config.json").exists():
+        check_model_dir(path, weights=False, tokenizer=False)
+
+
 def estimate_candidates(
     config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path
 ) -> dict[str, Any]:
@@ -30,6 +54,7 @@ def estimate_candidates(
     from memfit.estimate import Settings, estimate_space
 
     cfg = WorkflowConfig.of(config)
+    check_model(cfg, model)
     arch = catalog.model(cfg.arch_source(model), allow_moe=True)
     b = cfg.budget(gpu)
     est = cfg.estimate
@@ -53,6 +78,8 @@ def estimate_candidates(
     compare = reference_twin(rows, probe) if method == "dpo" else None
     if compare and compare["model"] not in probe:
         probe.append(compare["model"])  # one probe more: the same candidate holding a reference model
+    boundary = [] if cfg.plan_only else boundary_probe(rows, probe, b, cfg.probe.boundary_margin)
+    probe += [i for i in boundary if i not in probe]
     result = {
         "model": model,
         "gpu": gpu,
@@ -62,6 +89,7 @@ def estimate_candidates(
         "arch": dataclasses.asdict(arch),
         "estimator": f"memfit.estimate (activations {settings.activations})",
         "probe": probe,
+        "boundary_probe": boundary,
         "reference_compare": compare,
         "rows": rows,
     }
@@ -78,6 +106,32 @@ def probe_choice(ranked: list[dict[str, Any]], top_k: int) -> list[str]:
         if smallest not in chosen:
             chosen[-1] = smallest
     return chosen
+
+
+def boundary_probe(rows: list[dict[str, Any]], probe: list[str], budget: Budget, margin: float) -> list[str]:
+    """The fastest candidate predicted *not* to fit, by at most `margin` over the device budget
+    (device memory less headroom) and within the host's, if it is predicted faster than every probe.
+
+    The estimator decides exactly there: if it is pessimistic, this candidate fits and wins
+    (measured beats predicted); if it is right, the probe runs out of memory for real and the
+    OOM (phase, live bytes) is recorded as data. A candidate that would not win even if it fit
+    is not worth a probe, so there is one such probe at most. [] when there is none.
+    """
+    if margin <= 0:
+        return []
+    by_id, limit = {r["id"]: r for r in rows}, budget.device_limit_bytes
+    fastest = max((by_id[i]["tokens_per_s"] or 0.0 for i in probe), default=0.0)
+    near = [
+        r
+        for r in rows
+        if not r["invalid"]
+        and not r["fits"]
+        and r["id"] not in probe
+        and limit < r["device_total_bytes"] <= limit * (1 + margin)
+        and r.get("host_bytes", 0) <= budget.host_bytes
+        and (r["tokens_per_s"] or 0.0) > fastest
+    ]
+    return [max(near, key=lambda r: r["tokens_per_s"])["id"]] if near else []
 
 
 def reference_twin(rows: list[dict[str, Any]], probe: list[str]) -> dict[str, str] | None:
@@ -113,7 +167,7 @@ def probe_candidate(
     log: Path,
 ) -> dict[str, Any]:
     """A few real training steps of one candidate of `candidates_json` (OOM is a result)."""
-    from memfit.probe import run_probe
+    from memfit.probe import ProbeFailed, run_probe
 
     cfg = WorkflowConfig.of(config)
     table = json.loads(Path(candidates_json).read_text())
@@ -124,7 +178,7 @@ def probe_candidate(
     # Without CUDA the rank's live tensor bytes are held to the budget's device memory
     # (`cpu_memory_mib` on `cpu`): the probe then OOMs as it would on a GPU of that size.
     run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
-    return run_probe(
+    result = run_probe(
         run,
         nproc=cfg.num_gpus,
         nnodes=cfg.num_nodes,
@@ -133,6 +187,26 @@ def probe_candidate(
         steps=cfg.probe.steps,
         timeout_s=cfg.probe.timeout_s,
         prediction=row,
+    )
+    if result["status"] == "error":
+        # Not a measurement (OOM and timeout are): a bug, a broken model or data directory. Every
+        # other probe would fail alike and selection would end in "no candidate fits", so stop
+        # here, leaving no probe JSON (a re-run probes again), with the cause on the console.
+        Path(out_json).unlink(missing_ok=True)
+        raise ProbeFailed(probe_failure_message(cand_id, result, log))
+    return result
+
+
+def probe_failure_message(cand_id: str, result: dict[str, Any], log: Path | str | None) -> str:
+    from memfit.probe import error_excerpt
+
+    excerpt = error_excerpt(Path(log) if log else None) or result.get("log_tail", "")
+    indented = "\n".join("    " + line for line in excerpt.splitlines())
+    return (
+        f"probe of {cand_id} failed ({result.get('error', 'error')}), not for lack of memory or time; "
+        + (f"the first error in {log}:" if log else "the end of its log:")
+        + f"\n{indented}\n"
+        "Fix the cause and re-run (other candidates would likely fail alike; a re-run probes this one again)."
     )
 
 
@@ -162,6 +236,10 @@ def select_config(
     probes = {}
     for p in probe_jsons:
         d = json.loads(Path(p).read_text())
+        if d.get("status") == "error":  # written by a memfit before probes that fail stopped the workflow
+            from memfit.probe import ProbeFailed
+
+            raise ProbeFailed(f"{p}: " + probe_failure_message(d["id"], d, d.get("log")))
         probes[d["id"]] = d
     b = Budget(**table["budget"])
     best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method))
@@ -238,3 +316,16 @@ def log_to(path: str | Path) -> None:
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     sys.stderr = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the script
+    console = sys.__stderr__
+
+    def on_error(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        # The traceback goes to the log; the error itself also to the console Snakemake prints
+        # on, so a failed job says why there (not only "check log file(s) for error details").
+        import traceback
+
+        traceback.print_exception(kind, exc, tb, file=sys.stderr)
+        if console is not None:
+            console.write(f"memfit: {kind.__name__}: {exc}\n(traceback in {path})\n")
+            console.flush()
+
+    sys.excepthook = on_error

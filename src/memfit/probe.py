@@ -67,6 +67,40 @@ def run_probe(
         shutil.rmtree(work, ignore_errors=True)
 
 
+class ProbeFailed(RuntimeError):
+    """A probe ended for a reason other than running out of memory or time: a bug, a broken
+    model or data directory, a missing package. Not a measurement: the workflow stops on it."""
+
+
+def error_excerpt(log: Path | None, n: int = 25) -> str:
+    """The first error in a probe's log: its first Python traceback (the first rank's, up to its
+    exception line), else the first line that names an error, with what follows; at most `n` lines.
+    The ranks' tracebacks come before torchrun's summary of them, so the first is the cause."""
+    if log is None or not Path(log).exists():
+        return ""
+    lines = Path(log).read_text(errors="replace").splitlines()
+    # the log is appended to: read from this run's launch command (`memfit.launch` writes "$ cmd")
+    launched = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+    lines = lines[launched[-1] + 1 :] if launched else lines
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is None:
+        start = next((i for i, line in enumerate(lines) if "error" in line.lower()), max(0, len(lines) - n))
+        return "\n".join(lines[start : start + n])
+    # A traceback ends at its first unindented line after the header (the exception). Ranks
+    # write at once: with torchrun's "[rank0]: " prefix, only that rank's lines are followed.
+    prefix = lines[start][: lines[start].index("Traceback")]
+    block = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(prefix):
+            continue
+        block.append(line)
+        if not line[len(prefix) :].startswith((" ", "\t")):
+            break
+    if len(block) > n:  # keep the head (where it entered) and the tail (where it failed)
+        block = block[:3] + ["  ..."] + block[-(n - 4) :]
+    return "\n".join(block)
+
+
 def _tail(log: Path | None, n: int = 40) -> str:
     if log is None or not Path(log).exists():
         return ""

@@ -313,6 +313,8 @@ def _selection_table(run: RunOutputs) -> str:
         value, kind = _measured(r)
         if kind in ("reserved", "allocated"):
             measured = (f"{_e(_bytes(value))} <span class='muted'>{_e(kind)}</span>", "n")
+        elif kind == "OOM" and (r.probe or {}).get("oom"):
+            measured = (_oom_cell(r.probe["oom"]), "n bad")
         elif kind:
             measured = (_e(kind), "n bad")
         else:
@@ -347,6 +349,18 @@ def _selection_table(run: RunOutputs) -> str:
         + _table(header, [cells[i] for i in rest], [classes[i] for i in rest])
         + "</details>"
     )
+
+
+def _oom_cell(oom: dict[str, Any]) -> str:
+    """Where a probe ran out of device memory: the phase (and op), the bytes live then, the capacity."""
+    where = _e(oom.get("phase") or "unknown phase")
+    if oom.get("op"):
+        where += f" <span class='muted'>({_e(oom['op'])})</span>"
+    live, cap = _num(oom.get("live_bytes")), _num(oom.get("capacity_bytes"))
+    at = f"<br>{_e(_bytes(live))} live" if live is not None else ""
+    if live is not None and cap is not None:
+        at += f" &gt; {_e(_bytes(cap))} capacity"
+    return f"OOM in {where}{at}"
 
 
 def _or_predicted(value: Any, predicted: Any, fmt) -> str:
