@@ -22,7 +22,9 @@ def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: f
     """Resume the finished run from its previous checkpoint and compare with what it did uninterrupted."""
     from memfit.launch import launch
 
-    run = RunConfig.load(run_json)
+    from memfit.fallback import effective_run_json
+
+    run = RunConfig.load(effective_run_json(run_json))  # after an OOM fallback: the candidate that finished
     ckpts = Path(run.out_dir) / "checkpoints"
     tags = checkpoint.complete_tags(ckpts)
     if len(tags) < 2:

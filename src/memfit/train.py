@@ -100,6 +100,7 @@ class RunConfig:
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
     loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
+    fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.fallback): resumes checkpoints of earlier candidates that differ in levers only
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -158,6 +159,7 @@ class Run:
         self.metrics_path = self.out / "metrics.jsonl"
         self.tracker: AllocationTracker | None = None  # set by _start_tracking (CPU only)
         self.oom_phase = "setup"  # what the run does now; recorded with an OOM
+        self.step_now = 0  # the training step running (or last finished): the OOM marker's step
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -432,6 +434,7 @@ class Run:
         if self.rank == 0:
             (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
         start_step = self._resume(tracker)
+        self.step_now = start_step
         step_times: list[float] = []
         peaks: list[tuple[int, int | None]] = []
         bar = self._progress(start_step, cfg.method)
@@ -439,6 +442,7 @@ class Run:
             if start_step == 0 and self.eval_rows:
                 self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
             for step in range(start_step, self.total_steps):
+                self.step_now = step + 1
                 row = self._step_row(step, tracker, peaks, step_times)
                 done = row["step"]
                 self._after_step(row)
@@ -677,7 +681,9 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
     except torch.OutOfMemoryError as e:
         marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"rank": run.rank, "error": str(e)[:2000], **oom_record(run)}))
+        # the training step it happened in (or after, for evaluation and checkpoint save): the fallback's oom_step
+        rec = {"rank": run.rank, "error": str(e)[:2000], "step": run.step_now, **oom_record(run)}
+        write_json_atomic(marker, rec)
         raise SystemExit(OOM_EXIT_CODE) from e
 
 
