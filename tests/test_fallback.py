@@ -22,14 +22,28 @@ def cand(**kw):
 
 
 def row(c, fits=True, device_bytes=None, source="measured"):
-    return {"id": Candidate.from_dict(c).id, "candidate": c, "fits": fits, "device_bytes": device_bytes, "source": source}
+    return {
+        "id": Candidate.from_dict(c).id,
+        "candidate": c,
+        "fits": fits,
+        "device_bytes": device_bytes,
+        "source": source,
+    }
 
 
 # --------------------------------------------------------------------------- same training dynamics
 def test_levers_keep_the_dynamics_and_the_global_batch_must_stay():
     base = cand()
-    same = cand(zero=3, offload_optimizer="cpu", pin_memory=True, grad_ckpt=True, micro_batch=4, grad_accum=4,
-                ref="precomputed", loss_impl="chunked")
+    same = cand(
+        zero=3,
+        offload_optimizer="cpu",
+        pin_memory=True,
+        grad_ckpt=True,
+        micro_batch=4,
+        grad_accum=4,
+        ref="precomputed",
+        loss_impl="chunked",
+    )
     assert fallback.dynamics_problems(base, same, WORLD) == []
     assert fallback.dynamics_problems(base, cand(micro_batch=8), WORLD) == [
         "global batch 32 -> 16 (micro_batch x grad_accum x 2 ranks) changes the data order"
@@ -42,7 +56,11 @@ def test_levers_keep_the_dynamics_and_the_global_batch_must_stay():
     }
     for key, c in refused.items():
         problems = fallback.dynamics_problems(base, c, WORLD)
-        assert len(problems) == 1 and problems[0].startswith(f"{key} ") and "changes what is learned" in problems[0], problems
+        assert (
+            len(problems) == 1
+            and problems[0].startswith(f"{key} ")
+            and "changes what is learned" in problems[0]
+        ), problems
 
 
 def test_next_candidate_is_the_first_fitting_one_that_keeps_dynamics_and_can_continue_the_checkpoint():
@@ -50,14 +68,22 @@ def test_next_candidate_is_the_first_fitting_one_that_keeps_dynamics_and_can_con
     ranking = [
         row(selected, device_bytes=90),
         row(cand(precision="bf16"), device_bytes=50),  # faster, but trains something else
-        row(cand(zero=2, micro_batch=8, grad_accum=2), device_bytes=60),  # no ZeRO-0 -> ZeRO-2 conversion
-        row(cand(micro_batch=8, grad_accum=2, loss_impl="chunked"), device_bytes=95),  # needs more than what ran out
+        row(
+            cand(zero=2, micro_batch=8, grad_accum=2), device_bytes=60
+        ),  # no ZeRO-0 -> ZeRO-2 conversion
+        row(
+            cand(micro_batch=8, grad_accum=2, loss_impl="chunked"), device_bytes=95
+        ),  # needs more than what ran out
         row(cand(micro_batch=8, grad_accum=4), device_bytes=40),  # global batch 64
-        row(cand(micro_batch=4, grad_accum=4), fits=False, device_bytes=20),  # does not fit: skipped silently
+        row(
+            cand(micro_batch=4, grad_accum=4), fits=False, device_bytes=20
+        ),  # does not fit: skipped silently
         row(cand(micro_batch=4, grad_accum=4, grad_ckpt=True), device_bytes=70),  # the one
         row(cand(micro_batch=2, grad_accum=8), device_bytes=30),
     ]
-    nxt, refused = fallback.next_candidate(ranking, selected, selected, selected, [ranking[0]["id"]], WORLD)
+    nxt, refused = fallback.next_candidate(
+        ranking, selected, selected, selected, [ranking[0]["id"]], WORLD
+    )
     assert nxt is ranking[6]
     assert [r.split(":")[0] for r in refused] == [ranking[i]["id"] for i in (1, 2, 3, 4)]
     assert "precision 'fp32' -> 'bf16' changes what is learned" in refused[0]
@@ -66,17 +92,23 @@ def test_next_candidate_is_the_first_fitting_one_that_keeps_dynamics_and_can_con
     assert "global batch 32 -> 64" in refused[3]
     # that one ran out too: next in line, judged against the candidate that failed last
     tried = [ranking[0]["id"], ranking[6]["id"]]
-    nxt, _ = fallback.next_candidate(ranking, selected, ranking[6]["candidate"], selected, tried, WORLD)
+    nxt, _ = fallback.next_candidate(
+        ranking, selected, ranking[6]["candidate"], selected, tried, WORLD
+    )
     assert nxt is ranking[7]
     tried.append(ranking[7]["id"])
-    nxt, refused = fallback.next_candidate(ranking, selected, ranking[7]["candidate"], selected, tried, WORLD)
+    nxt, refused = fallback.next_candidate(
+        ranking, selected, ranking[7]["candidate"], selected, tried, WORLD
+    )
     assert nxt is None and len(refused) == 4
 
 
 def test_without_a_checkpoint_any_zero_stage_may_take_over():
     selected = cand()
     z2 = row(cand(zero=2), device_bytes=60)
-    nxt, refused = fallback.next_candidate([row(selected, device_bytes=90), z2], selected, selected, None, [], WORLD)
+    nxt, refused = fallback.next_candidate(
+        [row(selected, device_bytes=90), z2], selected, selected, None, [], WORLD
+    )
     assert nxt is z2 and refused == []
 
 
@@ -92,17 +124,39 @@ def now(fallback_n=1, **c):
 def test_a_fallback_resumes_across_levers_and_only_its_config_may():
     where = Path("ck/step00000003")
     # same optimizer layout: as saved
-    assert checkpoint.check_compatible(meta(), now(micro_batch=8, grad_accum=2, grad_ckpt=True), where, WORLD) == checkpoint.SAME
-    assert checkpoint.check_compatible(meta(zero=2), now(zero=2, loss_impl="chunked", ref="precomputed"), where, WORLD) == checkpoint.SAME
+    assert (
+        checkpoint.check_compatible(
+            meta(), now(micro_batch=8, grad_accum=2, grad_ckpt=True), where, WORLD
+        )
+        == checkpoint.SAME
+    )
+    assert (
+        checkpoint.check_compatible(
+            meta(zero=2), now(zero=2, loss_impl="chunked", ref="precomputed"), where, WORLD
+        )
+        == checkpoint.SAME
+    )
     # another ZeRO stage or offload: through DeepSpeed's universal checkpoint
-    assert checkpoint.check_compatible(meta(zero=2), now(zero=3, micro_batch=8, grad_accum=2), where, WORLD) == checkpoint.UNIVERSAL_LOAD
-    assert checkpoint.check_compatible(meta(zero=2), now(zero=2, offload_optimizer="cpu"), where, WORLD) == checkpoint.UNIVERSAL_LOAD
+    assert (
+        checkpoint.check_compatible(
+            meta(zero=2), now(zero=3, micro_batch=8, grad_accum=2), where, WORLD
+        )
+        == checkpoint.UNIVERSAL_LOAD
+    )
+    assert (
+        checkpoint.check_compatible(
+            meta(zero=2), now(zero=2, offload_optimizer="cpu"), where, WORLD
+        )
+        == checkpoint.UNIVERSAL_LOAD
+    )
     with pytest.raises(ValueError, match=r"written with ZeRO-0 and cannot continue under ZeRO-2"):
         checkpoint.check_compatible(meta(), now(zero=2), where, WORLD)
     with pytest.raises(ValueError, match=r"written with ZeRO-3 and cannot continue under ZeRO-0"):
         checkpoint.check_compatible(meta(zero=3), now(zero=0), where, WORLD)
     with pytest.raises(ValueError, match=r"ZeRO-3 partial optimizer offload \(offload_ratio 0.5\)"):
-        checkpoint.check_compatible(meta(zero=2), now(zero=3, offload_optimizer="cpu", offload_ratio=0.5), where, WORLD)
+        checkpoint.check_compatible(
+            meta(zero=2), now(zero=3, offload_optimizer="cpu", offload_ratio=0.5), where, WORLD
+        )
     # the global batch and everything that is not a lever still must match
     with pytest.raises(ValueError, match=r"global batch: checkpoint 32 .* != now 16"):
         checkpoint.check_compatible(meta(), now(micro_batch=8), where, WORLD)
@@ -124,7 +178,9 @@ class TrackedWriter:
     def save_checkpoint(self, root, tag, client_state, save_latest):
         d = Path(root) / tag
         d.mkdir(parents=True, exist_ok=True)
-        (d / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 100)  # a first file lands, then the copy
+        (d / "mp_rank_00_model_states.pt").write_bytes(
+            b"\0" * 100
+        )  # a first file lands, then the copy
         state = {"module": self.weights.clone(), **client_state}
         torch.save(state, d / "mp_rank_00_model_states.pt")
 
@@ -143,7 +199,9 @@ def test_an_oom_during_a_save_leaves_the_previous_checkpoint_the_newest(tmp_path
         t.phase = "checkpoint save"
         checkpoint.save(writer, root, 6, {"step": 6}, keep_last=2, run_config={})
     assert t.oom["phase"] == "checkpoint save"
-    assert (root / "step00000006").exists() and not (root / "step00000006" / checkpoint.COMPLETE).exists()
+    assert (root / "step00000006").exists() and not (
+        root / "step00000006" / checkpoint.COMPLETE
+    ).exists()
     assert (root / "latest").read_text() == "step00000003"
     assert checkpoint.complete_tags(root) == ["step00000003"]
     assert checkpoint.latest_valid(root, log=lambda _m: None) == (root, "step00000003")
@@ -160,11 +218,29 @@ def test_fallback_state_belongs_to_one_run_json(tmp_path):
     assert fallback.effective_run_json(tmp_path / "run.json") == tmp_path / "run.json"
     nxt = dataclasses.replace(base, candidate=cand(micro_batch=8, grad_accum=2), fallback=1)
     nxt.save(fallback.fallback_config_path(out, 1))
-    rec = fallback.record({"step": 5, "phase": "forward", "op": "aten.mm.default", "live_bytes": 11, "capacity_bytes": 10},
-                          3, Candidate.from_dict(base.candidate).id, nxt.cand.id)
+    rec = fallback.record(
+        {
+            "step": 5,
+            "phase": "forward",
+            "op": "aten.mm.default",
+            "live_bytes": 11,
+            "capacity_bytes": 10,
+        },
+        3,
+        Candidate.from_dict(base.candidate).id,
+        nxt.cand.id,
+    )
     fallback.save_state(base, [rec])
-    assert rec == {"oom_step": 5, "resumed_from_step": 3, "from": base.cand.id, "to": nxt.cand.id, "phase": "forward",
-                   "op": "aten.mm.default", "bytes_live": 11, "capacity_bytes": 10}
+    assert rec == {
+        "oom_step": 5,
+        "resumed_from_step": 3,
+        "from": base.cand.id,
+        "to": nxt.cand.id,
+        "phase": "forward",
+        "op": "aten.mm.default",
+        "bytes_live": 11,
+        "capacity_bytes": 10,
+    }
     assert fallback.load_state(base) == [rec]
     assert fallback.effective_run_json(tmp_path / "run.json") == out / "run.fallback-1.json"
     assert RunConfig.load(out / "run.fallback-1.json").fallback == 1
@@ -179,12 +255,32 @@ def test_the_ranking_comes_from_selected_json_and_its_absence_is_named(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"selected.json: missing; the OOM fallback needs"):
         fallback.load_ranking(tmp_path / "selected.json")
     sel = {
-        "model": "m", "gpu": "cpu", "method": "sft", "budget": {"device_bytes": 100, "host_bytes": 1000, "headroom": 0.1},
-        "plan_only": False, "launch": "memfit launch",
-        "selected": {"id": "a", "candidate": cand(), "predicted": {}, "source": "measured", "fits": True, "reason": "",
-                     "device_bytes": 80, "host_bytes": 5, "step_time_s": 1.0, "tokens_per_s": 10.0},
+        "model": "m",
+        "gpu": "cpu",
+        "method": "sft",
+        "budget": {"device_bytes": 100, "host_bytes": 1000, "headroom": 0.1},
+        "plan_only": False,
+        "launch": "memfit launch",
+        "selected": {
+            "id": "a",
+            "candidate": cand(),
+            "predicted": {},
+            "source": "measured",
+            "fits": True,
+            "reason": "",
+            "device_bytes": 80,
+            "host_bytes": 5,
+            "step_time_s": 1.0,
+            "tokens_per_s": 10.0,
+        },
     }
-    sel["candidates"] = [sel["selected"], {**sel["selected"], "id": "b", "fits": False, "reason": "does not fit"}]
+    sel["candidates"] = [
+        sel["selected"],
+        {**sel["selected"], "id": "b", "fits": False, "reason": "does not fit"},
+    ]
     (tmp_path / "selected.json").write_text(json.dumps(sel))
     ranking = fallback.load_ranking(tmp_path / "selected.json")
-    assert [(r["id"], r["fits"], r["device_bytes"]) for r in ranking] == [("a", True, 80), ("b", False, 80)]
+    assert [(r["id"], r["fits"], r["device_bytes"]) for r in ranking] == [
+        ("a", True, 80),
+        ("b", False, 80),
+    ]

@@ -447,6 +447,24 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
     return dest
 
 
+def universal_model_states_for(root: Path, tag: str, stage: int) -> None:
+    """Give `<root>/universal/<tag>` the model-states file name that a ZeRO-`stage` engine reads.
+
+    A universal load restores weights and optimizer state from `zero/`, but still reads the
+    scheduler, step counters and client state from one model-states file, whose name depends on
+    the stage loading it (engine.py `_get_ckpt_name`: `zero_pp_rank_0_mp_rank_*_model_states.pt`
+    under ZeRO-3, `mp_rank_*_model_states.pt` otherwise) while `ds_to_universal` keeps the name
+    the writing stage used. A conversion from ZeRO-1/2 loaded by ZeRO-3 (an OOM fallback), or the
+    reverse, gets a copy under the other name (rank 0; every rank waits)."""
+    conv = universal_root(root) / tag
+    z3_name, plain_name = "zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"
+    want, have = (z3_name, plain_name) if stage == 3 else (plain_name, z3_name)
+    if _rank() == 0 and not (conv / want).exists() and (conv / have).exists():
+        shutil.copyfile(conv / have, conv / f".{want}.tmp")
+        os.replace(conv / f".{want}.tmp", conv / want)
+    _barrier()
+
+
 def _convert_to_universal(src: Path, out: Path) -> None:
     """DeepSpeed's own converter (deepspeed/checkpoint/ds_to_universal.py `main`), in-process.
 

@@ -37,7 +37,9 @@ from memfit import checkpoint
 from memfit.atomic import write_json_atomic
 from memfit.space import Candidate
 
-STATE = "fallbacks.json"  # in the train directory: {"base": run.json's content, "fallbacks": [records]}
+STATE = (
+    "fallbacks.json"  # in the train directory: {"base": run.json's content, "fallbacks": [records]}
+)
 OOM_MARKERS = "oom.rank*.json"
 
 
@@ -60,7 +62,9 @@ def dynamics_problems(base: dict[str, Any], cand: dict[str, Any], world: int) ->
     ]
     gb_a, gb_b = global_batch(a, world), global_batch(b, world)
     if gb_a != gb_b:
-        out.append(f"global batch {gb_a} -> {gb_b} (micro_batch x grad_accum x {world} ranks) changes the data order")
+        out.append(
+            f"global batch {gb_a} -> {gb_b} (micro_batch x grad_accum x {world} ranks) changes the data order"
+        )
     return out
 
 
@@ -71,7 +75,9 @@ def resume_problem(writer: dict[str, Any] | None, cand: dict[str, Any], world: i
         return None
     meta = {"world_size": world, "run_config": {"candidate": writer}}
     try:
-        checkpoint.check_compatible(meta, {"candidate": cand, "fallback": 1}, Path("the newest checkpoint"), world=world)
+        checkpoint.check_compatible(
+            meta, {"candidate": cand, "fallback": 1}, Path("the newest checkpoint"), world=world
+        )
     except ValueError as e:
         return " ".join(str(e).split())
     return None
@@ -105,9 +111,16 @@ def next_candidate(
             problem = resume_problem(writer, row["candidate"], world)
             if problem:
                 why.append(problem)
-        if not why and failed_bytes and row.get("device_bytes") and row["device_bytes"] >= failed_bytes:
-            why.append(f"judged to need {row['device_bytes']} B ({row.get('source')}), not less than the "
-                       f"{failed_bytes} B of {failed_id}, which ran out of memory")
+        if (
+            not why
+            and failed_bytes
+            and row.get("device_bytes")
+            and row["device_bytes"] >= failed_bytes
+        ):
+            why.append(
+                f"judged to need {row['device_bytes']} B ({row.get('source')}), not less than the "
+                f"{failed_bytes} B of {failed_id}, which ran out of memory"
+            )
         if why:
             refused.append(f"{cid}: " + "; ".join(why))
             continue
@@ -121,7 +134,9 @@ def load_ranking(selected_json: Path) -> list[dict[str, Any]]:
 
     path = Path(selected_json)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; the OOM fallback needs select_config's ranking beside run.json")
+        raise FileNotFoundError(
+            f"{path}: missing; the OOM fallback needs select_config's ranking beside run.json"
+        )
     sel = Selection.from_json(json.loads(path.read_text()), str(path))
     return [r.to_json() for r in sel.candidates]
 
@@ -153,7 +168,9 @@ def load_state(base: Any) -> list[dict[str, Any]]:
 
 
 def save_state(base: Any, records: list[dict[str, Any]]) -> None:
-    write_json_atomic(Path(base.out_dir) / STATE, {"base": dataclasses.asdict(base), "fallbacks": records})
+    write_json_atomic(
+        Path(base.out_dir) / STATE, {"base": dataclasses.asdict(base), "fallbacks": records}
+    )
 
 
 def effective_run_json(run_json: str | Path) -> Path:
@@ -182,7 +199,9 @@ def clear_oom_markers(out_dir: str | Path) -> None:
         p.unlink()
 
 
-def record(marker: dict[str, Any], resumed_from_step: int, from_id: str, to_id: str) -> dict[str, Any]:
+def record(
+    marker: dict[str, Any], resumed_from_step: int, from_id: str, to_id: str
+) -> dict[str, Any]:
     """One entry of summary.json's `fallbacks`."""
     return {
         "oom_step": int(marker.get("step") or 0),
