@@ -284,3 +284,180 @@ def test_the_ranking_comes_from_selected_json_and_its_absence_is_named(tmp_path)
         ("a", True, 80),
         ("b", False, 80),
     ]
+
+
+# --------------------------------------------------------------------------- the loop in pipeline.train
+class ShardWriter:
+    def save_checkpoint(self, root, tag, client_state, save_latest):
+        d = Path(root) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        torch.save({"module": torch.zeros(10), **client_state}, d / "mp_rank_00_model_states.pt")
+
+
+def selected_json(path, rows):
+    sel = {
+        "model": "m",
+        "gpu": "cpu",
+        "method": "sft",
+        "budget": {"device_bytes": 100, "host_bytes": 1000, "headroom": 0.0},
+        "plan_only": False,
+        "launch": "memfit launch",
+        "selected": rows[0],
+        "candidates": rows,
+    }
+    for r in rows:
+        r.update(predicted={}, reason="", source="predicted")
+        r.pop("device_bytes", None)
+    path.write_text(json.dumps(sel))
+
+
+def ranks_that(monkeypatch, behaviour):
+    """Replace the launcher: `behaviour[candidate id](run, out_dir)` does what the ranks would and
+    returns the exit code; the calls are recorded as (run config file name, candidate id)."""
+    import memfit.launch
+
+    calls = []
+
+    def fake_launch(config, nproc, log=None, timeout_s=None, nnodes=1):
+        run = RunConfig.load(config)
+        calls.append((Path(config).name, run.cand.id))
+        return behaviour[run.cand.id](run, Path(run.out_dir))
+
+    monkeypatch.setattr(memfit.launch, "launch", fake_launch)
+    return calls
+
+
+def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
+    tmp_path, monkeypatch, capfd
+):
+    from memfit import pipeline
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    job = tmp_path / "sft"
+    out = job / "train"
+    first = cand(zero=2, micro_batch=8, grad_accum=1)
+    other = cand(zero=2, micro_batch=8, grad_accum=1, precision="bf16")
+    second = cand(zero=2, micro_batch=4, grad_accum=2)
+    base = RunConfig(method="sft", model_path="m", data_dir="d", out_dir=str(out), candidate=first)
+    job.mkdir()
+    base.save(job / "run.json")
+    selected_json(job / "selected.json", [row(first), row(other), row(second)])
+
+    def runs_out_at_step_6(
+        run, out
+    ):  # checkpoint 3 published, the save of step 6 cut short by an OOM
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in range(1, 4)
+            )
+        )
+        checkpoint.save(
+            ShardWriter(),
+            out / "checkpoints",
+            3,
+            {"step": 3},
+            keep_last=2,
+            run_config=dataclasses.asdict(run),
+            metrics=out / "metrics.jsonl",
+        )
+        (out / "checkpoints/step00000006").mkdir()
+        (out / "oom.rank0.json").write_text(
+            json.dumps(
+                {
+                    "rank": 0,
+                    "step": 6,
+                    "phase": "checkpoint save",
+                    "op": "aten.clone.default",
+                    "live_bytes": 101,
+                    "capacity_bytes": 100,
+                }
+            )
+        )
+        return 1
+
+    def crashes(run, out):
+        return 1
+
+    calls = ranks_that(
+        monkeypatch,
+        {
+            Candidate.from_dict(first).id: runs_out_at_step_6,
+            Candidate.from_dict(second).id: crashes,
+        },
+    )
+    with pytest.raises(RuntimeError, match=r"training failed \(exit code 1\)"):
+        pipeline.train(job / "run.json", 1, job / "train.log")
+    ids = [Candidate.from_dict(c).id for c in (first, other, second)]
+    assert calls == [("run.json", ids[0]), ("run.fallback-1.json", ids[2])]
+    line = f"memfit: OOM fallback 1: {ids[0]} ran out of device memory at step 6 (checkpoint save, 101 B live > 100 B); continuing with {ids[2]} from step 3"
+    assert line in capfd.readouterr().err and line in (job / "train.log").read_text()
+    assert not (out / "checkpoints/step00000006").exists()  # the half-written save is gone
+    nxt = RunConfig.load(out / "run.fallback-1.json")
+    assert (
+        nxt.candidate == second
+        and nxt.fallback == 1
+        and dataclasses.replace(nxt, candidate=first, fallback=0) == base
+    )
+
+    # the job is re-run (crash, preemption): it continues with the fallback, not with run.json
+    def finishes(run, out):
+        (out / "summary.json").write_text(json.dumps({"steps": 5}))
+        return 0
+
+    calls = ranks_that(monkeypatch, {ids[2]: finishes})
+    summary = pipeline.train(job / "run.json", 1, job / "train.log")
+    assert calls == [("run.fallback-1.json", ids[2])]
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["trained_candidate"] == ids[2]
+    assert summary["fallbacks"] == [
+        {
+            "oom_step": 6,
+            "resumed_from_step": 3,
+            "from": ids[0],
+            "to": ids[2],
+            "phase": "checkpoint save",
+            "op": "aten.clone.default",
+            "bytes_live": 101,
+            "capacity_bytes": 100,
+        }
+    ]
+    assert fallback.effective_run_json(job / "run.json") == out / "run.fallback-1.json"
+
+    # the fallback runs out too: no candidate left, named with what was tried and why the rest was refused
+    def oom_again(run, out):
+        (out / "oom.rank0.json").write_text(json.dumps({"rank": 0, "step": 7, "phase": "forward"}))
+        return 1
+
+    ranks_that(monkeypatch, {ids[2]: oom_again})
+    with pytest.raises(RuntimeError) as e:
+        pipeline.train(job / "run.json", 1, job / "train.log")
+    msg = str(e.value)
+    assert (
+        f"ran out of device memory with {ids[2]} at step 7 (forward), and no candidate is left"
+        in msg
+    )
+    assert f"Tried: {ids[0]}, {ids[2]}." in msg
+    assert f"{ids[1]}: precision 'fp32' -> 'bf16' changes what is learned" in msg
+
+
+def test_without_an_oom_marker_a_failed_training_is_not_a_fallback(tmp_path, monkeypatch):
+    from memfit import pipeline
+
+    job = tmp_path / "sft"
+    base = RunConfig(
+        method="sft",
+        model_path="m",
+        data_dir="d",
+        out_dir=str(job / "train"),
+        candidate=cand(zero=2),
+    )
+    job.mkdir()
+    base.save(job / "run.json")
+    calls = ranks_that(
+        monkeypatch, {base.cand.id: lambda run, out: -9}
+    )  # e.g. the kernel's SIGKILL (host OOM)
+    with pytest.raises(RuntimeError, match=r"training failed \(exit code -9\)"):
+        pipeline.train(job / "run.json", 1, job / "train.log")
+    assert len(calls) == 1 and not (job / "train/fallbacks.json").exists()

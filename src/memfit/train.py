@@ -584,6 +584,7 @@ class Run:
             p = Path(cfg.resume)
             root, tag = p.parent, p.name
         meta = json.loads((root / tag / "memfit.json").read_text())
+        self.step_now = int(meta["step"])  # an OOM while loading it is recorded at its step
         return root, tag, checkpoint.check_compatible(meta, dataclasses.asdict(cfg), root / tag, world=self.world)
 
     def maybe_resume(self) -> int:
