@@ -151,6 +151,17 @@ def test_a_fallback_resumes_across_levers_and_only_its_config_may():
     )
     with pytest.raises(ValueError, match=r"written with ZeRO-0 and cannot continue under ZeRO-2"):
         checkpoint.check_compatible(meta(), now(zero=2), where, WORLD)
+    with pytest.raises(
+        ValueError,
+        match=r"written with ZeRO-3 and cannot continue under ZeRO-2: .* keeps no per-parameter Adam step",
+    ):
+        checkpoint.check_compatible(meta(zero=3), now(zero=2), where, WORLD)
+    assert (
+        checkpoint.check_compatible(
+            meta(zero=3), now(zero=3, offload_optimizer="cpu"), where, WORLD
+        )
+        == checkpoint.UNIVERSAL_LOAD
+    )
     with pytest.raises(ValueError, match=r"written with ZeRO-3 and cannot continue under ZeRO-0"):
         checkpoint.check_compatible(meta(zero=3), now(zero=0), where, WORLD)
     with pytest.raises(ValueError, match=r"ZeRO-3 partial optimizer offload \(offload_ratio 0.5\)"):
@@ -461,3 +472,38 @@ def test_without_an_oom_marker_a_failed_training_is_not_a_fallback(tmp_path, mon
     with pytest.raises(RuntimeError, match=r"training failed \(exit code -9\)"):
         pipeline.train(job / "run.json", 1, job / "train.log")
     assert len(calls) == 1 and not (job / "train/fallbacks.json").exists()
+
+
+def test_a_zero2_universal_checkpoint_is_made_loadable_by_zero3(tmp_path, monkeypatch):
+    """What ds_to_universal writes for a ZeRO-1/2 checkpoint (top-level param_groups, a step per
+    parameter, mp_rank_00_model_states.pt) gets what ZeRO-3's universal loader reads."""
+    monkeypatch.setenv("RANK", "0")
+    conv = tmp_path / "checkpoints/universal/step00000003"
+    (conv / "zero/a.weight").mkdir(parents=True)
+    (conv / "zero/b.weight").mkdir()
+    groups = [{"lr": 0.002, "betas": [0.9, 0.95], "step": 0, "params": [0]}]
+    torch.save(
+        {"ds_version": "0.19.8", "clip_grad": 1.0, "param_groups": groups},
+        conv / "zero/optimizer_state.pt",
+    )
+    for name in ("a.weight", "b.weight"):
+        torch.save(3, conv / "zero" / name / "step.pt")
+    torch.save({"global_steps": 3}, conv / "mp_rank_00_model_states.pt")
+    checkpoint.universal_for_stage(tmp_path / "checkpoints", "step00000003", 3)
+    sd = torch.load(conv / "zero/optimizer_state.pt", weights_only=False)
+    assert sd["optimizer_state_dict"] == {
+        "state": {0: {"step": 3}},
+        "param_groups": [{"lr": 0.002, "betas": [0.9, 0.95], "step": 0}],
+    }
+    assert sd["param_groups"] == groups and sd["clip_grad"] == 1.0
+    assert torch.load(conv / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False) == {
+        "global_steps": 3
+    }
+    assert sorted(p.name for p in conv.rglob(".*")) == []  # no temporary left
+    torch.save(4, conv / "zero/b.weight/step.pt")  # parameters disagree: refused, not guessed
+    torch.save({"ds_version": "0.19.8", "param_groups": groups}, conv / "zero/optimizer_state.pt")
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"expected one Adam step over all parameters, found \[3, 4\]",
+    ):
+        checkpoint.universal_for_stage(tmp_path / "checkpoints", "step00000003", 3)

@@ -302,6 +302,12 @@ def layout_change_mode(c_then: dict[str, Any], c_now: dict[str, Any], where: Pat
             "DeepSpeed converts only ZeRO-1/2/3 optimizer shards into a universal checkpoint, and the "
             "Adam moments would restart from zero otherwise"
         )
+    if z_then == 3 and z_now != 3:
+        raise ValueError(
+            f"checkpoint {where} was written with ZeRO-3 and cannot continue under ZeRO-{z_now}: DeepSpeed's "
+            "ZeRO-3 conversion keeps no per-parameter Adam step (ds_to_universal.py `extract_zero_shards_stage3`), "
+            "so Adam's bias correction would restart"
+        )
     for c, when in ((c_then, "written"), (c_now, "resumed")):
         if int(c.get("zero", 2)) == 3 and c.get("offload_optimizer", "none") != "none" and float(c.get("offload_ratio", 1.0)) < 1.0:
             raise ValueError(
@@ -447,21 +453,39 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
     return dest
 
 
-def universal_model_states_for(root: Path, tag: str, stage: int) -> None:
-    """Give `<root>/universal/<tag>` the model-states file name that a ZeRO-`stage` engine reads.
+def universal_for_stage(root: Path, tag: str, stage: int) -> None:
+    """Make `<root>/universal/<tag>` loadable by a ZeRO-`stage` engine when another stage wrote it
+    (an OOM fallback from ZeRO-1/2 to ZeRO-3; see `layout_change_mode`). Rank 0 fixes, all wait.
 
-    A universal load restores weights and optimizer state from `zero/`, but still reads the
-    scheduler, step counters and client state from one model-states file, whose name depends on
-    the stage loading it (engine.py `_get_ckpt_name`: `zero_pp_rank_0_mp_rank_*_model_states.pt`
-    under ZeRO-3, `mp_rank_*_model_states.pt` otherwise) while `ds_to_universal` keeps the name
-    the writing stage used. A conversion from ZeRO-1/2 loaded by ZeRO-3 (an OOM fallback), or the
-    reverse, gets a copy under the other name (rank 0; every rank waits)."""
+    - A universal load restores weights and optimizer state from `zero/`, but still reads the
+      scheduler, step counters and client state from one model-states file, whose name depends on
+      the loading stage (engine.py `_get_ckpt_name`: `zero_pp_rank_0_mp_rank_*_model_states.pt`
+      under ZeRO-3, `mp_rank_*_model_states.pt` otherwise); `ds_to_universal` keeps the name the
+      writing stage used, so a copy under the other name is added.
+    - ZeRO-3's loader reads Adam's step from `zero/optimizer_state.pt`'s
+      `optimizer_state_dict.state[0].step` and the hyperparameters from its `param_groups`
+      (stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3`); a ZeRO-1/2 conversion
+      keeps the step per parameter (`zero/<param>/step.pt`) and the groups at the top level
+      (ds_to_universal.py `_save_optimizer_state`): they are copied into that key.
+    """
     conv = universal_root(root) / tag
-    z3_name, plain_name = "zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"
-    want, have = (z3_name, plain_name) if stage == 3 else (plain_name, z3_name)
-    if _rank() == 0 and not (conv / want).exists() and (conv / have).exists():
-        shutil.copyfile(conv / have, conv / f".{want}.tmp")
-        os.replace(conv / f".{want}.tmp", conv / want)
+    if _rank() == 0:
+        z3_name, plain_name = "zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"
+        want, have = (z3_name, plain_name) if stage == 3 else (plain_name, z3_name)
+        if not (conv / want).exists() and (conv / have).exists():
+            shutil.copyfile(conv / have, conv / f".{want}.tmp")
+            os.replace(conv / f".{want}.tmp", conv / want)
+        optim = conv / "zero" / "optimizer_state.pt"
+        if stage == 3 and optim.exists():
+            sd = torch.load(optim, weights_only=False)
+            if "optimizer_state_dict" not in sd:
+                steps = {torch.load(f, weights_only=False) for f in sorted((conv / "zero").glob("*/step.pt"))}
+                if len(steps) != 1:
+                    raise CheckpointError(f"{conv}: expected one Adam step over all parameters, found {sorted(steps)}")
+                groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+                sd["optimizer_state_dict"] = {"state": {0: {"step": steps.pop()}}, "param_groups": groups}
+                torch.save(sd, conv / "zero" / ".optimizer_state.pt.tmp")
+                os.replace(conv / "zero" / ".optimizer_state.pt.tmp", optim)
     _barrier()
 
 

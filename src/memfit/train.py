@@ -600,7 +600,7 @@ class Run:
             if "convert" in need:  # rank 0 alone converts; the node's other ranks only wait
                 checkpoint.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
             checkpoint.ensure_universal(root, tag, log=self.log)
-            checkpoint.universal_model_states_for(root, tag, self.cand.zero)  # a fallback to another ZeRO stage
+            checkpoint.universal_for_stage(root, tag, self.cand.zero)  # an OOM fallback to another ZeRO stage
         need = checkpoint.resume_host_bytes(root, tag, mode)
         checkpoint.ensure_host_ram(
             ranks_here * need["per_rank"],
