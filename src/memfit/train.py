@@ -612,7 +612,11 @@ class Run:
         if self.rank == 0:
             checkpoint.restore_metrics(self.metrics_path, step, root / tag)
         how = ""
-        if mode != checkpoint.SAME:
+        z_then = int(state["run_config"]["candidate"].get("zero", self.cand.zero))
+        if mode != checkpoint.SAME and int(state["world_size"]) == self.world:  # an OOM fallback changed the stage
+            how = (f" (written with ZeRO-{z_then}, now ZeRO-{self.cand.zero}: universal checkpoint, "
+                   "RNG reseeded from (seed, step, rank))")
+        elif mode != checkpoint.SAME:
             how = (f" (written by {state['world_size']} ranks, now {self.world}: "
                    f"{'universal checkpoint' if mode == checkpoint.UNIVERSAL_LOAD else 'unpartitioned state'}, "
                    "RNG reseeded from (seed, step, rank))")
