@@ -10,8 +10,9 @@ selected.json's ranking (`next_candidate`) that
   DPO reference mode, loss_impl full<->chunked, which changes float rounding only), and the
   global batch (micro batch x grad_accum x ranks) is the same, so the data order is too,
 - can continue the newest complete checkpoint (`checkpoint.check_compatible` with the
-  fallback's levers: same ZeRO stage as saved, or ZeRO-1/2/3 to ZeRO-1/2/3 through a universal
-  checkpoint; ZeRO-0 <-> ZeRO-n has no conversion),
+  fallback's levers: the same ZeRO stage and offload as saved, or another ZeRO-1/2/3 stage or
+  offload through a universal checkpoint, except ZeRO-3 to ZeRO-1/2; ZeRO-0 <-> ZeRO-n has no
+  conversion; without a checkpoint any stage may take over),
 - and was not judged to need at least as much device memory as the candidate that ran out
   (it would run out too),
 
