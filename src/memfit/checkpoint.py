@@ -51,6 +51,17 @@ MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmu
 # Candidate fields that may differ when the number of ranks changes: gradient accumulation absorbs
 # the change so that the global batch (micro x accum x ranks), hence the data order, stays the same.
 RESHARD_MAY_DIFFER = ("grad_accum",)
+# Candidate fields an OOM fallback (memfit.fallback) may change when it resumes a checkpoint of an
+# earlier candidate of the same run (run config `fallback` > 0): levers that change memory and speed,
+# not what is learned, as long as the global batch (micro x accum x ranks) stays the same. loss_impl
+# full <-> chunked changes float rounding only (memfit.vocab_loss; per-token log-probs within 1e-6,
+# tests/test_vocab_loss.py).
+LEVERS = ("zero", "offload_optimizer", "offload_param", "pin_memory", "offload_ratio", "grad_ckpt",
+          "micro_batch", "grad_accum", "ref", "loss_impl")
+# The levers that change how DeepSpeed lays out the optimizer state in a checkpoint (and which
+# optimizer steps it: torch AdamW or DeepSpeedCPUAdam with offload): such a change loads through a
+# universal checkpoint, as a change of the number of ranks does.
+LAYOUT = ("zero", "offload_optimizer", "offload_param", "offload_ratio")
 # How a checkpoint is loaded (resume_mode): by the ranks that wrote it, as is on another number of
 # ranks (ZeRO-0: nothing is partitioned), or through a universal checkpoint (ZeRO-1/2/3).
 SAME, DIRECT, UNIVERSAL_LOAD = "same", "direct", "universal"
@@ -162,6 +173,21 @@ def save(
     return root / tag
 
 
+def remove_incomplete(root: Path, log: Callable[[str], None] = print) -> list[str]:
+    """Delete checkpoint directories that were never published (no COMPLETE mark: a save that a
+    crash or an OOM interrupted), so that nothing half-written stays beside the checkpoints.
+    `latest_valid` ignores them anyway; a later save of the same step replaces them too."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    gone = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step") and not (p / COMPLETE).exists())
+    for tag in gone:
+        shutil.rmtree(root / tag, ignore_errors=True)
+        shutil.rmtree(universal_root(root) / tag, ignore_errors=True)
+        log(f"removed the unpublished (half-written) checkpoint {root / tag}")
+    return gone
+
+
 def complete_tags(root: Path) -> list[str]:
     """Published checkpoints, oldest first."""
     root = Path(root)
@@ -210,19 +236,20 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
     then_world = int(meta["world_size"])
     then, now = meta["run_config"], run_config
     resharded = then_world != world
+    levers = bool(now.get("fallback"))  # an OOM fallback: the levers may differ (memfit.fallback)
     diffs = [
         f"{k}: checkpoint {then.get(k)!r} != now {now.get(k)!r}"
         for k in MUST_MATCH
         if k != "candidate" and then.get(k) != now.get(k)
     ]
     c_then, c_now = then.get("candidate") or {}, now.get("candidate") or {}
-    may_differ = RESHARD_MAY_DIFFER if resharded else ()
+    may_differ = LEVERS if levers else RESHARD_MAY_DIFFER if resharded else ()
     diffs += [
         f"candidate.{k}: checkpoint {c_then.get(k)!r} != now {c_now.get(k)!r}"
         for k in sorted(set(c_then) | set(c_now))
         if k not in may_differ and c_then.get(k) != c_now.get(k)
     ]
-    if resharded and not diffs:
+    if (resharded or levers) and not diffs:
         gb_then = _global_batch(c_then, then_world)
         gb_now = _global_batch(c_now, world)
         if gb_then != gb_now:
@@ -244,9 +271,51 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
             + note
             + "\nDelete it (or the run directory) to start fresh."
         )
+    if levers and any(c_then.get(k, d) != c_now.get(k, d) for k, d in _defaults().items() if k in LAYOUT):
+        return layout_change_mode(c_then, c_now, where)
     if not resharded:
         return SAME
     return resume_mode(c_then, then_world, world, where)
+
+
+def _defaults() -> dict[str, Any]:
+    from memfit.space import Candidate
+
+    return Candidate().to_dict()
+
+
+def layout_change_mode(c_then: dict[str, Any], c_now: dict[str, Any], where: Path) -> str:
+    """How a checkpoint continues under another ZeRO stage or offload (an OOM fallback), or ValueError.
+
+    ZeRO-1/2/3 to ZeRO-1/2/3 (offload on or off): DeepSpeed's universal checkpoint holds each
+    parameter's fp32 weight and Adam moments whole, whatever the stage that wrote it, and loads
+    into any ZeRO stage >= 1 (https://www.deepspeed.ai/tutorials/universal-checkpointing/).
+    ZeRO-0 is refused both ways: `ds_to_universal` reads only ZeRO optimizer shards
+    (zero_pp_rank_*_optim_states.pt), and DeepSpeed 0.19.8's universal load assumes a ZeRO
+    optimizer (engine.py `load_checkpoint` calls `optimizer.update_lp_params`, which torch's
+    AdamW lacks). Loading the weights alone would restart Adam's moments: other dynamics.
+    """
+    z_then, z_now = int(c_then.get("zero", 2)), int(c_now.get("zero", 2))
+    if z_then == 0 or z_now == 0:
+        raise ValueError(
+            f"checkpoint {where} was written with ZeRO-{z_then} and cannot continue under ZeRO-{z_now}: "
+            "DeepSpeed converts only ZeRO-1/2/3 optimizer shards into a universal checkpoint, and the "
+            "Adam moments would restart from zero otherwise"
+        )
+    if z_then == 3 and z_now != 3:
+        raise ValueError(
+            f"checkpoint {where} was written with ZeRO-3 and cannot continue under ZeRO-{z_now}: DeepSpeed's "
+            "ZeRO-3 conversion keeps no per-parameter Adam step (ds_to_universal.py `extract_zero_shards_stage3`), "
+            "so Adam's bias correction would restart"
+        )
+    for c, when in ((c_then, "written"), (c_now, "resumed")):
+        if int(c.get("zero", 2)) == 3 and c.get("offload_optimizer", "none") != "none" and float(c.get("offload_ratio", 1.0)) < 1.0:
+            raise ValueError(
+                f"checkpoint {where} cannot change ZeRO stage or offload: {when} with ZeRO-3 partial optimizer "
+                f"offload (offload_ratio {c.get('offload_ratio')}), which has no universal-checkpoint load in "
+                "DeepSpeed (the device-resident optimizer state would be lost)"
+            )
+    return UNIVERSAL_LOAD
 
 
 def _global_batch(cand: dict[str, Any], world: int) -> int:
@@ -382,6 +451,42 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
             raise CheckpointError(f"converting {src} to a universal checkpoint failed: {error}") from error
         raise CheckpointError(f"converting {src} to a universal checkpoint failed on rank 0 (see its log)")
     return dest
+
+
+def universal_for_stage(root: Path, tag: str, stage: int) -> None:
+    """Make `<root>/universal/<tag>` loadable by a ZeRO-`stage` engine when another stage wrote it
+    (an OOM fallback from ZeRO-1/2 to ZeRO-3; see `layout_change_mode`). Rank 0 fixes, all wait.
+
+    - A universal load restores weights and optimizer state from `zero/`, but still reads the
+      scheduler, step counters and client state from one model-states file, whose name depends on
+      the loading stage (engine.py `_get_ckpt_name`: `zero_pp_rank_0_mp_rank_*_model_states.pt`
+      under ZeRO-3, `mp_rank_*_model_states.pt` otherwise); `ds_to_universal` keeps the name the
+      writing stage used, so a copy under the other name is added.
+    - ZeRO-3's loader reads Adam's step from `zero/optimizer_state.pt`'s
+      `optimizer_state_dict.state[0].step` and the hyperparameters from its `param_groups`
+      (stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3`); a ZeRO-1/2 conversion
+      keeps the step per parameter (`zero/<param>/step.pt`) and the groups at the top level
+      (ds_to_universal.py `_save_optimizer_state`): they are copied into that key.
+    """
+    conv = universal_root(root) / tag
+    if _rank() == 0:
+        z3_name, plain_name = "zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"
+        want, have = (z3_name, plain_name) if stage == 3 else (plain_name, z3_name)
+        if not (conv / want).exists() and (conv / have).exists():
+            shutil.copyfile(conv / have, conv / f".{want}.tmp")
+            os.replace(conv / f".{want}.tmp", conv / want)
+        optim = conv / "zero" / "optimizer_state.pt"
+        if stage == 3 and optim.exists():
+            sd = torch.load(optim, weights_only=False)
+            if "optimizer_state_dict" not in sd:
+                steps = {torch.load(f, weights_only=False) for f in sorted((conv / "zero").glob("*/step.pt"))}
+                if len(steps) != 1:
+                    raise CheckpointError(f"{conv}: expected one Adam step over all parameters, found {sorted(steps)}")
+                groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+                sd["optimizer_state_dict"] = {"state": {0: {"step": steps.pop()}}, "param_groups": groups}
+                torch.save(sd, conv / "zero" / ".optimizer_state.pt.tmp")
+                os.replace(conv / "zero" / ".optimizer_state.pt.tmp", optim)
+    _barrier()
 
 
 def _convert_to_universal(src: Path, out: Path) -> None:

@@ -277,15 +277,93 @@ def select_config(
     return selected
 
 
-def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1) -> dict[str, Any]:
+def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1, selected_json: Path | None = None) -> dict[str, Any]:
+    """Train run.json's candidate; after a device OOM fall back to the next candidate of
+    selected.json's ranking that keeps the training dynamics, from the newest complete
+    checkpoint (memfit.fallback), until the run completes or no candidate is left.
+
+    Writes train/summary.json with `fallbacks`: one record per switch (empty without any)."""
+    from memfit import fallback
     from memfit.launch import launch
 
-    run = RunConfig.load(run_json)
-    set_aside_stale_checkpoints(run, Path(log))
-    rc = launch(Path(run_json), nproc, log=Path(log), nnodes=nnodes)
-    if rc != 0:
-        raise RuntimeError(f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint.")
-    return json.loads((Path(run.out_dir) / "summary.json").read_text())
+    run_json, log = Path(run_json), Path(log)
+    base = RunConfig.load(run_json)
+    records = fallback.load_state(base)  # a re-run after a crash continues with the last fallback
+    run_path = fallback.fallback_config_path(base.out_dir, len(records)) if records else run_json
+    run = RunConfig.load(run_path)
+    set_aside_stale_checkpoints(run, log)
+    out = Path(run.out_dir)
+    ranking: list[dict[str, Any]] | None = None
+    while True:
+        fallback.clear_oom_markers(out)
+        rc = launch(run_path, nproc, log=log, nnodes=nnodes)
+        if rc == 0:
+            break
+        markers = fallback.oom_markers(out)
+        if not markers:
+            raise RuntimeError(f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint.")
+        if ranking is None:
+            ranking = fallback.load_ranking(Path(selected_json) if selected_json else run_json.with_name("selected.json"))
+        record, run = _fall_back(base, run, records, markers[0], ranking, nproc * nnodes, log)
+        records.append(record)
+        run_path = fallback.fallback_config_path(out, len(records))
+        run.save(run_path)
+        fallback.save_state(base, records)  # after the run config it names: a re-run finds both
+    fallback.clear_oom_markers(out)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["fallbacks"] = records
+    summary["trained_candidate"] = run.cand.id
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _fall_back(
+    base: RunConfig,
+    run: RunConfig,
+    records: list[dict[str, Any]],
+    marker: dict[str, Any],
+    ranking: list[dict[str, Any]],
+    world: int,
+    log: Path,
+) -> tuple[dict[str, Any], RunConfig]:
+    """After `run` ran out of device memory: the fallback record and the next run config, or a
+    RuntimeError naming every candidate tried and why the others were refused."""
+    import sys
+
+    from memfit import fallback
+
+    ckpts = Path(run.out_dir) / "checkpoints"
+    checkpoint.remove_incomplete(ckpts, log=lambda msg: _say(log, msg))  # a save the OOM cut short
+    found = checkpoint.latest_valid(ckpts, log=lambda msg: _say(log, msg))
+    writer, step = None, 0
+    if found is not None:
+        meta = json.loads((found[0] / found[1] / "memfit.json").read_text())
+        writer, step = meta["run_config"]["candidate"], int(meta["step"])
+    tried = [base.cand.id] + [r["to"] for r in records]
+    where = f"at step {marker.get('step')} ({marker.get('phase', 'unknown phase')}"
+    if marker.get("live_bytes") and marker.get("capacity_bytes"):
+        where += f", {marker['live_bytes']} B live > {marker['capacity_bytes']} B"
+    where += ")"
+    row, refused = fallback.next_candidate(ranking, base.candidate, run.candidate, writer, tried, world)
+    if row is None:
+        raise RuntimeError(
+            f"training ran out of device memory with {run.cand.id} {where}, and no candidate is left to fall back to.\n"
+            f"Tried: {', '.join(tried)}.\nRefused (fitting candidates of selected.json):\n  "
+            + ("\n  ".join(refused) or "none")
+            + f"\nSee {log}. Raise the budget's headroom (or widen the search space) and re-run select_config."
+        )
+    rec = fallback.record(marker, step, run.cand.id, row["id"])
+    nxt = dataclasses.replace(base, candidate=row["candidate"], fallback=len(records) + 1)
+    msg = (f"memfit: OOM fallback {len(records) + 1}: {run.cand.id} ran out of device memory {where}; "
+           f"continuing with {row['id']} from {'step ' + str(step) if found else 'the start (no checkpoint yet)'}")
+    _say(log, msg)
+    print(msg, file=sys.__stderr__, flush=True)  # the console, also when stderr goes to the rule's log
+    return rec, nxt
+
+
+def _say(log: Path, msg: str) -> None:
+    with open(log, "a") as f:
+        f.write(msg + "\n")
 
 
 def set_aside_stale_checkpoints(run: RunConfig, log: Path) -> None:

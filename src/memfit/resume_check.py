@@ -20,9 +20,10 @@ from memfit.train import RunConfig
 
 def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5, nnodes: int = 1) -> dict[str, Any]:
     """Resume the finished run from its previous checkpoint and compare with what it did uninterrupted."""
+    from memfit.fallback import effective_run_json
     from memfit.launch import launch
 
-    run = RunConfig.load(run_json)
+    run = RunConfig.load(effective_run_json(run_json))  # after an OOM fallback: the candidate that finished
     ckpts = Path(run.out_dir) / "checkpoints"
     tags = checkpoint.complete_tags(ckpts)
     if len(tags) < 2:

@@ -99,6 +99,7 @@ class RunConfig:
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
     loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
+    fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.fallback): resumes checkpoints of earlier candidates that differ in levers only
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -157,6 +158,7 @@ class Run:
         self.metrics_path = self.out / "metrics.jsonl"
         self.tracker: AllocationTracker | None = None  # set by _start_tracking (CPU only)
         self.oom_phase = "setup"  # what the run does now; recorded with an OOM
+        self.step_now = 0  # the training step running (or last finished): the OOM marker's step
 
     def log(self, msg: str) -> None:
         if self.rank == 0:
@@ -416,6 +418,7 @@ class Run:
         if self.rank == 0:
             (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
         start_step = self._resume(tracker)
+        self.step_now = start_step
         step_times: list[float] = []
         peaks: list[tuple[int, int | None]] = []
         bar = self._progress(start_step, cfg.method)
@@ -423,6 +426,7 @@ class Run:
             if start_step == 0 and self.eval_rows:
                 self._write_metrics({"step": 0, "split": "eval", **self.evaluate()})
             for step in range(start_step, self.total_steps):
+                self.step_now = step + 1
                 row = self._step_row(step, tracker, peaks, step_times)
                 if start_step and step == start_step:
                     row["resumed_from_step"] = start_step  # the report marks each resume on the curves
@@ -566,6 +570,7 @@ class Run:
             p = Path(cfg.resume)
             root, tag = p.parent, p.name
         meta = json.loads((root / tag / "memfit.json").read_text())
+        self.step_now = int(meta["step"])  # an OOM while loading it is recorded at its step
         return root, tag, checkpoint.check_compatible(meta, dataclasses.asdict(cfg), root / tag, world=self.world)
 
     def maybe_resume(self) -> int:
@@ -581,6 +586,7 @@ class Run:
             if "convert" in need:  # rank 0 alone converts; the node's other ranks only wait
                 checkpoint.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
             checkpoint.ensure_universal(root, tag, log=self.log)
+            checkpoint.universal_for_stage(root, tag, self.cand.zero)  # an OOM fallback to another ZeRO stage
         need = checkpoint.resume_host_bytes(root, tag, mode)
         checkpoint.ensure_host_ram(
             ranks_here * need["per_rank"],
@@ -592,7 +598,11 @@ class Run:
         if self.rank == 0:
             checkpoint.restore_metrics(self.metrics_path, step, root / tag)
         how = ""
-        if mode != checkpoint.SAME:
+        z_then = int(state["run_config"]["candidate"].get("zero", self.cand.zero))
+        if mode != checkpoint.SAME and int(state["world_size"]) == self.world:  # an OOM fallback changed the stage
+            how = (f" (written with ZeRO-{z_then}, now ZeRO-{self.cand.zero}: universal checkpoint, "
+                   "RNG reseeded from (seed, step, rank))")
+        elif mode != checkpoint.SAME:
             how = (f" (written by {state['world_size']} ranks, now {self.world}: "
                    f"{'universal checkpoint' if mode == checkpoint.UNIVERSAL_LOAD else 'unpartitioned state'}, "
                    "RNG reseeded from (seed, step, rank))")
@@ -663,7 +673,9 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
     except torch.OutOfMemoryError as e:
         marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"rank": run.rank, "error": str(e)[:2000], **oom_record(run)}))
+        # the training step it happened in (or after, for evaluation and checkpoint save): the fallback's oom_step
+        rec = {"rank": run.rank, "error": str(e)[:2000], "step": run.step_now, **oom_record(run)}
+        write_json_atomic(marker, rec)
         raise SystemExit(OOM_EXIT_CODE) from e
 
 
