@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import os
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -139,6 +139,9 @@ _EXPORT_WHAT = {
     "hf_ds": "HF Trainer's DeepSpeed config",
 }
 _MAX_SHOWN = 20_000  # characters of one export shown inline
+# Other files beside selected.json shown too (a user's own export), but not the workflow's bookkeeping.
+_OTHER_SUFFIXES = {".json", ".yaml", ".yml", ".sh", ".toml", ".txt", ".md"}
+_NOT_EXPORTS = {"selected.json", "candidates.json", "verify_resume.json"}
 
 
 def launch_files(run_dir: Path, method: str) -> list[tuple[Path, str]]:
@@ -153,8 +156,20 @@ def launch_files(run_dir: Path, method: str) -> list[tuple[Path, str]]:
         found.insert(0, (none_fits, "why nothing was selected"))
     found += [(p, _EXPORT_WHAT.get(k, k)) for k, p in exports.paths(run_dir, method).items()]
     known = {p for p, _ in found}
-    extra = sorted(p for p in (run_dir / "exports").rglob("*") if p.is_file() and p not in known) if (run_dir / "exports").is_dir() else []
-    return [(p, w) for p, w in found if p.is_file()] + [(p, "export") for p in extra]
+    extra = (
+        sorted(
+            p
+            for p in run_dir.iterdir()
+            if p.suffix in _OTHER_SUFFIXES and p.name not in _NOT_EXPORTS
+        )
+        if run_dir.is_dir()
+        else []
+    )
+    if (run_dir / "exports").is_dir():
+        extra += sorted((run_dir / "exports").rglob("*"))
+    return [(p, w) for p, w in found if p.is_file()] + [
+        (p, "other file") for p in extra if p.is_file() and p not in known
+    ]
 
 
 def _href(path: Path, link_base: Path | None) -> str:
@@ -177,16 +192,26 @@ def exports_block(run_dir: Path, method: str, link_base: Path | None = None) -> 
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
-            rows.append(f"<tr><td><code>{_e(name)}</code></td><td>{_e(what)}</td><td class='bad'>unreadable ({_e(e)})</td></tr>")
+            rows.append(
+                f"<tr><td><code>{_e(name)}</code></td><td>{_e(what)}</td><td class='bad'>unreadable ({_e(e)})</td></tr>"
+            )
             continue
         rows.append(
-            f"<tr><td><a href=\"{_e(_href(p, link_base))}\"><code>{_e(name)}</code></a></td><td>{_e(what)}</td>"
+            f'<tr><td><a href="{_e(_href(p, link_base))}"><code>{_e(name)}</code></a></td><td>{_e(what)}</td>'
             f"<td class='n'>{len(text):,} characters</td></tr>"
         )
-        cut = f"\n… ({len(text) - _MAX_SHOWN:,} more characters in the file)" if len(text) > _MAX_SHOWN else ""
+        cut = (
+            f"\n… ({len(text) - _MAX_SHOWN:,} more characters in the file)"
+            if len(text) > _MAX_SHOWN
+            else ""
+        )
         texts.append(
             f"<details><summary><code>{_e(name)}</code>: {_e(what)}</summary><pre><code>{_e(text[:_MAX_SHOWN] + cut)}</code></pre></details>"
         )
     head = f"<p>Launch files and exports in <code>{_e(run_dir)}</code> (links relative to this page):</p>"
-    table = "<table class='exports'><tr><th>file</th><th>what</th><th>size</th></tr>" + "".join(rows) + "</table>"
+    table = (
+        "<table class='exports'><tr><th>file</th><th>what</th><th>size</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
     return "\n".join([head, table, *texts])

@@ -124,8 +124,12 @@ def fit_map(run: RunOutputs, res: FitResult) -> str:
     if res.error is not None:
         return f"<p class='muted'>No fit map for {_e(run.title)}: {_e(res.error)}</p>"
     rows = []
-    what = "The selected configuration" if run.selected is not None else (
-        f"Nothing fits this run's budget: the closest candidate, <code>{_e(run.shown.id)}</code>,"
+    what = (
+        "The selected configuration"
+        if run.selected is not None
+        else (
+            f"Nothing fits this run's budget: the closest candidate, <code>{_e(run.shown.id)}</code>,"
+        )
     )
     for g in res.gpus:
         ok = res.ok(g)
@@ -204,7 +208,11 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
         )
         legend = "".join(
             f"<li><sup>{i}</sup> {_e(c['run'].selection.model)} · {_e(c['run'].selection.method)}: <code>{_e(c['run'].shown.id)}</code>, "
-            + ("selected for " if c["run"].selected is not None else "nothing fits; the closest candidate for ")
+            + (
+                "selected for "
+                if c["run"].selected is not None
+                else "nothing fits; the closest candidate for "
+            )
             + f"{_e(', '.join(c['gpus']))}; {c['res'].num_gpus} GPU(s), seq len {_e(_plain(c['res'].seq_len))}</li>"
             for i, c in enumerate(columns, 1)
         )
