@@ -157,3 +157,25 @@ def test_selected_json_is_byte_for_byte_what_it_was(case, repo, tmp_path, monkey
     select_config(config, "demo-tiny", "cpu", method, str(FIXTURES / inputs / "candidates.json"), probes,
                   "results/demo-tiny/model", f"results/demo-tiny/data/{method}", f"{run_dir}/train", out)  # fmt: skip
     assert (tmp_path / out["selected"]).read_bytes() == (FIXTURES / f"{case}.selected.expected.json").read_bytes()
+
+
+def test_nothing_fits_names_the_closest_and_round_trips_as_a_selection():
+    from memfit.rows import RowError, Selection
+    from memfit.select import NoneFits
+
+    # b is over by 33% on the device, a by 11% on the host: a is the closest
+    estimates = [est("b", 2, 120, 0.5), est("a", 1, 40, 1.0), est("v", 1, 1, 1.0, invalid=True, reason="no bf16")]
+    estimates[1]["host_bytes"] = 1137 * MiB
+    with pytest.raises(NoneFits) as info:
+        choose(judge(estimates, {}, BUDGET, world=1, method="sft"), BUDGET)
+    e = info.value
+    assert [r.id for r in e.rows] == ["a", "b", "v"]
+    assert e.reason.startswith("no candidate fits the budget (3 candidates, 1 of them cannot run here); the closest, a: host RAM")
+    assert "Widen the search space" in e.reason and "  v: cannot run here: no bf16" in str(e)
+    doc = {"model": "m", "gpu": "g", "method": "sft", "selected": None, "none_fits": e.reason,
+           "budget": {"device_bytes": 1, "host_bytes": 1, "headroom": 0.1}, "plan_only": True, "launch": None,
+           "candidates": [r.to_json() for r in e.rows]}  # fmt: skip
+    sel = Selection.from_json(doc)
+    assert sel.selected is None and sel.none_fits == e.reason and sel.to_json() == doc
+    with pytest.raises(RowError, match="selected: missing"):
+        Selection.from_json(doc | {"none_fits": None})

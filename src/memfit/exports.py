@@ -53,6 +53,9 @@ FILES = {
     "hf_ds": "exports/hf/ds_config.json",
 }
 
+# What select_config writes instead of the exports when no candidate fits (a plan-only run).
+NONE_FITS = "exports/NONE_FITS.txt"
+
 ADAM_BETAS = (0.9, 0.95)  # memfit.dsconfig.build's AdamW defaults
 ADAM_EPS = 1e-8
 

@@ -238,23 +238,26 @@ class CandidateRow:
 
 @dataclass
 class Selection:
-    """selected.json: the chosen candidate, every candidate ranked with its reason, how to launch."""
+    """selected.json: the chosen candidate, every candidate ranked with its reason, how to launch.
+    A plan where nothing fits has `selected` and `launch` None and says why in `none_fits`."""
 
     model: str
     gpu: str
     method: str
-    selected: CandidateRow
+    selected: CandidateRow | None
     budget: Budget
     plan_only: bool
-    launch: str
+    launch: str | None
     candidates: list[CandidateRow]
+    none_fits: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "gpu": self.gpu,
             "method": self.method,
-            "selected": self.selected.to_json(),
+            "selected": None if self.selected is None else self.selected.to_json(),
+            **({"none_fits": self.none_fits} if self.none_fits is not None else {}),
             "budget": asdict(self.budget),
             "plan_only": self.plan_only,
             "launch": self.launch,
@@ -265,13 +268,17 @@ class Selection:
     def from_json(cls, d: Any, where: str = "") -> Selection:
         d = _obj(d, where)
         cands = _get(d, "candidates", where, "list")
+        none_fits = _get(d, "none_fits", where, "str", required=False)
+        if d.get("selected") is None and none_fits is None:
+            raise RowError(f"{_where(where, 'selected')}: missing (and no none_fits saying why nothing was selected)")
         return cls(
             model=_get(d, "model", where, "str"),
             gpu=_get(d, "gpu", where, "str"),
             method=_get(d, "method", where, "str"),
-            selected=CandidateRow.from_json(_get(d, "selected", where, "object"), _where(where, "selected")),
+            selected=None if none_fits is not None else CandidateRow.from_json(_get(d, "selected", where, "object"), _where(where, "selected")),
             budget=budget_from_json(_get(d, "budget", where, "object"), _where(where, "budget")),
             plan_only=_get(d, "plan_only", where, "bool"),
-            launch=_get(d, "launch", where, "str"),
+            launch=None if none_fits is not None else _get(d, "launch", where, "str"),
             candidates=[CandidateRow.from_json(r, _where(where, f"candidates[{i}]")) for i, r in enumerate(cands)],
+            none_fits=none_fits,
         )

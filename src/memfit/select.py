@@ -14,7 +14,31 @@ from typing import Any
 from .rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
 from .units import fmt_bytes
 
-__all__ = ["Budget", "choose", "judge"]
+__all__ = ["Budget", "NoneFits", "choose", "judge"]
+
+
+class NoneFits(RuntimeError):
+    """No candidate fits: `rows` holds every candidate with why it lost (closest to fitting first),
+    `reason` the answer in a few sentences (the closest candidate and what it lacks, `note` if
+    any, what to change); the message adds one line per candidate."""
+
+    def __init__(self, rows: list[CandidateRow], what: str, note: str = "") -> None:
+        self.rows, self.what, self.note = rows, what, note
+        self.reason = f"{what}; {note}. {ADVICE}" if note else f"{what}. {ADVICE}"
+        lines = "\n".join(f"  {r.id}: {r.reason or 'no throughput figure'}" for r in rows)
+        super().__init__(f"{self.reason}\nEvery candidate lost:\n{lines}")
+
+
+ADVICE = "Widen the search space (offload, ZeRO-3, LoRA, gradient checkpointing), lower seq_len, or add GPUs."
+
+
+def _overshoot(row: CandidateRow, budget: Budget | None) -> float:
+    """How far a judged row is over its tighter limit (1.0 = exactly at it); inf without figures."""
+    if row.figures is None or budget is None:
+        return float("inf")
+    dev = row.figures.device_bytes / max(budget.device_limit_bytes, 1)
+    host = row.figures.host_bytes / max(budget.host_bytes, 1)
+    return max(dev, host)
 
 
 def _measured_device_bytes(probe: dict[str, Any]) -> int:
@@ -71,17 +95,14 @@ def _verdict(row: CandidateRow, dev: int, host: int, step_time: float | None, bu
         row.fits, row.reason = True, ""
 
 
-def choose(rows: list[CandidateRow]) -> tuple[CandidateRow, list[CandidateRow]]:
-    """The fastest fitting measured candidate (predicted only if nothing was measured)."""
+def choose(rows: list[CandidateRow], budget: Budget | None = None) -> tuple[CandidateRow, list[CandidateRow]]:
+    """The fastest fitting measured candidate (predicted only if nothing was measured).
+    Raises `NoneFits` when there is none (with `budget`, it names the candidate closest to fitting)."""
     probed = any(r.source in ("probe", "measured") for r in rows)
     pool = [r for r in rows if r.source == "measured"] if probed else rows
     fitting = [r for r in pool if r.fits and r.tokens_per_s]
     if not fitting:
-        lines = "\n".join(f"  {r.id}: {r.reason or 'no throughput figure'}" for r in rows)
-        raise RuntimeError(
-            "no candidate fits the budget; every one lost:\n" + lines + "\nWiden the search space "
-            "(offload, ZeRO-3, LoRA, gradient checkpointing), lower seq_len, or add GPUs."
-        )
+        raise none_fits(rows, budget)
     best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
     for r in rows:
         if r is best:
@@ -94,3 +115,25 @@ def choose(rows: list[CandidateRow]) -> tuple[CandidateRow, list[CandidateRow]]:
     order = {"measured": 0, "probe": 1, "predicted": 2, "rule": 3}
     ranked = sorted(rows, key=lambda r: (r is not best, order[r.source], not r.fits, -(r.tokens_per_s or 0)))
     return best, ranked
+
+
+def none_fits(rows: list[CandidateRow], budget: Budget | None) -> NoneFits:
+    """The answer when nothing fits: rows closest to fitting first (measured before predicted,
+    those that cannot run last), and a reason naming the closest one and what it lacks."""
+    order = {"measured": 0, "probe": 1, "predicted": 2, "rule": 3}
+    for r in rows:
+        if r.fits and not r.reason:  # fits, yet could not be chosen
+            r.reason = (
+                "not probed: predicted to fit, but only a measured candidate can be chosen"
+                if r.source == "predicted" and any(x.source in ("probe", "measured") for x in rows)
+                else "fits, but has no throughput figure to rank it by"
+            )
+    judged = [r for r in rows if r.figures is not None]
+    closest = min(judged, key=lambda r: (order[r.source], _overshoot(r, budget))) if judged else None
+    ranked = sorted(rows, key=lambda r: (r is not closest, order[r.source], _overshoot(r, budget)))
+    invalid = sum(r.source == "rule" for r in rows)
+    reason = f"no candidate fits the budget ({len(rows)} candidates"
+    reason += f", {invalid} of them cannot run here)" if invalid else ")"
+    if closest is not None:
+        reason += f"; the closest, {closest.id}: {closest.reason}"
+    return NoneFits(ranked, reason)

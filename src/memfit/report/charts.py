@@ -94,7 +94,7 @@ def memory_chart(run: RunOutputs) -> str:
         if status and status not in ("reserved", "allocated"):
             ax.text(0, i + 0.2, f" {status} in probe", va="center", fontsize=7, color="tab:red", fontweight="bold")
     _budget_lines(ax, budget, unit, uname)
-    _style_ticks(ax, rows, run.selected.id)
+    _style_ticks(ax, rows, run.selected_id)
     ax.set_xlabel(f"{what} per device ({uname})")
     ax.set_title(f"Memory per candidate: {run.title}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars reach the budget
@@ -130,7 +130,7 @@ def breakdown_chart(run: RunOutputs) -> str:
         kinds = "/".join(sorted({k for _, k in meas if k in ("reserved", "allocated")}))
         ax.scatter(*zip(*pts, strict=True), marker="D", s=28, color="black", zorder=4, label=f"measured peak {kinds} (probe)")
     _budget_lines(ax, budget, unit, uname)
-    _style_ticks(ax, rows, run.selected.id)
+    _style_ticks(ax, rows, run.selected_id)
     ax.set_xlabel(f"predicted device memory at the peak ({uname})")
     ax.set_title(f"Predicted breakdown: {run.title}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -293,7 +293,7 @@ def accuracy_chart(run: RunOutputs) -> str:
         # like with like: the probe's allocated peak against the predicted allocated peak, reserved against reserved
         pred = _num(getattr(r.predicted, f"peak_{kind}_bytes"))
         if pred is not None and _num(value) is not None:
-            pts.append((pred, float(value), r.id == run.selected.id, kind))
+            pts.append((pred, float(value), r.id == run.selected_id, kind))
     if not pts:
         return ""
     unit, uname = _unit_for([v for p in pts for v in p[:2]])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -122,39 +123,95 @@ def facts_section(root: Path) -> str:
     return "\n".join(out)
 
 
-# Files beside selected.json that are the workflow's own bookkeeping, not something to launch with.
-_NOT_EXPORTS = {"selected.json", "candidates.json", "verify_resume.json"}
-_EXPORT_SUFFIXES = {".json", ".yaml", ".yml", ".sh", ".toml", ".txt", ".md"}
+# What select_config writes beside selected.json (workflow/rules/plan.smk), in the order a reader
+# launches with it: memfit's own files, then the exports for other trainers (memfit.exports.FILES).
+_LAUNCH_FILES = {
+    "launch.sh": "memfit launch script (what the train rule runs)",
+    "run.json": "memfit run config",
+    "ds_config.json": "memfit DeepSpeed config",
+}
+_EXPORT_WHAT = {
+    "openrlhf": "OpenRLHF command (deepspeed --module openrlhf.cli.train_*)",
+    "llamafactory": "LLaMA-Factory config (llamafactory-cli train)",
+    "llamafactory_ds": "LLaMA-Factory's DeepSpeed config",
+    "llamafactory_dataset_info": "LLaMA-Factory dataset registry",
+    "hf_args": "HF TrainingArguments (with TRL and peft fields)",
+    "hf_ds": "HF Trainer's DeepSpeed config",
+}
 _MAX_SHOWN = 20_000  # characters of one export shown inline
+# Other files beside selected.json shown too (a user's own export), but not the workflow's bookkeeping.
+_OTHER_SUFFIXES = {".json", ".yaml", ".yml", ".sh", ".toml", ".txt", ".md"}
+_NOT_EXPORTS = {"selected.json", "candidates.json", "verify_resume.json"}
 
 
-def exports_block(run_dir: Path) -> str:
-    """Each launch/export file beside selected.json (launch.sh, run.json, ds_config.json, trainer
-    exports such as an OpenRLHF command, a LLaMA-Factory YAML, HF TrainingArguments JSON), folded."""
-    files = (
+def launch_files(run_dir: Path, method: str) -> list[tuple[Path, str]]:
+    """(path, what it is) of every launch file and export select_config wrote for this run that
+    exists: memfit's launch.sh/run.json/ds_config.json, the exports (memfit.exports.paths), and
+    exports/NONE_FITS.txt where nothing fit; other files under exports/ last."""
+    from memfit import exports
+
+    found = [(run_dir / name, what) for name, what in _LAUNCH_FILES.items()]
+    none_fits = run_dir / exports.NONE_FITS
+    if none_fits.is_file():
+        found.insert(0, (none_fits, "why nothing was selected"))
+    found += [(p, _EXPORT_WHAT.get(k, k)) for k, p in exports.paths(run_dir, method).items()]
+    known = {p for p, _ in found}
+    extra = (
         sorted(
             p
             for p in run_dir.iterdir()
-            if p.is_file() and p.suffix in _EXPORT_SUFFIXES and p.name not in _NOT_EXPORTS
+            if p.suffix in _OTHER_SUFFIXES and p.name not in _NOT_EXPORTS
         )
         if run_dir.is_dir()
         else []
     )
+    if (run_dir / "exports").is_dir():
+        extra += sorted((run_dir / "exports").rglob("*"))
+    return [(p, w) for p, w in found if p.is_file()] + [
+        (p, "other file") for p in extra if p.is_file() and p not in known
+    ]
+
+
+def _href(path: Path, link_base: Path | None) -> str:
+    """The link to `path` from a page in `link_base` (relative, so the results folder can move)."""
+    if link_base is None:
+        return path.resolve().as_uri()
+    return Path(os.path.relpath(path.resolve(), link_base.resolve())).as_posix()
+
+
+def exports_block(run_dir: Path, method: str, link_base: Path | None = None) -> str:
+    """The launch files and exports of one run: a table of links (relative to `link_base`, the
+    report's folder) with what each file is, then each file's text, folded."""
+    files = launch_files(run_dir, method)
     if not files:
-        return ""
-    out = [f"<p>Launch files and exports beside <code>{_e(run_dir / 'selected.json')}</code>:</p>"]
-    for p in files:
+        return "<p class='muted'>No launch files or exports beside this run's selected.json.</p>"
+    rows = []
+    texts = []
+    for p, what in files:
+        name = p.relative_to(run_dir).as_posix()
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
-            out.append(f"<p class='bad'>{_e(p.name)}: unreadable ({_e(e)})</p>")
+            rows.append(
+                f"<tr><td><code>{_e(name)}</code></td><td>{_e(what)}</td><td class='bad'>unreadable ({_e(e)})</td></tr>"
+            )
             continue
+        rows.append(
+            f'<tr><td><a href="{_e(_href(p, link_base))}"><code>{_e(name)}</code></a></td><td>{_e(what)}</td>'
+            f"<td class='n'>{len(text):,} characters</td></tr>"
+        )
         cut = (
             f"\n… ({len(text) - _MAX_SHOWN:,} more characters in the file)"
             if len(text) > _MAX_SHOWN
             else ""
         )
-        out.append(
-            f"<details><summary><code>{_e(p.name)}</code> ({len(text):,} characters)</summary><pre><code>{_e(text[:_MAX_SHOWN] + cut)}</code></pre></details>"
+        texts.append(
+            f"<details><summary><code>{_e(name)}</code>: {_e(what)}</summary><pre><code>{_e(text[:_MAX_SHOWN] + cut)}</code></pre></details>"
         )
-    return "\n".join(out)
+    head = f"<p>Launch files and exports in <code>{_e(run_dir)}</code> (links relative to this page):</p>"
+    table = (
+        "<table class='exports'><tr><th>file</th><th>what</th><th>size</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
+    return "\n".join([head, table, *texts])

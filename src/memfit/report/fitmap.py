@@ -66,10 +66,13 @@ def fit_result(run: RunOutputs, root: Path) -> FitResult:
     sel = run.selection
     world = run.table.world_size if run.table is not None else None
     num_gpus = int(world or 1)
-    seq = run.selected.candidate.get("seq_len")
+    shown = run.shown
+    if shown is None:
+        return FitResult(None, num_gpus, [], "selected.json lists no candidates")
+    seq = shown.candidate.get("seq_len")
     try:
         arch = _arch(run, root)
-        cand = Candidate.from_dict(run.selected.candidate)
+        cand = Candidate.from_dict(shown.candidate)
         gpus = []
         for name, gpu in catalog.load_gpus().items():
             longest, est = fit(
@@ -121,6 +124,13 @@ def fit_map(run: RunOutputs, res: FitResult) -> str:
     if res.error is not None:
         return f"<p class='muted'>No fit map for {_e(run.title)}: {_e(res.error)}</p>"
     rows = []
+    what = (
+        "The selected configuration"
+        if run.selected is not None
+        else (
+            f"Nothing fits this run's budget: the closest candidate, <code>{_e(run.shown.id)}</code>,"
+        )
+    )
     for g in res.gpus:
         ok = res.ok(g)
         here = " class='here'" if g.gpu == sel.gpu else ""
@@ -130,7 +140,7 @@ def fit_map(run: RunOutputs, res: FitResult) -> str:
             f"<td class='{'ok' if ok else 'bad'}'>{'yes' if ok else 'no'}</td><td>{_e(g.why)}</td></tr>"
         )
     return (
-        f"<p class='muted'>The selected configuration (ZeRO, offload, checkpointing, micro batch, precision) on "
+        f"<p class='muted'>{what} (ZeRO, offload, checkpointing, micro batch, precision) on "
         f"{res.num_gpus} GPU(s) of each catalog type (its full memory and typical node's host RAM from config/gpus.yaml, not this run's budget), "
         f"{_e(sel.method)}, {_e(sel.model)}: the longest sequence whose predicted peak fits "
         f"(memfit.estimate.fit, analytic activations; selected seq len {_e(_plain(res.seq_len))}).</p>"
@@ -151,7 +161,8 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
             unmapped.append(f"{run.title}: {res.error}")
             continue
         s = run.selection
-        key = (str(s.model), str(s.method), run.selected.id, res.num_gpus)
+        # a run where nothing fits shows its closest candidate, in a column of its own
+        key = (str(s.model), str(s.method), run.shown.id, res.num_gpus, run.selected is None)
         col = cols.setdefault(key, {"res": res, "gpus": [], "run": run})
         col["gpus"].append(str(s.gpu))
     out = []
@@ -169,7 +180,7 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
         head2 = (
             "<tr>"
             + "".join(
-                f"<th>{_e(c['run'].selection.method)} <sup>{columns.index(c) + 1}</sup></th>"
+                f"<th>{_e(c['run'].selection.method)}{'' if c['run'].selected is not None else ' (none fits)'} <sup>{columns.index(c) + 1}</sup></th>"
                 for c in ordered
             )
             + "</tr>"
@@ -196,8 +207,13 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
             f"<div class='wide'><table class='grid'>{head1}{head2}{''.join(body)}</table></div>"
         )
         legend = "".join(
-            f"<li><sup>{i}</sup> {_e(c['run'].selection.model)} · {_e(c['run'].selection.method)}: <code>{_e(c['run'].selected.id)}</code>, "
-            f"selected for {_e(', '.join(c['gpus']))}; {c['res'].num_gpus} GPU(s), seq len {_e(_plain(c['res'].seq_len))}</li>"
+            f"<li><sup>{i}</sup> {_e(c['run'].selection.model)} · {_e(c['run'].selection.method)}: <code>{_e(c['run'].shown.id)}</code>, "
+            + (
+                "selected for "
+                if c["run"].selected is not None
+                else "nothing fits; the closest candidate for "
+            )
+            + f"{_e(', '.join(c['gpus']))}; {c['res'].num_gpus} GPU(s), seq len {_e(_plain(c['res'].seq_len))}</li>"
             for i, c in enumerate(columns, 1)
         )
         out.append(f"<ul class='legend'>{legend}</ul>")

@@ -39,13 +39,30 @@ class RunOutputs:
     def rows(self) -> list[CandidateRow]:
         rows = list(self.selection.candidates)
         sel = self.selected
-        if not any(r.id == sel.id for r in rows):
+        if sel is not None and not any(r.id == sel.id for r in rows):
             rows.insert(0, sel)
         return rows
 
     @property
-    def selected(self) -> CandidateRow:
+    def selected(self) -> CandidateRow | None:
+        """The chosen candidate; None in a plan where no candidate fits (`none_fits` says why)."""
         return self.selection.selected
+
+    @property
+    def selected_id(self) -> str | None:
+        return None if self.selected is None else self.selected.id
+
+    @property
+    def none_fits(self) -> str | None:
+        return self.selection.none_fits if self.selected is None else None
+
+    @property
+    def shown(self) -> CandidateRow | None:
+        """The candidate the fit map is drawn for: the selected one, else the closest to fitting
+        (select ranks it first when nothing fits)."""
+        if self.selected is not None:
+            return self.selected
+        return self.selection.candidates[0] if self.selection.candidates else None
 
     @property
     def title(self) -> str:

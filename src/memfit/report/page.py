@@ -95,8 +95,10 @@ def _resume_status(check: dict[str, Any] | None) -> tuple[str, str]:
     return "unknown (no 'passed' field)", "bad"
 
 
-def render(inputs: Inputs, facts_root: Path | None = None) -> str:
-    """The whole page as one string; with `facts_root` (the Snakemake working directory) a "Run facts" section."""
+def render(inputs: Inputs, facts_root: Path | None = None, link_base: Path | None = None) -> str:
+    """The whole page as one string; with `facts_root` (the Snakemake working directory) a "Run facts" section.
+    `link_base` is the folder the page is written to: links to each run's launch files and exports
+    are relative to it (absolute file:// links without it)."""
     runs, stats, loose_summaries, loose_resume = inputs.runs, inputs.stats, inputs.loose_summaries, inputs.loose_resume
 
     def distinct(key: str) -> str:
@@ -123,7 +125,7 @@ def render(inputs: Inputs, facts_root: Path | None = None) -> str:
     body.append(_fit_grid_section(runs, fits))
     for i, run in enumerate(runs):
         anchor = data_anchor.get((str(run.selection.model), str(run.selection.method)))
-        section = _run_section(run, i, anchor, fits[i])
+        section = _run_section(run, i, anchor, fits[i], link_base)
         if len(runs) > 1:  # several combinations: each one folds (open by default, so it prints)
             section = f'<details open class="run"><summary>{_e(run.title)}</summary>\n{section}\n</details>'
         body.append(section)
@@ -204,6 +206,11 @@ def _overview(runs: list[RunOutputs]) -> str:
         s = run.selected
         status, cls = _resume_status(run.resume)
         word = _training_word(run)
+        if s is None:  # a plan where nothing fits: that is the answer, with why
+            dash = ("—", "n")
+            cells = [f'<a href="#run-{i}">{_e(run.title)}</a>', (f"does not fit: {_e(run.none_fits)}", "bad"), dash, "—", dash]
+            rows.append(cells + ([] if plan else [_e(word), (_e(status), cls)]))
+            continue
         row = [
             f'<a href="#run-{i}">{_e(run.title)}</a>',
             f"<code>{_e(s.id)}</code>",
@@ -218,10 +225,12 @@ def _overview(runs: list[RunOutputs]) -> str:
     if not plan:
         header += ["training", "resume check"]
     note = '<p class="muted">Plan only: nothing was probed or trained; the figures are predictions.</p>' if plan else ""
+    if any(r.selected is None for r in runs):
+        note += '<p class="bad">No candidate fits the budget of some runs: see "does not fit" below and each run\'s section.</p>'
     return '<h2 id="runs">Runs</h2>' + note + _table(header, rows)
 
 
-def _run_section(run: RunOutputs, i: int, data_anchor: str | None, fits: FitResult) -> str:
+def _run_section(run: RunOutputs, i: int, data_anchor: str | None, fits: FitResult, link_base: Path | None = None) -> str:
     """One run, in the order a reader asks: what was selected and why, will it fit, what hardware
     fits, did training work (not for a plan-only run: it has no training sections)."""
     sel = run.selection
@@ -231,11 +240,16 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None, fits: FitResu
     if sel.plan_only:
         out.append('<div class="banner info">Plan only: no probe ran and nothing was trained; the selection rests on predictions for hardware that is not here.</div>')
     out.append(_notes(run.notes))
-    out.append("<h3>Selected configuration</h3>")
-    out.append(_selected_block(run, method, world))
+    if run.selected is None:
+        out.append("<h3>Selected configuration: none, it does not fit</h3>")
+        out.append(f'<div class="banner fail">Does not fit: {_e(run.none_fits)}</div>')
+        out.append(_budget_line(run))
+    else:
+        out.append("<h3>Selected configuration</h3>")
+        out.append(_selected_block(run, method, world))
     if sel.launch:
         out.append(f"<p>Launch command:</p><pre><code>{_e(sel.launch)}</code></pre>")
-    out.append(exports_block(Path(run.path).parent))
+    out.append(exports_block(Path(run.path).parent, str(method), link_base))
     if data_anchor:
         out.append(f'<p>Data: <a href="#{data_anchor}">statistics for {_e(sel.model)} · {_e(method)}</a>.</p>')
     out.append("<h3>Selection: every candidate</h3>")
@@ -286,7 +300,8 @@ def _run_section(run: RunOutputs, i: int, data_anchor: str | None, fits: FitResu
 
 def _selected_block(run: RunOutputs, method: str, world: Any) -> str:
     """The selected candidate in words and the figures it was chosen on, and the budget."""
-    s, b = run.selected, run.selection.budget
+    s = run.selected
+    assert s is not None  # a run where nothing fits shows its reason instead
     out = [f"<p><code>{_e(s.id)}</code>: {_e(describe(s.candidate, method, world))}.</p>"]
     out.append(
         f"<p>Chosen on {_e(s.source)} figures: device peak {_e(_bytes(s.device_bytes))}, "
@@ -296,17 +311,22 @@ def _selected_block(run: RunOutputs, method: str, world: Any) -> str:
     est = next((r for r in run.table.rows if r.id == s.id), None) if run.table is not None else None
     if est is not None and est.notes:
         out.append("<p>Estimator notes:</p><ul>" + "".join(f"<li>{_e(n)}</li>" for n in est.notes) + "</ul>")
+    out.append(_budget_line(run))
+    return "\n".join(out)
+
+
+def _budget_line(run: RunOutputs) -> str:
+    b = run.selection.budget
     dev, head = float(b.device_bytes), float(b.headroom)
     usable = f", {head:.0%} headroom kept free: {_bytes(dev * (1 - head))} usable" if head else ""
-    out.append(f"<p>Budget: {_e(_bytes(dev))} per device{_e(usable)}; host RAM {_e(_bytes(b.host_bytes))} per node.</p>")
-    return "\n".join(out)
+    return f"<p>Budget: {_e(_bytes(dev))} per device{_e(usable)}; host RAM {_e(_bytes(b.host_bytes))} per node.</p>"
 
 
 def _selection_table(run: RunOutputs) -> str:
     rows = run.rows
     if not rows:
         return "<p>selected.json lists no candidates.</p>"
-    sid = run.selected.id
+    sid = run.selected_id
     cells, classes = [], []
     for rank, r in enumerate(rows, 1):
         pred = r.predicted
@@ -339,7 +359,8 @@ def _selection_table(run: RunOutputs) -> str:
     header = ["#", "candidate", "predicted device total", "measured peak (probe)", "host per node", "step time", "throughput", "judged on", "verdict", "reason"]
     # Candidates judged on predictions alone (never probed) fold away below the ones the selection
     # actually weighed, so a long search space does not bury the probes; ranks are kept.
-    weighed = [i for i, r in enumerate(rows) if r.id == sid or r.source != "predicted"]
+    # (nothing selected: the closest candidate, ranked first, heads the table)
+    weighed = [i for i, r in enumerate(rows) if r.id == sid or r.source != "predicted" or (sid is None and i == 0)]
     rest = [i for i in range(len(rows)) if i not in set(weighed)]
     if len(rest) <= 5 or not weighed:
         return _table(header, cells, classes)
@@ -396,6 +417,8 @@ def _training_table(summary: dict[str, Any], metrics: list[dict[str, Any]] | Non
 def _memory_compare(run: RunOutputs) -> str:
     """Training peak vs the probe's and the prediction's, for the selected candidate."""
     s = run.selected
+    if s is None:
+        return ""
     pred = asdict(s.predicted)
     probe = s.probe
     figures = [("predicted", pred)]
