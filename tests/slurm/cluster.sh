@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# A SLURM "cluster" on this machine: munged, slurmctld and two slurmd (n1, n2) on localhost.
+# A SLURM "cluster" on this machine: munged, slurmctld and two slurmd (memfit-n1, memfit-n2) on
+# localhost (Debian's slurmd has -N: it is built with multiple-slurmd support).
 #   tests/slurm/cluster.sh start DIR   # writes DIR/slurm.conf, starts the daemons, waits for idle nodes
 #   tests/slurm/cluster.sh stop DIR    # stops what `start` started (by the pids it recorded)
-# Then `export SLURM_CONF=DIR/slurm.conf` for sbatch/squeue/scancel. Needs root and Debian's
-# slurm-wlm + munge (22.05 on bookworm): `apt-get install -y slurm-wlm munge`.
+# The config is also installed as /etc/slurm/slurm.conf (refused if another one is there):
+# snakemake-executor-plugin-slurm's jobstep drops SLURM_CONF (every SLURM_* variable but the
+# job's identity) before its inner `srun`, which then only finds the default path. Needs root
+# and Debian's slurm-wlm + munge (22.05 on bookworm): `apt-get install -y slurm-wlm munge`.
 # No cgroups (containers rarely allow them): proctrack/linuxproc tracks a step's processes by
 # parent pid, task/none binds nothing; accounting off, so job status comes from squeue
 # (MinJobAge keeps finished jobs visible to it).
@@ -13,9 +16,14 @@ dir=$(realpath -m "${2:?usage: cluster.sh start|stop DIR}")
 CPUS=${MEMFIT_SLURM_CPUS:-8}        # CPUs each node claims (SlurmdParameters=config_overrides)
 MEM_MB=${MEMFIT_SLURM_MEM_MB:-16000}
 PORT=${MEMFIT_SLURM_PORT:-16817}    # slurmctld; the slurmd listen on PORT+1, PORT+2
+N1=memfit-n1 N2=memfit-n2           # jobs see these names in SLURM_JOB_NODELIST: make them resolve
+
+MARK="# written by memfit tests/slurm/cluster.sh"
+SYSCONF=/etc/slurm/slurm.conf
 
 stop() {
-  for f in "$dir"/slurmd.n1.pid "$dir"/slurmd.n2.pid "$dir"/slurmctld.pid "$dir"/munged.pid; do
+  if [[ -f $SYSCONF ]] && head -1 "$SYSCONF" | grep -qF "$MARK"; then rm -f "$SYSCONF"; fi
+  for f in "$dir/slurmd.$N1.pid" "$dir/slurmd.$N2.pid" "$dir"/slurmctld.pid "$dir"/munged.pid; do
     [[ -f $f ]] || continue
     pid=$(cat "$f")
     kill "$pid" 2>/dev/null || true
@@ -30,9 +38,15 @@ if [[ $cmd == stop ]]; then stop; exit 0; fi
 for tool in slurmctld slurmd munged sbatch; do
   command -v "$tool" >/dev/null || { echo "$tool not found: apt-get install -y slurm-wlm munge" >&2; exit 1; }
 done
-mkdir -p "$dir"/state "$dir"/spool/n1 "$dir"/spool/n2 "$dir"/munge
+rm -rf "$dir"/state "$dir"/spool
+mkdir -p "$dir"/state "$dir/spool/$N1" "$dir/spool/$N2" "$dir"/munge
 host=$(hostname -s)
+if [[ -f $SYSCONF ]] && ! head -1 "$SYSCONF" | grep -qF "$MARK"; then
+  echo "$SYSCONF exists and is not ours: not starting a test cluster over it" >&2
+  exit 1
+fi
 cat >"$dir/slurm.conf" <<CONF
+$MARK
 ClusterName=memfit-local
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$PORT
@@ -63,9 +77,9 @@ ReturnToService=2
 MinJobAge=600
 KillWait=30
 SlurmdParameters=config_overrides
-NodeName=n1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
-NodeName=n2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
-PartitionName=local Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
+NodeName=$N1 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 1)) CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+NodeName=$N2 NodeHostname=$host NodeAddr=127.0.0.1 Port=$((PORT + 2)) CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+PartitionName=local Nodes=$N1,$N2 Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$dir/slurm.conf
 
@@ -77,9 +91,11 @@ munged --socket="$dir/munge/munge.socket.2" --pid-file="$dir/munged.pid" \
 cat >>"$dir/slurm.conf" <<CONF
 AuthInfo=socket=$dir/munge/munge.socket.2
 CONF
+mkdir -p /etc/slurm
+cp "$dir/slurm.conf" "$SYSCONF"
 slurmctld -f "$dir/slurm.conf" -i
-slurmd -f "$dir/slurm.conf" -N n1
-slurmd -f "$dir/slurm.conf" -N n2
+slurmd -f "$dir/slurm.conf" -N $N1
+slurmd -f "$dir/slurm.conf" -N $N2
 for _ in $(seq 60); do
   if [[ $(sinfo -h -N -o '%T' 2>/dev/null | grep -c idle) == 2 ]]; then
     sinfo -N
