@@ -170,7 +170,11 @@ def launch(
         cmd = [*srun, sys.executable, "-m", "memfit.cli", "launch", "--config", str(config)]
         cmd += ["--nproc", str(nproc), "--nnodes", str(nnodes)]
     else:
-        cmd = command(config, nproc, rendezvous_from_env(os.environ, nnodes))
+        rdzv = rendezvous_from_env(os.environ, nnodes)
+        cmd = command(config, nproc, rdzv)
+        if rdzv is not None and log is None:  # one of several nodes: say where it meets the others
+            host = os.environ.get("SLURMD_NODENAME", "")
+            print(f"[node {rdzv.node_rank} {host}] $ " + " ".join(cmd), file=sys.stderr, flush=True)
     threads = max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else None
     out = None
     if log is not None:
