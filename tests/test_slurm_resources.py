@@ -146,3 +146,21 @@ def test_host_ram_from_selected_else_worst_estimate(tmp_path):
     assert host_bytes_of(sel, ests) == 70 * GIB  # select has not run: worst case
     sel.write_text(json.dumps({"selected": {"id": "c3", "host_bytes": 10 * GIB}}))
     assert host_bytes_of(sel, ests) == 10 * GIB
+
+
+def test_config_slurm_section_is_validated_naming_the_key():
+    from pathlib import Path
+
+    from memfit.config import ConfigError, WorkflowConfig, load_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    raw = load_yaml(root / "config" / "cluster-example.yaml")
+    raw["plan_only"] = True  # no weights needed to validate
+    raw["slurm"] = {"partition": "gpu", "gpu_types": {"h100-80gb": {"gpu_model": "h100"}}}
+    assert WorkflowConfig.load(raw).slurm["partition"] == "gpu"
+    raw["slurm"]["gpu_types"]["h100-80gbb"] = {"gpu_model": "h100"}
+    with pytest.raises(ConfigError, match=r"slurm.gpu_types.h100-80gbb: not a GPU name"):
+        WorkflowConfig.load(raw)
+    raw["slurm"] = {"runtime_min": {"trian": 5}}
+    with pytest.raises(ConfigError, match=r"slurm.runtime_min.*trian"):
+        WorkflowConfig.load(raw)

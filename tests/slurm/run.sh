@@ -13,8 +13,10 @@
 #      and it resumes from that checkpoint.
 #   2. The same config run locally (`snakemake --cores 2`): `memfit compare-results` finds the
 #      same selection, the same losses step by step and the same resume verdict.
-#   3. The config on 2 nodes x 1 rank through SLURM: probe, train and verify_resume are jobs of
-#      2 nodes; the train log shows both launchers meeting at the first node (torchrun c10d).
+#   3. The config on 2 nodes x 1 rank through SLURM (up to train, 10 steps): the probe and train
+#      are jobs of 2 nodes; the train log shows both launchers meeting at the first node.
+# MEMFIT_SLURM_STAGES="1 3" runs some stages only; MEMFIT_SLURM_REUSE=1 uses a cluster that
+# an earlier run.sh (still running) started instead of starting one.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=$(realpath -m "${1:-/tmp/memfit-slurm-run}")
@@ -36,30 +38,37 @@ for n in memfit-n1 memfit-n2; do
   getent hosts "$n" >/dev/null || echo "127.0.0.1 $n" >>/etc/hosts
 done
 
+STAGES=" ${MEMFIT_SLURM_STAGES:-1 2 3} "
 mkdir -p "$WORK"
-trap 'bash "$ROOT/tests/slurm/cluster.sh" stop "$CLUSTER"' EXIT
-say "starting slurmctld + 2 slurmd"
-bash "$ROOT/tests/slurm/cluster.sh" start "$CLUSTER"
-export SLURM_CONF=$CLUSTER/slurm.conf
+if [[ ${MEMFIT_SLURM_REUSE:-0} == 1 ]]; then
+  export SLURM_CONF=/etc/slurm/slurm.conf
+  sinfo -N || fail "MEMFIT_SLURM_REUSE=1 but no cluster answers"
+else
+  trap 'bash "$ROOT/tests/slurm/cluster.sh" stop "$CLUSTER"' EXIT
+  say "starting slurmctld + 2 slurmd"
+  bash "$ROOT/tests/slurm/cluster.sh" start "$CLUSTER"
+  export SLURM_CONF=$CLUSTER/slurm.conf
+fi
 sbatch --version
 
 # -- a workdir with a small config of the embedded default ----------------------------------
-setup() {  # setup DIR NUM_NODES NUM_GPUS
+setup() {  # setup DIR NUM_NODES NUM_GPUS MAX_STEPS SAVE_EVERY
   local dir=$1
   rm -rf "$dir"
   mkdir -p "$dir/profile"
   ln -s "$ROOT/data" "$dir/data"
   ln -s "$ROOT/config" "$dir/config"
-  "$PY" - "$ROOT/config/config.yaml" "$dir/config.yaml" "$2" "$3" <<'PY'
+  "$PY" - "$ROOT/config/config.yaml" "$dir/config.yaml" "$2" "$3" "$4" "$5" <<'PY'
 import sys, yaml
-src, dst, nodes, ranks = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+src, dst = sys.argv[1], sys.argv[2]
+nodes, ranks, steps, every = (int(a) for a in sys.argv[3:7])
 cfg = yaml.safe_load(open(src))
 cfg.update(methods=["sft"], num_nodes=nodes, num_gpus=ranks)
 cfg["estimate"] = {"activations": "analytic"}
 cfg["search"].update(zero=[0], grad_ckpt=[False], micro_batch=[8])
 cfg["probe"].update(top_k=1, steps=2)
-cfg["train"].update(save_every=10, keep_last=3, eval_every=20, log_every=5)
-cfg["train"]["sft"]["max_steps"] = 40
+cfg["train"].update(save_every=every, keep_last=3, eval_every=20, log_every=5)
+cfg["train"]["sft"]["max_steps"] = steps
 cfg["slurm"] = {"partition": "local", "runtime_min": {"train": 30, "verify_resume": 30}}
 yaml.safe_dump(cfg, open(dst, "w"), sort_keys=False)
 PY
@@ -79,10 +88,12 @@ slurm-keep-successful-logs: true
 YAML
 }
 
-run_slurm() {  # run_slurm DIR
-  (cd "$1" && "${SNAKEMAKE[@]}" -s "$ROOT/Snakefile" --configfile config.yaml \
-    --profile "$ROOT/slurm" --workflow-profile profile >snakemake.log 2>&1) ||
-    { tail -40 "$1/snakemake.log"; fail "snakemake --profile slurm in $1"; }
+run_slurm() {  # run_slurm DIR [TARGET...]
+  local dir=$1
+  shift
+  (cd "$dir" && "${SNAKEMAKE[@]}" -s "$ROOT/Snakefile" --configfile config.yaml \
+    --profile "$ROOT/slurm" --workflow-profile profile "$@" >snakemake.log 2>&1) ||
+    { tail -40 "$dir/snakemake.log"; fail "snakemake --profile slurm in $dir"; }
 }
 
 jobs_of() {  # the SLURM jobs of this session: id, comment (rule_<name>...), state, nodes
@@ -91,7 +102,8 @@ jobs_of() {  # the SLURM jobs of this session: id, comment (rule_<name>...), sta
 
 # -- 1. the DAG through SLURM, with a preempted train job ------------------------------------
 A=$WORK/one-node
-setup "$A" 1 2
+if [[ $STAGES == *" 1 "* ]]; then
+setup "$A" 1 2 40 10
 say "1. snakemake --profile slurm (1 node x 2 ranks); USR1 to train after its first checkpoint"
 t0=$(date +%s)
 run_slurm "$A" &
@@ -123,11 +135,12 @@ grep -h "signal received\|resumed from" "$log"
 [[ -f $A/results/report.html ]] || fail "no report"
 submitted=$(grep -c "has been submitted with SLURM jobid" "$A/snakemake.log")
 echo "sbatch submissions: $submitted (local rules: select_config, report, all)"
-grep -q '"verdict"' "$A/results/demo-tiny/cpu/sft/verify_resume.json" 2>/dev/null || true
+fi
 
 # -- 2. the same config locally: same decisions and losses -----------------------------------
 B=$WORK/local
-setup "$B" 1 2
+if [[ $STAGES == *" 2 "* ]]; then
+setup "$B" 1 2 40 10
 say "2. the same config locally (snakemake --cores 2)"
 t0=$(date +%s)
 (cd "$B" && "${SNAKEMAKE[@]}" -s "$ROOT/Snakefile" --configfile config.yaml --cores 2 \
@@ -135,13 +148,15 @@ t0=$(date +%s)
 say "2. done in $(($(date +%s) - t0)) s"
 "$PY" -m memfit.cli compare-results "$B/results" "$A/results" ||
   fail "SLURM and local results differ"
+fi
 
 # -- 3. two nodes ----------------------------------------------------------------------------
 C=$WORK/two-nodes
-setup "$C" 2 1
-say "3. snakemake --profile slurm (2 nodes x 1 rank)"
+if [[ $STAGES == *" 3 "* ]]; then
+setup "$C" 2 1 10 5
+say "3. snakemake --profile slurm (2 nodes x 1 rank), up to train"
 t0=$(date +%s)
-run_slurm "$C"
+run_slurm "$C" results/demo-tiny/cpu/sft/train/summary.json
 say "3. done in $(($(date +%s) - t0)) s"
 jobs_of | awk -F'|' '$4 == 2' | tee "$C/two-node-jobs.txt"
 grep -q '|rule_train' "$C/two-node-jobs.txt" || fail "train was not a 2-node job"
@@ -149,4 +164,5 @@ log=$C/logs/demo-tiny/cpu/sft/train.log
 grep -m2 -- "--rdzv-endpoint=memfit-n1:$MEMFIT_RDZV_PORT" "$log" ||
   fail "no 2-node rendezvous in $log"
 grep -m1 "^\$ srun --overlap --nodes=2" "$log" || fail "no per-node srun in $log"
+fi
 say "all checks passed (SLURM $(sbatch --version | awk '{print $2}'))"
