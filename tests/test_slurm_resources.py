@@ -15,6 +15,7 @@ from memfit.slurm import (
     rule_resources,
     run_host_bytes,
     runtime_min,
+    srun_env,
 )
 from memfit.units import GIB
 
@@ -164,3 +165,21 @@ def test_config_slurm_section_is_validated_naming_the_key():
     raw["slurm"] = {"runtime_min": {"trian": 5}}
     with pytest.raises(ConfigError, match=r"slurm.runtime_min.*trian"):
         WorkflowConfig.load(raw)
+
+
+def test_srun_env_drops_the_one_node_step_it_runs_in():
+    # what the plugin's `srun -n1` step hands its task on a 2-node job (SLURM 22.05)
+    step = {
+        "SLURM_JOB_ID": "10",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "memfit-n1",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SRUN_DEBUG": "3",
+        "PATH": "/usr/bin",
+    }
+    assert srun_env(step) == {
+        "SLURM_JOB_ID": "10",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "PATH": "/usr/bin",
+    }

@@ -163,7 +163,7 @@ def launch(
     process of a step, and torchrun has no handler for it (its default would kill torchrun, and
     with it every rank: train._die_with_parent).
     """
-    from memfit.slurm import per_node_srun
+    from memfit.slurm import per_node_srun, srun_env
 
     srun = per_node_srun(nnodes, os.environ)
     if srun is not None:
@@ -182,9 +182,10 @@ def launch(
         out = open(log, "a")  # noqa: SIM115 - closed below
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
+    env = launch_env(threads)
     proc = subprocess.Popen(
         cmd,
-        env=launch_env(threads),
+        env=env if srun is None else srun_env(env),
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
         preexec_fn=None if srun is not None else _ignore_sigusr1,
