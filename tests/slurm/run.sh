@@ -119,6 +119,12 @@ while kill -0 $SNAKE 2>/dev/null; do
       signalled=$id
     fi
   fi
+  # the resubmitted job rewrites the rule's log: keep the first attempt's
+  log=$A/logs/demo-tiny/cpu/sft/train.log
+  if [[ -n $signalled && ! -s $A/train.attempt1.log ]] && grep -qs "signal received" "$log"; then
+    sleep 2
+    cp "$log" "$A/train.attempt1.log"
+  fi
   sleep 1
 done
 wait $SNAKE
@@ -129,9 +135,11 @@ jobs_of | tee "$A/jobs.txt"
 ntrain=$(grep -c '|rule_train' "$A/jobs.txt")
 [[ $ntrain -ge 2 ]] || fail "train was not resubmitted ($ntrain job)"
 log=$A/logs/demo-tiny/cpu/sft/train.log
-grep -q "signal received: checkpointed step" "$log" || fail "no checkpoint on USR1 in $log"
+grep -q "signal received: checkpointed step" "$A/train.attempt1.log" ||
+  fail "no checkpoint on USR1 in the first attempt's $log"
 grep -q "resumed from" "$log" || fail "the resubmitted train did not resume ($log)"
-grep -h "signal received\|resumed from" "$log"
+grep -h "signal received\|exit code" "$A/train.attempt1.log"
+grep -h "resumed from" "$log"
 [[ -f $A/results/report.html ]] || fail "no report"
 submitted=$(grep -c "has been submitted with SLURM jobid" "$A/snakemake.log")
 echo "sbatch submissions: $submitted (local rules: select_config, report, all)"
