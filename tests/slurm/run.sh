@@ -11,8 +11,8 @@
 #      completes. While `train` runs, `scancel --signal=USR1 <train job>` after its first
 #      checkpoint: the ranks checkpoint and exit, Snakemake resubmits the job (restart-times)
 #      and it resumes from that checkpoint.
-#   2. The same config run locally (`snakemake --cores 2`): `memfit compare-results` finds the
-#      same selection, the same losses step by step and the same resume verdict.
+#   2. The same config run locally (`snakemake --cores 2`): `memfit compare-results --rtol 1e-5`
+#      finds the same selection, the same losses step by step and the same resume verdict.
 #   3. The config on 2 nodes x 1 rank through SLURM (up to train, 10 steps): the probe and train
 #      are jobs of 2 nodes; the train log shows both launchers meeting at the first node.
 # MEMFIT_SLURM_STAGES="1 3" runs some stages only; MEMFIT_SLURM_REUSE=1 uses a cluster that
@@ -154,7 +154,9 @@ t0=$(date +%s)
 (cd "$B" && "${SNAKEMAKE[@]}" -s "$ROOT/Snakefile" --configfile config.yaml --cores 2 \
   >snakemake.log 2>&1) || { tail -40 "$B/snakemake.log"; fail "local run"; }
 say "2. done in $(($(date +%s) - t0)) s"
-"$PY" -m memfit.cli compare-results "$B/results" "$A/results" ||
+# Not bit for bit: on a loaded machine even a local run's own verify_resume differs from its
+# run in the 7th digit (losses_bitwise_equal false); stage 1 vs 2 measured 2.0e-6 at most.
+"$PY" -m memfit.cli compare-results "$B/results" "$A/results" --rtol 1e-5 ||
   fail "SLURM and local results differ"
 fi
 
