@@ -25,6 +25,14 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
 
+# Short rules run where snakemake runs, never as SLURM jobs: select_config reads a few JSON files,
+# report renders one page (seconds each); queueing them would cost more than running them.
+localrules:
+    all,
+    select_config,
+    report,
+
+
 rule all:
     input:
         all_outputs(),

@@ -108,12 +108,15 @@ def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path, monkeypatch):
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGUSR1)  # forwarded as SIGTERM
+        # SIGTERM goes to torchrun (here the rank itself), which passes it on; SIGUSR1 goes to
+        # torchrun's children, the ranks (tests/test_slurm_launch.py)
+        os.kill(os.getpid(), signal.SIGTERM)
 
-    before = signal.getsignal(signal.SIGUSR1)
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
     sender = threading.Thread(target=send_when_ready)
     sender.start()
     rc = launch(run_json(tmp_path), 1, log=tmp_path / "log", timeout_s=30)
     sender.join()
     assert rc == 42
-    assert signal.getsignal(signal.SIGUSR1) is before  # the launcher's handlers are removed afterwards
+    # the launcher's handlers are removed afterwards
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before

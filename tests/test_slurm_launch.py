@@ -70,3 +70,43 @@ def test_explicit_rendezvous_for_other_schedulers():
     assert rendezvous_from_env(env, 2) == Rendezvous(
         nnodes=2, node_rank=1, host="10.0.0.1", port=31000
     )
+
+
+def test_sigusr1_reaches_the_ranks_and_spares_torchrun(tmp_path):
+    """SLURM's --signal=USR1@secs reaches every process of a step: the torchrun stand-in started
+    with launch's preexec survives it (SIG_IGN), and the launcher's forward reaches its children."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from memfit.launch import _children, _forward, _ignore_sigusr1
+
+    got = tmp_path / "rank-got-usr1"
+    rank = (
+        "import signal, sys, time, pathlib\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: pathlib.Path(sys.argv[1]).write_text('x'))\n"
+        "print('ready', flush=True)\n"
+        "for _ in range(200):\n"
+        "    time.sleep(0.05)\n"
+        "    if pathlib.Path(sys.argv[1]).exists(): sys.exit(4)\n"
+    )
+    agent = (  # like torchrun: starts the rank, waits, passes on its exit code
+        "import subprocess, sys\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {rank!r}, sys.argv[1]], stdout=subprocess.PIPE)\n"
+        "print(p.stdout.readline().decode().strip(), flush=True)\n"
+        "sys.exit(p.wait())\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", agent, str(got)],
+        stdout=subprocess.PIPE,
+        preexec_fn=_ignore_sigusr1,
+    )
+    assert proc.stdout.readline().strip() == b"ready"
+    os.kill(proc.pid, signal.SIGUSR1)  # what SLURM does to every process of the step
+    time.sleep(0.3)
+    assert proc.poll() is None and not got.exists()  # torchrun survives, does not pass it on
+    assert len(_children(proc.pid)) == 1
+    _forward(proc, signal.SIGUSR1, to_ranks=True)
+    assert proc.wait(timeout=20) == 4 and got.exists()  # the rank saw it and exited 4

@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from memfit.slurm import SlurmConfigError, host_bytes_of, job_resources, mem_mb
+from memfit.slurm import (
+    SlurmConfigError,
+    host_bytes_of,
+    job_resources,
+    mem_mb,
+    per_node_srun,
+    rule_resources,
+    run_host_bytes,
+    runtime_min,
+    srun_env,
+)
 from memfit.units import GIB
 
 CLUSTER = {
@@ -14,8 +24,8 @@ CLUSTER = {
     "account": "proj1",
     "cpus_per_gpu": 12,
     "gpu_types": {
-        "H100-80GB": {"gpu_model": "h100", "constraint": "h100"},
-        "RTX-4090": {"gpu_model": "rtx4090"},
+        "h100-80gb": {"gpu_model": "h100", "constraint": "h100"},
+        "rtx4090": {"gpu_model": "rtx4090"},
     },
 }
 
@@ -31,13 +41,14 @@ def test_72b_on_four_nodes_of_eight_h100():
     res = job_resources(
         num_gpus=8,
         num_nodes=4,
-        gpu="H100-80GB",
+        gpu="h100-80gb",
         host_bytes=900 * GIB,
         runtime_min=2880,
         cluster=CLUSTER,
     )
-    assert res["nodes"] == 4 and res["gpu"] == 8 and res["tasks_per_node"] == 1
-    assert res["gpu_model"] == "h100" and res["constraint"] == "h100"
+    # 8 GPUs on each node: --gres counts per node (sbatch --gpus would count the whole job)
+    assert res["nodes"] == 4 and res["gres"] == "gpu:h100:8" and "gpu" not in res
+    assert res["constraint"] == "h100" and "tasks" not in res
     assert res["mem_mb"] == mem_mb(900 * GIB) and res["mem_mb"] > 900 * 1024
     assert (
         res["runtime"] == 2880
@@ -47,23 +58,87 @@ def test_72b_on_four_nodes_of_eight_h100():
     assert res["cpus_per_gpu"] == 12
 
 
-def test_8b_on_one_rtx4090_has_no_constraint_and_partition_is_required():
+def test_8b_on_one_rtx4090_asks_gpus_of_its_model_and_no_constraint():
     res = job_resources(
         num_gpus=1,
         num_nodes=1,
-        gpu="RTX-4090",
+        gpu="rtx4090",
         host_bytes=20 * GIB,
         runtime_min=30,
         cluster=CLUSTER,
     )
-    assert (
-        res["nodes"] == 1
-        and res["gpu"] == 1
-        and res["gpu_model"] == "rtx4090"
-        and "constraint" not in res
+    assert res["nodes"] == 1 and res["gpu"] == 1 and res["gpu_model"] == "rtx4090"
+    assert "constraint" not in res and "gres" not in res
+
+
+def test_without_a_slurm_section_the_profile_decides_partition_and_account():
+    res = job_resources(
+        num_gpus=2, num_nodes=1, gpu="a100-80gb", host_bytes=0, runtime_min=1, cluster={}
     )
-    with pytest.raises(SlurmConfigError, match="slurm.partition"):
-        job_resources(num_gpus=1, num_nodes=1, gpu="X", host_bytes=0, runtime_min=1, cluster={})
+    assert "slurm_partition" not in res and "slurm_account" not in res and "gpu_model" not in res
+    assert res["gpu"] == 2 and res["cpus_per_gpu"] == 8
+    with pytest.raises(SlurmConfigError):
+        job_resources(num_gpus=0, num_nodes=1, gpu="x", host_bytes=0, runtime_min=1, cluster={})
+
+
+def test_cpu_ranks_ask_one_task_per_node_and_no_gpu():
+    # the plugin's default --ntasks=1 would shrink a 2-node request to one node
+    res = job_resources(
+        num_gpus=2,
+        num_nodes=2,
+        gpu="cpu",
+        host_bytes=GIB,
+        runtime_min=5,
+        cluster={"partition": "gpu", "cpu_partition": "cpu"},
+    )
+    assert res["nodes"] == 2 and res["tasks"] == 2 and res["gpu"] == 0
+    assert res["slurm_partition"] == "cpu" and "cpus_per_gpu" not in res
+
+
+def test_runtime_per_rule_from_config_else_defaults_and_probe_timeout():
+    cfg = {"probe": {"timeout_s": 1200}, "slurm": {"runtime_min": {"train": 600}}}
+    assert runtime_min(cfg, "train") == 600
+    assert runtime_min(cfg, "verify_resume") == 240
+    assert runtime_min(cfg, "probe_candidate") == 20 + 10
+    assert runtime_min({"probe": {"timeout_s": 61}}, "probe_candidate") == 2 + 10
+    with pytest.raises(SlurmConfigError, match="slurm.runtime_min.report"):
+        runtime_min(cfg, "report")
+
+
+def test_rule_resources_of_data_rules_are_runtime_and_cpu_partition():
+    cfg = {"num_gpus": 8, "slurm": {"partition": "gpu", "cpu_partition": "cpu", "account": "a"}}
+    assert rule_resources(cfg, "prepare_data", "h100-80gb") == {
+        "runtime": 60,
+        "slurm_partition": "cpu",
+        "slurm_account": "a",
+    }
+    with pytest.raises(SlurmConfigError, match="host_bytes"):
+        rule_resources(cfg, "train", "h100-80gb")
+
+
+def test_run_host_bytes_names_the_missing_run_json_so_snakemake_defers(tmp_path):
+    run = tmp_path / "run.json"
+    with pytest.raises(FileNotFoundError) as e:
+        run_host_bytes(run)
+    assert e.value.filename == str(run)
+    run.write_text("{}")
+    (tmp_path / "candidates.json").write_text(json.dumps({"rows": [{"host_bytes": 5 * GIB}]}))
+    assert run_host_bytes(run) == 5 * GIB
+    (tmp_path / "selected.json").write_text(json.dumps({"selected": {"host_bytes": GIB}}))
+    assert run_host_bytes(run) == GIB
+
+
+def test_per_node_srun_only_for_a_multi_node_job_started_as_one_task():
+    assert per_node_srun(1, {"SLURM_JOB_ID": "7"}) is None
+    assert per_node_srun(2, {}) is None  # no allocation: launch asks for a rendezvous
+    # the plugin's jobstep: one task of a one-node step on the first node
+    one_task = {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": "1"}
+    cmd = per_node_srun(2, one_task)
+    assert cmd[0] == "srun" and "--overlap" in cmd and "--nodes=2" in cmd
+    assert "--ntasks-per-node=1" in cmd and "--ntasks=2" in cmd and "--jobid=7" in cmd
+    # already one launcher per node (launch.sh's srun): no second srun
+    per_node = {"SLURM_JOB_ID": "7", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2"}
+    assert per_node_srun(2, per_node) is None
 
 
 def test_host_ram_from_selected_else_worst_estimate(tmp_path):
@@ -72,3 +147,39 @@ def test_host_ram_from_selected_else_worst_estimate(tmp_path):
     assert host_bytes_of(sel, ests) == 70 * GIB  # select has not run: worst case
     sel.write_text(json.dumps({"selected": {"id": "c3", "host_bytes": 10 * GIB}}))
     assert host_bytes_of(sel, ests) == 10 * GIB
+
+
+def test_config_slurm_section_is_validated_naming_the_key():
+    from pathlib import Path
+
+    from memfit.config import ConfigError, WorkflowConfig, load_yaml
+
+    root = Path(__file__).resolve().parents[1]
+    raw = load_yaml(root / "config" / "cluster-example.yaml")
+    raw["plan_only"] = True  # no weights needed to validate
+    raw["slurm"] = {"partition": "gpu", "gpu_types": {"h100-80gb": {"gpu_model": "h100"}}}
+    assert WorkflowConfig.load(raw).slurm["partition"] == "gpu"
+    raw["slurm"]["gpu_types"]["h100-80gbb"] = {"gpu_model": "h100"}
+    with pytest.raises(ConfigError, match=r"slurm.gpu_types.h100-80gbb: not a GPU name"):
+        WorkflowConfig.load(raw)
+    raw["slurm"] = {"runtime_min": {"trian": 5}}
+    with pytest.raises(ConfigError, match=r"slurm.runtime_min.*trian"):
+        WorkflowConfig.load(raw)
+
+
+def test_srun_env_drops_the_one_node_step_it_runs_in():
+    # what the plugin's `srun -n1` step hands its task on a 2-node job (SLURM 22.05)
+    step = {
+        "SLURM_JOB_ID": "10",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "memfit-n1",
+        "SLURM_STEP_NUM_NODES": "1",
+        "SRUN_DEBUG": "3",
+        "PATH": "/usr/bin",
+    }
+    assert srun_env(step) == {
+        "SLURM_JOB_ID": "10",
+        "SLURM_CONF": "/etc/slurm/slurm.conf",
+        "PATH": "/usr/bin",
+    }

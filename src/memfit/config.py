@@ -120,6 +120,12 @@ class WorkflowConfig:
         return Budget(device_bytes=device, host_bytes=int(float(host_gib) * GIB), headroom=float(self.raw["headroom"]))
 
     @property
+    def slurm(self) -> dict[str, Any]:
+        """`slurm:` (partition, account, cpus_per_gpu, runtime_min, gpu_types), {} when absent;
+        memfit.slurm.rule_resources turns it into each job's resources."""
+        return dict(self.raw.get("slurm") or {})
+
+    @property
     def probe(self) -> ProbeSettings:
         p = self.raw["probe"]
         return ProbeSettings(
@@ -366,6 +372,12 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
             out.append(
                 f"gpus[{i}]: {name} is for planning only ({gpu.planning_reason.strip()}); "
                 "set plan_only: true to estimate and select for it without training"
+            )
+    for name in cfg.slurm.get("gpu_types") or {}:
+        # a site-wide section may list GPU types this config does not use, but not a typo
+        if name not in cfg.gpus and name not in gpus:
+            out.append(
+                f"slurm.gpu_types.{name}: not a GPU name (allowed: {', '.join(sorted(gpus))})"
             )
     for name in cfg.models:
         m = cfg.model(name)

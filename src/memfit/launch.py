@@ -152,10 +152,29 @@ def launch(
 ) -> int:
     """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code.
 
-    SIGTERM and SIGUSR1 sent to this process (SLURM's warning before the wall-time kill) are
-    forwarded to the ranks, which checkpoint at the end of the current step and exit.
+    Inside a SLURM job of `nnodes` > 1 nodes started as one task (a Snakemake rule under the
+    executor plugin, or a batch script), this starts one launcher per node with `srun`
+    (memfit.slurm.per_node_srun) and waits for them.
+
+    SIGUSR1 (SLURM's `--signal=USR1@secs` before the wall-time kill, or `scancel --signal=USR1`)
+    and SIGTERM sent to this process are forwarded: SIGUSR1 to the ranks themselves (they
+    checkpoint at the end of the current step and exit), SIGTERM to torchrun, which passes it on
+    to the ranks and SIGKILLs them 30 s later. torchrun ignores SIGUSR1: SLURM signals every
+    process of a step, and torchrun has no handler for it (its default would kill torchrun, and
+    with it every rank: train._die_with_parent).
     """
-    cmd = command(config, nproc, rendezvous_from_env(os.environ, nnodes))
+    from memfit.slurm import per_node_srun, srun_env
+
+    srun = per_node_srun(nnodes, os.environ)
+    if srun is not None:
+        cmd = [*srun, sys.executable, "-m", "memfit.cli", "launch", "--config", str(config)]
+        cmd += ["--nproc", str(nproc), "--nnodes", str(nnodes)]
+    else:
+        rdzv = rendezvous_from_env(os.environ, nnodes)
+        cmd = command(config, nproc, rdzv)
+        if rdzv is not None and log is None:  # one of several nodes: say where it meets the others
+            host = os.environ.get("SLURMD_NODENAME", "")
+            print(f"[node {rdzv.node_rank} {host}] $ " + " ".join(cmd), file=sys.stderr, flush=True)
     threads = max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else None
     out = None
     if log is not None:
@@ -163,16 +182,19 @@ def launch(
         out = open(log, "a")  # noqa: SIM115 - closed below
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
+    env = launch_env(threads)
     proc = subprocess.Popen(
-        cmd, env=launch_env(threads), stdout=out, stderr=subprocess.STDOUT if out else None
+        cmd,
+        env=env if srun is None else srun_env(env),
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        preexec_fn=None if srun is not None else _ignore_sigusr1,
     )
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
-            # torchrun turns SIGTERM into SIGTERM to every rank (then SIGKILL after 30 s);
-            # it has no handler for SIGUSR1, so that one is forwarded as SIGTERM too.
             forwarded[sig] = signal.signal(
-                sig, lambda _signum, _frame: proc.send_signal(signal.SIGTERM)
+                sig, lambda signum, _frame: _forward(proc, signum, to_ranks=srun is None)
             )
     try:
         rc = proc.wait(timeout=timeout_s)
@@ -192,6 +214,37 @@ def launch(
             signal.signal(sig, handler)
         if out is not None:
             out.close()
+
+
+def _ignore_sigusr1() -> None:
+    """torchrun's preexec: SIGUSR1 ignored (inherited through exec; the ranks set their own handler)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _forward(proc: subprocess.Popen, signum: int, to_ranks: bool) -> None:
+    """Pass a stop signal on: SIGUSR1 to torchrun's children (the ranks), everything else (and
+    anything to srun, which forwards it to every node's launcher) to the child itself."""
+    if to_ranks and signum == signal.SIGUSR1:
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        return
+    proc.send_signal(signum)
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (Linux /proc; torchrun starts the ranks as its children)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # after "pid (comm)": state, ppid (proc(5))
+            out.append(int(stat.parent.name))
+    return out
 
 
 def _preempted(config: Path) -> bool:

@@ -113,8 +113,50 @@ def rank_threads(w):
     return int(config["num_gpus"]) * (1 if w.gpu == "cpu" else 4)
 
 
-def gpu_resources(w):
-    return 0 if w.gpu == "cpu" else int(config["num_gpus"])
+# SLURM resources of every job (memfit.slurm.rule_resources), read by the executor plugin under
+# --profile slurm; a local run uses only `gpu`. Rank-running rules take nodes, GPUs and memory
+# from the target and the estimate's host RAM: the probed candidate's row, or the selected run.
+SLURM_RANK_KEYS = (
+    "nodes",
+    "tasks",
+    "gpu",
+    "gpu_model",
+    "gres",
+    "constraint",
+    "cpus_per_gpu",
+    "mem_mb",
+    "runtime",
+    "slurm_partition",
+    "slurm_account",
+)
+
+
+def _slurm_host_bytes(name, w, input):
+    from memfit import slurm
+
+    if name == "probe_candidate":
+        return slurm.probe_host_bytes(input.candidates, w.cand)
+    return slurm.run_host_bytes(input.run)
+
+
+def _slurm_rank_resource(name, key):
+    def value(wildcards, input):
+        from memfit import slurm
+
+        host = _slurm_host_bytes(name, wildcards, input)
+        return slurm.rule_resources(config, name, wildcards.gpu, host).get(key)
+
+    return value
+
+
+def slurm_resources(name):
+    """What `resources:` holds for `name`: callables per key for rank-running rules (a None
+    value is dropped), the runtime and partition/account for the others."""
+    from memfit import slurm
+
+    if name in slurm.RANK_RULES:
+        return {k: _slurm_rank_resource(name, k) for k in SLURM_RANK_KEYS}
+    return slurm.rule_resources(config, name, gpu="cpu")
 
 
 def report_inputs(name):

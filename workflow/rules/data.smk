@@ -13,6 +13,8 @@ rule build_demo_model:
         model=BUILT_MODELS,
     conda:
         CONDA_ENV
+    resources:
+        **slurm_resources("build_demo_model"),
     script:
         "../../scripts/build_demo_model.py"
 
@@ -31,6 +33,8 @@ rule prepare_data:
         "benchmarks/{model}/data/{method}/prepare_data.tsv"
     conda:
         CONDA_ENV
+    resources:
+        **slurm_resources("prepare_data"),
     params:
         tokenizer=model_dir,
         max_len=config["data"]["max_len"],

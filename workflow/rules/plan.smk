@@ -9,6 +9,8 @@ checkpoint estimate_candidates:
         "logs/{model}/{gpu}/{method}/estimate_candidates.log",
     conda:
         CONDA_ENV
+    resources:
+        **slurm_resources("estimate_candidates"),
     params:
         settings=estimate_settings,
     script:
@@ -31,7 +33,7 @@ rule probe_candidate:
         CONDA_ENV
     threads: rank_threads
     resources:
-        gpu=gpu_resources,
+        **slurm_resources("probe_candidate"),
     params:
         model_path=model_dir,
         data_dir="results/{model}/data/{method}",

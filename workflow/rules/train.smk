@@ -16,7 +16,7 @@ rule train:
         CONDA_ENV
     threads: rank_threads
     resources:
-        gpu=gpu_resources,
+        **slurm_resources("train"),
     params:
         nproc=nproc,
     script:
@@ -38,7 +38,7 @@ rule verify_resume:
         CONDA_ENV
     threads: rank_threads
     resources:
-        gpu=gpu_resources,
+        **slurm_resources("verify_resume"),
     params:
         nproc=nproc,
     script:
