@@ -3,4 +3,10 @@
 from memfit.pipeline import log_to, train
 
 log_to(snakemake.log[0])
-train(snakemake.input.run, snakemake.params.nproc, snakemake.log[0], snakemake.config.get("num_nodes", 1))
+train(
+    snakemake.input.run,
+    snakemake.params.nproc,
+    snakemake.log[0],
+    snakemake.config.get("num_nodes", 1),
+    selected_json=snakemake.input.selected,
+)
