@@ -47,29 +47,42 @@ def check_model(cfg: WorkflowConfig, model: str) -> None:
         check_model_dir(path, weights=False, tokenizer=False)
 
 
-def estimate_candidates(
-    config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path
-) -> dict[str, Any]:
-    """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes."""
-    from memfit.estimate import Settings, estimate_space
+def _estimate_settings(cfg: WorkflowConfig) -> Any:
+    from memfit.estimate import Settings
 
-    cfg = WorkflowConfig.of(config)
-    check_model(cfg, model)
-    arch = catalog.model(cfg.arch_source(model), allow_moe=True)
-    b = cfg.budget(gpu)
     est = cfg.estimate
-    settings = Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
-    rows = estimate_space(
+    return Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
+
+
+def _estimate_rows(
+    cfg: WorkflowConfig, arch: Any, gpu: str, method: str, b: Budget, cands: list[Any]
+) -> list[dict[str, Any]]:
+    """Every candidate of `cands` estimated on `cfg`'s topology and the budget `b`."""
+    from memfit.estimate import estimate_space
+
+    return estimate_space(
         arch,
         catalog.gpu(gpu),
         cfg.num_gpus,
         cfg.num_nodes,
         method,
-        cfg.candidates(method),
+        cands,
         host_memory_gb=b.host_bytes / 1e9,
         budget_bytes=b.device_limit_bytes,
-        settings=settings,
+        settings=_estimate_settings(cfg),
     )
+
+
+def estimate_candidates(
+    config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path
+) -> dict[str, Any]:
+    """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes."""
+    cfg = WorkflowConfig.of(config)
+    check_model(cfg, model)
+    arch = catalog.model(cfg.arch_source(model), allow_moe=True)
+    b = cfg.budget(gpu)
+    settings = _estimate_settings(cfg)
+    rows = _estimate_rows(cfg, arch, gpu, method, b, cfg.candidates(method))
     ranked = sorted(
         (r for r in rows if r["fits"] and not r["invalid"]),
         key=lambda r: -r["tokens_per_s"],  # fastest predicted first
@@ -264,7 +277,7 @@ def select_config(
         "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
         f"# DeepSpeed config: {out['ds_config']} (what the trainer builds from run.json).\nset -euo pipefail\n{cmd}\n"
     )
-    export_files = exports.paths(Path(out["selected"]).parent, method) | {k: Path(out[k]) for k in exports.FILES if k in out}
+    export_files = _export_files(out, method)
     (Path(out["selected"]).parent / exports.NONE_FITS).unlink(missing_ok=True)  # an earlier plan's, where nothing fit
     exports.write_all(exports.ExportPlan(
         run=run, ds_config=ds, num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, total_steps=total_steps,
@@ -285,6 +298,13 @@ def select_config(
     return selected
 
 
+def _export_files(out: dict[str, Path], method: str) -> dict[str, Path]:
+    """Where the exports go: exports/ beside selected.json, or the paths `out` declares."""
+    from memfit import exports
+
+    return exports.paths(Path(out["selected"]).parent, method) | {k: Path(out[k]) for k in exports.FILES if k in out}
+
+
 MAX_NODES_HINT = 16  # how far `_nodes_that_fit` looks: a few cheap re-estimates, not a search of the cluster
 
 
@@ -293,23 +313,16 @@ def _nodes_that_fit(cfg: WorkflowConfig, model: str, gpu: str, method: str, b: B
     node, same global batch, so grad_accum shrinks) at which a candidate of the search space is
     predicted to fit, re-estimated as estimate_candidates estimates (same architecture source and
     settings); "" on the CPU, where more nodes is not the answer."""
-    from memfit.estimate import Settings, estimate_space
-
     if gpu == "cpu":
         return ""
     arch = catalog.model(cfg.arch_source(model), allow_moe=True)
-    est = cfg.estimate
-    settings = Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
     for nodes in range(cfg.num_nodes + 1, MAX_NODES_HINT + 1):
         wider = WorkflowConfig.of(cfg.raw | {"num_nodes": nodes})
         try:
             cands = wider.candidates(method)
         except ValueError:  # the global batch cannot be split over this many ranks
             continue
-        rows = estimate_space(
-            arch, catalog.gpu(gpu), cfg.num_gpus, nodes, method, cands,
-            host_memory_gb=b.host_bytes / 1e9, budget_bytes=b.device_limit_bytes, settings=settings,
-        )  # fmt: skip
+        rows = _estimate_rows(wider, arch, gpu, method, b, cands)
         fitting = [r for r in judge(rows, {}, b, wider.world_size, method) if r.fits and r.tokens_per_s]
         if fitting:
             best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
@@ -336,7 +349,7 @@ def _write_none_fits(
     write_text_atomic(out["launch"], script)
     Path(out["launch"]).chmod(0o755)
     run_dir = Path(out["selected"]).parent
-    export_files = exports.paths(run_dir, method) | {k: Path(out[k]) for k in exports.FILES if k in out}
+    export_files = _export_files(out, method)
     shutil.rmtree(run_dir / "exports", ignore_errors=True)  # exports of an earlier plan that did fit
     write_text_atomic(run_dir / exports.NONE_FITS, f"memfit selected nothing for {model} on {gpu} ({method}):\n{reason}\n")
     for key, path in export_files.items():
