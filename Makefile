@@ -14,17 +14,37 @@ export TOKENIZERS_PARALLELISM := false
 # DeepSpeed's JIT-compiled CPU ops are built into the venv (memfit.launch looks there too).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 
-.PHONY: demo test test-fast lint install ops
+.PHONY: demo test test-fast lint install ops lock upgrade
 
 install: $(STAMP)
 
-# torch==2.13.0 (a CPU wheel) through constraints-cpu.txt; a bare torch would pull CUDA.
-$(STAMP): pyproject.toml constraints-cpu.txt
+# Exactly the versions in requirements-cpu.lock (every package, transitive ones too; torch is the
+# 2.13.0 CPU wheel), so a fresh clone installs what CI tested. `--no-deps`: nothing outside the lock
+# comes in; `pip check` then proves the lock is complete and consistent.
+$(STAMP): pyproject.toml requirements-cpu.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps -r requirements-cpu.lock
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	$(MAKE) ops
 	touch $@
+
+# Where uv finds the torch CPU wheel (the CI image's local wheel folder, else PyTorch's CPU index).
+TORCH_CPU_WHEELS ?= $(or $(PIP_FIND_LINKS),https://download.pytorch.org/whl/cpu/torch/)
+LOCK_FLAGS := pyproject.toml --extra dev -c constraints-cpu.txt --find-links $(TORCH_CPU_WHEELS) \
+	--python-version 3.11 --python-platform x86_64-manylinux_2_28 --custom-compile-command "make lock"
+
+# Re-resolve the lock from pyproject.toml's ranges (keeping locked versions where they still
+# satisfy them) and write the conda envs' pins from it.
+lock: $(STAMP)
+	$(BIN)/uv pip compile $(LOCK_FLAGS) -q -o requirements-cpu.lock
+	$(BIN)/python tools/sync_env_pins.py
+
+# The one command to upgrade: newest versions in range, reinstall, run the whole test suite.
+upgrade: $(STAMP)
+	$(BIN)/uv pip compile $(LOCK_FLAGS) -q --upgrade -o requirements-cpu.lock
+	$(BIN)/python tools/sync_env_pins.py
+	$(MAKE) install test
 
 # DeepSpeed compiles its CPU ops (CPU-Adam, shared-memory comm) on first use; two ranks
 # compiling at once race, so build them once here.
