@@ -43,7 +43,7 @@ import pandas as pd
 from memfit.rows import CandidateRow, CandidateTable, RowError, Selection
 from memfit.space import Candidate
 
-__all__ = ["ResultsError", "frame", "load", "run_rows", "write_parquet"]
+__all__ = ["ResultsError", "frame", "load", "records", "run_rows", "write_parquet"]
 
 KEYS = ("model", "gpu", "method")
 LEVERS = tuple(f.name for f in dataclasses.fields(Candidate))
@@ -162,6 +162,12 @@ def run_rows(
 
 FIRST = (*KEYS, "id", "rank", *LEVERS)
 LAST = ("probed", "selected", "trained", "resume_check")
+# every table has these columns, whatever its runs hold (the phases' columns are the phases found)
+COLUMNS = (
+    *FIRST, "plan_only", "world_size", "budget_device_bytes", "budget_host_bytes", "headroom",
+    *(f"predicted_{k}" for k in PREDICTED), "invalid", "invalid_reason", *(f"predicted_breakdown_{k}_bytes" for k in BREAKDOWN),
+    "source", "fits", "reason", *JUDGED, "probe_status", *PROBE, *(f"probe_oom_{k}" for k in OOM), *LAST,
+)  # fmt: skip
 DEFAULTS = Candidate().to_dict()  # a lever an older file lacks has its default (as Candidate.from_dict reads it)
 
 
@@ -197,10 +203,15 @@ def frame(records: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     levers, the run, the prediction, the verdict, the probe, the outcome), nullable dtypes
     (a value that is missing is <NA>, not a float NaN)."""
     records = list(records)
-    seen = list(dict.fromkeys([*FIRST, *(k for r in records for k in r)]))
+    seen = list(dict.fromkeys([*COLUMNS, *(k for r in records for k in r)]))
     columns = sorted(seen, key=_order)  # stable: first-seen order within a group
     raw = {c: pd.Series([r.get(c) for r in records], dtype=object) for c in columns}
     return pd.DataFrame({c: v.astype(_dtype(v)) for c, v in raw.items()}, columns=columns)
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """The rows as plain dicts of Python values, a missing value as None (not <NA>)."""
+    return [{k: None if v is pd.NA or v is None else v for k, v in r.items()} for r in df.to_dict("records")]
 
 
 # --------------------------------------------------------------------------- reading files
