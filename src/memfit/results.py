@@ -260,7 +260,8 @@ def run_dirs(results_dir: str | os.PathLike) -> list[Path]:
 
 def load(results_dir: str | os.PathLike = "results", runs: Iterable[str | os.PathLike] | None = None) -> pd.DataFrame:
     """Every candidate of every run under `results_dir` (or of the run directories `runs`), one row each."""
-    dirs = [Path(r) for r in runs] if runs is not None else run_dirs(results_dir)
+    # sorted by path either way: the workflow's parquet and a notebook's load() list rows alike
+    dirs = sorted({Path(r) for r in runs}) if runs is not None else run_dirs(results_dir)
     if not dirs:
         raise ResultsError(f"{results_dir}: no run (<model>/<gpu>/<method>/candidates.json) found")
     return frame(rec for d in dirs for rec in read_run(d))
