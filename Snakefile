@@ -26,11 +26,13 @@ include: "workflow/rules/report.smk"
 
 
 # Short rules run where snakemake runs, never as SLURM jobs: select_config reads a few JSON files,
-# report renders one page (seconds each); queueing them would cost more than running them.
+# report renders one page, candidates_table writes one table (seconds each); queueing them would
+# cost more than running them.
 localrules:
     all,
     select_config,
     report,
+    candidates_table,
 
 
 rule all:

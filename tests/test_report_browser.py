@@ -1,10 +1,11 @@
 """The report as a reader's browser shows it: headless Chromium opens the page from disk, networking off.
 
 Asserts no console errors, every image decoded, nothing fetched from outside the file, no
-horizontal overflow at 1280 px, and that the numbers a reader acts on (the selected
-candidate, its device peak and throughput, the launch command, the resume verdict, the final
-losses) are on the page as they are in selected.json, verify_resume.json, train/summary.json
-and train/metrics.jsonl.
+horizontal overflow at 1280 px, that every part of the page (each template under
+memfit/report/templates) renders in a reader's order with its figures visible, and that the
+numbers a reader acts on (the selected candidate, its device peak and throughput, the launch
+command, the resume verdict, the final losses, the data counts) are on the page as they are in
+selected.json, verify_resume.json, train/summary.json, train/metrics.jsonl and stats.json.
 
 By default the page is rendered from synthetic inputs (a trained DPO run and plan-only runs for
 several models x GPU types); set MEMFIT_REPORT_HTML=results/report.html to check a real run's page instead (.ci/run
@@ -23,7 +24,7 @@ import pytest
 from test_report import _dpo_run
 from test_report_curves import _with_fallback
 
-from memfit import report
+from memfit import catalog, report
 from memfit.report.browser import find_chromium, inspect_page
 from memfit.report.fmt import _bytes, _plain, _tps
 
@@ -203,3 +204,75 @@ def test_every_combination_is_in_the_contents_and_folds(page, seen):
     if len(runs) > 1:
         assert html.count('<details open class="run">') == len(runs)
     assert "Run facts" in seen.text
+
+
+# The page's parts (templates/*.html.j2) as a reader sees their headings, in order.
+PAGE_PARTS = ("memfit report", "Generated", "Contents", "Runs", "What hardware fits: GPU type × model × method", "Data")
+RUN_PARTS = (  # selected.html.j2, selection.html.j2, the charts, fitmap.html.j2
+    "Selected configuration",
+    "Selection: every candidate",
+    "Will it fit? Memory per candidate",
+    "Predicted memory breakdown",
+    "What hardware fits: longest sequence per GPU type",
+)
+TRAINED_PARTS = ("Did training work?", "Resume check")  # training.html.j2, resume.html.j2
+
+
+def _in_order(text: str, parts) -> None:
+    at = 0
+    for part in parts:
+        found = text.find(part, at)
+        assert found >= 0, f"{part!r} missing (or out of order) after {text[max(0, at - 80) : at]!r}"
+        at = found + len(part)
+
+
+def _shown(seen) -> set[str]:
+    """The alt text of every figure that decoded and takes room on the page."""
+    return {im["alt"] for im in seen.images if im["naturalWidth"] > 0 and im["width"] > 0}
+
+
+def test_every_part_of_the_page_renders_in_order(page, seen):
+    _in_order(seen.text, PAGE_PARTS)
+    head = seen.text[: seen.text.find("What hardware fits: GPU type")]
+    for run in _runs(page):  # the Runs table lists every run
+        sel = json.loads((run / "selected.json").read_text())
+        assert " · ".join(sel[k] for k in ("model", "gpu", "method")) in head
+    facts = seen.text[seen.text.rfind("Run facts") :]
+    assert "git commit\t" in facts and "memfit\t" in facts
+
+
+def test_every_run_section_renders_each_part(page, seen):
+    gpus = list(catalog.load_gpus())
+    for run in _runs(page):
+        sel = json.loads((run / "selected.json").read_text())
+        text = _section(seen.text, run)
+        trained = not sel.get("plan_only") and (run / "train" / "summary.json").is_file()
+        _in_order(text, RUN_PARTS + (TRAINED_PARTS if trained else ()))
+        title = " · ".join(sel[k] for k in ("model", "gpu", "method"))
+        figures = _shown(seen)
+        assert f"memory per candidate, {title}" in figures
+        if (run / "candidates.json").is_file():
+            assert f"predicted memory breakdown per candidate, {title}" in figures
+        if trained and (run / "train" / "metrics.jsonl").is_file():
+            assert any(a.startswith(f"training curves, {title}") for a in figures)
+        # the selection table: every candidate listed, or counted among the folded unprobed ones
+        ids = [c["id"] for c in sel["candidates"]]
+        missing = [i for i in ids if not re.search(rf"(?<![\w-]){re.escape(i)}(?![\w-])", text)]
+        if missing:
+            assert f"{len(missing)} more candidates judged on predictions only (not probed)" in text
+        # the fit map: a row per catalog GPU type, or why there is none
+        fitmap = text[text.find("What hardware fits: longest sequence per GPU type") :]
+        assert "No fit map for" in fitmap or all(f"\n{g}\t" in fitmap for g in gpus)
+
+
+def test_data_section_shows_each_stats_file(page, seen):
+    data = seen.text[seen.text.rfind("\nData\n") :]
+    stats = sorted(page.parent.glob("*/data/*/stats.json"))
+    if not stats:
+        assert "no length statistics" in data or "No data statistics" in data
+    for p in stats:
+        s = json.loads(p.read_text())
+        title = f"{p.parent.parent.parent.name} · {s.get('method') or p.parent.name}"
+        _in_order(data, [title, f"rows read\t{_plain(s['rows_read'])}"])
+        if s.get("length"):
+            assert f"length distribution, {title}" in _shown(seen)

@@ -186,7 +186,7 @@ def test_every_job_of_a_gpu_config_renders_the_sbatch_it_needs(target, tmp_path,
     # -- a fresh tree: the jobs before the estimate --------------------------------------
     fresh = {job.name: (job, local) for job, local in _jobs(tmp_path)}
     assert {"prepare_data", "estimate_candidates", "train", "verify_resume"} <= set(fresh)
-    for name in ("select_config", "report", "all"):  # short: run where snakemake runs
+    for name in ("select_config", "report", "candidates_table", "all"):  # short: run where snakemake runs
         assert fresh[name][1], f"{name} should be a local rule"
     for name, runtime in (("prepare_data", 60), ("estimate_candidates", 30)):
         job, local = fresh[name]

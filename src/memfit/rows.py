@@ -77,6 +77,10 @@ class EstimateRow:
     fits: bool | None = None
     breakdown: dict[str, Any] | None = None  # bytes per component at the peak
     notes: list[str] | None = None
+    tokens_per_s: float | None = None  # predicted throughput over all ranks
+    peak_phase: str | None = None  # the phase of a step that holds the device peak
+    phases: dict[str, Any] | None = None  # allocated device bytes at each phase's peak
+    host_phases: dict[str, Any] | None = None  # host bytes per node at each phase's peak
 
     @classmethod
     def from_json(cls, d: Any, where: str = "") -> EstimateRow:
@@ -90,7 +94,10 @@ class EstimateRow:
             fits=_get(d, "fits", where, "bool", required=False),
             breakdown=_get(d, "breakdown", where, "object", required=False),
             notes=_get(d, "notes", where, "list", required=False),
-            **{k: _get(d, k, where, "number", required=False) for k in nums},
+            peak_phase=_get(d, "peak_phase", where, "str", required=False),
+            phases=_get(d, "phases", where, "object", required=False),
+            host_phases=_get(d, "host_phases", where, "object", required=False),
+            **{k: _get(d, k, where, "number", required=False) for k in (*nums, "tokens_per_s")},
         )
 
 

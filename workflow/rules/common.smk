@@ -181,4 +181,4 @@ def data_stats_inputs():
 
 
 def all_outputs():
-    return ["results/report.html"]
+    return ["results/report.html", "results/candidates.parquet"]

@@ -12,8 +12,10 @@ malformed input raises `ReportError` naming the file and leaves the previous pag
 none) untouched. Files found beside the inputs (candidates.json, metrics.jsonl) are
 optional: when missing or unreadable the page says so and goes on.
 
-Modules: `inputs` (reading and checking the files into `RunOutputs`), `charts` (figures),
-`fmt` (numbers and configurations in words), `page` (the HTML).
+Modules: `inputs` (reading and checking the files into `RunOutputs`; each run's candidates as
+rows of the `memfit.results` table), `view` (what the page shows, as plain data), `charts`
+(figures), `fitmap`, `marks`, `facts` (their data), `fmt` (numbers and configurations in words),
+`page` (the Jinja2 environment: templates/*.html.j2, autoescaped, render the page).
 """
 
 from __future__ import annotations

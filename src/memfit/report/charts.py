@@ -1,15 +1,21 @@
-"""The page's figures: matplotlib on the Agg canvas (no pyplot state), embedded as inline PNG."""
+"""The page's figures: matplotlib on the Agg canvas (no pyplot state), embedded as inline PNG.
+
+Each chart returns a `Plot` (the image as a data: URI, its alt text, a note under it) or a
+`Plot` holding only a message saying why there is no figure; the templates lay them out. The
+charts of candidates read the run's rows of the candidate table (`memfit.results`, one record
+per candidate: `RunOutputs.records`)."""
 
 from __future__ import annotations
 
 import base64
 import io
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from memfit.rows import Budget
 
-from .fmt import _e, _measured, _num, _unit_for
+from .fmt import _measured, _num, _unit_for
 from .inputs import RunOutputs
 
 MAX_BARS = 40  # candidates drawn per chart (the table lists all); best ranked first
@@ -24,11 +30,21 @@ def _figure(width: float, height: float):
     return fig
 
 
-def _img(fig, alt: str) -> str:
+@dataclass(frozen=True)
+class Plot:
+    """A figure for the page (`src` a data: URI), or only `message` where there is none to draw."""
+
+    alt: str = ""
+    src: str = ""
+    note: str = ""  # under the figure, muted
+    message: str = ""  # instead of the figure
+
+
+def _img(fig, alt: str, note: str = "") -> Plot:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=96, bbox_inches="tight")
     data = base64.b64encode(buf.getvalue()).decode("ascii")
-    return f'<img class="plot" alt="{_e(alt)}" src="data:image/png;base64,{data}">'
+    return Plot(alt=alt, src=f"data:image/png;base64,{data}", note=note)
 
 
 def _label(x: Any) -> str:
@@ -44,44 +60,40 @@ def _budget_lines(ax, budget: Budget, unit: int, uname: str) -> None:
         ax.axvline(limit / unit, color="tab:red", lw=1.2, ls="--", label=f"usable {limit / unit:.2f} {uname}")
 
 
-def _bar_rows(run: RunOutputs) -> list:
-    return run.rows[:MAX_BARS]
-
-
 def _shown_of(run: RunOutputs) -> str:
-    n = len(run.rows)
-    return f'<p class="muted">Showing the {MAX_BARS} best ranked of {n} candidates; the table lists all.</p>' if n > MAX_BARS else ""
+    n = len(run.ranked)
+    return f"Showing the {MAX_BARS} best ranked of {n} candidates; the table lists all." if n > MAX_BARS else ""
 
 
-def _style_ticks(ax, rows: list, selected_id: Any) -> None:
-    """Candidate ids on the y axis (CandidateRow or EstimateRow), the selected one in bold green."""
+def _style_ticks(ax, rows: list[dict[str, Any]], selected_id: Any) -> None:
+    """Candidate ids on the y axis, the selected one in bold green."""
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([_label(r.id) for r in rows], fontsize=7)
+    ax.set_yticklabels([_label(r["id"]) for r in rows], fontsize=7)
     for tick, r in zip(ax.get_yticklabels(), rows, strict=True):
-        if r.id == selected_id:
+        if r["id"] == selected_id:
             tick.set_fontweight("bold")
             tick.set_color("tab:green")
     ax.invert_yaxis()
     ax.grid(axis="x", alpha=0.3)
 
 
-def memory_chart(run: RunOutputs) -> str:
+def memory_chart(run: RunOutputs) -> Plot:
     """Predicted vs measured peak per candidate, against the budget and its headroom."""
-    rows = _bar_rows(run)
-    probes = [r.probe for r in rows if r.probe is not None]
-    if any(p.get("peak_reserved_bytes") is not None for p in probes):
+    rows = run.ranked[:MAX_BARS]
+    probes = [r for r in rows if r["probe_status"] is not None]
+    if any(r["probe_peak_reserved_bytes"] is not None for r in probes):
         key, what = "peak_reserved_bytes", "peak reserved"
     elif probes:
         key, what = "peak_allocated_bytes", "peak allocated"
     else:
         key, what = "device_total_bytes", "device total (reserved + CUDA context)"
-    pred = [_num(getattr(r.predicted, key)) for r in rows]
+    pred = [_num(r[f"predicted_{key}"]) for r in rows]
     if key == "device_total_bytes":
-        pred = [p if p is not None else _num(r.device_bytes) for p, r in zip(pred, rows, strict=True)]
+        pred = [p if p is not None else _num(r["device_bytes"]) for p, r in zip(pred, rows, strict=True)]
     meas = [_num(_measured(r)[0]) if _measured(r)[1] in ("reserved", "allocated") else None for r in rows]
     budget = run.selection.budget
     if not any(v is not None for v in pred + meas):
-        return "<p>No memory figures to draw.</p>"
+        return Plot(message="No memory figures to draw.")
     unit, uname = _unit_for([*pred, *meas, budget.device_bytes])
     fig = _figure(9, 1.4 + 0.32 * len(rows))
     ax = fig.add_subplot()
@@ -98,19 +110,24 @@ def memory_chart(run: RunOutputs) -> str:
     ax.set_xlabel(f"{what} per device ({uname})")
     ax.set_title(f"Memory per candidate: {run.title}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: bars reach the budget
-    return _img(fig, f"memory per candidate, {run.title}") + _shown_of(run)
+    return _img(fig, f"memory per candidate, {run.title}", _shown_of(run))
 
 
-def breakdown_chart(run: RunOutputs) -> str:
+def _component(r: dict[str, Any], comp: str) -> Any:
+    return r.get(f"predicted_breakdown_{comp}_bytes")
+
+
+def breakdown_chart(run: RunOutputs) -> Plot:
     """The estimator's predicted device memory per candidate, stacked by component."""
     if run.table is None:
-        return "<p>No candidates.json beside selected.json: the predicted breakdown is not shown.</p>"
-    by_id = {r.id: r for r in run.table.rows}
-    order = [r.id for r in run.rows if r.id in by_id] or list(by_id)
-    rows = [by_id[i] for i in order[:MAX_BARS] if by_id[i].breakdown is not None]
+        return Plot(message="No candidates.json beside selected.json: the predicted breakdown is not shown.")
+    # rows of candidates.json (`invalid` is set from it), in the selection's ranking where there is one
+    estimated = [r for r in run.records if r["invalid"] is not None]
+    order = [r for r in estimated if r["rank"] is not None] or estimated
+    rows = [r for r in order[:MAX_BARS] if any(_component(r, c) is not None for c in BREAKDOWN)]
     if not rows:
-        return "<p>The candidate table has no breakdown to draw.</p>"
-    totals = [sum(v for v in map(_num, r.breakdown.values()) if v is not None) for r in rows]
+        return Plot(message="The candidate table has no breakdown to draw.")
+    totals = [sum(v for v in (_num(_component(r, c)) for c in BREAKDOWN) if v is not None) for r in rows]
     budget = run.selection.budget
     unit, uname = _unit_for([*totals, budget.device_bytes])
     fig = _figure(9, 1.6 + 0.32 * len(rows))
@@ -118,13 +135,12 @@ def breakdown_chart(run: RunOutputs) -> str:
     left = [0.0] * len(rows)
     colors = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
     for comp, color in zip(BREAKDOWN, colors, strict=True):
-        vals = [(_num(r.breakdown.get(comp)) or 0.0) / unit for r in rows]
+        vals = [(_num(_component(r, comp)) or 0.0) / unit for r in rows]
         if any(vals):
             ax.barh(range(len(rows)), vals, 0.7, left=left, color=color, label=comp)
             left = [a + b for a, b in zip(left, vals, strict=True)]
     # the probes' measured peaks over the predicted stacks: where the components under- or over-shoot
-    cand_rows = {r.id: r for r in run.rows}
-    meas = [_measured(cand_rows[r.id]) if r.id in cand_rows else (None, "") for r in rows]
+    meas = [_measured(r) if r["rank"] is not None else (None, "") for r in rows]
     pts = [(float(v) / unit, i) for i, (v, k) in enumerate(meas) if k in ("reserved", "allocated") and _num(v) is not None]
     if pts:
         kinds = "/".join(sorted({k for _, k in meas if k in ("reserved", "allocated")}))
@@ -134,7 +150,7 @@ def breakdown_chart(run: RunOutputs) -> str:
     ax.set_xlabel(f"predicted device memory at the peak ({uname})")
     ax.set_title(f"Predicted breakdown: {run.title}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _img(fig, f"predicted memory breakdown per candidate, {run.title}") + _shown_of(run)
+    return _img(fig, f"predicted memory breakdown per candidate, {run.title}", _shown_of(run))
 
 
 # The training curves' panels: (title with unit, [(metrics key, series name)], y unit kind).
@@ -229,24 +245,24 @@ def _mark_labels(ax, marks: list) -> None:
                 fontsize=6.5, color=color, bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1})  # fmt: skip
 
 
-def curves_chart(metrics: list[dict[str, Any]], title: str, marks: list | None = None) -> str:
+def curves_chart(metrics: list[dict[str, Any]], title: str, marks: list | None = None) -> Plot:
     """Every logged metric over the steps, with eval points and the run's resume/OOM marks (see curves_figure)."""
     fig = curves_figure(metrics, title, marks)
     if fig is None:
-        return "<p>The metrics file has no loss values to draw.</p>"
+        return Plot(message="The metrics file has no loss values to draw.")
     alt = f"training curves, {title}"
     if marks:
         alt += "; marked: " + ", ".join(m.short for m in marks)
     return _img(fig, alt)
 
 
-def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, what: str = "Selected candidate memory", measured_from: int = 1, alt: str = "training peak vs probe peak") -> str:
+def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, what: str = "Selected candidate memory", measured_from: int = 1, alt: str = "training peak vs probe peak") -> Plot | None:
     """Peak allocated and reserved of several figure sets (predicted, probe, training...), side by side."""
     # Only what was measured: a predicted reserved peak alone (the CPU reports none) compares nothing.
     measured = figures[measured_from:]
     kinds = [k for k in ("peak_allocated_bytes", "peak_reserved_bytes") if any(_num(f.get(k)) is not None for _, f in measured)]
     if not kinds:
-        return ""
+        return None
     unit, uname = _unit_for(f.get(k) for _, f in figures for k in kinds)
     fig = _figure(6, 2.8)
     ax = fig.add_subplot()
@@ -263,11 +279,11 @@ def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, 
     return _img(fig, f"{alt}, {title}")
 
 
-def length_chart(stats: dict[str, Any], title: str) -> str:
+def length_chart(stats: dict[str, Any], title: str) -> Plot | None:
     length = stats.get("length") if isinstance(stats.get("length"), dict) else {}
     keys = [k for k in ("min", "p50", "p90", "p99", "max") if _num(length.get(k)) is not None]
     if not keys:
-        return ""
+        return None
     fig = _figure(5.5, 2.6)
     ax = fig.add_subplot()
     ax.bar(keys, [_num(length[k]) for k in keys], color="tab:blue", alpha=0.7)
@@ -282,20 +298,20 @@ def length_chart(stats: dict[str, Any], title: str) -> str:
     return _img(fig, f"length distribution, {title}")
 
 
-def accuracy_chart(run: RunOutputs) -> str:
+def accuracy_chart(run: RunOutputs) -> Plot | None:
     """Predicted vs measured peak per probed candidate, with the identity line: how far to trust
     the estimator on this hardware. Empty where nothing was measured (plan only)."""
     pts = []
-    for r in run.rows:
+    for r in run.ranked:
         value, kind = _measured(r)
         if kind not in ("reserved", "allocated"):
             continue
         # like with like: the probe's allocated peak against the predicted allocated peak, reserved against reserved
-        pred = _num(getattr(r.predicted, f"peak_{kind}_bytes"))
+        pred = _num(r[f"predicted_peak_{kind}_bytes"])
         if pred is not None and _num(value) is not None:
-            pts.append((pred, float(value), r.id == run.selected_id, kind))
+            pts.append((pred, float(value), r["id"] == run.selected_id, kind))
     if not pts:
-        return ""
+        return None
     unit, uname = _unit_for([v for p in pts for v in p[:2]])
     fig = _figure(5.2, 4.2)
     ax = fig.add_subplot()
@@ -315,5 +331,5 @@ def accuracy_chart(run: RunOutputs) -> str:
     ax.set_title(f"Predicted vs measured: {run.title}", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     worst = max(abs(p[1] - p[0]) / p[1] for p in pts)
-    note = f'<p class="muted">{len(pts)} probed candidate(s); the largest miss is {worst:.0%} of the measured peak. Above the line: the estimator under-predicted.</p>'
-    return _img(fig, f"predicted vs measured peak, {run.title}") + note
+    note = f"{len(pts)} probed candidate(s); the largest miss is {worst:.0%} of the measured peak. Above the line: the estimator under-predicted."
+    return _img(fig, f"predicted vs measured peak, {run.title}", note)

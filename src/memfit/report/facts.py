@@ -1,4 +1,4 @@
-"""Run facts for the report: package versions, git commit, config hashes, wall time per rule.
+"""Run facts for the report (data for templates/facts.html.j2 and exports.html.j2): package versions, git commit, config hashes, wall time per rule.
 
 Read at report time from the environment the report rule runs in (the workflow's own
 environment) and from the Snakemake working directory `root`: `config/*.yaml` and the
@@ -15,8 +15,6 @@ import os
 import platform
 import subprocess
 from pathlib import Path
-
-from .fmt import _e, _secs
 
 PACKAGES = ("memfit", "torch", "deepspeed", "transformers", "trl", "snakemake")
 
@@ -89,38 +87,20 @@ def benchmarks(root: Path) -> list[tuple[str, str, float, float | None]]:
     return rows
 
 
-def facts_section(root: Path) -> str:
-    """The "Run facts" section as HTML."""
-    kv = "".join(f"<tr><th>{_e(k)}</th><td><code>{_e(v)}</code></td></tr>" for k, v in versions())
-    kv += f"<tr><th>git commit</th><td><code>{_e(git_commit(root))}</code></td></tr>"
-    for name, h in config_hashes(root):
-        kv += f"<tr><th>{_e(name)} sha256</th><td><code>{_e(h)}</code></td></tr>"
-    out = ["<h2 id='facts'>Run facts</h2>", f"<table>{kv}</table>"]
+def run_facts(root: Path) -> dict:
+    """The "Run facts" section's data (templates/facts.html.j2)."""
     bench = benchmarks(root)
-    if bench:
-        total: dict[str, float] = {}
-        for rule, _, s, _ in bench:
-            total[rule] = total.get(rule, 0.0) + s
-        rows = "".join(
-            f"<tr><td>{_e(r)}</td><td class='n'>{_e(_secs(s))}</td></tr>"
-            for r, s in sorted(total.items(), key=lambda x: -x[1])
-        )
-        out.append(
-            f"<h3>Wall time per rule</h3><p class='muted'>From Snakemake's benchmark files under <code>{_e(root / 'benchmarks')}</code>, summed over each rule's jobs.</p>"
-            f"<table><tr><th>rule</th><th>wall time</th></tr>{rows}</table>"
-        )
-        jobs = "".join(
-            f"<tr><td>{_e(r)}</td><td><code>{_e(t)}</code></td><td class='n'>{_e(_secs(s))}</td><td class='n'>{'—' if m is None else f'{m:,.0f} MB'}</td></tr>"
-            for r, t, s, m in bench
-        )
-        out.append(
-            f"<details><summary>{len(bench)} jobs</summary><table><tr><th>rule</th><th>wildcards</th><th>wall time</th><th>max RSS</th></tr>{jobs}</table></details>"
-        )
-    else:
-        out.append(
-            "<p class='muted'>No Snakemake benchmark files (benchmarks/**/*.tsv) beside this run.</p>"
-        )
-    return "\n".join(out)
+    total: dict[str, float] = {}
+    for rule, _, s, _ in bench:
+        total[rule] = total.get(rule, 0.0) + s
+    return {
+        "versions": versions(),
+        "commit": git_commit(root),
+        "config_hashes": config_hashes(root),
+        "benchmarks": bench,
+        "benchmark_dir": root / "benchmarks",
+        "per_rule": sorted(total.items(), key=lambda x: -x[1]),  # summed over each rule's jobs
+    }
 
 
 # What select_config writes beside selected.json (workflow/rules/plan.smk), in the order a reader
@@ -179,39 +159,19 @@ def _href(path: Path, link_base: Path | None) -> str:
     return Path(os.path.relpath(path.resolve(), link_base.resolve())).as_posix()
 
 
-def exports_block(run_dir: Path, method: str, link_base: Path | None = None) -> str:
-    """The launch files and exports of one run: a table of links (relative to `link_base`, the
-    report's folder) with what each file is, then each file's text, folded."""
-    files = launch_files(run_dir, method)
-    if not files:
-        return "<p class='muted'>No launch files or exports beside this run's selected.json.</p>"
-    rows = []
-    texts = []
-    for p, what in files:
+def export_files(run_dir: Path, method: str, link_base: Path | None = None) -> list[dict]:
+    """The launch files and exports of one run (`launch_files`): name, what it is, the link
+    (relative to `link_base`, the report's folder), its size and text (cut at _MAX_SHOWN
+    characters), or why it could not be read."""
+    out = []
+    for p, what in launch_files(run_dir, method):
         name = p.relative_to(run_dir).as_posix()
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError as e:
-            rows.append(
-                f"<tr><td><code>{_e(name)}</code></td><td>{_e(what)}</td><td class='bad'>unreadable ({_e(e)})</td></tr>"
-            )
+            out.append({"name": name, "what": what, "error": str(e)})
             continue
-        rows.append(
-            f'<tr><td><a href="{_e(_href(p, link_base))}"><code>{_e(name)}</code></a></td><td>{_e(what)}</td>'
-            f"<td class='n'>{len(text):,} characters</td></tr>"
-        )
-        cut = (
-            f"\n… ({len(text) - _MAX_SHOWN:,} more characters in the file)"
-            if len(text) > _MAX_SHOWN
-            else ""
-        )
-        texts.append(
-            f"<details><summary><code>{_e(name)}</code>: {_e(what)}</summary><pre><code>{_e(text[:_MAX_SHOWN] + cut)}</code></pre></details>"
-        )
-    head = f"<p>Launch files and exports in <code>{_e(run_dir)}</code> (links relative to this page):</p>"
-    table = (
-        "<table class='exports'><tr><th>file</th><th>what</th><th>size</th></tr>"
-        + "".join(rows)
-        + "</table>"
-    )
-    return "\n".join([head, table, *texts])
+        cut = f"\n… ({len(text) - _MAX_SHOWN:,} more characters in the file)" if len(text) > _MAX_SHOWN else ""
+        out.append({"name": name, "what": what, "error": None, "href": _href(p, link_base), "size": len(text),
+                    "text": text[:_MAX_SHOWN] + cut})  # fmt: skip
+    return out

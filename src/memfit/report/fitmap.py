@@ -3,8 +3,9 @@ GPU type of the catalog (config/gpus.yaml), computed at report time with `memfit
 (what `memfit fit --maximize seq_len` prints: a binary search over seq_len with analytic
 activations, so a few milliseconds per GPU type).
 
-`fit_results` computes it once per run; `fit_map` shows one run's (with why a GPU type cannot
-train it at all), `fit_grid` all runs at once: GPU types down, model x method across.
+`fit_results` computes it once per run (templates/fitmap.html.j2 shows one run's, with why a GPU
+type cannot train it at all); `fit_grid` lays out all runs at once: GPU types down, model x method
+across (templates/fitgrid.html.j2).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from memfit.estimate import DEFAULT_SETTINGS
 from memfit.estimate.core import fit
 from memfit.space import Candidate
 
-from .fmt import _bytes, _e, _plain
+from .fmt import _bytes, _plain
 from .inputs import RunOutputs
 
 SETTINGS = dataclasses.replace(DEFAULT_SETTINGS, activations="analytic")
@@ -111,47 +112,19 @@ def fit_results(runs: list[RunOutputs], root: Path) -> list[FitResult]:
     return [fit_result(r, root) for r in runs]
 
 
-def _cell(res: FitResult, g: GpuFit) -> tuple[str, str]:
-    """(text, css class): green when the selected sequence length fits, amber when only a shorter one does."""
+def _cell(res: FitResult, g: GpuFit, here: bool) -> dict:
+    """A grid cell: green when the selected sequence length fits, amber when only a shorter one does."""
     if not g.longest:
-        return "—", "bad"
-    return _plain(g.longest) + (" (max)" if g.at_max else ""), "ok" if res.ok(g) else "short"
+        text, cls = "—", "bad"
+    else:
+        text, cls = _plain(g.longest) + (" (max)" if g.at_max else ""), "ok" if res.ok(g) else "short"
+    return {"text": text, "cls": cls + (" here" if here else ""), "why": g.why}
 
 
-def fit_map(run: RunOutputs, res: FitResult) -> str:
-    """HTML: one row per catalog GPU type: memory, longest trainable sequence, fits at the selected one."""
-    sel = run.selection
-    if res.error is not None:
-        return f"<p class='muted'>No fit map for {_e(run.title)}: {_e(res.error)}</p>"
-    rows = []
-    what = (
-        "The selected configuration"
-        if run.selected is not None
-        else (
-            f"Nothing fits this run's budget: the closest candidate, <code>{_e(run.shown.id)}</code>,"
-        )
-    )
-    for g in res.gpus:
-        ok = res.ok(g)
-        here = " class='here'" if g.gpu == sel.gpu else ""
-        rows.append(
-            f"<tr{here}><td>{_e(g.gpu)}</td><td class='n'>{_e(f'{g.memory_gib:.0f} GiB')}</td>"
-            f"<td class='n'>{_e(_plain(g.longest)) if g.longest else '—'}{MAX_NOTE if g.at_max else ''}</td>"
-            f"<td class='{'ok' if ok else 'bad'}'>{'yes' if ok else 'no'}</td><td>{_e(g.why)}</td></tr>"
-        )
-    return (
-        f"<p class='muted'>{what} (ZeRO, offload, checkpointing, micro batch, precision) on "
-        f"{res.num_gpus} GPU(s) of each catalog type (its full memory and typical node's host RAM from config/gpus.yaml, not this run's budget), "
-        f"{_e(sel.method)}, {_e(sel.model)}: the longest sequence whose predicted peak fits "
-        f"(memfit.estimate.fit, analytic activations; selected seq len {_e(_plain(res.seq_len))}).</p>"
-        "<div class='wide'><table><tr><th>GPU type</th><th>memory</th><th>longest seq len (tokens)</th>"
-        f"<th>fits at {_e(_plain(res.seq_len))} tokens</th><th>why not</th></tr>{''.join(rows)}</table></div>"
-    )
-
-
-def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
-    """HTML: GPU types down, one column per model x method x selected configuration across, each
-    cell the longest trainable sequence; the runs' own GPU types outlined."""
+def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> dict:
+    """The grid's data (templates/fitgrid.html.j2): GPU types down, one column per model x method
+    x selected configuration across, each cell the longest trainable sequence; the runs' own GPU
+    types marked `here`."""
     # one column per distinct setup: runs of the same model and method that selected the same
     # configuration (typically for several GPU types) give the same map
     cols: dict[tuple, dict] = {}
@@ -165,58 +138,27 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> str:
         key = (str(s.model), str(s.method), run.shown.id, res.num_gpus, run.selected is None)
         col = cols.setdefault(key, {"res": res, "gpus": [], "run": run})
         col["gpus"].append(str(s.gpu))
-    out = []
-    if cols:
-        columns = list(cols.values())
-        models = list(dict.fromkeys(k[0] for k in cols))
-        head1 = (
-            "<tr><th rowspan='2'>GPU type</th><th rowspan='2'>memory</th>"
-            + "".join(
-                f"<th colspan='{sum(1 for k in cols if k[0] == m)}'>{_e(m)}</th>" for m in models
-            )
-            + "</tr>"
-        )
-        ordered = [cols[k] for m in models for k in cols if k[0] == m]
-        head2 = (
-            "<tr>"
-            + "".join(
-                f"<th>{_e(c['run'].selection.method)}{'' if c['run'].selected is not None else ' (none fits)'} <sup>{columns.index(c) + 1}</sup></th>"
-                for c in ordered
-            )
-            + "</tr>"
-        )
-        names = list(dict.fromkeys(g.gpu for c in columns for g in c["res"].gpus))
-        mem = {g.gpu: g.memory_gib for c in columns for g in c["res"].gpus}
-        body = []
-        for name in names:
-            cells = []
-            for c in ordered:
-                g = next((g for g in c["res"].gpus if g.gpu == name), None)
-                if g is None:
-                    cells.append("<td class='n muted'>—</td>")
-                    continue
-                text, cls = _cell(c["res"], g)
-                if name in c["gpus"]:
-                    cls += " here"
-                title = f" title='{_e(g.why)}'" if g.why else ""
-                cells.append(f"<td class='n {cls}'{title}>{_e(text)}</td>")
-            body.append(
-                f"<tr><td>{_e(name)}</td><td class='n'>{_e(f'{mem[name]:.0f} GiB')}</td>{''.join(cells)}</tr>"
-            )
-        out.append(
-            f"<div class='wide'><table class='grid'>{head1}{head2}{''.join(body)}</table></div>"
-        )
-        legend = "".join(
-            f"<li><sup>{i}</sup> {_e(c['run'].selection.model)} · {_e(c['run'].selection.method)}: <code>{_e(c['run'].shown.id)}</code>, "
-            + (
-                "selected for "
-                if c["run"].selected is not None
-                else "nothing fits; the closest candidate for "
-            )
-            + f"{_e(', '.join(c['gpus']))}; {c['res'].num_gpus} GPU(s), seq len {_e(_plain(c['res'].seq_len))}</li>"
-            for i, c in enumerate(columns, 1)
-        )
-        out.append(f"<ul class='legend'>{legend}</ul>")
-    for note in unmapped:
-        out.append(f"<p class='muted'>No fit map for {_e(note)}</p>")
-    return "\n".join(out)
+    columns = list(cols.values())  # numbered in the order first seen; shown grouped by model
+    models = list(dict.fromkeys(k[0] for k in cols))
+    ordered = [cols[k] for m in models for k in cols if k[0] == m]
+    names = list(dict.fromkeys(g.gpu for c in columns for g in c["res"].gpus))
+    mem = {g.gpu: g.memory_gib for c in columns for g in c["res"].gpus}
+    rows = []
+    for name in names:
+        cells = []
+        for c in ordered:
+            g = next((g for g in c["res"].gpus if g.gpu == name), None)
+            cells.append(None if g is None else _cell(c["res"], g, name in c["gpus"]))
+        rows.append({"gpu": name, "memory_gib": mem[name], "cells": cells})
+    legend = [
+        {"number": i, "model": c["run"].selection.model, "method": c["run"].selection.method, "id": c["run"].shown.id,
+         "selected": c["run"].selected is not None, "gpus": c["gpus"], "num_gpus": c["res"].num_gpus, "seq_len": c["res"].seq_len}
+        for i, c in enumerate(columns, 1)
+    ]  # fmt: skip
+    return {
+        "models": [(m, sum(1 for k in cols if k[0] == m)) for m in models],
+        "columns": [{"method": c["run"].selection.method, "none_fits": c["run"].selected is None, "number": columns.index(c) + 1} for c in ordered],
+        "rows": rows,
+        "legend": legend,
+        "unmapped": unmapped,
+    }

@@ -7,7 +7,6 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from memfit.rows import CandidateRow
 from memfit.units import GIB, MIB, fmt_bytes
 
 
@@ -97,26 +96,27 @@ def describe(cand: dict[str, Any], method: str | None = None, world_size: Any = 
     return ", ".join(parts)
 
 
-def _measured(row: CandidateRow) -> tuple[Any, str]:
-    """The probe's peak as selection judges it (reserved on a GPU, allocated on the CPU)."""
-    probe = row.probe
-    if probe is None:
+def _measured(row: dict[str, Any]) -> tuple[Any, str]:
+    """The probe's peak as selection judges it (reserved on a GPU, allocated on the CPU), from a
+    candidate's record (memfit.results)."""
+    status = row["probe_status"]
+    if status is None:
         return None, ""
-    if probe.get("status") not in (None, "ok"):
-        return None, str(probe.get("status")).upper()
-    if probe.get("peak_reserved_bytes") is not None:
-        return probe["peak_reserved_bytes"], "reserved"
-    return probe.get("peak_allocated_bytes"), "allocated"
+    if status != "ok":
+        return None, str(status).upper()
+    if row["probe_peak_reserved_bytes"] is not None:
+        return row["probe_peak_reserved_bytes"], "reserved"
+    return row["probe_peak_allocated_bytes"], "allocated"
 
 
-def _verdict(row: CandidateRow, selected_id: Any) -> tuple[str, str]:
+def _verdict(row: dict[str, Any], selected_id: Any) -> tuple[str, str]:
     """(text, css class) for the selection table."""
-    if row.id == selected_id:
+    if row["id"] == selected_id:
         return "selected", "ok"
-    if row.probe_status not in (None, "ok"):
-        return f"probe {row.probe_status}", "bad"
-    if row.source == "rule":
+    if row["probe_status"] not in (None, "ok"):
+        return f"probe {row['probe_status']}", "bad"
+    if row["source"] == "rule":
         return "cannot run", "bad"
-    if row.fits:
+    if row["fits"]:
         return "fits, not chosen", ""
     return "does not fit", "bad"

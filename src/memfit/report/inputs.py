@@ -11,9 +11,13 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
+from memfit import results
 from memfit.rows import CandidateRow, CandidateTable, RowError, Selection
 
 
@@ -42,6 +46,25 @@ class RunOutputs:
         if sel is not None and not any(r.id == sel.id for r in rows):
             rows.insert(0, sel)
         return rows
+
+    @cached_property
+    def candidates(self) -> pd.DataFrame:
+        """This run's rows of the candidate table (memfit.results): one per candidate, in
+        selected.json's ranking, then candidates.json's rows selection did not list. Read once the
+        run's summary and resume check are matched to it (the page is rendered after read_inputs)."""
+        s = self.selection
+        rows = results.run_rows((s.model, s.gpu, s.method), s, self.table, None, self.summary, self.resume)
+        return results.frame(rows)
+
+    @cached_property
+    def records(self) -> list[dict[str, Any]]:
+        """`candidates` as plain dicts (a missing value is None)."""
+        return results.records(self.candidates)
+
+    @property
+    def ranked(self) -> list[dict[str, Any]]:
+        """The records of the candidates selected.json ranks, best first (what the tables list)."""
+        return [r for r in self.records if r["rank"] is not None]
 
     @property
     def selected(self) -> CandidateRow | None:

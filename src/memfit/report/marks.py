@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .fmt import _bytes, _e, _num, _plain
+from .fmt import _bytes, _num, _plain
 from .inputs import RunOutputs
 
 FALLBACK_KEYS = (
@@ -149,20 +149,7 @@ def training_marks(run: RunOutputs) -> list[Mark]:
     return sorted(marks, key=lambda m: (m.step, m.kind))
 
 
-def marks_table(marks: list[Mark]) -> str:
-    if not marks:
-        return ""
-    rows = "".join(
-        f"<tr><td class='n'>{_e(_plain(m.step))}</td><td>{_e(m.short)}</td><td>{_e(m.label)}</td></tr>"
-        for m in marks
-    )
-    return (
-        "<p>Marked on the curves (vertical lines on every panel):</p>"
-        f"<table><tr><th>step</th><th>mark</th><th>what happened</th></tr>{rows}</table>"
-    )
-
-
-def _changed(run: RunOutputs, src: str, dst: str) -> str:
+def changed_levers(run: RunOutputs, src: str, dst: str) -> str:
     """The levers that differ between two candidates of the selection, e.g. 'micro_batch 4 → 2'."""
     by_id = {r.id: r.candidate for r in run.rows}
     a, b = by_id.get(src), by_id.get(dst)
@@ -174,30 +161,3 @@ def _changed(run: RunOutputs, src: str, dst: str) -> str:
         if a.get(k) != b.get(k)
     ]
     return ", ".join(diff) or "same configuration"
-
-
-def fallbacks_block(run: RunOutputs) -> str:
-    """Each OOM the training recovered from by switching candidates (summary.json `fallbacks`)."""
-    fallbacks, notes = read_fallbacks(run.summary)
-    out = [f"<p class='note'>Note: {_e(n)}</p>" for n in notes]
-    if not fallbacks:
-        return "".join(out)
-    final = fallbacks[-1].dst
-    out.append(
-        f"<div class='banner warn'>Training ran out of memory {len(fallbacks)} time(s) and continued on another "
-        f"configuration: the selected configuration did not hold as launched. It finished on {_e(final)}.</div>"
-    )
-    rows = []
-    for f in fallbacks:
-        live = (f"{_bytes(f.bytes_live)} of {_bytes(f.capacity_bytes)}" if f.bytes_live is not None and f.capacity_bytes is not None
-                else _bytes(f.bytes_live))  # fmt: skip
-        rows.append(
-            f"<tr><td class='n'>{_e(_plain(f.oom_step))}</td><td>{_e(f.phase)}</td><td><code>{_e(f.op or '—')}</code></td>"
-            f"<td class='n'>{_e(live)}</td><td><code>{_e(f.src)}</code></td><td class='n'>{_e(_plain(f.resumed_from_step))}</td>"
-            f"<td><code>{_e(f.dst)}</code></td><td>{_e(_changed(run, f.src, f.dst))}</td></tr>"
-        )
-    out.append(
-        "<table><tr><th>OOM at step</th><th>phase</th><th>op</th><th>live / capacity per device</th><th>from</th>"
-        f"<th>resumed from step</th><th>to</th><th>what changed</th></tr>{''.join(rows)}</table>"
-    )
-    return "\n".join(out)
