@@ -45,3 +45,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/snakefmt --check .
 	$(BIN)/snakemake --lint
+	$(BIN)/python tools/check_shape.py
