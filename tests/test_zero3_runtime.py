@@ -72,7 +72,7 @@ def test_lora_on_some_linears_under_zero3_keeps_the_frozen_linears_inputs(tmp_pa
     from memfit.data import prepare
     from memfit.estimate import estimate
     from memfit.probe import run_probe
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model = tmp_path / "model"

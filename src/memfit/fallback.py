@@ -1,7 +1,7 @@
 """Training survives a wrong choice: after an OOM, continue with the next candidate that fits.
 
 `memfit.pipeline.train` launches the selected run (run.json). When it ends with a device OOM (a
-rank's `oom.rank<r>.json` marker, written by `train.run_rank`), it picks the next candidate of
+rank's `oom.rank<r>.json` marker, written by `memfit.train_rank.run_rank`), it picks the next candidate of
 selected.json's ranking (`next_candidate`) that
 
 - fits (its verdict in selected.json),
@@ -177,7 +177,7 @@ def save_state(base: Any, records: list[dict[str, Any]]) -> None:
 def effective_run_json(run_json: str | Path) -> Path:
     """The run config the run in run.json's directory last trained with: run.json, or after OOM
     fallbacks the newest `train/run.fallback-<n>.json` (what verify_resume must resume with)."""
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
     base = RunConfig.load(run_json)
     records = load_state(base)

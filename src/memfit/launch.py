@@ -199,7 +199,7 @@ def launch(
     try:
         rc = proc.wait(timeout=timeout_s)
         if rc != 0 and _preempted(config):
-            from memfit.train import PREEMPTED_EXIT_CODE
+            from memfit.run_config import PREEMPTED_EXIT_CODE
 
             return (
                 PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
@@ -250,7 +250,7 @@ def _children(pid: int) -> list[int]:
 def _preempted(config: Path) -> bool:
     import json
 
-    from memfit.train import PREEMPTED_MARKER
+    from memfit.run_config import PREEMPTED_MARKER
 
     out_dir = json.loads(Path(config).read_text()).get("out_dir")
     return bool(out_dir) and (Path(out_dir) / PREEMPTED_MARKER).exists()

@@ -18,8 +18,9 @@ from typing import Any
 from memfit import catalog, checkpoint
 from memfit.atomic import write_json_atomic
 from memfit.config import WorkflowConfig
-from memfit.select import Budget, NoneFits, choose, judge
-from memfit.train import RunConfig
+from memfit.rows import Budget
+from memfit.run_config import RunConfig
+from memfit.select import NoneFits, choose, judge
 
 
 # --------------------------------------------------------------------------- stages
