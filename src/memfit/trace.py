@@ -64,8 +64,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.arch import ModelArch
 from memfit.atomic import write_json_atomic
-from memfit.catalog import ModelArch
 from memfit.trace_step import MEASURES, TraceError  # defined with the step that measures them
 
 TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)

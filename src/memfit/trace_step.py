@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memfit.catalog import ModelArch
+from memfit.arch import ModelArch
 
 # What one traced step records, per sequence, in bytes (memfit.trace's docstring says what each is).
 MEASURES = (

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings, dtype_bytes
 from memfit.estimate.states import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.validity import hardware_problems

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from memfit import catalog
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.core import Estimate, estimate, fit
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, EstimateError, Settings
 from memfit.space import Candidate

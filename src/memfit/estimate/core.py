@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit import calibration
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.activation_memory import (
     Activations,
     activations,

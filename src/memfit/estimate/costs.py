@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit import calibration
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
 from memfit.estimate.states import ModelStates, param_layout, trainable_params
 from memfit.space import Candidate

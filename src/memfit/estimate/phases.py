@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.estimate.states import ModelStates, lora_targets, param_layout

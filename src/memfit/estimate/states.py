@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from memfit.catalog import ModelArch
+from memfit.arch import ModelArch
 from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
 from memfit.space import Candidate
 
