@@ -43,15 +43,12 @@ from memfit import calibration, catalog
 # the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
 # package); Estimate is only used for annotations
 from memfit.estimate import NCCL_CUMEM_BYTES, estimate
-from memfit.estimate.activation_memory import fp32_logits_block, qlora_dequant
+from memfit.estimate.activation_memory import fp32_logits_block
 from memfit.estimate.costs import cached_logits_block, device_overheads, nvls_bytes
+from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import dtype_bytes
-from memfit.estimate.states import (
-    param_layout,
-    reduce_bucket_elements,
-    trainable_params,
-    zero3_gathered_bytes,
-)
+from memfit.estimate.states import reduce_bucket_elements, zero3_gathered_bytes
+from memfit.estimate.trainer_terms import qlora_dequant
 from memfit.units import GIB
 from memfit.validation_cases import FIGURE, TABLE, Row, TableError, model_card, parse_row
 

@@ -29,12 +29,7 @@ term says where it comes from:
 The numbers are per rank (one GPU), in bytes. Host memory is per node.
 """
 
-from memfit.estimate.activation_memory import (
-    Activations,
-    activations,
-    prefetch_traces,
-    traced_activations,
-)
+from memfit.estimate.activation_memory import Activations, activations
 from memfit.estimate.cli import fit_main, main, render
 from memfit.estimate.core import Estimate, Job, estimate, estimate_space, fit
 from memfit.estimate.costs import (
@@ -46,19 +41,17 @@ from memfit.estimate.costs import (
     host_memory,
     step_time,
 )
+from memfit.estimate.params import ParamLayout, lora_targets, param_layout, trainable_params
 from memfit.estimate.phases import StepPhases, peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import (
     NF4_BYTES_PER_PARAM,
     ModelStates,
-    ParamLayout,
-    lora_targets,
     model_states,
-    param_layout,
-    trainable_params,
     zero3_gathered_bytes,
     zero3_subgroups,
 )
+from memfit.estimate.traced import prefetch_traces, traced_activations
 from memfit.estimate.validity import check_arch, hardware_problems
 
 __all__ = [

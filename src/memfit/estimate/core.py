@@ -11,15 +11,7 @@ from typing import Any
 from memfit import calibration
 from memfit.arch import ModelArch
 from memfit.catalog import GPU
-from memfit.estimate.activation_memory import (
-    Activations,
-    activations,
-    apply_trainer_terms,
-    fp32_logits_block,
-    prefetch_traces,
-    traced_activations,
-    traced_fallback_reason,
-)
+from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.costs import (
     cached_logits_block,
     device_overheads,
@@ -27,9 +19,12 @@ from memfit.estimate.costs import (
     host_memory,
     step_time,
 )
+from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.states import model_states, param_layout, trainable_params
+from memfit.estimate.states import model_states
+from memfit.estimate.traced import prefetch_traces, traced_activations, traced_fallback_reason
+from memfit.estimate.trainer_terms import apply_trainer_terms
 from memfit.estimate.validity import check_arch, hardware_problems, planning_notes
 from memfit.space import Candidate
 from memfit.units import GIB

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from memfit import calibration
 from memfit.arch import ModelArch
 from memfit.catalog import GPU
+from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
-from memfit.estimate.states import ModelStates, param_layout, trainable_params
+from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 from memfit.units import GIB
 

@@ -7,8 +7,8 @@ import dataclasses
 
 from memfit.arch import ModelArch
 from memfit.catalog import GPU
+from memfit.estimate.params import lora_adapts_experts
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.states import lora_adapts_experts
 from memfit.space import Candidate
 
 # The architecture sizes every formula uses: ModelArch's required integer fields (the card's
