@@ -89,16 +89,16 @@ def test_two_module_cycle_fails(tree):
 
 
 def test_cycle_through_subpackages_and_relative_imports(tree):
-    _write(tree, "src/memfit/train/__init__.py", '"""train."""\n')
-    _write(tree, "src/memfit/train/loop.py", "from .config import RunConfig\n")
+    _write(tree, "src/memfit/plan/__init__.py", '"""plan."""\n')
+    _write(tree, "src/memfit/plan/loop.py", "from .settings import RunConfig\n")
     _write(
         tree,
-        "src/memfit/train/config.py",
-        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from memfit.train import loop\n",
+        "src/memfit/plan/settings.py",
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from memfit.plan import loop\n",
     )
     result = _run(tree)
     assert result.returncode == 1
-    assert "memfit.train.config -> memfit.train.loop -> memfit.train.config" in result.stdout
+    assert "memfit.plan.loop -> memfit.plan.settings -> memfit.plan.loop" in result.stdout
 
 
 def test_three_module_cycle_names_each_module(tree):
