@@ -70,7 +70,7 @@ eval_fraction, seed and tokenizer.
 
 This package owns preparing data (`preparation`, from `sources`, to the columns of `schema`) and
 reading it back (`shards`: splits, the worst-case batch, packing). It may import `memfit.atomic`
-only: training (`memfit.train`) and the workflow import it, never the other way round.
+only: the training loop and the workflow import it, never the other way round.
 """
 
 from memfit.data.preparation import prepare
