@@ -68,6 +68,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/snakefmt --check .
 	$(BIN)/snakemake --lint
+	$(BIN)/python tools/check_shape.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 # The manual (mkdocs.yml, docs/) into site/. --strict fails on a broken link or anchor; never add

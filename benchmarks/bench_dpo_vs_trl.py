@@ -8,7 +8,7 @@ batch B pairs, fp32, sdpa attention, no gradient checkpointing, reference model 
 (no precomputed reference log-probs), 1 process, torch's default CPU threads.
 
 (a) TRL: `trl.DPOTrainer(...).train()` with max_steps = warmup + steps; step times from a callback.
-(b) memfit: `memfit.train.StepRunner.loss` (memfit's collate + sequence_logps + dpo_loss) on the plain
+(b) memfit: `memfit.steps.StepRunner.loss` (memfit's collate + sequence_logps + dpo_loss) on the plain
     torch model, `loss.backward()`, `torch.optim.AdamW.step()`: the single-process path without DeepSpeed.
 
 steps/s is measured over the steps after the warm-up. Rounds alternate TRL, memfit, TRL, memfit, ... to
@@ -105,7 +105,7 @@ def run_trl(model_dir: Path, records: list[dict], a, out: Path) -> dict:
 
 
 def run_memfit(model_dir: Path, rows: list[dict], a, pad_id: int) -> dict:
-    from memfit.train import StepRunner
+    from memfit.steps import StepRunner
 
     torch.manual_seed(a.seed)
     policy, ref = load_model(model_dir), load_model(model_dir)

@@ -250,7 +250,7 @@ def _err(measured, est) -> float | None:
 def run_row(row: Row, profile: Profile, model_dir: Path, data: dict[str, Path], work: Path,
             cuda: bool, settings_kw: dict | None = None, budget: int | None = None) -> dict[str, Any]:
     from memfit.probe import run_probe
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
     out: dict[str, Any] = {"id": row.id, "method": row.method, "expandable_segments": row.expandable_segments}
     cand = Candidate(**{**profile.base, **row.cand})

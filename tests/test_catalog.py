@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from memfit import catalog
+from memfit import catalog, hf_config
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -196,7 +196,7 @@ def test_gemma3_defaults_match_transformers():
     from transformers import Gemma3TextConfig
 
     cfg = Gemma3TextConfig()
-    for key, value in catalog._HF_DEFAULTS["gemma3_text"].items():
+    for key, value in hf_config._HF_DEFAULTS["gemma3_text"].items():
         if key == "sliding_window_pattern":
             # transformers 5 keeps the pattern as layer_types: every 6th layer is global
             types = cfg.layer_types
@@ -705,7 +705,7 @@ def test_hf_moe_defaults_match_transformers():
                "qwen3_moe": Qwen3MoeConfig, "deepseek_v3": DeepseekV3Config}  # fmt: skip
     for model_type, cls in classes.items():
         cfg = cls()
-        for key, value in catalog._HF_DEFAULTS[model_type].items():
+        for key, value in hf_config._HF_DEFAULTS[model_type].items():
             assert getattr(cfg, key) == value, (model_type, key)
 
 

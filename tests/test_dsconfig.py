@@ -53,7 +53,7 @@ import yaml  # noqa: E402
 from memfit import pipeline  # noqa: E402
 from memfit.config import WorkflowConfig  # noqa: E402
 from memfit.launch import launch_env  # noqa: E402
-from memfit.train import RunConfig  # noqa: E402
+from memfit.run_config import RunConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

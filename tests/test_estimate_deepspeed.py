@@ -88,7 +88,7 @@ def built(tmp_path_factory):
 @pytest.fixture(scope="module")
 def measured(built):
     from memfit.probe import run_probe
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
     def probe(name: str) -> dict:
         method, kw = CASES[name]

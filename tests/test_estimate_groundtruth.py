@@ -20,7 +20,8 @@ import statistics
 import pytest
 import torch
 
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate import Settings, estimate
 from memfit.memory import AllocationTracker
 from memfit.space import Candidate

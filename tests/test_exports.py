@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from memfit import dsconfig, exports
-from memfit.train import RunConfig
+from memfit.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import torch
 
 from memfit import checkpoint, fallback
 from memfit.memory import AllocationTracker
+from memfit.run_config import RunConfig
 from memfit.space import Candidate
-from memfit.train import RunConfig
 
 WORLD = 2
 SELECTED = {"zero": 0, "micro_batch": 16, "grad_accum": 1, "seq_len": 32, "precision": "fp32"}

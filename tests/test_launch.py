@@ -19,7 +19,7 @@ import torch
 
 from memfit import launch as launch_mod
 from memfit.launch import command, launch, launch_env
-from memfit.train import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+from memfit.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 
 def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):

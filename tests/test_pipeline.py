@@ -9,7 +9,7 @@ import yaml
 
 from memfit import pipeline
 from memfit.config import WorkflowConfig
-from memfit.train import RunConfig
+from memfit.run_config import RunConfig
 
 
 @pytest.fixture()
@@ -82,7 +82,7 @@ def test_a_boundary_probe_checks_the_estimate_where_it_decides(repo, demo_model,
 
 
 def test_boundary_probe_rules(repo):
-    from memfit.select import Budget
+    from memfit.rows import Budget
 
     budget = Budget(device_bytes=100, host_bytes=1000, headroom=0.1)  # limit 90
 

@@ -2,7 +2,7 @@
 
 `run_probe` turns how the ranks ended into one JSON result. The ranks are replaced by a
 function standing in for `memfit.launch.launch` that ends as the trainer does (markers and
-exit codes of `memfit.train.run_rank`); one slow test launches real ranks that refuse a
+exit codes of `memfit.train_rank.run_rank`); one slow test launches real ranks that refuse a
 candidate this machine cannot run. The measured probe itself is in test_train.py (slow).
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from memfit import probe
+from memfit.run_config import OOM_EXIT_CODE, RunConfig
 from memfit.space import Candidate
-from memfit.train import OOM_EXIT_CODE, RunConfig
 from memfit.units import MIB
 
 PREDICTION = {"id": "x", "peak_allocated_bytes": 123, "peak_reserved_bytes": 456, "host_bytes": 7, "step_time_s": 0.5,

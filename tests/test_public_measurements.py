@@ -149,7 +149,7 @@ def test_a_rows_trainer_reaches_the_estimate():
         ("unsloth-hf-fa2-llama3.1-8b-maxctx-24gb", 2),
     ):
         row = next(r for r in ROWS if r.id == rid)
-        tv = row.cand.micro_batch * row.cand.seq_len * v._model(row.model).vocab_size
+        tv = row.cand.micro_batch * row.cand.seq_len * v.model_card(row.model).vocab_size
         assert row.settings.logits_handling == row.raw["loss_impl"]
         own = v.compare(_with(row, logits_handling="memfit")).predicted_bytes
         assert v.compare(row).predicted_bytes - own == extra * tv, rid
@@ -161,7 +161,7 @@ def test_device_level_terms_only_in_device_level_figures():
     row = next(r for r in ROWS if r.id == "torchtune-llama2-7b-lora-2x4090")
     e = v.predict(row)
     assert e.device_total_bytes - e.peak_reserved_bytes >= v.NCCL_CUMEM_BYTES
-    tv4 = 4 * row.cand.micro_batch * row.cand.seq_len * v._model(row.model).vocab_size
+    tv4 = 4 * row.cand.micro_batch * row.cand.seq_len * v.model_card(row.model).vocab_size
     assert e.peak_reserved_bytes - e.peak_allocated_bytes >= tv4
     no_cache = v.predict(_with(row, expandable_segments=True))
     assert no_cache.peak_allocated_bytes == e.peak_allocated_bytes

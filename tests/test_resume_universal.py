@@ -13,8 +13,9 @@ from deepspeed_runs import base_run, run
 from safetensors.torch import load_file
 
 from memfit import checkpoint
-from memfit.batches import rank_batches
-from memfit.train import Run, RunConfig, Schedule
+from memfit.batches import Schedule, rank_batches
+from memfit.run_config import RunConfig
+from memfit.train import Run
 
 
 # --------------------------------------------------------------------------- fast: no DeepSpeed

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.select import Budget, choose, judge
+from memfit.rows import Budget
+from memfit.select import choose, judge
 
 MiB = 2**20
 

@@ -10,8 +10,9 @@ import torch
 import yaml
 
 from memfit import data
+from memfit.batches import collate, collate_packed
 from memfit.losses import IGNORE_INDEX, sft_loss, token_logps
-from memfit.train import RunConfig, collate, collate_packed
+from memfit.run_config import RunConfig
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,8 @@ def sft_rows(demo_model, tmp_path_factory, repo):
 def model_with(demo_model, attn: str):
     """The model as the trainer loads it (fp32, use_cache off: with a KV cache transformers
     ignores position_ids for packing, masking_utils._preprocess_mask_arguments)."""
+    from memfit.modeling import load_model
     from memfit.space import Candidate
-    from memfit.train import load_model
 
     return load_model(str(demo_model), Candidate.from_dict({"attn": attn, "precision": "fp32"}), trainable=False)
 

@@ -6,16 +6,15 @@ import json
 
 import pytest
 
+from memfit.launch import per_node_srun, srun_env
 from memfit.slurm import (
     SlurmConfigError,
     host_bytes_of,
     job_resources,
     mem_mb,
-    per_node_srun,
     rule_resources,
     run_host_bytes,
     runtime_min,
-    srun_env,
 )
 from memfit.units import GIB
 

@@ -131,7 +131,7 @@ def test_sigterm_checkpoints_the_current_step_and_the_rerun_resumes(demo_model, 
     import sys
     import time
 
-    from memfit.train import PREEMPTED_EXIT_CODE
+    from memfit.run_config import PREEMPTED_EXIT_CODE
 
     _, ref_rows = zero3_run
     cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "sig", zero=3), save_every=0)
@@ -282,8 +282,8 @@ def test_adapter_export_equals_the_merged_model(demo_model, lora_merged, lora_ad
 def test_load_model_merges_an_adapter_only_directory(demo_model, lora_merged, lora_adapter, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from memfit.modeling import load_model
     from memfit.space import Candidate
-    from memfit.train import load_model
 
     merged_dir, _ = lora_merged
     out, _ = lora_adapter[2]

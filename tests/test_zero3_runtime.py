@@ -72,7 +72,7 @@ def test_lora_on_some_linears_under_zero3_keeps_the_frozen_linears_inputs(tmp_pa
     from memfit.data import prepare
     from memfit.estimate import estimate
     from memfit.probe import run_probe
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model = tmp_path / "model"
@@ -105,7 +105,7 @@ def test_lora_on_some_linears_under_zero3_keeps_the_frozen_linears_inputs(tmp_pa
 
 
 def test_the_frozen_linears_inputs_are_what_no_adapter_keeps():
-    from memfit.estimate.activation_memory import zero3_linear_inputs
+    from memfit.estimate.trainer_terms import zero3_linear_inputs
 
     arch = catalog.model("llama-3.1-8b")
     c = Candidate(zero=3, precision="bf16", finetune="lora", micro_batch=2, seq_len=1024)

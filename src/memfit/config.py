@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit import catalog
-from memfit.select import Budget
+from memfit.rows import Budget
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
 
 if TYPE_CHECKING:
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
 SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 RESULTS = "results"  # every output of the workflow lives under this directory
@@ -168,7 +168,7 @@ class WorkflowConfig:
     # -- one run ---------------------------------------------------------------------------
     def run_config(self, method: str, cand: dict[str, Any], model_path: str, data_dir: str, out_dir: str) -> RunConfig:
         """The `RunConfig` of one candidate: the config's `train` section plus the method's."""
-        from memfit.train import RunConfig
+        from memfit.run_config import RunConfig
 
         train = self.raw["train"]
         per_method = dict(train[method])
@@ -358,7 +358,7 @@ def _context_problems(cfg: WorkflowConfig) -> list[str]:
 
 
 def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
-    from memfit.train import option_problems
+    from memfit.run_config import option_problems
 
     raw, out = cfg.raw, []
     gpus = catalog.load_gpus()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.space import Candidate
 
 if TYPE_CHECKING:
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
 
 def build(

@@ -1,11 +1,11 @@
 """Training survives a wrong choice: after an OOM, continue with the next candidate that fits.
 
 `memfit.pipeline.train` launches the selected run (run.json). When it ends with a device OOM (a
-rank's `oom.rank<r>.json` marker, written by `train.run_rank`), it picks the next candidate of
+rank's `oom.rank<r>.json` marker, written by `memfit.train_rank.run_rank`), it picks the next candidate of
 selected.json's ranking (`next_candidate`) that
 
 - fits (its verdict in selected.json),
-- keeps the training dynamics: only the levers of `checkpoint.LEVERS` differ from the selected
+- keeps the training dynamics: only the levers of `checkpoint_compat.LEVERS` differ from the selected
   candidate (ZeRO stage, offload, pin memory, gradient checkpointing, micro batch / grad_accum,
   DPO reference mode, loss_impl full<->chunked, which changes float rounding only), and the
   global batch (micro batch x grad_accum x ranks) is the same, so the data order is too,
@@ -34,7 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memfit import checkpoint
+from memfit import checkpoint, checkpoint_compat
 from memfit.atomic import write_json_atomic
 from memfit.space import Candidate
 
@@ -59,7 +59,7 @@ def dynamics_problems(base: dict[str, Any], cand: dict[str, Any], world: int) ->
     out = [
         f"{k} {a[k]!r} -> {b[k]!r} changes what is learned"
         for k in a
-        if k not in checkpoint.LEVERS and a[k] != b[k]
+        if k not in checkpoint_compat.LEVERS and a[k] != b[k]
     ]
     gb_a, gb_b = global_batch(a, world), global_batch(b, world)
     if gb_a != gb_b:
@@ -177,7 +177,7 @@ def save_state(base: Any, records: list[dict[str, Any]]) -> None:
 def effective_run_json(run_json: str | Path) -> Path:
     """The run config the run in run.json's directory last trained with: run.json, or after OOM
     fallbacks the newest `train/run.fallback-<n>.json` (what verify_resume must resume with)."""
-    from memfit.train import RunConfig
+    from memfit.run_config import RunConfig
 
     base = RunConfig.load(run_json)
     records = load_state(base)

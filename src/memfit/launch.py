@@ -20,6 +20,50 @@ from pathlib import Path
 
 import torch
 
+# What a nested srun may inherit: the job's identity and where the config is. Anything else was
+# set for the step this process runs in (a one-node step under the plugin: SLURM_JOB_NODELIST,
+# SLURM_NNODES=1, ...) and makes srun refuse the job's other nodes ("Only allocated 1 nodes
+# asked for 2", SLURM 22.05); the plugin's jobstep cleans its own srun's environment the same way.
+SRUN_KEEP = frozenset({"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CONF", "SLURM_CLUSTER_NAME"})
+
+
+def srun_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the SLURM_*/SRUN_*/SBATCH_* variables of the current step (SRUN_KEEP stays)."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k in SRUN_KEEP or not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))
+    }
+
+
+def per_node_srun(nnodes: int, env: Mapping[str, str]) -> list[str] | None:
+    """The `srun` prefix that starts one launcher on each of `nnodes` nodes, or None.
+
+    None when no multi-node start is needed here: one node, no SLURM allocation (launch then
+    asks for an explicit rendezvous), or this process already is one task of a step spread
+    over the nodes (`srun --nodes N --ntasks-per-node 1 memfit launch ...`, as launch.sh does).
+    Under snakemake-executor-plugin-slurm a rule runs as one task of a one-node step
+    (`srun -n1 ...`, the jobstep plugin) on the job's first node: from there this prefix starts
+    a step of its own over all nodes. `--overlap` lets it share the CPUs that first step holds
+    (srun(1), SLURM >= 20.11); `--kill-on-bad-exit` ends every node when one fails. Run it
+    with `srun_env`.
+    """
+    if nnodes <= 1 or not env.get("SLURM_JOB_ID"):
+        return None
+    if env.get("SLURM_STEP_NUM_NODES") == str(nnodes) and env.get("SLURM_STEP_NUM_TASKS") == str(
+        nnodes
+    ):
+        return None
+    return [
+        "srun",
+        "--overlap",
+        f"--nodes={nnodes}",
+        f"--ntasks={nnodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        f"--jobid={env['SLURM_JOB_ID']}",
+    ]
+
 
 def nproc_default() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
@@ -154,7 +198,7 @@ def launch(
 
     Inside a SLURM job of `nnodes` > 1 nodes started as one task (a Snakemake rule under the
     executor plugin, or a batch script), this starts one launcher per node with `srun`
-    (memfit.slurm.per_node_srun) and waits for them.
+    (per_node_srun) and waits for them.
 
     SIGUSR1 (SLURM's `--signal=USR1@secs` before the wall-time kill, or `scancel --signal=USR1`)
     and SIGTERM sent to this process are forwarded: SIGUSR1 to the ranks themselves (they
@@ -163,7 +207,6 @@ def launch(
     process of a step, and torchrun has no handler for it (its default would kill torchrun, and
     with it every rank: train._die_with_parent).
     """
-    from memfit.slurm import per_node_srun, srun_env
 
     srun = per_node_srun(nnodes, os.environ)
     if srun is not None:
@@ -199,7 +242,7 @@ def launch(
     try:
         rc = proc.wait(timeout=timeout_s)
         if rc != 0 and _preempted(config):
-            from memfit.train import PREEMPTED_EXIT_CODE
+            from memfit.run_config import PREEMPTED_EXIT_CODE
 
             return (
                 PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
@@ -250,7 +293,7 @@ def _children(pid: int) -> list[int]:
 def _preempted(config: Path) -> bool:
     import json
 
-    from memfit.train import PREEMPTED_MARKER
+    from memfit.run_config import PREEMPTED_MARKER
 
     out_dir = json.loads(Path(config).read_text()).get("out_dir")
     return bool(out_dir) and (Path(out_dir) / PREEMPTED_MARKER).exists()

@@ -12,7 +12,7 @@ DeepSpeed's own module hooks.
 With `capacity_bytes` set, the tracker is also the `cpu` device's capacity: when
 the live total of this rank would exceed it, the op raises `torch.OutOfMemoryError`,
 the exception CUDA's caching allocator raises, so the trainer's OOM handler
-(train.run_rank: OOM marker + OOM_EXIT_CODE) treats both alike. PyTorch 2.x has
+(memfit.train_rank.run_rank: OOM marker + OOM_EXIT_CODE) treats both alike. PyTorch 2.x has
 no pluggable CPU allocator (`torch.cuda.memory.CUDAPluggableAllocator` is
 CUDA-only, and c10's CPU allocator is replaced only from C++ via
 `c10::SetCPUAllocator`), so the check runs right after the op: its outputs are

@@ -47,7 +47,7 @@ class ModelCheck:
     """What was checked: the directory, its architecture, the weight and tokenizer files read."""
 
     path: Path
-    arch: Any  # memfit.catalog.ModelArch
+    arch: Any  # memfit.arch.ModelArch
     weight_files: list[Path] = field(default_factory=list)
     tokenizer_files: list[Path] = field(default_factory=list)
 

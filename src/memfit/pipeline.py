@@ -18,8 +18,10 @@ from typing import Any
 from memfit import catalog, checkpoint
 from memfit.atomic import write_json_atomic
 from memfit.config import WorkflowConfig
-from memfit.select import Budget, NoneFits, choose, judge
-from memfit.train import RunConfig
+from memfit.none_fits import export_files, write_none_fits
+from memfit.rows import Budget
+from memfit.run_config import RunConfig
+from memfit.select import NoneFits, choose, judge
 
 
 # --------------------------------------------------------------------------- stages
@@ -262,7 +264,7 @@ def select_config(
         e = NoneFits(e.rows, e.what, more) if more else e
         if not cfg.plan_only:
             raise e from None  # a training run stops here, with every candidate's reason
-        return _write_none_fits(model, gpu, method, table, cfg, e, out)
+        return write_none_fits(model, gpu, method, table, cfg, e, out)
     run = cfg.run_config(method, best.candidate, model_path, data_dir, train_dir)
     run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
     run.save(out["run"])
@@ -277,12 +279,12 @@ def select_config(
         "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
         f"# DeepSpeed config: {out['ds_config']} (what the trainer builds from run.json).\nset -euo pipefail\n{cmd}\n"
     )
-    export_files = _export_files(out, method)
+    files = export_files(out, method)
     (Path(out["selected"]).parent / exports.NONE_FITS).unlink(missing_ok=True)  # an earlier plan's, where nothing fit
     exports.write_all(exports.ExportPlan(
         run=run, ds_config=ds, num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, total_steps=total_steps,
         warmup_steps=schedule["warmup_steps"], data_source=cfg.raw["data"].get(method),
-        eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)), files=export_files,
+        eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)), files=files,
     ))
     selected = {
         "model": model,
@@ -296,13 +298,6 @@ def select_config(
     }
     write_json_atomic(out["selected"], selected)
     return selected
-
-
-def _export_files(out: dict[str, Path], method: str) -> dict[str, Path]:
-    """Where the exports go: exports/ beside selected.json, or the paths `out` declares."""
-    from memfit import exports
-
-    return exports.paths(Path(out["selected"]).parent, method) | {k: Path(out[k]) for k in exports.FILES if k in out}
 
 
 MAX_NODES_HINT = 16  # how far `_nodes_that_fit` looks: a few cheap re-estimates, not a search of the cluster
@@ -328,55 +323,6 @@ def _nodes_that_fit(cfg: WorkflowConfig, model: str, gpu: str, method: str, b: B
             best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
             return f"would fit on {nodes} nodes (estimate; {cfg.num_gpus} {gpu} per node, fastest there: {best.id})"
     return f"would not fit on up to {MAX_NODES_HINT} nodes of {cfg.num_gpus} {gpu} either (estimate)"
-
-
-def _write_none_fits(
-    model: str, gpu: str, method: str, table: dict[str, Any], cfg: WorkflowConfig, e: NoneFits, out: dict[str, Path]
-) -> dict[str, Any]:
-    """A plan where nothing fits: selected.json says so (`"selected": null`, `"none_fits"`, every
-    candidate with why it lost); the other outputs say it too rather than describe a run: run.json
-    and ds_config.json hold only `{"none_fits": ...}`, launch.sh prints the reason and exits 1,
-    and the exports are replaced by exports/NONE_FITS.txt (each export path Snakemake declares
-    holds the reason in that file's own syntax, so nobody can launch it by mistake)."""
-    from memfit import exports
-    from memfit.atomic import write_text_atomic
-
-    reason = e.reason
-    note = {"none_fits": reason}
-    write_json_atomic(out["run"], note)
-    write_json_atomic(out["ds_config"], note)
-    script = f"#!/usr/bin/env bash\n# memfit selected nothing: no candidate fits.\necho {shlex.quote('memfit: ' + reason)} >&2\nexit 1\n"
-    write_text_atomic(out["launch"], script)
-    Path(out["launch"]).chmod(0o755)
-    run_dir = Path(out["selected"]).parent
-    export_files = _export_files(out, method)
-    shutil.rmtree(run_dir / "exports", ignore_errors=True)  # exports of an earlier plan that did fit
-    write_text_atomic(run_dir / exports.NONE_FITS, f"memfit selected nothing for {model} on {gpu} ({method}):\n{reason}\n")
-    for key, path in export_files.items():
-        if key not in out:
-            continue  # not declared (a caller outside the workflow): NONE_FITS.txt alone
-        if path.suffix == ".json":
-            write_json_atomic(path, note)
-        elif path.suffix == ".sh":
-            write_text_atomic(path, script)
-            path.chmod(0o755)
-        else:  # YAML: the reason as its only key, so a trainer reading it fails on an unknown config
-            import yaml
-
-            write_text_atomic(path, yaml.safe_dump(note, sort_keys=False, width=1000))
-    selected = {
-        "model": model,
-        "gpu": gpu,
-        "method": method,
-        "selected": None,
-        "none_fits": reason,
-        "budget": table["budget"],
-        "plan_only": cfg.plan_only,
-        "launch": None,
-        "candidates": [r.to_json() for r in e.rows],
-    }
-    write_json_atomic(out["selected"], selected)
-    return selected
 
 
 def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1, selected_json: Path | None = None) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from memfit.atomic import write_json_atomic
 from memfit.launch import launch
-from memfit.train import OOM_EXIT_CODE, RunConfig
+from memfit.run_config import OOM_EXIT_CODE, RunConfig
 
 
 def run_probe(

@@ -15,7 +15,7 @@ from typing import Any
 
 from memfit import checkpoint
 from memfit.atomic import write_json_atomic
-from memfit.train import RunConfig
+from memfit.run_config import RunConfig
 
 
 def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5, nnodes: int = 1) -> dict[str, Any]:

@@ -6,8 +6,8 @@ The snakemake-executor-plugin-slurm turns these resource names into sbatch flags
 minutes, `slurm_partition` -> -p, `slurm_account` -> -A; see the plugin's docs "Advanced
 Resource Specifications" and its `submit_string.get_submit_command` / `utils.set_gres_string`).
 
-`rule_resources` is what workflow/rules/common.smk hands every rule; `per_node_srun` is how
-one job of several nodes starts one launcher per node (memfit.launch).
+`rule_resources` is what workflow/rules/common.smk hands every rule; how one job of several
+nodes starts one launcher per node is memfit.launch (`per_node_srun`).
 """
 
 from __future__ import annotations
@@ -170,51 +170,6 @@ def run_host_bytes(run_json: str | Path) -> int:
     if table.exists():
         rows = json.loads(table.read_text())["rows"]
     return host_bytes_of(run_dir / "selected.json", rows)
-
-
-# What a nested srun may inherit: the job's identity and where the config is. Anything else was
-# set for the step this process runs in (a one-node step under the plugin: SLURM_JOB_NODELIST,
-# SLURM_NNODES=1, ...) and makes srun refuse the job's other nodes ("Only allocated 1 nodes
-# asked for 2", SLURM 22.05); the plugin's jobstep cleans its own srun's environment the same way.
-SRUN_KEEP = frozenset({"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CONF", "SLURM_CLUSTER_NAME"})
-
-
-def srun_env(env: Mapping[str, str]) -> dict[str, str]:
-    """`env` without the SLURM_*/SRUN_*/SBATCH_* variables of the current step (SRUN_KEEP stays)."""
-    return {
-        k: v
-        for k, v in env.items()
-        if k in SRUN_KEEP or not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))
-    }
-
-
-def per_node_srun(nnodes: int, env: Mapping[str, str]) -> list[str] | None:
-    """The `srun` prefix that starts one launcher on each of `nnodes` nodes, or None.
-
-    None when no multi-node start is needed here: one node, no SLURM allocation (launch then
-    asks for an explicit rendezvous), or this process already is one task of a step spread
-    over the nodes (`srun --nodes N --ntasks-per-node 1 memfit launch ...`, as launch.sh does).
-    Under snakemake-executor-plugin-slurm a rule runs as one task of a one-node step
-    (`srun -n1 ...`, the jobstep plugin) on the job's first node: from there this prefix starts
-    a step of its own over all nodes. `--overlap` lets it share the CPUs that first step holds
-    (srun(1), SLURM >= 20.11); `--kill-on-bad-exit` ends every node when one fails. Run it
-    with `srun_env`.
-    """
-    if nnodes <= 1 or not env.get("SLURM_JOB_ID"):
-        return None
-    if env.get("SLURM_STEP_NUM_NODES") == str(nnodes) and env.get("SLURM_STEP_NUM_TASKS") == str(
-        nnodes
-    ):
-        return None
-    return [
-        "srun",
-        "--overlap",
-        f"--nodes={nnodes}",
-        f"--ntasks={nnodes}",
-        "--ntasks-per-node=1",
-        "--kill-on-bad-exit=1",
-        f"--jobid={env['SLURM_JOB_ID']}",
-    ]
 
 
 def host_bytes_of(selected_json: Path | None, estimates: list[Mapping[str, Any]]) -> int:

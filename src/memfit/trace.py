@@ -64,24 +64,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.arch import ModelArch
 from memfit.atomic import write_json_atomic
-from memfit.catalog import ModelArch
+from memfit.trace_step import MEASURES, TraceError  # defined with the step that measures them
 
 TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)
 TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
-MEASURES = (
-    "fwd_peak",
-    "pre_loss",
-    "logits_bytes",
-    "saved",
-    "loss_bwd_peak",
-    "top_pre_bw",
-    "top_peak_bw",
-    "top_mlp_peak_bw",
-    "top_attn_peak_bw",
-    "bottom_peak_bw",
-)
 # ModelArch fields that do not change one sequence's activations (names, provenance, the layer
 # count the trace replaces, position limit: rotary tables are built per forward for the actual
 # positions, modeling_rope_utils; the vision tower is not in the text model).
@@ -105,10 +94,6 @@ _REQUIRED = tuple(
 
 _MEMO: dict[str, LayerTrace] = {}  # in-process cache over the JSON files (key hash -> trace)
 _FAST: dict[tuple, LayerTrace] = {}  # (arch, request, cache dir) -> trace, over _MEMO
-
-
-class TraceError(ValueError):
-    """The architecture cannot be traced (a missing field, a model transformers lacks)."""
 
 
 def default_cache_dir() -> Path:
@@ -371,7 +356,7 @@ def _child_main() -> int:
     {"runs": {layers: MEASURES}, "seconds": s} on the last line of stdout."""
     import warnings
 
-    from memfit.trace_step import per_sequence
+    from memfit.trace_step import per_sequence  # torch and transformers load here, in the child
 
     warnings.filterwarnings("ignore")
     payload = json.loads(sys.stdin.read())

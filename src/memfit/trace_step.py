@@ -11,8 +11,25 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memfit.catalog import ModelArch
-from memfit.trace import MEASURES, TraceError
+from memfit.arch import ModelArch
+
+# What one traced step records, per sequence, in bytes (memfit.trace's docstring says what each is).
+MEASURES = (
+    "fwd_peak",
+    "pre_loss",
+    "logits_bytes",
+    "saved",
+    "loss_bwd_peak",
+    "top_pre_bw",
+    "top_peak_bw",
+    "top_mlp_peak_bw",
+    "top_attn_peak_bw",
+    "bottom_peak_bw",
+)
+
+
+class TraceError(ValueError):
+    """The architecture cannot be traced (a missing field, a model transformers lacks)."""
 
 
 class _NoHandle:

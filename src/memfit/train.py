@@ -5,145 +5,46 @@ Launch all ranks of a run on one node (what the `train` and `probe_candidate` ru
     memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
 
 which runs `python -m torch.distributed.run --standalone --nproc-per-node 2 -m memfit.cli
-train --config ...`. On a GPU node `--nproc` is the number of GPUs; under SLURM the
-same entry point runs once per task.
+train --config ...` (memfit.train_rank.main, once per rank). On a GPU node `--nproc` is the number
+of GPUs; under SLURM the same entry point runs once per task.
 
 The loop reads top to bottom: strategy -> model -> reference -> data -> DeepSpeed ->
-resume -> fit -> export (OpenRLHF's `train()` order).
+resume -> fit -> export (OpenRLHF's `train()` order). What it is asked to do is
+memfit.run_config.RunConfig; its checkpoint hooks (which checkpoint to resume, loading, saving)
+are memfit.train_resume.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memfit import checkpoint, dsconfig
+from memfit import checkpoint, dsconfig, train_resume
 from memfit import dist as dist_env
 from memfit.atomic import write_json_atomic
-from memfit.batches import Schedule, collate, collate_packed, rank_batches  # noqa: F401  (re-exported)
+from memfit.batches import Schedule, rank_batches
 from memfit.data import load_split, worst_case_batch
 from memfit.memory import AllocationTracker, device_peaks, reset_device_peaks
-from memfit.modeling import (  # noqa: F401  (re-exported: probe, pipeline and tests import them from here)
-    ADAPTER_CONFIG,
-    ATTN_IMPL,
-    DTYPE,
-    _merged_lora_state,
-    adapter_base,
-    check_hardware,
-    export_model,
-    hidden_size,
-    load_model,
-    model_dir,
-)
-from memfit.reference import _forget_zero3_module, _storage_refs, reference_engine, reference_logps  # noqa: F401
-from memfit.space import Candidate
+from memfit.modeling import check_hardware, export_model, hidden_size, load_model, model_dir
+from memfit.reference import _forget_zero3_module, _storage_refs, reference_engine, reference_logps
+from memfit.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, RunConfig
 from memfit.steps import StepRunner
-from memfit.units import MIB, gib
+from memfit.units import MIB
 
-OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
-PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
-PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; torchrun itself exits 1
 _STOP_REQUESTED = threading.Event()
 
 
-def _request_stop(signum, _frame) -> None:
+def request_stop(signum, _frame) -> None:
     _STOP_REQUESTED.set()
-
-
-@dataclass
-class RunConfig:
-    """Everything one training (or probe) run needs; written as `run.json` by the workflow."""
-
-    method: str  # sft | dpo
-    model_path: str  # HF model directory the policy starts from
-    data_dir: str  # output of prepare_data: train.parquet, eval.parquet, stats.json
-    out_dir: str  # run directory: metrics.jsonl, checkpoints/, model/
-    candidate: dict[str, Any]  # a `Candidate` as a dict: ZeRO, offload, micro batch, seq_len ...
-    lr: float = 1e-3  # peak learning rate
-    epochs: float = 1.0  # passes over the training rows (ignored when max_steps is set)
-    max_steps: int | None = None  # optimizer steps; overrides epochs
-    warmup_steps: int = 10  # linear warmup steps
-    min_lr_ratio: float = 0.1  # cosine decays to this fraction of lr
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # global gradient-norm clip
-    seed: int = 0
-    log_every: int = 10  # steps between log lines
-    eval_every: int = 50  # steps between held-out evaluations (and at the end)
-    save_every: int = 100  # steps between checkpoints (and at the end); 0 disables
-    keep_last: int = 2  # checkpoints kept after rotation
-    resume: str = "auto"  # auto: newest valid checkpoint in out_dir/checkpoints, else fresh; never; or a checkpoint dir
-    stop_after_step: int | None = None  # stop (as if killed) after this step: used to test resume
-    export: bool = True  # save the final model to out_dir/model (HF format, safetensors)
-    export_format: str = "merged"  # merged: full HF model | adapter: peft adapter only (LoRA/QLoRA)
-    loss_on: str = "response"  # SFT: response (prompt tokens masked) | all (prompt too, never padding)
-    packing: bool = False  # SFT: pack short rows into sequences of up to seq_len tokens
-    lora_alpha: float | None = None  # default 2 * rank
-    lora_dropout: float = 0.0
-    lora_targets: str | list[str] = "all-linear"  # peft target_modules
-    dpo: dict[str, Any] = field(default_factory=dict)  # DPOConfig fields: beta, loss_type, label_smoothing
-    ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
-    probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
-    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
-    loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
-    device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
-    fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.fallback): resumes checkpoints of earlier candidates that differ in levers only
-
-    @classmethod
-    def load(cls, path: str | Path) -> RunConfig:
-        d = json.loads(Path(path).read_text())
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown run config keys {unknown}")
-        return cls(**d)
-
-    def __post_init__(self) -> None:
-        problems = option_problems(self.method, self.loss_on, self.packing, self.export_format,
-                                   [self.cand.finetune])
-        if problems:
-            raise ValueError("invalid run config: " + "; ".join(problems))
-
-    def save(self, path: str | Path) -> None:
-        write_json_atomic(Path(path), dataclasses.asdict(self))
-
-    @property
-    def cand(self) -> Candidate:
-        return Candidate.from_dict(self.candidate)
-
-
-def option_problems(method: str, loss_on: str, packing: bool, export: str, finetunes: list[str]) -> list[str]:
-    """What is wrong with the SFT/export options of a `train.<method>` section, each naming its key
-    (the workflow's config check and RunConfig share this)."""
-    out = []
-    key = f"train.{method}"
-    if loss_on not in ("response", "all"):
-        out.append(f"{key}.loss_on: {loss_on!r} is not allowed (allowed: 'response', 'all')")
-    elif method != "sft" and loss_on != "response":
-        out.append(f"{key}.loss_on: {loss_on!r} applies to sft only (DPO always scores the responses)")
-    if packing and method != "sft":
-        out.append(f"{key}.packing: packing applies to sft only (a DPO pair is scored as one "
-                   "chosen/rejected forward); remove it or set it to false")
-    if export not in ("merged", "adapter"):
-        out.append(f"{key}.export: {export!r} is not allowed (allowed: 'merged', 'adapter')")
-    elif export == "adapter":
-        full = sorted({f for f in finetunes if f not in ("lora", "qlora")})
-        if full:
-            out.append(f"{key}.export: 'adapter' needs finetune lora or qlora (search.finetune lists "
-                       f"{', '.join(full)}: a full fine-tune has no adapter); use export: merged")
-    return out
 
 
 # --------------------------------------------------------------------------- the run
@@ -199,7 +100,7 @@ class Run:
             hf_ds = HfDeepSpeedConfig(ds_cfg)
         # which checkpoint a resume reads, refused here (before any model is loaded) when it is
         # another run's; a universal load is a DeepSpeed config key, so it is decided before initialize
-        self.resume_plan = None if cfg.probe_steps else self._plan_resume()
+        self.resume_plan = None if cfg.probe_steps else train_resume.plan_resume(self)
         if self.resume_plan and self.resume_plan[2] == checkpoint.UNIVERSAL_LOAD:
             ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
@@ -337,7 +238,7 @@ class Run:
         return out
 
     def _phase(self, name: str) -> None:
-        """What the step does now, for the cpu capacity's OOM record (train.run_rank's marker)."""
+        """What the step does now, for the cpu capacity's OOM record (memfit.train_rank.run_rank's marker)."""
         self.oom_phase = name
         if getattr(self, "tracker", None) is not None:
             self.tracker.phase = name
@@ -535,79 +436,10 @@ class Run:
             os.fsync(f.fileno())
 
     def save(self, step: int) -> None:
-        self._phase("checkpoint save")
-        checkpoint.save(
-            self.engine,
-            self.ckpt_root,
-            step,
-            client_state={"step": step, "consumed_samples": step * self.schedule.global_batch},
-            keep_last=self.cfg.keep_last,
-            run_config=dataclasses.asdict(self.cfg),
-            expected_bytes=self._checkpoint_bytes(),
-            metrics=self.metrics_path,
-        )
-
-    def _checkpoint_bytes(self) -> int:
-        """What the first checkpoint writes: 16-bit (or fp32) weights plus fp32 master weights and
-        two Adam moments for the trainable ones (12 bytes/param, ZeRO paper Sec. 3.1)."""
-        params = list(self.engine.module.parameters())
-        total = sum(getattr(p, "ds_numel", p.numel()) for p in params)
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
-        return total * DTYPE[self.cand.precision].itemsize + trainable * 12
-
-    def _plan_resume(self) -> tuple[Path, str, str] | None:
-        """(checkpoint root, tag, how it loads: checkpoint.SAME/DIRECT/UNIVERSAL_LOAD) or None for
-        a fresh start. Raises when the checkpoint is another run's or cannot follow this world size."""
-        cfg = self.cfg
-        if cfg.resume == "never":
-            return None
-        if cfg.resume == "auto":
-            found = checkpoint.latest_valid(self.ckpt_root, log=self.log)
-            if found is None:
-                return None
-            root, tag = found
-        else:
-            p = Path(cfg.resume)
-            root, tag = p.parent, p.name
-        meta = json.loads((root / tag / "memfit.json").read_text())
-        self.step_now = int(meta["step"])  # an OOM while loading it is recorded at its step
-        return root, tag, checkpoint.check_compatible(meta, dataclasses.asdict(cfg), root / tag, world=self.world)
+        train_resume.save(self, step)
 
     def maybe_resume(self) -> int:
-        cfg = self.cfg
-        if self.resume_plan is None:
-            if cfg.resume == "auto" and self.rank == 0 and self.metrics_path.exists():
-                self.metrics_path.unlink()  # a fresh start must not append to a dead run's curve
-            return 0
-        root, tag, mode = self.resume_plan
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        if mode == checkpoint.UNIVERSAL_LOAD:
-            need = checkpoint.resume_host_bytes(root, tag, mode)
-            if "convert" in need:  # rank 0 alone converts; the node's other ranks only wait
-                checkpoint.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
-            checkpoint.ensure_universal(root, tag, log=self.log)
-            checkpoint.universal_for_stage(root, tag, self.cand.zero)  # an OOM fallback to another ZeRO stage
-        need = checkpoint.resume_host_bytes(root, tag, mode)
-        checkpoint.ensure_host_ram(
-            ranks_here * need["per_rank"],
-            root / tag,
-            f"loading it ({ranks_here} ranks x {gib(need['per_rank'])} read to the CPU per rank)",
-        )
-        state = checkpoint.load(self.engine, root, tag, run_config=dataclasses.asdict(cfg), mode=mode, seed=cfg.seed)
-        step = int(state["step"])
-        if self.rank == 0:
-            checkpoint.restore_metrics(self.metrics_path, step, root / tag)
-        how = ""
-        z_then = int(state["run_config"]["candidate"].get("zero", self.cand.zero))
-        if mode != checkpoint.SAME and int(state["world_size"]) == self.world:  # an OOM fallback changed the stage
-            how = (f" (written with ZeRO-{z_then}, now ZeRO-{self.cand.zero}: universal checkpoint, "
-                   "RNG reseeded from (seed, step, rank))")
-        elif mode != checkpoint.SAME:
-            how = (f" (written by {state['world_size']} ranks, now {self.world}: "
-                   f"{'universal checkpoint' if mode == checkpoint.UNIVERSAL_LOAD else 'unpartitioned state'}, "
-                   "RNG reseeded from (seed, step, rank))")
-        self.log(f"resumed from {root / tag} at step {step}{how}")
-        return step
+        return train_resume.load_planned(self)
 
     def export(self) -> None:
         """Final model in HF format (safetensors) in out_dir/model (memfit.modeling.export_model)."""
@@ -628,74 +460,3 @@ def _log_line(row: dict[str, Any]) -> str:
     parts.append(f"lr {row['lr']:.2e}")
     parts.append(f"peak {row['peak_allocated_bytes'] / MIB:.1f} MiB")
     return ", ".join(parts)
-
-
-# --------------------------------------------------------------------------- entry points
-def _die_with_parent() -> None:
-    """torchrun starts every rank in a session of its own: if torchrun is SIGKILLed the ranks would
-    train on as orphans and race a resumed run for the checkpoint directory. PR_SET_PDEATHSIG makes
-    the kernel SIGKILL this rank when its parent dies (prctl(2), Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def oom_record(run: Run) -> dict[str, Any]:
-    """Where an OOM happened: the phase, and (on the cpu capacity) the live and capacity bytes."""
-    tracker = getattr(run, "tracker", None)
-    if tracker is not None and tracker.oom is not None:
-        return {k: tracker.oom[k] for k in ("phase", "op", "live_bytes", "capacity_bytes")}
-    rec: dict[str, Any] = {"phase": getattr(run, "oom_phase", "setup")}
-    if torch.cuda.is_available():  # CUDA raised: what its allocator held at that moment
-        rec["live_bytes"] = int(torch.cuda.memory_allocated())
-        rec["capacity_bytes"] = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return rec
-
-
-def run_rank(cfg: RunConfig) -> dict[str, Any]:
-    _die_with_parent()
-    if cfg.expandable_segments:
-        # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if not cfg.probe_steps:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, _request_stop)
-    dist_env.init_distributed()
-    run = Run(cfg)
-    try:
-        run.setup()
-        return run.probe() if cfg.probe_steps else run.fit()
-    except torch.OutOfMemoryError as e:
-        marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        # the training step it happened in (or after, for evaluation and checkpoint save): the fallback's oom_step
-        rec = {"rank": run.rank, "error": str(e)[:2000], "step": run.step_now, **oom_record(run)}
-        write_json_atomic(marker, rec)
-        raise SystemExit(OOM_EXIT_CODE) from e
-
-
-def main(argv: list[str] | None = None) -> int:
-    import warnings
-
-    # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*|.*reduce_scatter_tensor.*")
-    ap = argparse.ArgumentParser(prog="memfit train", description="Run one training rank (use `memfit launch` for all).")
-    ap.add_argument("--config", required=True, help="run config JSON (RunConfig fields)")
-    args = ap.parse_args(argv)
-    cfg = RunConfig.load(args.config)
-    summary = run_rank(cfg)
-    if dist_env.rank() == 0:
-        name = "probe.rank0.json" if cfg.probe_steps else "summary.json"
-        write_json_atomic(Path(cfg.out_dir) / name, summary)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0

@@ -9,16 +9,19 @@ term says where it comes from:
 
 - `settings`: what the estimator takes besides the candidate (`Settings`), `EstimateError`;
 - `validity`: what the hardware cannot run, what an architecture card lacks;
-- `states`: parameter layout, LoRA targets, trainable parameters and the ZeRO model states
-  (params, grads, optimizer) per rank, on the device and offloaded: the ZeRO paper (Rajbhandari
-  et al. 2020, sec. 3) as DeepSpeed implements it, equal to DeepSpeed's own
-  `estimate_zero2/3_model_states_mem_needs` under their assumptions (tests/test_estimate.py);
+- `params`: parameter layout, LoRA targets and trainable parameters of an architecture;
+- `states`: the ZeRO model states (params, grads, optimizer) per rank, on the device and
+  offloaded: the ZeRO paper (Rajbhandari et al. 2020, sec. 3) as DeepSpeed implements it, equal
+  to DeepSpeed's own `estimate_zero2/3_model_states_mem_needs` under their assumptions
+  (tests/test_estimate.py);
 - `activation_memory`: what autograd saves in one micro step, from formulas (Korthikanti et al.
   2022, re-derived for transformers' decoder layers and attention kernels) or, with
   `Settings(activations="traced")`, from a traced run of the model's own code on fake CPU
-  tensors (memfit.trace); the Estimate's `activations_source` says which. On the CPU ground
-  truth the traced peaks are within 3.0% (median 0.1%) where the formulas are within 4.5%
+  tensors (`traced`, memfit.trace); the Estimate's `activations_source` says which. On the CPU
+  ground truth the traced peaks are within 3.0% (median 0.1%) where the formulas are within 4.5%
   (median 0.4%), on 32 cases (tests/test_trace.py, tests/test_estimate_groundtruth.py);
+  `trainer_terms` adds what the trainer holds beyond autograd (QLoRA dequantization, ZeRO-3's
+  linear inputs, the logits), `logits` the chunked loss's share;
 - `phases`: which phase of a step (forward, backward, optimizer step, resume, DPO reference
   forward) holds the peak, and its breakdown into components;
 - `costs`: fragmentation, CUDA context and workspaces (stated heuristics), host RAM per node,
@@ -29,12 +32,7 @@ term says where it comes from:
 The numbers are per rank (one GPU), in bytes. Host memory is per node.
 """
 
-from memfit.estimate.activation_memory import (
-    Activations,
-    activations,
-    prefetch_traces,
-    traced_activations,
-)
+from memfit.estimate.activation_memory import Activations, activations
 from memfit.estimate.cli import fit_main, main, render
 from memfit.estimate.core import Estimate, Job, estimate, estimate_space, fit
 from memfit.estimate.costs import (
@@ -46,19 +44,17 @@ from memfit.estimate.costs import (
     host_memory,
     step_time,
 )
+from memfit.estimate.params import ParamLayout, lora_targets, param_layout, trainable_params
 from memfit.estimate.phases import StepPhases, peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import (
     NF4_BYTES_PER_PARAM,
     ModelStates,
-    ParamLayout,
-    lora_targets,
     model_states,
-    param_layout,
-    trainable_params,
     zero3_gathered_bytes,
     zero3_subgroups,
 )
+from memfit.estimate.traced import prefetch_traces, traced_activations
 from memfit.estimate.validity import check_arch, hardware_problems
 
 __all__ = [

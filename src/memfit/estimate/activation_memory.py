@@ -13,13 +13,12 @@ measured with `memory.AllocationTracker` (tests/test_estimate_groundtruth.py).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.estimate.logits import chunk_tokens, chunked_loss_terms
+from memfit.estimate.params import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings, dtype_bytes
-from memfit.estimate.states import lora_adapts_experts, lora_targets, param_layout
-from memfit.estimate.validity import hardware_problems
 from memfit.space import Candidate
 
 
@@ -370,7 +369,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         if cand.loss_impl == "chunked":  # the reference's logits per chunk only
             # without a [t, V] block, a reference layer's transients set the peak: its attention
             # call, or its MLP (the residual stream, the normed input, gate, up and act(gate)*up)
-            c = _chunk_tokens(arch, t, settings)
+            c = chunk_tokens(arch, t, settings)
             mlp = d * t * (2 * h + 3 * arch.intermediate_size)
             acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
         else:
@@ -425,222 +424,5 @@ def fp32_logits_block(arch: ModelArch, cand: Candidate, method: str, settings: S
     step = _micro_step(arch, cand, method, settings)
     t = step.tokens
     if cand.loss_impl == "chunked":
-        t = _chunk_tokens(arch, t, settings)
+        t = chunk_tokens(arch, t, settings)
     return 4 * t * arch.vocab_size
-
-
-def qlora_dequant(arch: ModelArch, cand: Candidate) -> tuple[int, int]:
-    """(MLP, attention) bytes of one dequantized weight: bitsandbytes' 4-bit matmul
-    (bitsandbytes/autograd/_functions.py `MatMul4Bit.forward`:
-    `torch.nn.functional.linear(A, F.dequantize_4bit(B, quant_state).to(A.dtype).t(), bias)`, and
-    its backward's `torch.matmul(grad_output, F.dequantize_4bit(B, ctx.state).to(grad_output.dtype).t())`)
-    materialises the whole weight in the compute dtype next to the matmul's input and output,
-    in the forward, the recompute and the backward of every quantized linear. The largest of
-    each block counts (0 unless finetune=qlora)."""
-    if cand.finetune != "qlora":
-        return 0, 0
-    d = dtype_bytes(cand.precision)
-    names = _linear_names(arch)
-    attention = set(names["qkv"]) | {names["o"]}
-    shapes = param_layout(arch).linear_shapes
-    mlp = max((i * o for n, i, o in shapes if n not in attention), default=0)
-    attn = max((i * o for n, i, o in shapes if n in attention), default=0)
-    return d * mlp, d * attn
-
-
-def zero3_linear_inputs(
-    arch: ModelArch, cand: Candidate, method: str, settings: Settings
-) -> tuple[int, int]:
-    """(bytes per decoder layer, bytes of the final norm) that frozen linears save under
-    DeepSpeed ZeRO-3 beyond what PyTorch's own linear saves.
-
-    `deepspeed.zero.Init` (transformers' `from_pretrained` under ZeRO-3, memfit's trainer
-    included) replaces `torch.nn.functional.linear` with `zero3_linear_wrap` (DeepSpeed
-    runtime/zero/partition_parameters.py `_enable_mem_efficient_linear`, on by default:
-    zero_optimization.memory_efficient_linear; "This will persist unless manually reset"), whose
-    `LinearFunctionForZeroStage3.forward` (runtime/zero/linear.py) calls
-    `ctx.save_for_backward(input, weight, bias)` whether or not the weight trains. With LoRA the
-    frozen base linears then keep their inputs: the second norm's output and the MLP product
-    when no adapted linear already keeps them (targets other than all-linear), the final norm's
-    output (lm_head's input) always. bitsandbytes' 4-bit linears (QLoRA) do not call F.linear;
-    full fine-tuning saves every input anyway."""
-    if cand.zero != 3 or cand.finetune != "lora" or settings.zero3_impl != "deepspeed":
-        return 0, 0
-    plain = _micro_step(arch, cand, method, settings)
-    wrapped = dataclasses.replace(plain, linear_inputs_saved=True)
-    moe = bool(arch.moe_layers())
-    layer = _layer_saved(cand, settings, wrapped, moe) - _layer_saved(cand, settings, plain, moe)
-    final = wrapped.rmsnorm(True) - plain.rmsnorm(False)
-    return layer, final
-
-
-def apply_trainer_terms(
-    acts: Activations, arch: ModelArch, cand: Candidate, method: str, settings: Settings
-) -> Activations:
-    """Add the terms that depend on the training stack rather than on the model's saved tensors
-    (analytic or traced alike): another trainer's held logits (`held_logits`), the inputs
-    ZeRO-3's linear keeps (`zero3_linear_inputs`) and QLoRA's dequantized weight
-    (`qlora_dequant`, in the forward and inside a layer's backward)."""
-    acts.loss_forward_extra, acts.held_logits = held_logits(arch, cand, method, settings)
-    layer, final = zero3_linear_inputs(arch, cand, method, settings)
-    if layer or final:
-        L = arch.num_layers
-        acts.per_layer += layer
-        acts.final += final
-        if cand.grad_ckpt:  # the recomputed layer keeps them through its backward
-            acts.saved += final
-            acts.mlp_bwd += layer
-            acts.attn_bwd += layer
-            acts.layer_bwd += layer
-        else:
-            acts.saved += L * layer + final
-            acts.kept_per_layer += layer
-            acts.forward += (L - 1) * layer
-    mlp, attn = qlora_dequant(arch, cand)
-    if mlp or attn:
-        acts.dequant = max(mlp, attn)
-        # the increase of the larger of the two (a traced layer_bwd also folds in the
-        # recomputation, so it is raised by the increase rather than recomputed)
-        before = max(acts.mlp_bwd, acts.attn_bwd)
-        acts.mlp_bwd += mlp
-        acts.attn_bwd += attn
-        acts.layer_bwd += max(acts.mlp_bwd, acts.attn_bwd) - before
-        acts.forward += acts.dequant
-    return acts
-
-
-def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings) -> str:
-    """Why a traced run cannot stand for this configuration ("" when it can); the estimate then
-    uses the formulas and says so. Mixture-of-experts models trace (transformers' default
-    grouped_mm experts run on fake tensors: every token goes to k experts, so the shapes do not
-    depend on the routing; tests/test_estimate_moe.py compares them), except:
-    - dense and MoE layers mixed (Qwen-MoE mlp_only_layers, DeepSeek's first dense layers): the
-      trace's per-layer terms come from its first two layers;
-    - LoRA with peft's expert adapters (`states.lora_adapts_experts`): the traced run misses the
-      parametrized expert weights each layer keeps (seen in a real CPU measurement)."""
-    if not arch.is_moe:
-        return ""
-    if arch.dense_layers:
-        return (
-            f"{arch.name} mixes dense layers {list(arch.dense_layers)} with MoE layers; the trace "
-            f"measures two identical layers"
-        )
-    if cand.finetune != "full" and lora_adapts_experts(arch, settings):
-        return (
-            "LoRA on the routed experts (peft all-linear on an MoE model): the traced run misses "
-            "the parametrized expert weights each layer keeps"
-        )
-    return ""
-
-
-def _chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
-    from memfit.vocab_loss import default_chunk_tokens
-
-    return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size))
-
-
-def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:
-    """(saved, transient) bytes of memfit.vocab_loss's chunked log-probs, every token scored (the
-    worst case; a prompt-masked SFT batch projects fewer).
-
-    Saved: the scored hidden states (a d x h copy per token), the fp32 log-sum-exp, the int64
-    targets, the scattered fp32 [B, T-1] log-probs and its bool mask. Transient, per chunk of c
-    tokens: 8 bytes x c x V either way: the forward's fp32 logits and logsumexp's fp32 exp(x - max);
-    the backward's fp32 logits turned in place into their gradient, the d-byte projection before
-    its fp32 copy or the cast back (`vocab_loss._linear_backward`, a plain nn.Linear head, which
-    memfit's LoRA never adapts). Beside the chunk: the hidden states' gradient (d x h per token)
-    and, for a trained head, its gradient buffer (V x h x d).
-    """
-    d, h, V, t = dtype_bytes(cand.precision), arch.hidden_size, arch.vocab_size, tokens
-    c = _chunk_tokens(arch, t, settings)
-    saved = t * (d * h + 4 + 8) + t * (4 + 1)
-    head_grad = V * h * d if full else 0
-    return saved, 8 * c * V + t * d * h + head_grad
-
-
-def traced_activations(
-    arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
-) -> Activations:
-    """The activation terms from a traced run (memfit.trace): the model's own code on fake
-    tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
-
-    Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
-    minus one layer (trace.LayerTrace.at); everything is multiplied by the sequences of the
-    micro step (DPO: chosen + rejected). The fields mean what `activations` documents, with
-    recomputation folded into `layer_bwd` (the top layer's backward peak over what is kept when
-    it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
-    follows one forward of a root module) and the eager probabilities' share for the note.
-    """
-    from memfit import trace
-
-    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
-    L = arch.num_layers
-    try:
-        traced = trace.layer_trace(
-            arch,
-            cand.seq_len,
-            cand.attn,
-            cand.precision,
-            cand.grad_ckpt,
-            cand.finetune,
-            cand.lora_rank,
-            settings.lora_targets,
-            cache_dir=settings.trace_cache,
-        )
-    except trace.TraceError as exc:
-        raise EstimateError(str(exc)) from None
-    # the int64 input ids, attention mask and labels the trainer's collate makes (created
-    # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
-    # the per-sequence measures): counted as `activations` counts them
-    ids = 3 * 8 * seqs * cand.seq_len + 2 * 4 * cand.seq_len * arch.head_dim
-    acts = Activations()
-    acts.saved = traced.saved(L, seqs) + ids
-    acts.kept_per_layer = traced.per_layer("saved", seqs)
-    acts.per_layer = traced.per_layer("saved", seqs) if not cand.grad_ckpt else analytic.per_layer
-    # what the loss keeps once the model output is dropped: the fp32 log-softmax and friends
-    pre_loss_without_logits = traced.seq("pre_loss", 1) - traced.seq("logits_bytes", 1)
-    acts.logits_saved = seqs * (traced.seq("saved", 1) - pre_loss_without_logits)
-    acts.logits_bwd_extra = traced.at("loss_bwd_peak", L, seqs) + ids - acts.saved
-    kept = traced.at("top_pre_bw", L, seqs) + ids  # alive when the top layer's backward starts
-    acts.final = acts.saved - acts.logits_saved - kept
-    acts.recompute = 0  # folded into layer_bwd, which is measured with the recomputation in it
-    acts.layer_bwd = traced.at("top_peak_bw", L, seqs) + ids - kept
-    acts.mlp_bwd = traced.at("top_mlp_peak_bw", L, seqs) + ids - kept
-    acts.attn_bwd = traced.at("top_attn_peak_bw", L, seqs) + ids - kept
-    acts.forward = traced.at("fwd_peak", L, seqs) + ids
-    acts.attention_scores = analytic.attention_scores
-    acts.ref_forward = analytic.ref_forward
-    if cand.loss_impl == "chunked":
-        # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
-        # (memfit.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
-        acts.saved += analytic.logits_saved - acts.logits_saved
-        acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
-        acts.forward = min(acts.forward, analytic.forward)
-    return acts
-
-
-def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
-    """Trace every shape the candidates need that is not cached yet, in one batch of child
-    processes (memfit.trace.layer_traces), so a new architecture's space pays one interpreter
-    start per worker."""
-    from memfit import trace
-
-    requests = {}
-    for c in candidates:
-        if hardware_problems(gpu, c) or traced_fallback_reason(arch, c, settings):
-            continue
-        for attn in {c.attn, "sdpa"} if c.attn == "eager" else {c.attn}:
-            r = trace.TraceRequest(
-                c.seq_len,
-                trace.traced_attn(attn),
-                c.precision,
-                c.grad_ckpt,
-                trace.traced_finetune(c.finetune),
-                c.lora_rank,
-                settings.lora_targets,
-            )
-            requests[r] = None
-    try:
-        trace.layer_traces(arch, list(requests), cache_dir=settings.trace_cache)
-    except trace.TraceError as exc:
-        raise EstimateError(str(exc)) from None

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from memfit import catalog
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.core import Estimate, estimate, fit
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, EstimateError, Settings
 from memfit.space import Candidate
@@ -33,6 +34,15 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     )
     if maximize:
         p.add_argument("--maximize", required=True, choices=["seq_len", "micro_batch"])
+    _add_job_args(p)
+    _add_lever_args(p)
+    _add_budget_args(p)
+    _add_trace_args(p)
+    return p
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    """What is trained where: model, GPUs, method, fine-tuning, shapes."""
     p.add_argument(
         "--model", required=True, help="catalog name, a HF config.json, or a model directory"
     )
@@ -50,6 +60,10 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1)
+
+
+def _add_lever_args(p: argparse.ArgumentParser) -> None:
+    """The search levers: precision, checkpointing, attention, loss, ZeRO, offload, reference."""
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attn", choices=["flash", "sdpa", "eager"], default="flash")
@@ -77,6 +91,10 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
         default=None,
         help="DPO reference (default: model for full, adapter for LoRA)",
     )
+
+
+def _add_budget_args(p: argparse.ArgumentParser) -> None:
+    """Memory limits and what the trainer around the model holds."""
     p.add_argument(
         "--host-memory-gib", type=float, default=None, help="RAM per node, GiB (2**30 bytes)"
     )
@@ -127,6 +145,10 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
         help="NCCL communicator memory per GPU process when world > 1, MiB (default 1.79 GiB: "
         "NCCL >= 2.19 cuMem, vLLM's measurement)",
     )
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    """Where the activation terms come from, and the output format."""
     p.add_argument(
         "--activations",
         choices=["analytic", "traced"],
@@ -140,7 +162,6 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
         help="traced: cache directory (default $MEMFIT_TRACE_CACHE or ~/.cache/memfit/traces)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    return p
 
 
 def _check_flags(args) -> None:

@@ -9,16 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit import calibration
-from memfit.catalog import GPU, ModelArch
-from memfit.estimate.activation_memory import (
-    Activations,
-    activations,
-    apply_trainer_terms,
-    fp32_logits_block,
-    prefetch_traces,
-    traced_activations,
-    traced_fallback_reason,
-)
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
+from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.costs import (
     cached_logits_block,
     device_overheads,
@@ -26,9 +19,12 @@ from memfit.estimate.costs import (
     host_memory,
     step_time,
 )
+from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.states import model_states, param_layout, trainable_params
+from memfit.estimate.states import model_states
+from memfit.estimate.traced import prefetch_traces, traced_activations, traced_fallback_reason
+from memfit.estimate.trainer_terms import apply_trainer_terms
 from memfit.estimate.validity import check_arch, hardware_problems, planning_notes
 from memfit.space import Candidate
 from memfit.units import GIB
@@ -65,7 +61,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
-    # headroom, as the workflow's selection applies it (memfit.select.Budget): the fraction of
+    # headroom, as the workflow's selection applies it (memfit.rows.Budget): the fraction of
     # device memory kept free; `fits_with_headroom` compares device_total to the usable part
     headroom: float = 0.0
     usable_device_bytes: int = 0
@@ -161,7 +157,7 @@ def _verdict(job: Job, est: Estimate) -> None:
         est.margin_bytes = est.device_memory_bytes - est.device_total_bytes
         est.host_margin_bytes = est.host_memory_bytes - est.host_bytes
         est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
-    # the same rule as memfit.select.Budget.device_limit_bytes
+    # the same rule as memfit.rows.Budget.device_limit_bytes
     est.headroom = job.headroom
     est.usable_device_bytes = int(est.device_memory_bytes * (1.0 - job.headroom))
     used = est.device_memory_bytes - est.margin_bytes
@@ -244,7 +240,7 @@ def estimate(
     """Predict one configuration on `num_gpus` GPUs per node x `num_nodes` nodes.
 
     `budget_bytes` replaces the device's memory (the demo's `cpu` entry). `headroom` is the
-    fraction of it kept free, as in `memfit.select.Budget`: `fits_with_headroom` applies it.
+    fraction of it kept free, as in `memfit.rows.Budget`: `fits_with_headroom` applies it.
     Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
     `EstimateError`.
     """

@@ -7,9 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit import calibration
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
+from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
-from memfit.estimate.states import ModelStates, param_layout, trainable_params
+from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 from memfit.units import GIB
 

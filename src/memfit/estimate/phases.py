@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
 from memfit.estimate.activation_memory import Activations
+from memfit.estimate.params import lora_targets, param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
-from memfit.estimate.states import ModelStates, lora_targets, param_layout
+from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 
 FORWARD_BACKWARD = (

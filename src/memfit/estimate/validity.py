@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.catalog import GPU, ModelArch
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
+from memfit.estimate.params import lora_adapts_experts
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.states import lora_adapts_experts
 from memfit.space import Candidate
 
 # The architecture sizes every formula uses: ModelArch's required integer fields (the card's

@@ -1,0 +1,287 @@
+"""`prepare`, the `prepare_data` rule: read, render the chat template, tokenize, filter and
+truncate (counted), split by prompt, write train/eval parquet and stats.json atomically
+(memfit.data's docstring says each rule)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from memfit.atomic import replace_dir
+from memfit.data.schema import (
+    CHUNK_ROWS,
+    DROP_REASONS,
+    IGNORE_INDEX,
+    PROGRESS_MIN_ROWS,
+    SCHEMAS,
+    TRUNCATION_REASONS,
+    WORST_CASE_ROWS,
+    DataError,
+)
+from memfit.data.sources import open_source, sft_conversation, string_field
+
+
+def _load_tokenizer(tokenizer_dir: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if not tok.chat_template:
+        raise ValueError(f"tokenizer at {tokenizer_dir} has no chat_template (a base model's "
+                         "tokenizer?): set one in its tokenizer_config.json or chat_template.jinja")
+    if tok.eos_token_id is None:
+        raise ValueError(f"tokenizer at {tokenizer_dir} has no eos_token")
+    return tok
+
+
+def _render_prompts(tok, conversations: list[list[dict]]) -> list[str]:
+    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+            for c in conversations]
+
+
+def _ids(tok, texts: list[str]) -> list[list[int]]:
+    if not texts:
+        return []
+    return tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def _prompt_key(seed: int, prompt_text: str) -> int:
+    digest = hashlib.blake2b(f"{seed}\n{prompt_text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class _Builder:
+    """Accumulates kept rows chunk by chunk as Arrow record batches (4 bytes per token id)."""
+
+    def __init__(self, method: str) -> None:
+        self.schema = SCHEMAS[method]
+        self.batches: list[pa.RecordBatch] = []
+        self.keys: list[int] = []  # split group key per kept row
+
+    def add(self, columns: dict[str, list], keys: list[int]) -> None:
+        if keys:
+            self.batches.append(pa.RecordBatch.from_pydict(columns, schema=self.schema))
+            self.keys.extend(keys)
+
+    def table(self) -> pa.Table:
+        return pa.Table.from_batches(self.batches, schema=self.schema)
+
+
+def _tokenize_sft(tok, chunk, src, max_len, min_response, dropped, truncated, seed, out: _Builder):
+    convs, responses, rows = [], [], []
+    for row, record in chunk:
+        prompt, response = sft_conversation(src, row, record)
+        if not response.strip():
+            dropped["empty_response"] += 1
+            continue
+        convs.append(prompt)
+        responses.append(response)
+        rows.append(row)
+    prompt_texts = _render_prompts(tok, convs)
+    cols: dict[str, list] = {"row": [], "input_ids": [], "labels": [], "length": []}
+    keys = []
+    eos = tok.eos_token_id
+    for row, text, p, r in zip(rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, responses),
+                               strict=True):
+        r = r + [eos]
+        room = max_len - len(p)
+        if room < min_response:
+            dropped["prompt_too_long"] += 1
+            continue
+        if len(r) > room:
+            r = r[:room]
+            truncated["response"] += 1
+        cols["row"].append(row)
+        cols["input_ids"].append(p + r)
+        cols["labels"].append([IGNORE_INDEX] * len(p) + r)
+        cols["length"].append(len(p) + len(r))
+        keys.append(_prompt_key(seed, text))
+    out.add(cols, keys)
+
+
+def _tokenize_dpo(tok, chunk, src, max_len, min_response, dropped, truncated, seed, out: _Builder):
+    convs, chosens, rejecteds, rows = [], [], [], []
+    for row, record in chunk:
+        prompt = string_field(src, row, record, "prompt", "dpo", non_empty=True)
+        chosen = string_field(src, row, record, "chosen", "dpo")
+        rejected = string_field(src, row, record, "rejected", "dpo")
+        if not chosen.strip():
+            dropped["empty_chosen"] += 1
+        elif not rejected.strip():
+            dropped["empty_rejected"] += 1
+        elif chosen == rejected:
+            dropped["identical_chosen_rejected"] += 1
+        else:
+            convs.append([{"role": "user", "content": prompt}])
+            chosens.append(chosen)
+            rejecteds.append(rejected)
+            rows.append(row)
+    prompt_texts = _render_prompts(tok, convs)
+    cols: dict[str, list] = {"row": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [],
+                             "length": []}
+    keys = []
+    eos = tok.eos_token_id
+    for row, text, p, c, r in zip(rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, chosens),
+                                  _ids(tok, rejecteds), strict=True):
+        c, r = c + [eos], r + [eos]
+        room = max_len - len(p)
+        if room < min_response:
+            dropped["prompt_too_long"] += 1
+            continue
+        cut_c, cut_r = len(c) > room, len(r) > room
+        c, r = c[:room], r[:room]
+        if c == r:
+            dropped["identical_after_truncation"] += 1
+            continue
+        truncated["chosen"] += cut_c  # counted on kept rows only: stats describe the output
+        truncated["rejected"] += cut_r
+        cols["row"].append(row)
+        cols["prompt_ids"].append(p)
+        cols["chosen_ids"].append(c)
+        cols["rejected_ids"].append(r)
+        cols["length"].append(len(p) + max(len(c), len(r)))
+        keys.append(_prompt_key(seed, text))
+    out.add(cols, keys)
+
+
+# ------------------------------------------------------------------------ split, stats
+
+
+def _eval_mask(keys: list[int], eval_fraction: float) -> np.ndarray:
+    keys_arr = np.array(keys, dtype=np.uint64)
+    groups = np.unique(keys_arr)  # sorted
+    n_eval = round(eval_fraction * len(groups))
+    if eval_fraction > 0 and len(groups) >= 2:
+        n_eval = min(max(n_eval, 1), len(groups) - 1)
+    else:
+        n_eval = min(n_eval, max(len(groups) - 1, 0))
+    return np.isin(keys_arr, groups[:n_eval])
+
+
+def _length_stats(lengths: np.ndarray) -> dict[str, float | int]:
+    s = np.sort(lengths)
+
+    def rank(p: float) -> int:  # nearest-rank percentile: a real row length
+        return int(s[max(math.ceil(p / 100 * len(s)), 1) - 1])
+
+    return {"min": int(s[0]), "mean": round(float(s.mean()), 2), "p50": rank(50), "p90": rank(90),
+            "p99": rank(99), "max": int(s[-1])}
+
+
+def _token_count(table: pa.Table, method: str) -> int:
+    cols = ("input_ids",) if method == "sft" else ("prompt_ids", "chosen_ids", "rejected_ids")
+    return int(sum(pc.sum(pc.list_value_length(table[c])).as_py() or 0
+                   for c in cols))
+
+
+def longest_first(lengths: np.ndarray) -> np.ndarray:
+    return np.argsort(-lengths.astype(np.int64), kind="stable")
+
+
+# ------------------------------------------------------------------------------ prepare
+
+
+def prepare(
+    method: str,
+    source: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    max_len: int,
+    eval_fraction: float = 0.1,
+    seed: int = 0,
+    min_response_tokens: int = 1,
+    progress: bool | None = None,
+) -> dict:
+    """Tokenize `source` for `method` ("sft" or "dpo") into `out_dir`; returns the stats dict.
+
+    `progress`: tqdm bar on stderr; by default when the source has PROGRESS_MIN_ROWS rows or more.
+    """
+    if method not in SCHEMAS:
+        raise ValueError(f"method must be 'sft' or 'dpo', got {method!r}")
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2, got {max_len}")
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if min_response_tokens < 1:
+        raise ValueError(f"min_response_tokens must be at least 1, got {min_response_tokens}")
+    src = open_source(Path(source))
+    tok = _load_tokenizer(tokenizer_dir)
+    dropped = dict.fromkeys(DROP_REASONS[method], 0)
+    truncated = dict.fromkeys(TRUNCATION_REASONS[method], 0)
+    tokenize = _tokenize_sft if method == "sft" else _tokenize_dpo
+    builder = _Builder(method)
+
+    from tqdm import tqdm
+
+    show = src.total >= PROGRESS_MIN_ROWS if progress is None else progress
+    rows_read = 0
+    with tqdm(total=src.total, desc=f"tokenizing {src.path.name}", unit="row", disable=not show) as bar:
+        chunk: list[tuple[int, dict]] = []
+        for row, record in src.records:
+            rows_read += 1
+            if record is None:
+                dropped["blank_line"] += 1
+            else:
+                chunk.append((row, record))
+            if len(chunk) == CHUNK_ROWS:
+                tokenize(tok, chunk, src, max_len, min_response_tokens, dropped, truncated, seed, builder)
+                bar.update(len(chunk))
+                chunk = []
+        tokenize(tok, chunk, src, max_len, min_response_tokens, dropped, truncated, seed, builder)
+        bar.update(bar.total - bar.n)
+
+    if rows_read == 0:
+        raise DataError(src.path, "no rows")
+    if not builder.keys:
+        reasons = ", ".join(f"{k}: {v}" for k, v in dropped.items() if v)
+        raise DataError(src.path, f"all {rows_read} rows were dropped ({reasons}); max_len={max_len}")
+
+    table = builder.table()
+    is_eval = _eval_mask(builder.keys, eval_fraction)
+    train = table.filter(pa.array(~is_eval))
+    evals = table.filter(pa.array(is_eval))
+    train_len = train["length"].to_numpy()
+    all_len = table["length"].to_numpy()
+    stats = {
+        "method": method,
+        "source": str(source),
+        "max_len": max_len,
+        "rows_read": rows_read,
+        "rows_kept": {"train": train.num_rows, "eval": evals.num_rows},
+        "dropped": dropped,
+        "truncated": truncated,
+        "length": _length_stats(all_len),
+        "worst_case_rows": [int(i) for i in longest_first(train_len)[:WORST_CASE_ROWS]],
+        "tokens": _token_count(table, method),
+        "tokens_by_split": {"train": _token_count(train, method), "eval": _token_count(evals, method)},
+        "eval_fraction": eval_fraction,
+        "seed": seed,
+        "tokenizer": str(tokenizer_dir),
+    }
+    _write_atomic(Path(out_dir), train, evals, stats)
+    return stats
+
+
+def _write_atomic(out: Path, train: pa.Table, evals: pa.Table, stats: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        pq.write_table(train, tmp / "train.parquet")
+        pq.write_table(evals, tmp / "eval.parquet")
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
+        replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

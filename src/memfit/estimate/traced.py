@@ -1,0 +1,126 @@
+"""Activations from a traced run of the model's own code on fake tensors (memfit.trace): when the
+trace applies (`traced_fallback_reason`: otherwise the formulas of activation_memory answer),
+the traced figures scaled to the candidate (`traced_activations`), and tracing a whole search
+space's architectures ahead, in parallel (`prefetch_traces`)."""
+
+from __future__ import annotations
+
+from memfit.arch import ModelArch
+from memfit.catalog import GPU
+from memfit.estimate.activation_memory import Activations
+from memfit.estimate.params import lora_adapts_experts
+from memfit.estimate.settings import EstimateError, Settings
+from memfit.estimate.validity import hardware_problems
+from memfit.space import Candidate
+
+
+def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings) -> str:
+    """Why a traced run cannot stand for this configuration ("" when it can); the estimate then
+    uses the formulas and says so. Mixture-of-experts models trace (transformers' default
+    grouped_mm experts run on fake tensors: every token goes to k experts, so the shapes do not
+    depend on the routing; tests/test_estimate_moe.py compares them), except:
+    - dense and MoE layers mixed (Qwen-MoE mlp_only_layers, DeepSeek's first dense layers): the
+      trace's per-layer terms come from its first two layers;
+    - LoRA with peft's expert adapters (`states.lora_adapts_experts`): the traced run misses the
+      parametrized expert weights each layer keeps (seen in a real CPU measurement)."""
+    if not arch.is_moe:
+        return ""
+    if arch.dense_layers:
+        return (
+            f"{arch.name} mixes dense layers {list(arch.dense_layers)} with MoE layers; the trace "
+            f"measures two identical layers"
+        )
+    if cand.finetune != "full" and lora_adapts_experts(arch, settings):
+        return (
+            "LoRA on the routed experts (peft all-linear on an MoE model): the traced run misses "
+            "the parametrized expert weights each layer keeps"
+        )
+    return ""
+
+
+def traced_activations(
+    arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
+) -> Activations:
+    """The activation terms from a traced run (memfit.trace): the model's own code on fake
+    tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
+
+    Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
+    minus one layer (trace.LayerTrace.at); everything is multiplied by the sequences of the
+    micro step (DPO: chosen + rejected). The fields mean what `activations` documents, with
+    recomputation folded into `layer_bwd` (the top layer's backward peak over what is kept when
+    it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
+    follows one forward of a root module) and the eager probabilities' share for the note.
+    """
+    from memfit import trace
+
+    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    L = arch.num_layers
+    try:
+        traced = trace.layer_trace(
+            arch,
+            cand.seq_len,
+            cand.attn,
+            cand.precision,
+            cand.grad_ckpt,
+            cand.finetune,
+            cand.lora_rank,
+            settings.lora_targets,
+            cache_dir=settings.trace_cache,
+        )
+    except trace.TraceError as exc:
+        raise EstimateError(str(exc)) from None
+    # the int64 input ids, attention mask and labels the trainer's collate makes (created
+    # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
+    # the per-sequence measures): counted as `activations` counts them
+    ids = 3 * 8 * seqs * cand.seq_len + 2 * 4 * cand.seq_len * arch.head_dim
+    acts = Activations()
+    acts.saved = traced.saved(L, seqs) + ids
+    acts.kept_per_layer = traced.per_layer("saved", seqs)
+    acts.per_layer = traced.per_layer("saved", seqs) if not cand.grad_ckpt else analytic.per_layer
+    # what the loss keeps once the model output is dropped: the fp32 log-softmax and friends
+    pre_loss_without_logits = traced.seq("pre_loss", 1) - traced.seq("logits_bytes", 1)
+    acts.logits_saved = seqs * (traced.seq("saved", 1) - pre_loss_without_logits)
+    acts.logits_bwd_extra = traced.at("loss_bwd_peak", L, seqs) + ids - acts.saved
+    kept = traced.at("top_pre_bw", L, seqs) + ids  # alive when the top layer's backward starts
+    acts.final = acts.saved - acts.logits_saved - kept
+    acts.recompute = 0  # folded into layer_bwd, which is measured with the recomputation in it
+    acts.layer_bwd = traced.at("top_peak_bw", L, seqs) + ids - kept
+    acts.mlp_bwd = traced.at("top_mlp_peak_bw", L, seqs) + ids - kept
+    acts.attn_bwd = traced.at("top_attn_peak_bw", L, seqs) + ids - kept
+    acts.forward = traced.at("fwd_peak", L, seqs) + ids
+    acts.attention_scores = analytic.attention_scores
+    acts.ref_forward = analytic.ref_forward
+    if cand.loss_impl == "chunked":
+        # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
+        # (memfit.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
+        acts.saved += analytic.logits_saved - acts.logits_saved
+        acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
+        acts.forward = min(acts.forward, analytic.forward)
+    return acts
+
+
+def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
+    """Trace every shape the candidates need that is not cached yet, in one batch of child
+    processes (memfit.trace.layer_traces), so a new architecture's space pays one interpreter
+    start per worker."""
+    from memfit import trace
+
+    requests = {}
+    for c in candidates:
+        if hardware_problems(gpu, c) or traced_fallback_reason(arch, c, settings):
+            continue
+        for attn in {c.attn, "sdpa"} if c.attn == "eager" else {c.attn}:
+            r = trace.TraceRequest(
+                c.seq_len,
+                trace.traced_attn(attn),
+                c.precision,
+                c.grad_ckpt,
+                trace.traced_finetune(c.finetune),
+                c.lora_rank,
+                settings.lora_targets,
+            )
+            requests[r] = None
+    try:
+        trace.layer_traces(arch, list(requests), cache_dir=settings.trace_cache)
+    except trace.TraceError as exc:
+        raise EstimateError(str(exc)) from None

@@ -1,0 +1,160 @@
+"""The skeleton every export shares: where the files go (`FILES`, `paths`), what an export is made
+of (`ExportPlan`), the header each file starts with, and the optimizer and schedule fields the HF
+Trainer and LLaMA-Factory both take (`hf_schedule`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memfit.run_config import RunConfig
+
+# the flag and argument names below are these releases' (pip install openrlhf==0.11.2 llamafactory==0.9.5)
+OPENRLHF_VERSION = "0.11.2"
+LLAMAFACTORY_VERSION = "0.9.5"
+
+# Where each export lives, relative to the run directory (results/<model>/<gpu>/<method>).
+FILES = {
+    "openrlhf": "exports/openrlhf/train_{method}.sh",
+    "llamafactory": "exports/llamafactory/train_{method}.yaml",
+    "llamafactory_ds": "exports/llamafactory/ds_config.json",
+    "llamafactory_dataset_info": "exports/llamafactory/dataset_info.json",
+    "hf_args": "exports/hf/training_args.json",
+    "hf_ds": "exports/hf/ds_config.json",
+}
+
+# What select_config writes instead of the exports when no candidate fits (a plan-only run).
+NONE_FITS = "exports/NONE_FITS.txt"
+
+ADAM_BETAS = (0.9, 0.95)  # memfit.dsconfig.build's AdamW defaults
+ADAM_EPS = 1e-8
+
+
+def paths(run_dir: str | Path, method: str) -> dict[str, Path]:
+    """The export files of one run directory (the select_config outputs of workflow/rules/plan.smk)."""
+    return {k: Path(run_dir) / v.format(method=method) for k, v in FILES.items()}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What every export is made of: the run, its DeepSpeed config and step schedule, the cluster."""
+
+    run: RunConfig
+    ds_config: dict[str, Any]  # memfit's ds_config.json
+    num_gpus: int  # ranks per node
+    num_nodes: int
+    # optimizer steps (dsconfig.planned_steps); None: unknown (a plan without prepared data)
+    total_steps: int | None
+    warmup_steps: int | None
+    data_source: str | None  # the raw dataset the workflow prepares (config data.<method>)
+    eval_fraction: float = 0.0
+    # paths(): where each export is written, for the references between them
+    files: dict[str, Path] = dataclasses.field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.num_gpus * self.num_nodes
+
+    @property
+    def global_batch(self) -> int:
+        c = self.run.cand
+        return c.micro_batch * c.grad_accum * self.world
+
+    @property
+    def lora_alpha(self) -> float:
+        # memfit.modeling's default: 2 x rank
+        a = self.run.lora_alpha
+        return a if a is not None else 2 * self.run.cand.lora_rank
+
+    def file(self, key: str) -> str:
+        return str(self.files.get(key, FILES[key].format(method=self.run.method)))
+
+
+def targets(run: RunConfig) -> list[str]:
+    t = run.lora_targets
+    return [t] if isinstance(t, str) else list(t)
+
+
+def int_alpha(plan: ExportPlan, tool: str, missing: list[str]) -> int:
+    a = plan.lora_alpha
+    if float(a) != int(a):
+        missing.append(f"lora_alpha {a}: {tool} takes an integer alpha; {int(a)} written")
+    return int(a)
+
+
+def source_format(source: str | None) -> str:
+    """'messages' when the dataset's first row has a `messages` list, else 'prompt' (memfit.data's two SFT forms)."""
+    if not source:
+        return "prompt"
+    p = Path(source)
+    try:
+        if p.suffix == ".jsonl":
+            with p.open() as f:
+                for line in f:
+                    if line.strip():
+                        return "messages" if "messages" in json.loads(line) else "prompt"
+        elif p.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return "messages" if "messages" in pq.read_schema(p).names else "prompt"
+    except (OSError, ValueError):
+        pass
+    return "prompt"
+
+
+def header(plan: ExportPlan, tool: str, comment: str = "#") -> list[str]:
+    run, c = plan.run, plan.run.cand
+    steps = (
+        f"{plan.total_steps} optimizer steps, {plan.warmup_steps} warmup"
+        if plan.total_steps is not None
+        else "step count unknown (no prepared data): the tool counts its own"
+    )
+    return [
+        f"{comment} memfit's selected {run.method} configuration for {tool}, written by select_config.",
+        f"{comment} candidate {c.id}; global batch {plan.global_batch} = micro {c.micro_batch} x accum {c.grad_accum} "
+        f"x {plan.world} ranks; {steps}.",
+    ]
+
+
+def hf_schedule(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
+    """TrainingArguments fields of the optimizer and schedule (HF and LLaMA-Factory).
+
+    The DeepSpeed JSON's WarmupCosineLR replaces the HF scheduler; the HF fields below describe
+    the same curve (linear warmup from 0, cosine to min_lr_ratio x lr) for a run without it."""
+    run = plan.run
+    out: dict[str, Any] = {
+        "learning_rate": run.lr,
+        "weight_decay": run.weight_decay,
+        "max_grad_norm": run.grad_clip,
+        "adam_beta1": ADAM_BETAS[0],
+        "adam_beta2": ADAM_BETAS[1],
+        "adam_epsilon": ADAM_EPS,
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": run.min_lr_ratio},
+        "seed": run.seed,
+        "data_seed": run.seed,
+        "logging_steps": run.log_every,
+        "save_total_limit": run.keep_last,
+    }
+    if plan.total_steps is not None:
+        # memfit's step count (epochs x rows // global batch): with it the JSON's total_num_steps and
+        # the Trainer's num_training_steps agree; the tool counts its own rows only without it
+        out |= {"max_steps": plan.total_steps, "warmup_steps": plan.warmup_steps}
+    else:
+        out |= {"num_train_epochs": run.epochs, "warmup_steps": run.warmup_steps}
+    if run.save_every:
+        out |= {"save_strategy": "steps", "save_steps": run.save_every}
+    missing.append(
+        "scheduler phase: memfit steps DeepSpeed's WarmupCosineLR once after initialize (step 1 at the "
+        "schedule's step 1); the HF Trainer does not, so its lr runs one step behind memfit's"
+    )
+    return out
+
+
+def not_expressible(missing: list[str], comment: str = "#") -> list[str]:
+    """The lines listing the levers a tool cannot express (each file carries them)."""
+    return [f"{comment}   - {m}" for m in missing] or [f"{comment}   (none)"]

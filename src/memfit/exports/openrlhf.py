@@ -1,0 +1,260 @@
+"""OpenRLHF: `openrlhf/train_<method>.sh`, a `deepspeed --module openrlhf.cli.train_sft|train_dpo`
+command line (OpenRLHF 0.11.2 flag names, `openrlhf/cli/train_sft.py`, `train_dpo.py`). OpenRLHF
+builds its DeepSpeed config from the flags (`openrlhf/utils/deepspeed/deepspeed_utils.py
+get_train_ds_config`), so there is no JSON beside it."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from memfit.exports.common import (
+    ADAM_BETAS,
+    ADAM_EPS,
+    OPENRLHF_VERSION,
+    ExportPlan,
+    header,
+    int_alpha,
+    not_expressible,
+    source_format,
+    targets,
+)
+
+
+def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
+    """(bash script, levers OpenRLHF 0.11.2 cannot express): `deepspeed --module openrlhf.cli.train_<method>`."""
+    run, c = plan.run, plan.run.cand
+    missing: list[str] = []
+    a: list[tuple[str, Any]] = [("--model.model_name_or_path", run.model_path)]
+    if run.method == "dpo":
+        a.append(("--ref.model_name_or_path", run.ref_model_path or run.model_path))
+    a += _data_args(plan, missing)
+    # batch
+    a += [("--train.micro_batch_size", c.micro_batch), ("--train.batch_size", plan.global_batch)]
+    a += _deepspeed_args(plan, missing)
+    a += _optimizer_args(plan, missing)
+    a += _sft_args(plan, missing) if run.method == "sft" else _dpo_args(plan, missing)
+    a += _bookkeeping_args(plan, missing)
+    launcher = ["deepspeed", "--num_gpus", str(plan.num_gpus)]
+    if plan.num_nodes > 1:
+        launcher += ["--num_nodes", str(plan.num_nodes), "--hostfile", "hostfile"]
+        missing.append(
+            f"{plan.num_nodes} nodes: DeepSpeed's launcher needs a hostfile (ssh between nodes), not written"
+        )
+    launcher += ["--module", f"openrlhf.cli.train_{run.method}"]
+    lines = [
+        "#!/usr/bin/env bash",
+        *header(plan, f"OpenRLHF {OPENRLHF_VERSION}"),
+        "# not expressible in OpenRLHF's flags (this command differs from memfit's run here):",
+    ]
+    lines += not_expressible(missing)
+    lines += ["set -euo pipefail", " ".join(launcher) + " \\"]
+    argv = openrlhf_argv(a)
+    lines += [f"  {' '.join(shlex.quote(t) for t in group)} \\" for group in _groups(argv)]
+    lines[-1] = lines[-1].removesuffix(" \\")
+    return "\n".join(lines) + "\n", missing
+
+
+def _data_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """Dataset flags: memfit's rows {prompt, response} / {prompt, chosen, rejected}, chat template applied."""
+    run, c = plan.run, plan.run.cand
+    a: list[tuple[str, Any]] = []
+    if plan.data_source:
+        a.append(("--data.dataset", plan.data_source))
+    else:
+        missing.append("data: no data source in the config (plan only); set --data.dataset")
+    if run.method == "sft":
+        if source_format(plan.data_source) == "messages":
+            a.append(("--data.input_key", "messages"))
+            missing.append(
+                "SFT rows in `messages` form: memfit scores the last assistant turn only; OpenRLHF's "
+                "SFTDataset with --data.input_key messages (no output key) does not split it the same way"
+            )
+        else:
+            a += [("--data.input_key", "prompt"), ("--data.output_key", "response")]
+    else:
+        a += [
+            ("--data.prompt_key", "prompt"),
+            ("--data.chosen_key", "chosen"),
+            ("--data.rejected_key", "rejected"),
+        ]
+    a.append(("--data.apply_chat_template", True))
+    a.append(("--data.max_len", c.seq_len))
+    return a
+
+
+def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """DeepSpeed levers: ZeRO, offload, checkpointing, attention, precision, LoRA/QLoRA."""
+    run, c = plan.run, plan.run.cand
+    a: list[tuple[str, Any]] = []
+    a.append(("--ds.zero_stage", c.zero))
+    if c.zero >= 2:
+        # memfit: overlap_comm + contiguous_gradients from ZeRO-2 on
+        a.append(("--ds.overlap_comm", True))
+    if c.offload_optimizer == "cpu":
+        a.append(("--ds.adam_offload", True))
+        if not c.pin_memory:
+            missing.append(
+                "pin_memory false: OpenRLHF always pins the offloaded optimizer (get_train_ds_config)"
+            )
+    if c.offload_param == "cpu":
+        missing.append(
+            "offload_param cpu: train_sft/train_dpo have no parameter-offload flag (only --ref.offload for "
+            "the DPO reference)"
+        )
+    if c.offload_ratio != 1.0:
+        missing.append(f"offload_ratio {c.offload_ratio}: no partial optimizer offload flag")
+    if c.grad_ckpt:
+        a.append(("--model.gradient_checkpointing_enable", True))
+    a.append(
+        (
+            "--ds.attn_implementation",
+            {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}[c.attn],
+        )
+    )
+    if c.precision in ("bf16", "fp16"):
+        a.append(("--ds.param_dtype", c.precision))
+    else:
+        missing.append(
+            "precision fp32: --ds.param_dtype takes bf16 or fp16 only; this command trains in bf16 (the default)"
+        )
+    if c.finetune in ("lora", "qlora"):
+        a += [
+            ("--ds.lora.rank", c.lora_rank),
+            ("--ds.lora.alpha", int_alpha(plan, "OpenRLHF", missing)),
+            ("--ds.lora.dropout", run.lora_dropout),
+            ("--ds.lora.target_modules", targets(run)),
+        ]
+        if c.finetune == "qlora":
+            a.append(("--ds.load_in_4bit", True))
+    if c.loss_impl == "chunked":
+        missing.append(
+            "loss_impl chunked: no chunked-vocabulary loss flag (full logits are materialised)"
+        )
+    return a
+
+
+def _optimizer_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """AdamW, clipping, the cosine schedule with warmup, epochs and seed."""
+    run = plan.run
+    a: list[tuple[str, Any]] = [
+        ("--adam.lr", run.lr),
+        ("--adam.betas", list(ADAM_BETAS)),
+        ("--adam.eps", ADAM_EPS),
+        ("--adam.weight_decay", run.weight_decay),
+        ("--max_norm", run.grad_clip),
+        ("--lr_scheduler", "cosine_with_min_lr"),
+        ("--min_lr_ratio", run.min_lr_ratio),
+    ]
+    if plan.total_steps is not None and plan.warmup_steps is not None:
+        # OpenRLHF warms up ceil(steps x ratio) steps (utils/deepspeed/deepspeed.py); half a step less
+        # than memfit's warmup rounds up to exactly memfit's count
+        ratio = max(plan.warmup_steps - 0.5, 0.0) / plan.total_steps
+        a.append(("--lr_warmup_ratio", round(ratio, 8)))
+    else:
+        missing.append(
+            f"warmup_steps {run.warmup_steps}: OpenRLHF takes a ratio of the run; the step count is unknown here"
+        )
+    epochs = run.epochs
+    if run.max_steps:
+        missing.append(
+            f"max_steps {run.max_steps}: OpenRLHF counts whole epochs only (--train.max_epochs)"
+        )
+    elif float(epochs) != int(epochs):
+        missing.append(
+            f"epochs {epochs}: --train.max_epochs is an integer; {max(1, round(epochs))} written"
+        )
+    a.append(("--train.max_epochs", max(1, round(epochs))))
+    a.append(("--train.seed", run.seed))
+    return a
+
+
+def _sft_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """SFT: what the loss scores, packing."""
+    run, c = plan.run, plan.run.cand
+    a: list[tuple[str, Any]] = []
+    if run.loss_on == "all":
+        missing.append(
+            "loss_on all: OpenRLHF scores the output only (--model.pretrain_mode_enable scores a plain "
+            "text column, another data format)"
+        )
+    if run.packing:
+        a.append(("--ds.packing_samples", True))
+        if c.attn != "flash":
+            missing.append(
+                f"packing with attn {c.attn}: OpenRLHF packs with flash_attention_2 only (it switches to it)"
+            )
+    return a
+
+
+def _dpo_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """DPO: beta, loss type, label smoothing, the reference."""
+    run, c = plan.run, plan.run.cand
+    a: list[tuple[str, Any]] = []
+    dpo = run.dpo
+    a.append(("--model.beta", dpo.get("beta", 0.1)))
+    loss = dpo.get("loss_type", "sigmoid")
+    if loss == "ipo":
+        a.append(("--model.ipo_enable", True))
+    elif loss != "sigmoid":
+        missing.append(f"loss_type {loss}: OpenRLHF has the sigmoid (DPO) and IPO losses only")
+    a.append(("--model.label_smoothing", dpo.get("label_smoothing", 0.0)))
+    if c.ref != "model":
+        missing.append(
+            f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)"
+        )
+    return a
+
+
+def _bookkeeping_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """Output, checkpoints, logging; the held-out split OpenRLHF cannot take."""
+    run = plan.run
+    a: list[tuple[str, Any]] = []
+    out = f"{run.out_dir}_openrlhf"
+    a += [
+        ("--ckpt.output_dir", out),
+        ("--ckpt.path", f"{out}/checkpoints"),
+        ("--ckpt.max_num", run.keep_last),
+        ("--logger.logging_steps", run.log_every),
+    ]
+    if run.save_every:
+        a.append(("--ckpt.save_steps", run.save_every))
+    if plan.eval_fraction:
+        missing.append(
+            f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): OpenRLHF evaluates a separate "
+            "--eval.dataset; memfit's split is not exported"
+        )
+    return a
+
+
+def openrlhf_argv(args: list[tuple[str, Any]]) -> list[str]:
+    """Flags as argv: True is a bare switch, lists spread (nargs)."""
+    out: list[str] = []
+    for flag, value in args:
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _groups(argv: list[str]) -> list[list[str]]:
+    """argv as one flag and its values per line."""
+    groups: list[list[str]] = []
+    for tok in argv:
+        if tok.startswith("--") or not groups:
+            groups.append([tok])
+        else:
+            groups[-1].append(tok)
+    return groups
+
+
+def script_argv(text: str) -> list[str]:
+    """The arguments after `--module <module>` in an exported script (for checking it with the tool's parser)."""
+    body = " ".join(
+        line.removesuffix("\\") for line in text.splitlines() if not line.startswith(("#", "set "))
+    )
+    toks = shlex.split(body)
+    return toks[toks.index("--module") + 2 :]

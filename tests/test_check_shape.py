@@ -1,0 +1,114 @@
+"""tools/check_shape.py: the module/function size limits and the import-cycle ban of issue #26."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TOOL = REPO / "tools" / "check_shape.py"
+
+
+def _run(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(TOOL), str(root)], capture_output=True, text=True, check=False
+    )
+
+
+def _write(root: Path, rel: str, text: str) -> Path:
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A small clean tree laid out like the repository: a package, a script and tests."""
+    _write(tmp_path, "src/memfit/__init__.py", '"""memfit."""\n')
+    _write(tmp_path, "src/memfit/a.py", "from memfit import b\n\n\ndef f():\n    return b.g()\n")
+    _write(tmp_path, "src/memfit/b.py", "def g():\n    return 1\n")
+    _write(tmp_path, "scripts/run.py", "from memfit.a import f\n\nf()\n")
+    return tmp_path
+
+
+def _function(name: str, n_lines: int) -> str:
+    """A function of exactly n_lines lines (its def line included), decorated by one line."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(n_lines - 2))
+    return f"@staticmethod\ndef {name}():\n{body}    return 0\n"
+
+
+def test_clean_tree_passes(tree):
+    result = _run(tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout == ""
+
+
+def test_module_of_501_lines_fails_and_500_passes(tree):
+    _write(tree, "src/memfit/big.py", "x = 1\n" * 500)
+    assert _run(tree).returncode == 0
+    _write(tree, "src/memfit/big.py", "x = 1\n" * 501)
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "src/memfit/big.py:1: module has 501 lines (limit 500)" in result.stdout
+
+
+def test_function_of_81_lines_fails_and_80_passes(tree):
+    # The decorator line is not counted: 80 lines from `def` pass although 81 with it.
+    _write(tree, "scripts/long.py", "\n\n" + _function("long_one", 80))
+    assert _run(tree).returncode == 0
+    _write(tree, "scripts/long.py", "\n\n" + _function("long_one", 81))
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "scripts/long.py:4: function long_one has 81 lines (limit 80)" in result.stdout
+
+
+def test_method_in_workflow_dir_is_checked(tree):
+    method = "class C:\n" + "".join("    " + line + "\n" for line in _function("m", 81).splitlines())
+    _write(tree, "workflow/helper.py", method)
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "workflow/helper.py:3: function m has 81 lines" in result.stdout
+
+
+def test_tests_and_benchmarks_are_not_checked(tree):
+    _write(tree, "tests/test_big.py", "x = 1\n" * 900)
+    _write(tree, "benchmarks/bench.py", _function("sweep", 200))
+    assert _run(tree).returncode == 0
+
+
+def test_two_module_cycle_fails(tree):
+    # b imports a back inside a function: deferred, still a cycle.
+    _write(tree, "src/memfit/b.py", "def g():\n    from memfit.a import f\n\n    return 1\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "import cycle: memfit.a -> memfit.b -> memfit.a" in result.stdout
+
+
+def test_cycle_through_subpackages_and_relative_imports(tree):
+    _write(tree, "src/memfit/plan/__init__.py", '"""plan."""\n')
+    _write(tree, "src/memfit/plan/loop.py", "from .settings import RunConfig\n")
+    _write(
+        tree,
+        "src/memfit/plan/settings.py",
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from memfit.plan import loop\n",
+    )
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "memfit.plan.loop -> memfit.plan.settings -> memfit.plan.loop" in result.stdout
+
+
+def test_three_module_cycle_names_each_module(tree):
+    _write(tree, "src/memfit/b.py", "import memfit.c\n")
+    _write(tree, "src/memfit/c.py", "from memfit import a\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "import cycle: memfit.a -> memfit.b -> memfit.c -> memfit.a" in result.stdout
+
+
+def test_the_repository_passes():
+    result = _run(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
