@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.memfit-installed
 export DS_ACCELERATOR ?= cpu
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
-# DeepSpeed's JIT-compiled CPU ops are built into the venv (memfit.launch looks there too), always
+# DeepSpeed's JIT-compiled CPU ops are built into the venv (memfit.train.launch looks there too), always
 # by the venv's ninja: ninja 1.11 (Debian's) and 1.13 (the lock's) write incompatible .ninja_log
 # versions, and a build by the other one recompiles every op (about a minute on 2 cores).
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions

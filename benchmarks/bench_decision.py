@@ -1,7 +1,7 @@
 """Time to decision: memfit's selection (estimate -> top-K probes -> select) against brute force
 (probe every candidate of the search space -> select), on the embedded demo.
 
-Both sides call the workflow's own stage functions (`memfit.pipeline.estimate_candidates`,
+Both sides call the workflow's own stage functions (`memfit.workflow.pipeline.estimate_candidates`,
 `probe_candidate`, `select_config`), no Snakemake; probes are real (config `num_gpus` DeepSpeed
 ranks on the `cpu` device, `probe.steps` optimizer steps on the worst-case batch, the device
 capacity from `cpu_memory_mib`). The demo model and the prepared data are made once beforehand
@@ -35,8 +35,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from memfit import pipeline  # noqa: E402
-from memfit.config import WorkflowConfig  # noqa: E402
+from memfit.workflow import pipeline  # noqa: E402
+from memfit.workflow.config import WorkflowConfig  # noqa: E402
 
 
 def _probe_all(cfg: WorkflowConfig, method: str, ids: list[str], table: Path, model: Path, data: Path,
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from memfit.data import prepare
-    from memfit.demo import build_demo_model
+    from memfit.workflow.demo import build_demo_model
 
     os.chdir(REPO)  # the config's relative paths (data/demo, config/models) are the repository's
     raw = WorkflowConfig.from_file(args.config).raw

@@ -8,7 +8,7 @@ batch B pairs, fp32, sdpa attention, no gradient checkpointing, reference model 
 (no precomputed reference log-probs), 1 process, torch's default CPU threads.
 
 (a) TRL: `trl.DPOTrainer(...).train()` with max_steps = warmup + steps; step times from a callback.
-(b) memfit: `memfit.steps.StepRunner.loss` (memfit's collate + sequence_logps + dpo_loss) on the plain
+(b) memfit: `memfit.train.steps.StepRunner.loss` (memfit's collate + sequence_logps + dpo_loss) on the plain
     torch model, `loss.backward()`, `torch.optim.AdamW.step()`: the single-process path without DeepSpeed.
 
 steps/s is measured over the steps after the warm-up. Rounds alternate TRL, memfit, TRL, memfit, ... to
@@ -105,7 +105,7 @@ def run_trl(model_dir: Path, records: list[dict], a, out: Path) -> dict:
 
 
 def run_memfit(model_dir: Path, rows: list[dict], a, pad_id: int) -> dict:
-    from memfit.steps import StepRunner
+    from memfit.train.steps import StepRunner
 
     torch.manual_seed(a.seed)
     policy, ref = load_model(model_dir), load_model(model_dir)
@@ -142,7 +142,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from memfit import data
-    from memfit.demo import build_demo_model
+    from memfit.workflow.demo import build_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from memfit import validation as v
+from memfit.estimate import validation as v
 from memfit.units import GIB
 
 

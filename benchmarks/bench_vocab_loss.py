@@ -4,7 +4,7 @@ The loss stage is what `loss_impl` changes: the final hidden states (requiring g
 head (Qwen2's 151,936-token vocabulary, hidden 256, a 2-layer Llama-style model built from a
 config, random init, no download) to the SFT loss or the DPO loss, and its backward to the hidden
 states and the head. Peaks are live tensor bytes above what exists before the stage (the weights
-and the hidden states; memfit.memory.AllocationTracker), times the median of 3 runs after a
+and the hidden states; memfit.train.memory.AllocationTracker), times the median of 3 runs after a
 warm-up. For SFT, PyTorch's own `torch.nn.functional.linear_cross_entropy` (2.13, with its chunked
 `LinearCrossEntropyOptions`) runs as a third row. Everything is measured in this run; ratios are
 against the full path of the same run.
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memfit.memory import AllocationTracker
-from memfit.steps import StepRunner
+from memfit.train.memory import AllocationTracker
+from memfit.train.steps import StepRunner
 from memfit.units import fmt_bytes
 
 VOCAB = 151_936  # Qwen2/2.5 (config/models.yaml)

@@ -1,6 +1,6 @@
 """GPU evidence: the estimator against real probes on one CUDA GPU, in resumable stages.
 
-Every row runs `memfit.probe.run_probe` (the real training step of `memfit.train`, one rank, a
+Every row runs `memfit.workflow.probe.run_probe` (the real training step of `memfit.train.loop`, one rank, a
 few optimizer steps on the worst-case batch padded to seq_len) on a model built from a catalog
 config with random init (no network, no weights; layers reduced so the full model fits, the
 scaling stated in the JSON), and compares it with `memfit.estimate.estimate` for the same
@@ -38,9 +38,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from memfit import calibration, catalog  # noqa: E402
 from memfit.atomic import write_json_atomic  # noqa: E402
-from memfit.estimate import Settings, estimate, fit, param_layout  # noqa: E402
+from memfit.estimate import Settings, calibration, catalog, estimate, fit, param_layout  # noqa: E402  # noqa: E402
 from memfit.space import Candidate  # noqa: E402
 from memfit.units import GIB, MIB, fmt_bytes  # noqa: E402
 
@@ -151,7 +150,7 @@ def build(profile: Profile, work: Path) -> tuple[Path, dict[str, Path]]:
     """A random-init HF model of the profile's architecture (the demo tokenizer: token ids are
     < 400, inside every catalog vocabulary) and the demo SFT/DPO data prepared for it."""
     from memfit.data import prepare
-    from memfit.demo import train_tokenizer
+    from memfit.workflow.demo import train_tokenizer
 
     model_dir = work / f"model-{profile.name}"
     if not (model_dir / "config.json").exists():
@@ -249,8 +248,8 @@ def _err(measured, est) -> float | None:
 
 def run_row(row: Row, profile: Profile, model_dir: Path, data: dict[str, Path], work: Path,
             cuda: bool, settings_kw: dict | None = None, budget: int | None = None) -> dict[str, Any]:
-    from memfit.probe import run_probe
-    from memfit.run_config import RunConfig
+    from memfit.train.run_config import RunConfig
+    from memfit.workflow.probe import run_probe
 
     out: dict[str, Any] = {"id": row.id, "method": row.method, "expandable_segments": row.expandable_segments}
     cand = Candidate(**{**profile.base, **row.cand})

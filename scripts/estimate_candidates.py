@@ -1,6 +1,6 @@
-"""Snakemake script: estimate_candidates -> memfit.pipeline.estimate_candidates."""
+"""Snakemake script: estimate_candidates -> memfit.workflow.pipeline.estimate_candidates."""
 
-from memfit.pipeline import estimate_candidates, log_to
+from memfit.workflow.pipeline import estimate_candidates, log_to
 
 log_to(snakemake.log[0])
 w = snakemake.wildcards

@@ -1,8 +1,8 @@
-"""Snakemake script: prepare_data -> memfit.pipeline.prepare_data (model check, then tokenize)."""
+"""Snakemake script: prepare_data -> memfit.workflow.pipeline.prepare_data (model check, then tokenize)."""
 
 from pathlib import Path
 
-from memfit.pipeline import log_to, prepare_data
+from memfit.workflow.pipeline import log_to, prepare_data
 
 log_to(snakemake.log[0])
 prepare_data(

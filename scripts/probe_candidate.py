@@ -1,6 +1,6 @@
-"""Snakemake script: probe_candidate -> memfit.pipeline.probe_candidate."""
+"""Snakemake script: probe_candidate -> memfit.workflow.pipeline.probe_candidate."""
 
-from memfit.pipeline import log_to, probe_candidate
+from memfit.workflow.pipeline import log_to, probe_candidate
 
 log_to(snakemake.log[0])
 probe_candidate(

@@ -1,7 +1,7 @@
 """Snakemake script: report -> memfit.report.write_report."""
 
-from memfit.pipeline import log_to
 from memfit.report import write_report
+from memfit.workflow.pipeline import log_to
 
 log_to(snakemake.log[0])
 write_report(

@@ -1,6 +1,6 @@
-"""Snakemake script: select_config -> memfit.pipeline.select_config."""
+"""Snakemake script: select_config -> memfit.workflow.pipeline.select_config."""
 
-from memfit.pipeline import log_to, select_config
+from memfit.workflow.pipeline import log_to, select_config
 
 log_to(snakemake.log[0])
 w = snakemake.wildcards

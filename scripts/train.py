@@ -1,6 +1,6 @@
-"""Snakemake script: train -> memfit.pipeline.train (resumes from the newest checkpoint)."""
+"""Snakemake script: train -> memfit.workflow.pipeline.train (resumes from the newest checkpoint)."""
 
-from memfit.pipeline import log_to, train
+from memfit.workflow.pipeline import log_to, train
 
 log_to(snakemake.log[0])
 train(

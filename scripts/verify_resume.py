@@ -1,7 +1,7 @@
-"""Snakemake script: verify_resume -> memfit.resume_check.verify_resume."""
+"""Snakemake script: verify_resume -> memfit.workflow.resume_check.verify_resume."""
 
-from memfit.pipeline import log_to
-from memfit.resume_check import verify_resume
+from memfit.workflow.pipeline import log_to
+from memfit.workflow.resume_check import verify_resume
 
 log_to(snakemake.log[0])
 verify_resume(

@@ -19,7 +19,7 @@ def repo() -> Path:
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> Path:
     """The embedded demo model, built once per test session (about 2 s)."""
-    from memfit.demo import build_demo_model
+    from memfit.workflow.demo import build_demo_model
 
     out = tmp_path_factory.mktemp("demo") / "demo-tiny"
     build_demo_model(REPO / "config/models/demo-tiny.json", REPO / "data/demo", out)

@@ -7,8 +7,8 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from memfit.launch import launch
-from memfit.run_config import RunConfig
+from memfit.train.launch import launch
+from memfit.train.run_config import RunConfig
 
 
 def base_run(demo_model, data, out, method="sft", **cand) -> RunConfig:

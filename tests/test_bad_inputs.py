@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memfit import cli, data, demo
-from memfit.config import ConfigError, WorkflowConfig, load_yaml
+from memfit import cli, data
+from memfit.workflow import demo
+from memfit.workflow.config import ConfigError, WorkflowConfig, load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_DATA = ROOT / "data" / "demo"

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from memfit import checkpoint
+from memfit.train import checkpoint
 
 
 class FakeEngine:

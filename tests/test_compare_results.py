@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from memfit.cli import main as cli
-from memfit.compare_results import compare_trees
+from memfit.workflow.compare_results import compare_trees
 
 RUN = "demo-tiny/cpu/sft"
 

@@ -5,7 +5,7 @@ import copy
 import pytest
 import yaml
 
-from memfit.config import ConfigError, WorkflowConfig, validate_config
+from memfit.workflow.config import ConfigError, WorkflowConfig, validate_config
 
 
 @pytest.fixture()
@@ -79,7 +79,7 @@ def test_load_validates_once_and_of_wraps_without_checking_again(config):
 
 
 def test_world_size_and_budgets(config):
-    from memfit import catalog
+    from memfit.estimate import catalog
     from memfit.units import GIB, MIB
 
     config.update(num_gpus=4, num_nodes=2, cpu_memory_mib=96, host_memory_gib=16, headroom=0.1)

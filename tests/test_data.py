@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from memfit import data, demo
+from memfit import data
+from memfit.workflow import demo
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "data" / "demo"

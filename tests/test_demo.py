@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import demo
+from memfit.workflow import demo
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "demo"

@@ -1,11 +1,11 @@
-"""memfit.dsconfig: the DeepSpeed JSON every probe and training run uses."""
+"""memfit.train.dsconfig: the DeepSpeed JSON every probe and training run uses."""
 
 import pytest
 import torch
 from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-from memfit import dsconfig
 from memfit.space import Candidate
+from memfit.train import dsconfig
 
 
 def _lrs(warmup_steps: int, steps: int = 4) -> list[float]:
@@ -19,7 +19,7 @@ def _lrs(warmup_steps: int, steps: int = 4) -> list[float]:
     )
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     sched = WarmupCosineLR(opt, **cfg["scheduler"]["params"])
-    sched.step()  # as memfit.train does after deepspeed.initialize
+    sched.step()  # as memfit.train.loop does after deepspeed.initialize
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -50,10 +50,10 @@ from pathlib import Path  # noqa: E402
 
 import yaml  # noqa: E402
 
-from memfit import pipeline  # noqa: E402
-from memfit.config import WorkflowConfig  # noqa: E402
-from memfit.launch import launch_env  # noqa: E402
-from memfit.run_config import RunConfig  # noqa: E402
+from memfit.train.launch import launch_env  # noqa: E402
+from memfit.train.run_config import RunConfig  # noqa: E402
+from memfit.workflow import pipeline  # noqa: E402
+from memfit.workflow.config import WorkflowConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,8 +61,9 @@ REPO = Path(__file__).resolve().parents[1]
 # deepspeed.initialize), then the DeepSpeed config it initialised with.
 TRAINER_DS = """
 import json, sys
-from memfit import dist
-from memfit.train import Run, RunConfig
+from memfit.train import dist
+from memfit.train.loop import Run
+from memfit.train.run_config import RunConfig
 dist.init_distributed()
 run = Run(RunConfig.load(sys.argv[1]))
 run.setup()

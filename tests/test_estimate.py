@@ -9,8 +9,15 @@ import json
 
 import pytest
 
-from memfit import catalog
-from memfit.estimate import EstimateError, Settings, estimate, estimate_space, fit, fit_main
+from memfit.estimate import (
+    EstimateError,
+    Settings,
+    catalog,
+    estimate,
+    estimate_space,
+    fit,
+    fit_main,
+)
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB
 

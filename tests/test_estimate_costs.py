@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from memfit import catalog
 from memfit.estimate import (
     Settings,
     cached_logits_block,
+    catalog,
     device_overheads,
     fragmentation,
     host_memory,
@@ -36,7 +36,7 @@ def test_measured_calibration_keeps_its_nccl_figure(tmp_path, monkeypatch):
     """A calibration file measured on the GPU keeps its own NCCL per-peer figure."""
     import json
 
-    from memfit import calibration
+    from memfit.estimate import calibration
 
     a100 = catalog.gpu("a100-80gb")
     (tmp_path / "a100-80gb.json").write_text(

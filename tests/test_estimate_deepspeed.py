@@ -1,6 +1,6 @@
 """The estimator against real 2-rank DeepSpeed training steps (gloo, fp32, CPU).
 
-Each case runs `memfit.probe.run_probe` exactly as the workflow's probe rule does (the demo
+Each case runs `memfit.workflow.probe.run_probe` exactly as the workflow's probe rule does (the demo
 Llama `config/models/demo-tiny.json`, seq_len 24, 32 sequences per optimizer step, peak
 allocated bytes of live tensor storages per rank via `memory.AllocationTracker`) and compares
 `estimate(..., budget_bytes=...)`'s allocated peak with it. Tolerance: 10% (measured on
@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit import catalog
-from memfit.estimate import estimate
+from memfit.estimate import catalog, estimate
 from memfit.space import Candidate
 
 pytestmark = pytest.mark.slow
@@ -56,8 +55,8 @@ def _cand(kw: dict) -> Candidate:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from memfit import demo
     from memfit.data import prepare
+    from memfit.workflow import demo
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     root = tmp_path_factory.mktemp("ds-gt")
@@ -87,8 +86,8 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def measured(built):
-    from memfit.probe import run_probe
-    from memfit.run_config import RunConfig
+    from memfit.train.run_config import RunConfig
+    from memfit.workflow.probe import run_probe
 
     def probe(name: str) -> dict:
         method, kw = CASES[name]

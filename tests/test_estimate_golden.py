@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit import catalog
-from memfit.estimate import Settings, estimate, fit, render
+from memfit.estimate import Settings, catalog, estimate, fit, render
 from memfit.space import Candidate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "estimate_golden.json"

@@ -6,7 +6,7 @@ gradient checkpointing, peft LoRA), memfit's losses (SFT cross-entropy, DPO with
 concatenated chosen+rejected forward and a frozen reference model), plain
 `torch.optim.AdamW` over fp32 weights on one rank, i.e. ZeRO stage 0 without DeepSpeed,
 measured over two full steps (the first with lazy Adam state, the second with it resident)
-through the trainer's own `StepRunner.loss` (memfit.steps). It does not cover DeepSpeed's bf16/ZeRO buffers
+through the trainer's own `StepRunner.loss` (memfit.train.steps). It does not cover DeepSpeed's bf16/ZeRO buffers
 (checked against DeepSpeed's own formulas in test_estimate.py), CUDA kernels' workspaces or the
 allocator's fragmentation.
 """
@@ -20,12 +20,12 @@ import statistics
 import pytest
 import torch
 
-from memfit.arch import ModelArch
-from memfit.catalog import GPU
 from memfit.estimate import Settings, estimate
-from memfit.memory import AllocationTracker
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
 from memfit.space import Candidate
-from memfit.steps import StepRunner
+from memfit.train.memory import AllocationTracker
+from memfit.train.steps import StepRunner
 
 CPU = GPU(
     name="cpu",
@@ -138,7 +138,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
     )
     V = SHAPES[kind]["vocab_size"]
     g = torch.Generator().manual_seed(1)
-    # The trainer's own step (memfit.steps.StepRunner: collate, forward, memfit's losses) on
+    # The trainer's own step (memfit.train.steps.StepRunner: collate, forward, memfit's losses) on
     # the plain model; the engine stand-in gives it the DeepSpeed engine's `.module`.
     runner = StepRunner(method, _Engine(model), ref, pad_id=0, dpo={}, ref=cand.ref, loss_on="all",
                         loss_impl=cand.loss_impl, loss_chunk_tokens=chunk)
@@ -238,7 +238,7 @@ def test_median_within_2_percent(results):
     assert med <= 0.02, f"median |error| {med:.2%}"
 
 
-# loss_impl chunked (memfit.vocab_loss) in several chunks of 64 tokens: no full logits, the
+# loss_impl chunked (memfit.train.vocab_loss) in several chunks of 64 tokens: no full logits, the
 # estimator's `chunked_loss_terms` instead of the logit terms
 CHUNKED = [
     (kind, method, Candidate(finetune=ft, attn="sdpa", grad_ckpt=gc, micro_batch=2, seq_len=160, zero=0, precision="fp32",

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import catalog
 from memfit.estimate import (
     Settings,
     activations,
+    catalog,
     estimate,
     main,
     model_states,
@@ -155,7 +155,7 @@ def _measure_moe_layer(kind: str, finetune: str, seqs: int = 2, seq_len: int = 2
     adapters in the training dtype (DeepSpeed casts them; see trace_step.build_model)."""
     from transformers import AutoModelForCausalLM
 
-    from memfit.memory import AllocationTracker
+    from memfit.train.memory import AllocationTracker
 
     arch = catalog.arch_from_hf_config(TINY[kind], name=f"tiny-{kind}")
     torch.manual_seed(0)
@@ -213,8 +213,8 @@ def _measure_training_peak(arch: catalog.ModelArch, cand: Candidate) -> int:
     does for dense models)."""
     from transformers import AutoModelForCausalLM
 
-    from memfit.losses import sft_loss
-    from memfit.memory import AllocationTracker
+    from memfit.train.losses import sft_loss
+    from memfit.train.memory import AllocationTracker
 
     cfg = arch.to_hf_config()
     cfg.use_cache = False
@@ -334,7 +334,7 @@ def test_workflow_refuses_to_run_on_a_planning_only_gpu(repo, monkeypatch):
     config as a plan (plan_only: true) is accepted."""
     import yaml
 
-    from memfit.config import ConfigError, validate_config
+    from memfit.workflow.config import ConfigError, validate_config
 
     monkeypatch.chdir(repo)
     cfg = yaml.safe_load((repo / "config/config.yaml").read_text())

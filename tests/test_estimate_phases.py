@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from memfit import catalog
 from memfit.estimate import (
     DEFAULT_SETTINGS,
     NCCL_CUMEM_BYTES,
     EstimateError,
     Settings,
+    catalog,
     estimate,
     estimate_space,
 )

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from memfit import catalog
 from memfit.estimate import (
     Settings,
+    catalog,
     estimate,
     model_states,
     param_layout,

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from memfit.resume_check import compare_runs
+from memfit.workflow.resume_check import compare_runs
 
 
 def _run_dir(path, losses, weight):
@@ -35,7 +35,7 @@ def test_merged_lora_state_equals_peft_merge_and_unload(demo_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from memfit.modeling import _merged_lora_state
+    from memfit.train.modeling import _merged_lora_state
 
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(demo_model),

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memfit import dsconfig, exports
-from memfit.run_config import RunConfig
+from memfit import exports
+from memfit.train import dsconfig
+from memfit.train.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""OOM fallback in training (memfit.fallback): which candidate comes next, which checkpoints it may
+"""OOM fallback in training (memfit.workflow.fallback): which candidate comes next, which checkpoints it may
 continue, and that a save cut short by an OOM leaves nothing that passes for a checkpoint."""
 
 import dataclasses
@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import checkpoint, fallback
-from memfit.memory import AllocationTracker
-from memfit.run_config import RunConfig
 from memfit.space import Candidate
+from memfit.train import checkpoint
+from memfit.train.memory import AllocationTracker
+from memfit.train.run_config import RunConfig
+from memfit.workflow import fallback
 
 WORLD = 2
 SELECTED = {"zero": 0, "micro_batch": 16, "grad_accum": 1, "seq_len": 32, "precision": "fp32"}
@@ -325,7 +326,7 @@ def selected_json(path, rows):
 def ranks_that(monkeypatch, behaviour):
     """Replace the launcher: `behaviour[candidate id](run, out_dir)` does what the ranks would and
     returns the exit code; the calls are recorded as (run config file name, candidate id)."""
-    import memfit.launch
+    import memfit.train.launch
 
     calls = []
 
@@ -334,14 +335,14 @@ def ranks_that(monkeypatch, behaviour):
         calls.append((Path(config).name, run.cand.id))
         return behaviour[run.cand.id](run, Path(run.out_dir))
 
-    monkeypatch.setattr(memfit.launch, "launch", fake_launch)
+    monkeypatch.setattr(memfit.train.launch, "launch", fake_launch)
     return calls
 
 
 def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
     tmp_path, monkeypatch, capfd
 ):
-    from memfit import pipeline
+    from memfit.workflow import pipeline
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
@@ -454,7 +455,7 @@ def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
 
 
 def test_without_an_oom_marker_a_failed_training_is_not_a_fallback(tmp_path, monkeypatch):
-    from memfit import pipeline
+    from memfit.workflow import pipeline
 
     job = tmp_path / "sft"
     base = RunConfig(

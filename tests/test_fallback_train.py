@@ -1,6 +1,6 @@
 """Training that runs out of device memory mid-run completes on the next candidate, from its
-checkpoint (memfit.pipeline.train -> memfit.fallback). Real DeepSpeed on 2 CPU ranks (gloo), the
-cpu device's capacity enforced by memfit.memory.AllocationTracker."""
+checkpoint (memfit.workflow.pipeline.train -> memfit.workflow.fallback). Real DeepSpeed on 2 CPU ranks (gloo), the
+cpu device's capacity enforced by memfit.train.memory.AllocationTracker."""
 
 import dataclasses
 import json
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from deepspeed_runs import base_run, run
 
-from memfit import checkpoint, pipeline
-from memfit.resume_check import verify_resume
-from memfit.rows import Budget, CandidateRow, Prediction, Selection
 from memfit.space import Candidate
+from memfit.train import checkpoint
+from memfit.workflow import pipeline
+from memfit.workflow.resume_check import verify_resume
+from memfit.workflow.rows import Budget, CandidateRow, Prediction, Selection
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +52,8 @@ def mixed_data(demo_model, tmp_path_factory, repo):
 
 
 def longest_per_step(data_dir, cand, steps=8):
-    from memfit.batches import Schedule
     from memfit.data import load_split
+    from memfit.train.batches import Schedule
 
     lengths = [len(r["input_ids"]) for r in load_split(data_dir, "train")]
     s = Schedule(len(lengths), cand["micro_batch"], cand["grad_accum"], 2, SEED)

@@ -1,6 +1,6 @@
 """benchmarks/gpu_evidence.py in its CPU dry form, and the calibration files the estimator reads.
 
-The dry run is the GPU script's own code path (real `memfit.probe.run_probe` probes against
+The dry run is the GPU script's own code path (real `memfit.workflow.probe.run_probe` probes against
 `memfit.estimate.estimate`) with the demo model reduced to 2 layers, seq_len 24, fp32, one
 probe per stage; CUDA-only rows must say why they were skipped."""
 
@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from memfit import calibration, catalog
-from memfit.estimate import estimate
+from memfit.estimate import calibration, catalog, estimate
 from memfit.space import Candidate
 from memfit.units import MIB
 

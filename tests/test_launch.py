@@ -1,4 +1,4 @@
-"""memfit.launch: the torchrun command and environment, exit codes, logs, timeouts and signals.
+"""memfit.train.launch: the torchrun command and environment, exit codes, logs, timeouts and signals.
 
 The rank processes here are small Python programs standing in for `memfit train` (the real
 multi-rank runs are in test_train.py, marked slow); what is tested is launch's own behaviour.
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit import launch as launch_mod
-from memfit.launch import command, launch, launch_env
-from memfit.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+from memfit.train import launch as launch_mod
+from memfit.train.launch import command, launch, launch_env
+from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 
 def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memfit.losses import IGNORE_INDEX, DPOConfig, dpo_loss, sequence_logps, sft_loss
+from memfit.train.losses import IGNORE_INDEX, DPOConfig, dpo_loss, sequence_logps, sft_loss
 
 
 def test_sft_loss_equals_the_hf_models_own_loss(demo_model):

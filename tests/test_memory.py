@@ -1,4 +1,4 @@
-"""memfit.memory: the peak of live tensor storages equals the sizes we allocate; CUDA's own statistics on a GPU."""
+"""memfit.train.memory: the peak of live tensor storages equals the sizes we allocate; CUDA's own statistics on a GPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.memory import AllocationTracker, device_peaks, host_peak_rss_bytes, reset_device_peaks
+from memfit.train.memory import (
+    AllocationTracker,
+    device_peaks,
+    host_peak_rss_bytes,
+    reset_device_peaks,
+)
 from memfit.units import MIB
 
 FLOAT32 = 4  # bytes

@@ -1,5 +1,5 @@
 """Up-front model checks: a model directory that cannot load stops the workflow before any probe,
-with an error naming the file (memfit.model_check, called by prepare_data and estimate_candidates).
+with an error naming the file (memfit.workflow.model_check, called by prepare_data and estimate_candidates).
 
 Every case is the real demo model (tests/conftest.py builds it) with one thing broken the way
 downloads break: a shard missing, the tokenizer missing, a truncated file, an architecture memfit
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memfit import pipeline
-from memfit.config import WorkflowConfig
-from memfit.model_check import ModelCheckError, check_model_dir
+from memfit.workflow import pipeline
+from memfit.workflow.config import WorkflowConfig
+from memfit.workflow.model_check import ModelCheckError, check_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
-from memfit import pipeline
-from memfit.config import WorkflowConfig
-from memfit.run_config import RunConfig
+from memfit.train.run_config import RunConfig
+from memfit.workflow import pipeline
+from memfit.workflow.config import WorkflowConfig
 
 
 @pytest.fixture()
@@ -82,7 +82,7 @@ def test_a_boundary_probe_checks_the_estimate_where_it_decides(repo, demo_model,
 
 
 def test_boundary_probe_rules(repo):
-    from memfit.rows import Budget
+    from memfit.workflow.rows import Budget
 
     budget = Budget(device_bytes=100, host_bytes=1000, headroom=0.1)  # limit 90
 
@@ -108,7 +108,7 @@ def test_boundary_probe_rules(repo):
 def test_select_config_refuses_a_probe_that_failed(repo, demo_model, tmp_path, monkeypatch):
     """A probe JSON with status error (what memfit wrote before such probes stopped the workflow)
     stops selection with the probe's log, not with "no candidate fits"."""
-    from memfit.probe import ProbeFailed
+    from memfit.workflow.probe import ProbeFailed
 
     monkeypatch.chdir(repo)
     cfg = demo_cfg(repo, demo_model)
@@ -130,7 +130,7 @@ def test_select_config_refuses_a_probe_that_failed(repo, demo_model, tmp_path, m
 def test_a_probe_that_fails_stops_the_workflow_with_its_error(repo, demo_model, tmp_path, monkeypatch):
     """Real ranks fail for a reason other than memory (the data directory has no train split): the
     probe stage raises with the rank's first error lines and leaves no probe JSON behind."""
-    from memfit.probe import ProbeFailed
+    from memfit.workflow.probe import ProbeFailed
 
     monkeypatch.chdir(repo)
     cfg = demo_cfg(repo, demo_model, probe={"top_k": 1, "steps": 1, "timeout_s": 300})
@@ -153,18 +153,18 @@ def test_a_probe_that_fails_stops_the_workflow_with_its_error(repo, demo_model, 
 def test_the_error_shown_is_this_runs_first_traceback(tmp_path):
     """Probe logs are appended to, and both ranks write at once: the excerpt is the first rank's
     traceback of the latest launch, not an older run's and not two ranks' lines interleaved."""
-    from memfit.probe import error_excerpt
+    from memfit.workflow.probe import error_excerpt
 
     log = tmp_path / "probe.log"
     log.write_text(
         "Traceback (most recent call last):\n  File \"old.py\"\nOldError: a previous run\n"
-        "$ torchrun --nproc-per-node 2 -m memfit.train --config run.json\n"
+        "$ torchrun --nproc-per-node 2 -m memfit.train.loop --config run.json\n"
         "UserWarning: not an error\n"
         "[rank1]: Traceback (most recent call last):\n[rank0]: Traceback (most recent call last):\n"
         "[rank1]:   File \"train.py\", line 10, in setup\n[rank0]:   File \"train.py\", line 10, in setup\n"
         "[rank1]:     rows = read(data)\n[rank0]:     rows = read(data)\n"
         "[rank1]: FileNotFoundError: data/train.parquet\n[rank0]: FileNotFoundError: data/train.parquet\n"
-        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: memfit.train FAILED\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: memfit.train.loop FAILED\n"
     )
     assert error_excerpt(log).splitlines() == [
         "[rank1]: Traceback (most recent call last):",

@@ -1,8 +1,8 @@
-"""memfit.probe: running out of memory is a result, not a crash.
+"""memfit.workflow.probe: running out of memory is a result, not a crash.
 
 `run_probe` turns how the ranks ended into one JSON result. The ranks are replaced by a
-function standing in for `memfit.launch.launch` that ends as the trainer does (markers and
-exit codes of `memfit.train_rank.run_rank`); one slow test launches real ranks that refuse a
+function standing in for `memfit.train.launch.launch` that ends as the trainer does (markers and
+exit codes of `memfit.train.rank.run_rank`); one slow test launches real ranks that refuse a
 candidate this machine cannot run. The measured probe itself is in test_train.py (slow).
 """
 
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from memfit import probe
-from memfit.run_config import OOM_EXIT_CODE, RunConfig
 from memfit.space import Candidate
+from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
 from memfit.units import MIB
+from memfit.workflow import probe
 
 PREDICTION = {"id": "x", "peak_allocated_bytes": 123, "peak_reserved_bytes": 456, "host_bytes": 7, "step_time_s": 0.5,
               "breakdown": {"not": "copied"}}

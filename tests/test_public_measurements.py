@@ -1,7 +1,7 @@
 """The estimator against published, measured GPU memory of fine-tuning runs (issue #16).
 
 The table (tests/public_measurements.yaml) holds figures other people measured on real GPUs,
-each with its source and setting; memfit.validation maps every row to an estimator call and
+each with its source and setting; memfit.estimate.validation maps every row to an estimator call and
 compares the figure that matches the measurement. The targets of the issue are asserted as an
 expected failure (strict) with today's numbers in the reason, so the test flips to a failure
 -- to be turned into a plain assertion -- the moment the estimator meets them.
@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memfit import catalog
-from memfit import validation as v
-from memfit.estimate import Settings
+from memfit.estimate import Settings, catalog
+from memfit.estimate import validation as v
 from memfit.estimate.costs import device_overheads, nvls_bytes
 
 ROWS, OOMS = v.load_table()

@@ -259,7 +259,7 @@ def test_robust_to_missing_keys_and_unmatched_inputs(tmp_path):
 
 
 def test_selection_rows_are_checked_once_naming_file_and_key(tmp_path):
-    """selected.json is what memfit.select writes; a row that is not raises before any page is written."""
+    """selected.json is what memfit.workflow.select writes; a row that is not raises before any page is written."""
     paths = _dpo_run(tmp_path)
     sel = json.loads(paths["selected"].read_text())
     sel["candidates"][1]["fits"] = "no"
@@ -278,7 +278,7 @@ def test_selection_rows_are_checked_once_naming_file_and_key(tmp_path):
 
 def test_an_oom_probe_shows_its_phase_and_bytes(tmp_path):
     """A probe that ran out of memory (the cpu capacity, or CUDA) shows where: phase, op, live bytes
-    against the capacity, as memfit.probe records them."""
+    against the capacity, as memfit.workflow.probe records them."""
     paths = _dpo_run(tmp_path)
     sel = json.loads(paths["selected"].read_text())
     oom = {"phase": "forward", "op": "aten.mm.default", "live_bytes": 97 * MiB, "capacity_bytes": 96 * MiB}

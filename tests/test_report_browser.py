@@ -24,7 +24,8 @@ import pytest
 from test_report import _dpo_run
 from test_report_curves import _with_fallback
 
-from memfit import catalog, report
+from memfit import report
+from memfit.estimate import catalog
 from memfit.report.browser import find_chromium, inspect_page
 from memfit.report.fmt import _bytes, _plain, _tps
 

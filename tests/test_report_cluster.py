@@ -1,7 +1,7 @@
 """A cluster config with several models and GPU types, planned only: the report's contents, one
 folding section per model x GPU x method, and the GPU type x model x method fit map.
 
-The runs are made by the workflow's own stages (memfit.pipeline.estimate_candidates and
+The runs are made by the workflow's own stages (memfit.workflow.pipeline.estimate_candidates and
 select_config, as `snakemake --configfile config/cluster-example.yaml --config plan_only=True`
 runs them), from config/cluster-example.yaml with the search space narrowed and analytic
 activations so the plan takes seconds.
@@ -17,11 +17,13 @@ from pathlib import Path
 import pytest
 from test_report import _text
 
-from memfit import catalog, exports, pipeline, report
-from memfit.config import WorkflowConfig, load_yaml
+from memfit import exports, report
+from memfit.estimate import catalog
 from memfit.estimate.core import fit
 from memfit.report.fitmap import SETTINGS
 from memfit.space import Candidate
+from memfit.workflow import pipeline
+from memfit.workflow.config import WorkflowConfig, load_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["qwen2.5-7b", "llama-3.1-8b"]
@@ -267,7 +269,7 @@ def test_the_nodes_hint_is_what_a_plan_on_that_many_nodes_selects(none_fits, tmp
 
 
 def test_a_training_run_where_nothing_fits_still_stops_with_every_reason(none_fits, tmp_path):
-    from memfit.select import NoneFits
+    from memfit.workflow.select import NoneFits
 
     root, selected, _ = none_fits
     raw = copy.deepcopy(load_yaml(ROOT / "config" / "cluster-example.yaml")) | {"plan_only": False}

@@ -35,7 +35,7 @@ def _with_fallback(tmp_path: Path) -> dict:
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     for r in rows:
         if r["split"] == "train" and r["step"] == 3:
-            r["resumed_from_step"] = 2  # what memfit.train writes on the first row after a resume
+            r["resumed_from_step"] = 2  # what memfit.train.loop writes on the first row after a resume
         if r["split"] == "train" and r["step"] == 5:
             r["resumed_from_step"] = 4  # the fallback's relaunch resumed too
     _write(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))

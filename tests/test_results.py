@@ -79,7 +79,7 @@ def test_selected_row_is_what_selected_json_says(tree):
 
 def test_fastest_fitting_measured_candidate_per_gpu_and_method_is_the_selection(tree):
     df = results.load(tree)
-    # the README's lines: what memfit.select chose, asked of the table
+    # the README's lines: what memfit.workflow.select chose, asked of the table
     fit = df[df.fits & (df.source == "measured")]
     best = df.loc[fit.groupby(["model", "gpu", "method"]).tokens_per_s.idxmax()]
     chosen = {(r.gpu, r.method): r.id for r in best.itertuples()}

@@ -1,4 +1,4 @@
-"""memfit.resume_check: a resumed run must continue exactly; and the train stage sets aside
+"""memfit.workflow.resume_check: a resumed run must continue exactly; and the train stage sets aside
 checkpoints of a changed configuration instead of failing on them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from memfit.resume_check import compare_runs
+from memfit.workflow.resume_check import compare_runs
 
 
 def run_dir(path: Path, losses: list[float], weight: torch.Tensor) -> Path:
@@ -43,8 +43,8 @@ def test_losses_after_the_checkpoint_decide_within_rtol(tmp_path):
 def test_verify_resume_and_stale_checkpoints_on_a_real_run(demo_model, demo_data, tmp_path):
     from deepspeed_runs import base_run
 
-    from memfit import pipeline
-    from memfit.resume_check import verify_resume
+    from memfit.workflow import pipeline
+    from memfit.workflow.resume_check import verify_resume
 
     cfg = base_run(demo_model, demo_data, tmp_path / "run", zero=2)  # 6 steps, checkpoints at 3 and 6
     Path(cfg.out_dir).mkdir(parents=True)

@@ -12,10 +12,10 @@ import torch
 from deepspeed_runs import base_run, run
 from safetensors.torch import load_file
 
-from memfit import checkpoint
-from memfit.batches import Schedule, rank_batches
-from memfit.run_config import RunConfig
-from memfit.train import Run
+from memfit.train import checkpoint
+from memfit.train.batches import Schedule, rank_batches
+from memfit.train.loop import Run
+from memfit.train.run_config import RunConfig
 
 
 # --------------------------------------------------------------------------- fast: no DeepSpeed

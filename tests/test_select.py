@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.rows import Budget
-from memfit.select import choose, judge
+from memfit.workflow.rows import Budget
+from memfit.workflow.select import choose, judge
 
 MiB = 2**20
 
@@ -79,7 +79,7 @@ def test_nothing_fits_names_every_candidate():
 
 
 def test_rows_round_trip_and_a_bad_row_names_its_key():
-    from memfit.rows import CandidateRow, RowError, Selection
+    from memfit.workflow.rows import CandidateRow, RowError, Selection
 
     for case in SELECT_CASES:  # every row the fixtures hold reads back to the same JSON
         doc = json.loads((FIXTURES / f"{case}.selected.expected.json").read_text())
@@ -99,7 +99,7 @@ def test_rows_round_trip_and_a_bad_row_names_its_key():
 
 
 def test_probes_keep_a_low_memory_fallback():
-    from memfit.pipeline import probe_choice
+    from memfit.workflow.pipeline import probe_choice
 
     ranked = [
         {"id": "fast", "device_total_bytes": 90},
@@ -114,7 +114,7 @@ def test_probes_keep_a_low_memory_fallback():
 
 
 def test_dpo_probes_the_reference_model_twin_of_the_first_precomputed_probe():
-    from memfit.pipeline import reference_twin
+    from memfit.workflow.pipeline import reference_twin
 
     def row(cid, ref, zero=2, invalid=False):
         return {"id": cid, "invalid": invalid, "candidate": {"zero": zero, "micro_batch": 8, "ref": ref}}
@@ -144,7 +144,7 @@ def test_selected_json_is_byte_for_byte_what_it_was(case, repo, tmp_path, monkey
     """Other stages and users read selected.json: the same inputs must give the same bytes."""
     import yaml
 
-    from memfit.pipeline import select_config
+    from memfit.workflow.pipeline import select_config
 
     inputs, method, plan_only = SELECT_CASES[case]
     config = yaml.safe_load((repo / "config" / "config.yaml").read_text()) | {"plan_only": plan_only}
@@ -161,8 +161,8 @@ def test_selected_json_is_byte_for_byte_what_it_was(case, repo, tmp_path, monkey
 
 
 def test_nothing_fits_names_the_closest_and_round_trips_as_a_selection():
-    from memfit.rows import RowError, Selection
-    from memfit.select import NoneFits
+    from memfit.workflow.rows import RowError, Selection
+    from memfit.workflow.select import NoneFits
 
     # b is over by 33% on the device, a by 11% on the host: a is the closest
     estimates = [est("b", 2, 120, 0.5), est("a", 1, 40, 1.0), est("v", 1, 1, 1.0, invalid=True, reason="no bf16")]

@@ -10,9 +10,9 @@ import torch
 import yaml
 
 from memfit import data
-from memfit.batches import collate, collate_packed
-from memfit.losses import IGNORE_INDEX, sft_loss, token_logps
-from memfit.run_config import RunConfig
+from memfit.train.batches import collate, collate_packed
+from memfit.train.losses import IGNORE_INDEX, sft_loss, token_logps
+from memfit.train.run_config import RunConfig
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,8 @@ def sft_rows(demo_model, tmp_path_factory, repo):
 def model_with(demo_model, attn: str):
     """The model as the trainer loads it (fp32, use_cache off: with a KV cache transformers
     ignores position_ids for packing, masking_utils._preprocess_mask_arguments)."""
-    from memfit.modeling import load_model
     from memfit.space import Candidate
+    from memfit.train.modeling import load_model
 
     return load_model(str(demo_model), Candidate.from_dict({"attn": attn, "precision": "fp32"}), trainable=False)
 
@@ -192,7 +192,7 @@ def config(repo, monkeypatch):
 
 
 def test_workflow_config_passes_the_new_keys_through(config, tmp_path):
-    from memfit.config import WorkflowConfig
+    from memfit.workflow.config import WorkflowConfig
 
     cfg = copy.deepcopy(config)
     cfg["train"]["sft"].update(packing=True, loss_on="all")
@@ -213,7 +213,7 @@ def test_workflow_config_passes_the_new_keys_through(config, tmp_path):
     ],
 )
 def test_bad_sft_options_name_the_key(config, change, expected):
-    from memfit.config import ConfigError, validate_config
+    from memfit.workflow.config import ConfigError, validate_config
 
     bad = copy.deepcopy(config)
     change(bad)

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from memfit.launch import LaunchError, Rendezvous, command, expand_nodelist, rendezvous_from_env
+from memfit.train.launch import (
+    LaunchError,
+    Rendezvous,
+    command,
+    expand_nodelist,
+    rendezvous_from_env,
+)
 
 
 @pytest.mark.parametrize(
@@ -81,7 +87,7 @@ def test_sigusr1_reaches_the_ranks_and_spares_torchrun(tmp_path):
     import sys
     import time
 
-    from memfit.launch import _children, _forward, _ignore_sigusr1
+    from memfit.train.launch import _children, _forward, _ignore_sigusr1
 
     got = tmp_path / "rank-got-usr1"
     rank = (

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from memfit.launch import per_node_srun, srun_env
-from memfit.slurm import (
+from memfit.train.launch import per_node_srun, srun_env
+from memfit.units import GIB
+from memfit.workflow.slurm import (
     SlurmConfigError,
     host_bytes_of,
     job_resources,
@@ -16,7 +17,6 @@ from memfit.slurm import (
     run_host_bytes,
     runtime_min,
 )
-from memfit.units import GIB
 
 CLUSTER = {
     "partition": "gpu",
@@ -151,7 +151,7 @@ def test_host_ram_from_selected_else_worst_estimate(tmp_path):
 def test_config_slurm_section_is_validated_naming_the_key():
     from pathlib import Path
 
-    from memfit.config import ConfigError, WorkflowConfig, load_yaml
+    from memfit.workflow.config import ConfigError, WorkflowConfig, load_yaml
 
     root = Path(__file__).resolve().parents[1]
     raw = load_yaml(root / "config" / "cluster-example.yaml")

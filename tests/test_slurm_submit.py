@@ -8,7 +8,7 @@ own `get_submit_command` + `set_gres_string` + `get_partition_arg`/`get_account_
 (`sacctmgr`/`sshare`) is replaced: there is no cluster here.
 
 Two DAG states cover every job: a fresh tree (prepare_data, estimate_candidates), then one where
-estimate_candidates and select_config ran for real (memfit.pipeline, the prediction deciding: no
+estimate_candidates and select_config ran for real (memfit.workflow.pipeline, the prediction deciding: no
 probe has run) and the data stage is marked done, so the probes, train and verify_resume jobs exist
 with the estimate's host RAM in their memory.
 """
@@ -25,9 +25,9 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from memfit import pipeline
-from memfit.config import WorkflowConfig
-from memfit.slurm import mem_mb
+from memfit.workflow import pipeline
+from memfit.workflow.config import WorkflowConfig
+from memfit.workflow.slurm import mem_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILE = yaml.safe_load((ROOT / "slurm" / "config.yaml").read_text())
@@ -169,7 +169,7 @@ def _mark_data_done(tmp: Path, model: str, t: float) -> Path:
     data = tmp / "results" / model / "data" / "sft"
     data.mkdir(parents=True)
     for name in ("train.parquet", "eval.parquet", "stats.json"):
-        # select_config counts the training steps from stats.json's rows (memfit.dsconfig)
+        # select_config counts the training steps from stats.json's rows (memfit.train.dsconfig)
         (data / name).write_text(
             json.dumps({"rows_kept": {"train": 10000, "eval": 200}}) if name == "stats.json" else ""
         )
@@ -204,7 +204,7 @@ def test_every_job_of_a_gpu_config_renders_the_sbatch_it_needs(target, tmp_path,
     data = _mark_data_done(tmp_path, model, t)
     run_dir = tmp_path / "results" / model / gpu / "sft"
     # the empty directory stands for weights on the cluster's filesystem: skip the up-front model
-    # check (memfit.model_check, tested in tests/test_model_check.py) that a real run does here
+    # check (memfit.workflow.model_check, tested in tests/test_model_check.py) that a real run does here
     monkeypatch.setattr(pipeline, "check_model", lambda *_: None)
     table = pipeline.estimate_candidates(cfg, model, gpu, "sft", run_dir / "candidates.json")
     out = {k: run_dir / f"{k}.json" for k in ("selected", "ds_config", "run")}

@@ -1,4 +1,4 @@
-"""The traced activation path (memfit.trace, estimate --activations traced).
+"""The traced activation path (memfit.estimate.trace, estimate --activations traced).
 
 - a fake-tensor trace equals the same step on real tensors, byte for byte (MemTracker both);
 - activation bytes are linear in the micro batch (b=2 against 2 x b=1);
@@ -26,8 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit import catalog, trace
-from memfit.estimate import Settings, estimate, main, prefetch_traces
+from memfit.estimate import Settings, catalog, estimate, main, prefetch_traces, trace
 from memfit.space import Candidate
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -81,7 +80,7 @@ def test_fake_trace_equals_real_step_and_is_linear_in_batch():
         import json, warnings
         warnings.filterwarnings("ignore")
         from test_estimate_groundtruth import make_arch
-        from memfit import trace_step as trace
+        from memfit.estimate import trace_step as trace
         res = []
         for kind, attn, ck, ft in CASES:
             a = make_arch(kind)

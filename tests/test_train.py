@@ -11,7 +11,7 @@ import torch
 from deepspeed_runs import base_run, run, run_side_by_side
 from safetensors.torch import load_file
 
-from memfit.launch import launch
+from memfit.train.launch import launch
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_lora_exports_a_merged_model_transformers_loads(demo_model, lora_merged)
 
 
 def test_probe_measures_peak_memory_and_step_time(demo_model, data, tmp_path):
-    from memfit.probe import run_probe
+    from memfit.workflow.probe import run_probe
 
     cfg = base_run(demo_model, data, tmp_path / "probe", zero=2, micro_batch=16)
     res = run_probe(cfg, nproc=2, out_json=tmp_path / "probe.json", log=tmp_path / "probe.log", steps=2)
@@ -131,14 +131,14 @@ def test_sigterm_checkpoints_the_current_step_and_the_rerun_resumes(demo_model, 
     import sys
     import time
 
-    from memfit.run_config import PREEMPTED_EXIT_CODE
+    from memfit.train.run_config import PREEMPTED_EXIT_CODE
 
     _, ref_rows = zero3_run
     cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "sig", zero=3), save_every=0)
     Path(cfg.out_dir).mkdir(parents=True)
     cfg.save(Path(cfg.out_dir) / "run.json")
     code = (
-        "import sys; from pathlib import Path; from memfit.launch import launch; "
+        "import sys; from pathlib import Path; from memfit.train.launch import launch; "
         f"sys.exit(launch(Path('{cfg.out_dir}/run.json'), 2, log=Path('{cfg.out_dir}/log.txt')))"
     )
     proc = subprocess.Popen([sys.executable, "-c", code])
@@ -193,7 +193,7 @@ def test_sigkill_anywhere_then_resume_is_bit_exact(demo_model, data, tmp_path, z
     out.mkdir(parents=True)
     cfg.save(out / "run.json")
     code = (
-        "import sys; from pathlib import Path; from memfit.launch import launch; "
+        "import sys; from pathlib import Path; from memfit.train.launch import launch; "
         f"sys.exit(launch(Path('{out}/run.json'), 2, log=Path('{out}/log.txt')))"
     )
 
@@ -282,8 +282,8 @@ def test_adapter_export_equals_the_merged_model(demo_model, lora_merged, lora_ad
 def test_load_model_merges_an_adapter_only_directory(demo_model, lora_merged, lora_adapter, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from memfit.modeling import load_model
     from memfit.space import Candidate
+    from memfit.train.modeling import load_model
 
     merged_dir, _ = lora_merged
     out, _ = lora_adapter[2]
@@ -318,7 +318,7 @@ def test_dpo_starts_from_an_adapter_only_sft_output(demo_model, data, lora_merge
 
 # --------------------------------------------------------------------------- packing
 def test_packed_sft_trains_under_zero3_and_probes_full_packs(demo_model, data, tmp_path):
-    from memfit.probe import run_probe
+    from memfit.workflow.probe import run_probe
 
     cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "packed", zero=3, micro_batch=4, grad_accum=1), packing=True, loss_on="all")
     rows = run(cfg)

@@ -115,7 +115,7 @@ def _trl_trainer(demo_model, records, policy, ref, tmp_path, beta, loss_type):
 
 @pytest.mark.parametrize("beta", [0.1, 0.5])
 def test_dpo_matches_trl(demo_model, pairs, tmp_path, beta):
-    from memfit.steps import StepRunner
+    from memfit.train.steps import StepRunner
 
     rows, records = pairs
     policy, ref = _models(demo_model)
@@ -160,8 +160,8 @@ def test_sft_loss_matches_trl(demo_model, repo, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
     from memfit import data
-    from memfit.batches import collate
-    from memfit.losses import IGNORE_INDEX, sft_loss
+    from memfit.train.batches import collate
+    from memfit.train.losses import IGNORE_INDEX, sft_loss
 
     out = tmp_path / "sft"
     data.prepare("sft", repo / "data/demo/sft.jsonl", demo_model, out, max_len=32, eval_fraction=0.05)

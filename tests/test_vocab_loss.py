@@ -7,8 +7,8 @@ import torch
 from numerics import assert_close_fp32
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memfit.losses import IGNORE_INDEX, token_logps
-from memfit.vocab_loss import ChunkedHead, chunked_token_logps, default_chunk_tokens
+from memfit.train.losses import IGNORE_INDEX, token_logps
+from memfit.train.vocab_loss import ChunkedHead, chunked_token_logps, default_chunk_tokens
 
 
 def _model(tied: bool, vocab: int = 300, seed: int = 0) -> LlamaForCausalLM:
@@ -103,7 +103,7 @@ def test_head_bias_and_lora_head():
 
 def test_no_full_logits_tensor_exists():
     """The largest fp32 tensor alive in the loss is a chunk of logits, never tokens x vocab."""
-    from memfit.memory import AllocationTracker
+    from memfit.train.memory import AllocationTracker
 
     vocab, b, t = 8000, 2, 257
     model = _model(tied=False, vocab=vocab)

@@ -2,7 +2,7 @@
 
 The demo model ties its head to the embeddings, so ZeRO-3 exercises the hard case: the head's
 partitioned weight is gathered by DeepSpeed's hooks around the head module, and the chunked
-backward hands its gradient back once per step (memfit.vocab_loss).
+backward hands its gradient back once per step (memfit.train.vocab_loss).
 """
 
 import dataclasses

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from memfit import catalog
-from memfit.estimate import Settings, zero3_gathered_bytes
+from memfit.estimate import Settings, catalog, zero3_gathered_bytes
 from memfit.space import Candidate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,11 +67,11 @@ def test_replay_equals_deepspeed_on_two_ranks(tmp_path):
 def test_lora_on_some_linears_under_zero3_keeps_the_frozen_linears_inputs(tmp_path):
     """Measured 2026-11-23 (demo model, LoRA on q_proj/v_proj, mb16, 2 ranks): 49.65 MB peak;
     the estimate 48.63 MB (-2.0%), -13.7% without the frozen linears' inputs."""
-    from memfit import demo
     from memfit.data import prepare
     from memfit.estimate import estimate
-    from memfit.probe import run_probe
-    from memfit.run_config import RunConfig
+    from memfit.train.run_config import RunConfig
+    from memfit.workflow import demo
+    from memfit.workflow.probe import run_probe
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     model = tmp_path / "model"

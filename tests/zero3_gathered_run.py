@@ -11,7 +11,7 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from memfit.dsconfig import bucket_sizes
+from memfit.train.dsconfig import bucket_sizes
 
 H = 256
 CONFIG = dict(vocab_size=321, hidden_size=H, intermediate_size=688, num_hidden_layers=4,

@@ -18,9 +18,9 @@ import sys
 COMMANDS = {
     "estimate": ("memfit.estimate", "main", "predict memory and step time of one configuration"),
     "fit": ("memfit.estimate", "fit_main", "largest seq_len or micro_batch that fits"),
-    "train": ("memfit.train_rank", "main", "run one training rank from a run config (JSON)"),
-    "launch": ("memfit.launch", "main", "start all ranks of a run on this node"),
-    "compare-results": ("memfit.compare_results", "main", "compare two results/ trees (selections, losses, resume)"),
+    "train": ("memfit.train.rank", "main", "run one training rank from a run config (JSON)"),
+    "launch": ("memfit.train.launch", "main", "start all ranks of a run on this node"),
+    "compare-results": ("memfit.workflow.compare_results", "main", "compare two results/ trees (selections, losses, resume)"),
 }
 
 
@@ -53,7 +53,7 @@ def run_config_problem(path: str) -> str | None:
         return f"{p}: expected a JSON object of run config keys, got {type(data).__name__}"
     import dataclasses
 
-    from memfit.run_config import RunConfig
+    from memfit.train.run_config import RunConfig
 
     fields = dataclasses.fields(RunConfig)
     required = [

@@ -42,7 +42,7 @@ class Candidate:
     precision: Precision = "bf16"  # compute/weights dtype; fp32 master weights kept by DeepSpeed
     ref: RefMode = "model"  # DPO reference: frozen copy, LoRA adapter disabled, or precomputed log-probs
     # full: the head's logits of every token, then an fp32 log-softmax (HF's loss) | chunked: the
-    # head, log-softmax and target log-prob per token chunk, recomputed in backward (memfit.vocab_loss)
+    # head, log-softmax and target log-prob per token chunk, recomputed in backward (memfit.train.vocab_loss)
     loss_impl: LossImpl = "full"
 
     def __post_init__(self) -> None:

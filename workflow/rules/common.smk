@@ -3,7 +3,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from memfit.config import WorkflowConfig  # noqa: E402
+from memfit.workflow.config import WorkflowConfig  # noqa: E402
 
 # Schema plus catalog names, files and method sections: a bad config stops here,
 # before any job starts, naming the key and the allowed values. Read and checked once;
@@ -113,7 +113,7 @@ def rank_threads(w):
     return int(config["num_gpus"]) * (1 if w.gpu == "cpu" else 4)
 
 
-# SLURM resources of every job (memfit.slurm.rule_resources), read by the executor plugin under
+# SLURM resources of every job (memfit.workflow.slurm.rule_resources), read by the executor plugin under
 # --profile slurm; a local run uses only `gpu`. Rank-running rules take nodes, GPUs and memory
 # from the target and the estimate's host RAM: the probed candidate's row, or the selected run.
 SLURM_RANK_KEYS = (
@@ -132,7 +132,7 @@ SLURM_RANK_KEYS = (
 
 
 def _slurm_host_bytes(name, w, input):
-    from memfit import slurm
+    from memfit.workflow import slurm
 
     if name == "probe_candidate":
         return slurm.probe_host_bytes(input.candidates, w.cand)
@@ -141,7 +141,7 @@ def _slurm_host_bytes(name, w, input):
 
 def _slurm_rank_resource(name, key):
     def value(wildcards, input):
-        from memfit import slurm
+        from memfit.workflow import slurm
 
         host = _slurm_host_bytes(name, wildcards, input)
         return slurm.rule_resources(config, name, wildcards.gpu, host).get(key)
@@ -152,7 +152,7 @@ def _slurm_rank_resource(name, key):
 def slurm_resources(name):
     """What `resources:` holds for `name`: callables per key for rank-running rules (a None
     value is dropped), the runtime and partition/account for the others."""
-    from memfit import slurm
+    from memfit.workflow import slurm
 
     if name in slurm.RANK_RULES:
         return {k: _slurm_rank_resource(name, k) for k in SLURM_RANK_KEYS}

@@ -3,7 +3,7 @@ rule train:
     # outputs and are not declared, so a re-run after a crash resumes from the newest one.
     input:
         run="results/{model}/{gpu}/{method}/run.json",
-        # the ranking an OOM fallback continues with (memfit.fallback)
+        # the ranking an OOM fallback continues with (memfit.workflow.fallback)
         selected="results/{model}/{gpu}/{method}/selected.json",
         policy=policy_input,
         data="results/{model}/data/{method}/stats.json",

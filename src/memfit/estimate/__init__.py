@@ -17,7 +17,7 @@ term says where it comes from:
 - `activation_memory`: what autograd saves in one micro step, from formulas (Korthikanti et al.
   2022, re-derived for transformers' decoder layers and attention kernels) or, with
   `Settings(activations="traced")`, from a traced run of the model's own code on fake CPU
-  tensors (`traced`, memfit.trace); the Estimate's `activations_source` says which. On the CPU
+  tensors (`traced`, memfit.estimate.trace); the Estimate's `activations_source` says which. On the CPU
   ground truth the traced peaks are within 3.0% (median 0.1%) where the formulas are within 4.5%
   (median 0.4%), on 32 cases (tests/test_trace.py, tests/test_estimate_groundtruth.py);
   `trainer_terms` adds what the trainer holds beyond autograd (QLoRA dequantization, ZeRO-3's
@@ -30,6 +30,13 @@ term says where it comes from:
 - `cli`: `memfit estimate` and `memfit fit`.
 
 The numbers are per rank (one GPU), in bytes. Host memory is per node.
+
+Owns the estimator and what it reads: the GPU and model catalogs (`catalog`, `arch`: `ModelArch`,
+`hf_config`: config.json parsing), measured calibration (`calibration`), the fake-tensor tracer
+(`trace`, `trace_step`) and the check against public measurements (`validation`,
+`validation_cases`). May import the top-level vocabulary (`memfit.space`, `memfit.units`,
+`memfit.atomic`) and the loss math it traces (`memfit.train.losses`, `memfit.train.vocab_loss`);
+never `memfit.workflow`, `memfit.exports` or `memfit.report`.
 """
 
 from memfit.estimate.activation_memory import Activations, activations

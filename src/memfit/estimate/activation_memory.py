@@ -1,6 +1,6 @@
 """Activation memory of one micro step per rank: what autograd saves, the loss's logit terms and
 the transients of the forward and of one layer's backward. From formulas (`activations`) or
-from a traced run of the model's own code (`traced_activations`, memfit.trace).
+from a traced run of the model's own code (`traced_activations`, memfit.estimate.trace).
 
 The formulas count what autograd saves in transformers' decoder layer (modeling_llama.py,
 modeling_qwen2.py), tensor by tensor; the structure of Korthikanti et al. 2022 ("Reducing
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.arch import ModelArch
+from memfit.estimate.arch import ModelArch
 from memfit.estimate.logits import chunk_tokens, chunked_loss_terms
 from memfit.estimate.params import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings, dtype_bytes
@@ -361,7 +361,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
-    # DPO reference forward under no_grad, after the policy forward (memfit.steps, as TRL and
+    # DPO reference forward under no_grad, after the policy forward (memfit.train.steps, as TRL and
     # OpenRLHF do): the policy's saved tensors (its output, logits included, is dropped once its
     # log-probs are taken: StepRunner.token_logps), then either one reference attention call or
     # the reference's logits, their fp32 copy in 16-bit training and its log-softmax.
@@ -397,7 +397,7 @@ def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Setting
       `.float()`) referenced through `loss.backward()` and the optimizer step until the next
       forward rebinds it; torchtune later added `del logits  # free logits otherwise it peaks
       backward memory` (recipes/lora_finetune_single_device.py). +4 t V through the backward.
-    Only for the full-vocabulary loss: `loss_impl=chunked` is memfit's own (memfit.vocab_loss).
+    Only for the full-vocabulary loss: `loss_impl=chunked` is memfit's own (memfit.train.vocab_loss).
     """
     impl = settings.logits_handling
     if impl not in LOGITS_HANDLING:

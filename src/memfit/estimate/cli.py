@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from memfit import catalog
-from memfit.arch import ModelArch
-from memfit.catalog import GPU
+from memfit.estimate import catalog
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
 from memfit.estimate.core import Estimate, estimate, fit
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, EstimateError, Settings
 from memfit.space import Candidate
@@ -154,7 +154,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
         choices=["analytic", "traced"],
         default="analytic",
         help="activation terms from formulas, or from a traced CPU run of the model's code "
-        "(fake tensors, cached per shape; memfit.trace)",
+        "(fake tensors, cached per shape; memfit.estimate.trace)",
     )
     p.add_argument(
         "--trace-cache",

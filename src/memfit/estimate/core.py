@@ -8,10 +8,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit import calibration
-from memfit.arch import ModelArch
-from memfit.catalog import GPU
+from memfit.estimate import calibration
 from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
 from memfit.estimate.costs import (
     cached_logits_block,
     device_overheads,
@@ -61,7 +61,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
-    # headroom, as the workflow's selection applies it (memfit.rows.Budget): the fraction of
+    # headroom, as the workflow's selection applies it (memfit.workflow.rows.Budget): the fraction of
     # device memory kept free; `fits_with_headroom` compares device_total to the usable part
     headroom: float = 0.0
     usable_device_bytes: int = 0
@@ -157,7 +157,7 @@ def _verdict(job: Job, est: Estimate) -> None:
         est.margin_bytes = est.device_memory_bytes - est.device_total_bytes
         est.host_margin_bytes = est.host_memory_bytes - est.host_bytes
         est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
-    # the same rule as memfit.rows.Budget.device_limit_bytes
+    # the same rule as memfit.workflow.rows.Budget.device_limit_bytes
     est.headroom = job.headroom
     est.usable_device_bytes = int(est.device_memory_bytes * (1.0 - job.headroom))
     used = est.device_memory_bytes - est.margin_bytes
@@ -240,7 +240,7 @@ def estimate(
     """Predict one configuration on `num_gpus` GPUs per node x `num_nodes` nodes.
 
     `budget_bytes` replaces the device's memory (the demo's `cpu` entry). `headroom` is the
-    fraction of it kept free, as in `memfit.rows.Budget`: `fits_with_headroom` applies it.
+    fraction of it kept free, as in `memfit.workflow.rows.Budget`: `fits_with_headroom` applies it.
     Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
     `EstimateError`.
     """

@@ -1,22 +1,22 @@
-"""memfit's chunked loss (`loss_impl: chunked`, memfit.vocab_loss): tokens per chunk
+"""memfit's chunked loss (`loss_impl: chunked`, memfit.train.vocab_loss): tokens per chunk
 (`chunk_tokens`) and what one chunk of [tokens, vocab] logits holds and adds in the backward
 (`chunked_loss_terms`), where the full loss would hold all of them."""
 
 from __future__ import annotations
 
-from memfit.arch import ModelArch
+from memfit.estimate.arch import ModelArch
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
 
 
 def chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
-    from memfit.vocab_loss import default_chunk_tokens
+    from memfit.train.vocab_loss import default_chunk_tokens
 
     return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size))
 
 
 def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:
-    """(saved, transient) bytes of memfit.vocab_loss's chunked log-probs, every token scored (the
+    """(saved, transient) bytes of memfit.train.vocab_loss's chunked log-probs, every token scored (the
     worst case; a prompt-masked SFT batch projects fewer).
 
     Saved: the scored hidden states (a d x h copy per token), the fp32 log-sum-exp, the int64

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from memfit.arch import ModelArch
+from memfit.estimate.arch import ModelArch
 from memfit.estimate.settings import EstimateError, Settings
 from memfit.space import Candidate
 

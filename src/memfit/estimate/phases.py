@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memfit.arch import ModelArch
-from memfit.catalog import GPU
 from memfit.estimate.activation_memory import Activations
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
 from memfit.estimate.params import lora_targets, param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.estimate.states import ModelStates
@@ -89,7 +89,7 @@ def _backward_gradients(arch: ModelArch, cand: Candidate, trainable: int) -> Bac
     # input buffer of the shared weight's AccumulateGrad until the embedding's backward adds its
     # share (torch/csrc/autograd/input_buffer.cpp accumulates; engine.cpp runs a node once all
     # its inputs arrived), i.e. through every layer's backward, at every ZeRO stage (DeepSpeed's
-    # gradient hooks fire at accumulation). Seen by the traced run (memfit.trace, real and fake
+    # gradient hooks fire at accumulation). Seen by the traced run (memfit.estimate.trace, real and fake
     # tensors alike: a TEMP [V, h] tensor at each layer's backward).
     grads.tied_pending = d * layout.embed if (full and arch.tie_word_embeddings) else 0
     return grads

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from memfit.arch import ModelArch
+from memfit.estimate.arch import ModelArch
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate

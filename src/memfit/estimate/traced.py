@@ -1,13 +1,13 @@
-"""Activations from a traced run of the model's own code on fake tensors (memfit.trace): when the
+"""Activations from a traced run of the model's own code on fake tensors (memfit.estimate.trace): when the
 trace applies (`traced_fallback_reason`: otherwise the formulas of activation_memory answer),
 the traced figures scaled to the candidate (`traced_activations`), and tracing a whole search
 space's architectures ahead, in parallel (`prefetch_traces`)."""
 
 from __future__ import annotations
 
-from memfit.arch import ModelArch
-from memfit.catalog import GPU
 from memfit.estimate.activation_memory import Activations
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
 from memfit.estimate.params import lora_adapts_experts
 from memfit.estimate.settings import EstimateError, Settings
 from memfit.estimate.validity import hardware_problems
@@ -41,7 +41,7 @@ def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings)
 def traced_activations(
     arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
 ) -> Activations:
-    """The activation terms from a traced run (memfit.trace): the model's own code on fake
+    """The activation terms from a traced run (memfit.estimate.trace): the model's own code on fake
     tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
 
     Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
@@ -51,7 +51,7 @@ def traced_activations(
     it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
     follows one forward of a root module) and the eager probabilities' share for the note.
     """
-    from memfit import trace
+    from memfit.estimate import trace
 
     seqs = cand.micro_batch * (2 if method == "dpo" else 1)
     L = arch.num_layers
@@ -92,7 +92,7 @@ def traced_activations(
     acts.ref_forward = analytic.ref_forward
     if cand.loss_impl == "chunked":
         # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
-        # (memfit.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
+        # (memfit.train.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
         acts.saved += analytic.logits_saved - acts.logits_saved
         acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
         acts.forward = min(acts.forward, analytic.forward)
@@ -101,9 +101,9 @@ def traced_activations(
 
 def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
     """Trace every shape the candidates need that is not cached yet, in one batch of child
-    processes (memfit.trace.layer_traces), so a new architecture's space pays one interpreter
+    processes (memfit.estimate.trace.layer_traces), so a new architecture's space pays one interpreter
     start per worker."""
-    from memfit import trace
+    from memfit.estimate import trace
 
     requests = {}
     for c in candidates:

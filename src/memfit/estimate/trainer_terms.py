@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.arch import ModelArch
 from memfit.estimate.activation_memory import (
     Activations,
     _layer_saved,
@@ -15,6 +14,7 @@ from memfit.estimate.activation_memory import (
     _micro_step,
     held_logits,
 )
+from memfit.estimate.arch import ModelArch
 from memfit.estimate.params import param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate

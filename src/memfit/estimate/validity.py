@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.arch import ModelArch
-from memfit.catalog import GPU
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
 from memfit.estimate.params import lora_adapts_experts
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.space import Candidate
 
 # The architecture sizes every formula uses: ModelArch's required integer fields (the card's
-# sizes, as memfit.trace derives its own), less max_position_embeddings (only `fit`'s default
+# sizes, as memfit.estimate.trace derives its own), less max_position_embeddings (only `fit`'s default
 # upper bound for seq_len).
 SIZE_FIELDS = tuple(
     f.name

@@ -26,7 +26,7 @@ memfit's step count, the scheduler's steps. Paths are written as the workflow pa
 
 This package owns the export files, one module per trainer (`openrlhf`, `llamafactory`, `hf`)
 on a shared skeleton (`common`: `ExportPlan`, `FILES`, headers, the HF schedule fields), and
-`write_all`. It may import `memfit.atomic` and, for annotations, `memfit.run_config`; nothing
+`write_all`. It may import `memfit.atomic` and, for annotations, `memfit.train.run_config`; nothing
 else of memfit (the workflow's select_config calls it, the report reads `FILES`).
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memfit.run_config import RunConfig
+    from memfit.train.run_config import RunConfig
 
 # the flag and argument names below are these releases' (pip install openrlhf==0.11.2 llamafactory==0.9.5)
 OPENRLHF_VERSION = "0.11.2"
@@ -30,7 +30,7 @@ FILES = {
 # What select_config writes instead of the exports when no candidate fits (a plan-only run).
 NONE_FITS = "exports/NONE_FITS.txt"
 
-ADAM_BETAS = (0.9, 0.95)  # memfit.dsconfig.build's AdamW defaults
+ADAM_BETAS = (0.9, 0.95)  # memfit.train.dsconfig.build's AdamW defaults
 ADAM_EPS = 1e-8
 
 
@@ -66,7 +66,7 @@ class ExportPlan:
 
     @property
     def lora_alpha(self) -> float:
-        # memfit.modeling's default: 2 x rank
+        # memfit.train.modeling's default: 2 x rank
         a = self.run.lora_alpha
         return a if a is not None else 2 * self.run.cand.lora_rank
 

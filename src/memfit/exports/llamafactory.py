@@ -33,7 +33,7 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
             "lora_dropout": run.lora_dropout,
             "lora_target": "all" if target_list == ["all-linear"] else ",".join(target_list),
         }
-        if c.finetune == "qlora":  # memfit.modeling: bitsandbytes nf4, double quantization
+        if c.finetune == "qlora":  # memfit.train.modeling: bitsandbytes nf4, double quantization
             y |= {
                 "quantization_bit": 4,
                 "quantization_method": "bnb",

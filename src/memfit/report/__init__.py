@@ -16,6 +16,10 @@ Modules: `inputs` (reading and checking the files into `RunOutputs`; each run's 
 rows of the `memfit.results` table), `view` (what the page shows, as plain data), `charts`
 (figures), `fitmap`, `marks`, `facts` (their data), `fmt` (numbers and configurations in words),
 `page` (the Jinja2 environment: templates/*.html.j2, autoescaped, render the page).
+
+May import `memfit.workflow` (the typed JSON it reads: `rows`), `memfit.estimate` (the fit map),
+`memfit.exports` (`FILES`) and the top-level vocabulary; only `memfit.cli` and scripts/report.py
+import it.
 """
 
 from __future__ import annotations

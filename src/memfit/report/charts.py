@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.rows import Budget
+from memfit.workflow.rows import Budget
 
 from .fmt import _measured, _num, _unit_for
 from .inputs import RunOutputs
@@ -157,7 +157,7 @@ def breakdown_chart(run: RunOutputs) -> Plot:
 # Units: loss is the mean token cross-entropy in nats (SFT) or the DPO loss -log σ(β·margin);
 # DPO rewards are β·(log π - log π_ref) of the chosen/rejected completion (Rafailov et al. 2023,
 # arXiv:2305.18290, eq. 7 and TRL's DPOTrainer logs); tokens_per_s counts non-padding tokens of
-# rank 0 (memfit.train.Trainer.train_step); peaks are running maxima since the launch or resume.
+# rank 0 (memfit.train.loop.Trainer.train_step); peaks are running maxima since the launch or resume.
 CURVE_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("loss", (("loss", "loss"),), ""),
     ("DPO rewards β·log(π/π_ref)", (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")), ""),

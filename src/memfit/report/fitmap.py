@@ -15,8 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit import catalog
-from memfit.estimate import DEFAULT_SETTINGS
+from memfit.estimate import DEFAULT_SETTINGS, catalog
 from memfit.estimate.core import fit
 from memfit.space import Candidate
 

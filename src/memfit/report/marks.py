@@ -2,7 +2,7 @@
 
 Sources, all written by the workflow:
 - train/metrics.jsonl: the first training row after a resume carries `resumed_from_step`
-  (memfit.train.Trainer.fit); metrics rows up to the checkpoint are kept and the rest redone, so
+  (memfit.train.loop.Trainer.fit); metrics rows up to the checkpoint are kept and the rest redone, so
   the curve stays continuous.
 - train/summary.json `fallbacks`: `[{"oom_step", "resumed_from_step", "from", "to", "phase",
   "op", "bytes_live", "capacity_bytes"}]`, one per OOM the training recovered from by switching

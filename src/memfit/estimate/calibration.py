@@ -1,0 +1,139 @@
+"""Per-GPU calibration of the estimator's device terms: measured, or today's stated heuristics.
+
+A calibration file `config/calibration/<gpu>.json` (written by
+`benchmarks/gpu_evidence.py --write-calibration` from a finished evidence JSON) replaces the
+heuristics of `memfit.estimate._device_overheads` and the step-time efficiency with values
+measured on that GPU. Without a file, `for_gpu` returns the uncalibrated defaults, which are
+exactly the values the estimator used before calibration existed (sources cited per field).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.units import MIB
+
+CALIBRATION_DIR = Path(__file__).resolve().parents[3] / "config" / "calibration"
+KERNEL_CLASSES = ("step", "matmul", "attention")  # step: model FLOPs / measured step time
+UNCALIBRATED = "uncalibrated (stated heuristics)"
+
+
+class CalibrationError(ValueError):
+    """A calibration file that is missing a key or holds an impossible value."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str  # catalog GPU name this calibration is for
+    cuda_context_bytes: int  # device memory of the CUDA context (nvidia-smi minus reserved)
+    cublas_workspace_bytes: int  # cuBLAS workspace(s), outside the caching allocator's count
+    nccl_bytes_per_peer: int  # NCCL buffers per peer rank (only used when world > 1)
+    nccl_max_bytes: int  # cap on the NCCL term
+    fragmentation: float | None = None  # reserved/allocated - 1 at the peak; None: the heuristic
+    tflops: dict[str, float] = field(default_factory=dict)  # achieved TFLOP/s per kernel class
+    measured_on: str = ""  # "" (uncalibrated) or the ISO date of the measurement
+    measured_device: str = ""  # torch.cuda.get_device_name of the measured GPU
+    source: str = ""  # the evidence JSON the values come from
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.measured_on)
+
+    def label(self) -> str:
+        """What `Estimate.calibration` says."""
+        if self.measured:
+            return f"measured {self.measured_on} on {self.measured_device or self.device}"
+        return UNCALIBRATED
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def default_for(gpu_name: str, compute_capability: str) -> Calibration:
+    """Today's heuristics (previously inline in `estimate._device_overheads`):
+    - CUDA context with lazy module loading (CUDA >= 11.7): 500 MiB on sm80+, 400 MiB before
+      (PyTorch docs "CUDA semantics: memory management"; mem_get_info deltas in PyTorch issue 20532);
+    - cuBLAS workspace: 32 MiB on Hopper, 9 MiB before (PyTorch `getChosenWorkspaceSize`,
+      CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8);
+    - NCCL: not from these defaults: without a measured file `estimate.costs.device_overheads`
+      uses NCCL_CUMEM_BYTES plus the NVLS buffers; the per-peer fields (32 MiB per peer up to
+      256 MiB) only apply to a measured calibration file, which sets its own figures;
+    - fragmentation: None = the share-of-transient heuristic of `estimate._fragmentation`;
+    - tflops: empty = the GPU's peak times `Settings.mfu` (Chowdhery et al. 2022)."""
+    if gpu_name == "cpu":
+        return Calibration(gpu_name, 0, 0, 0, 0)
+    major = int(str(compute_capability).split(".")[0])
+    return Calibration(
+        device=gpu_name,
+        cuda_context_bytes=500 * MIB if major >= 8 else 400 * MIB,
+        cublas_workspace_bytes=32 * MIB if major >= 9 else 9 * MIB,
+        nccl_bytes_per_peer=32 * MIB,
+        nccl_max_bytes=256 * MIB,
+    )
+
+
+def validate(d: dict[str, Any], where: str) -> Calibration:
+    """A Calibration from a file's dict; errors name the file and the key."""
+    if not isinstance(d, dict):
+        raise CalibrationError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    known = {f.name for f in dataclasses.fields(Calibration)}
+    unknown = sorted(set(d) - known - {"_comment", "measurements"})
+    if unknown:
+        raise CalibrationError(f"{where}: unknown key(s) {unknown}; known: {sorted(known)}")
+    for k in ("device", "cuda_context_bytes", "cublas_workspace_bytes", "measured_on"):
+        if k not in d:
+            raise CalibrationError(f"{where}: missing key {k!r}")
+    for k in ("cuda_context_bytes", "cublas_workspace_bytes", "nccl_bytes_per_peer", "nccl_max_bytes"):
+        v = d.get(k, 0)
+        if not isinstance(v, int) or v < 0 or v > 64 * 1024 * MIB:
+            raise CalibrationError(f"{where}: {k} must be bytes (int, 0..64 GiB), got {v!r}")
+    frag = d.get("fragmentation")
+    if frag is not None and not (isinstance(frag, (int, float)) and 0 <= frag < 2):
+        raise CalibrationError(f"{where}: fragmentation must be a share in [0, 2), got {frag!r}")
+    tflops = d.get("tflops", {})
+    if not isinstance(tflops, dict):
+        raise CalibrationError(f"{where}: tflops must be an object {{kernel class: TFLOP/s}}")
+    for k, v in tflops.items():
+        if k not in KERNEL_CLASSES:
+            raise CalibrationError(f"{where}: tflops.{k}: unknown kernel class; use {KERNEL_CLASSES}")
+        if not isinstance(v, (int, float)) or not 0 < v < 10000:
+            raise CalibrationError(f"{where}: tflops.{k} must be a positive TFLOP/s, got {v!r}")
+    if not d["measured_on"]:
+        raise CalibrationError(f"{where}: measured_on must be the measurement's date")
+    defaults = {"nccl_bytes_per_peer": 32 * MIB, "nccl_max_bytes": 256 * MIB}
+    kw = {**defaults, **{k: v for k, v in d.items() if k in known}}
+    kw["tflops"] = {k: float(v) for k, v in tflops.items()}
+    return Calibration(**kw)
+
+
+def load(path: str | Path) -> Calibration:
+    p = Path(path)
+    return _load_cached(str(p), p.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_cached(path: str, _mtime_ns: int) -> Calibration:
+    """Parsed once per file version: the estimator asks for every candidate of a search space."""
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CalibrationError(f"{p}: not valid JSON: {e}") from None
+    return validate(d, str(p))
+
+
+def for_gpu(gpu_name: str, compute_capability: str, directory: str | Path | None = None) -> Calibration:
+    """The measured calibration of `gpu_name` if `config/calibration/<gpu_name>.json` exists,
+    else `default_for`. Fields a file leaves out keep the default."""
+    path = Path(directory or CALIBRATION_DIR) / f"{gpu_name}.json"
+    if not path.exists():
+        return default_for(gpu_name, compute_capability)
+    cal = load(path)
+    if cal.device != gpu_name:
+        raise CalibrationError(f"{path}: device is {cal.device!r}, expected {gpu_name!r}")
+    return cal

@@ -1,0 +1,464 @@
+"""Checkpoints that are either whole or ignored, and resume from the newest whole one.
+
+Layout under `<run>/checkpoints/`:
+
+    step00000100/            DeepSpeed shards (model, optimizer, scheduler) + memfit files
+        rng.rank{r}.pt       per-rank RNG states (Python, NumPy, torch, CUDA where present)
+        memfit.json          step, consumed samples, world size, the resolved run config
+        COMPLETE             written by rank 0 after every rank finished: the publish mark
+    latest                   the newest complete tag (DeepSpeed's own pointer format)
+    universal/step00000100/  DeepSpeed universal checkpoint converted from step00000100, made
+                             once when a run resumes on a different number of ranks
+
+A crash mid-save leaves a directory without COMPLETE; `latest_valid` skips it and
+falls back to the previous checkpoint with a warning.
+
+Resuming on a different number of ranks (`resume_mode`): ZeRO-1/2/3 partition the optimizer
+state (and at stage 3 the weights) by data-parallel rank, and DeepSpeed's ordinary load refuses
+a different DP world size (runtime/engine.py `_load_zero_checkpoint`: "Automatic adjustment of
+ZeRO's optimizer state partitioning with a new world size is not currently supported"). Such a
+checkpoint is converted once with DeepSpeed's `ds_to_universal` (rank 0, into a temporary
+directory renamed into place) and loaded with `checkpoint.load_universal` (DeepSpeed's
+universal checkpointing, https://www.deepspeed.ai/tutorials/universal-checkpointing/). ZeRO-0
+keeps whole replicas, so its checkpoint loads as is on any number of ranks. Per-rank RNG
+states do not map to another world: the resumed ranks are reseeded from (seed, step, rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit.atomic import write_json_atomic, write_text_atomic
+from memfit.train.checkpoint_compat import DIRECT, SAME, UNIVERSAL_LOAD, check_compatible
+from memfit.units import gib
+
+COMPLETE = "COMPLETE"
+UNIVERSAL = "universal"  # sibling directory of converted (universal) checkpoints
+UNIVERSAL_SOURCE = "memfit_source.json"  # in a conversion: the source checkpoint's memfit.json
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written; the previous one is left as it was."""
+
+
+def _min_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def ensure_free_space(root: Path, needed_bytes: int) -> None:
+    """Refuse to start a save that cannot finish (every rank decides the same way)."""
+    root.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(root).free
+    if _min_over_ranks(free - needed_bytes) < 0:
+        raise CheckpointError(
+            f"not enough disk for a checkpoint under {root}: {gib(needed_bytes)} needed "
+            f"(the last checkpoint's size + 10%), {gib(free)} free. The previous checkpoint "
+            "is intact; free space or lower keep_last, then re-run to resume."
+        )
+
+
+def save(
+    engine,
+    root: Path,
+    step: int,
+    client_state: dict[str, Any],
+    keep_last: int,
+    run_config: dict[str, Any],
+    expected_bytes: int = 0,
+    metrics: Path | None = None,
+) -> Path:
+    """Save on every rank, publish on rank 0 once all ranks are done, then rotate.
+
+    Before writing, the free disk is checked against the newest checkpoint's size (or
+    `expected_bytes` for the first one) plus 10%. After writing, rank 0 records every file's size
+    in memfit.json (the manifest `latest_valid` checks, so a truncated shard is noticed), then the
+    COMPLETE mark and the `latest` pointer.
+    """
+    root = Path(root)
+    tag = tag_for(step)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    done = complete_tags(root)
+    previous = dir_bytes(root / done[-1]) if done else expected_bytes
+    ensure_free_space(root, int(previous * 1.1))
+    if _rank() == 0:
+        if (root / tag).exists():
+            shutil.rmtree(root / tag)  # a stale copy of this step (a run resumed from an earlier one)
+        shutil.rmtree(universal_root(root) / tag, ignore_errors=True)  # and its stale conversion
+    _barrier()
+    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        if metrics is not None and Path(metrics).exists():
+            shutil.copyfile(metrics, root / tag / "metrics.jsonl")  # the curve so far travels with the state
+        manifest = {str(p.relative_to(root / tag)): p.stat().st_size for p in sorted((root / tag).rglob("*")) if p.is_file()}
+        meta = {"step": step, "world_size": world, "run_config": run_config, "files": manifest, **client_state}
+        write_json_atomic(root / tag / "memfit.json", meta)
+        write_text_atomic(root / tag / COMPLETE, tag + "\n")
+        write_text_atomic(root / "latest", tag)
+        for old in complete_tags(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(root / old, ignore_errors=True)
+            shutil.rmtree(universal_root(root) / old, ignore_errors=True)
+    _barrier()
+    return root / tag
+
+
+def remove_incomplete(root: Path, log: Callable[[str], None] = print) -> list[str]:
+    """Delete checkpoint directories that were never published (no COMPLETE mark: a save that a
+    crash or an OOM interrupted), so that nothing half-written stays beside the checkpoints.
+    `latest_valid` ignores them anyway; a later save of the same step replaces them too."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    gone = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step") and not (p / COMPLETE).exists())
+    for tag in gone:
+        shutil.rmtree(root / tag, ignore_errors=True)
+        shutil.rmtree(universal_root(root) / tag, ignore_errors=True)
+        log(f"removed the unpublished (half-written) checkpoint {root / tag}")
+    return gone
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Published checkpoints, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and (p / COMPLETE).exists())
+
+
+def latest_valid(root: Path, log: Callable[[str], None] = print) -> tuple[Path, str] | None:
+    """The newest published checkpoint; warns when `latest` points at a broken one."""
+    root = Path(root)
+    tags = complete_tags(root)
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.exists() else None
+    if named and named in tags and _looks_whole(root / named):
+        return root, named
+    for tag in reversed(tags):
+        if _looks_whole(root / tag):
+            if named:
+                log(f"warning: checkpoint {root / named} is incomplete or corrupt; falling back to {root / tag}")
+            return root, tag
+    if named:
+        log(f"warning: no valid checkpoint under {root} ('latest' names {named}); starting fresh")
+    return None
+
+
+def _looks_whole(path: Path) -> bool:
+    """Every file the manifest lists is there with its recorded size."""
+    try:
+        meta = json.loads((path / "memfit.json").read_text())
+    except (OSError, ValueError):
+        return False
+    for rel, size in meta.get("files", {}).items():
+        f = path / rel
+        if not f.is_file() or f.stat().st_size != size:
+            return False
+    world = int(meta.get("world_size", 1))
+    return all((path / f"rng.rank{r}.pt").exists() for r in range(world))
+
+
+def load(
+    engine, root: Path, tag: str, run_config: dict[str, Any], mode: str | None = None, seed: int = 0
+) -> dict[str, Any]:
+    """Refuse a checkpoint of another run, then load shards, scheduler and RNG states.
+
+    `mode` UNIVERSAL_LOAD reads the conversion under `<root>/universal/<tag>` (made by
+    `ensure_universal`; the engine must have been built with `checkpoint.load_universal`). When the
+    number of ranks changed, each rank's RNG is reseeded from (seed, step, rank) instead of restored.
+    """
+    root = Path(root)
+    meta = json.loads((root / tag / "memfit.json").read_text())
+    found = check_compatible(meta, run_config, root / tag)
+    mode = mode or found
+    if mode != found:
+        raise ValueError(f"checkpoint {root / tag}: planned resume mode {mode!r} but the checkpoint needs {found!r}")
+    load_root = universal_root(root) if mode == UNIVERSAL_LOAD else root
+    if mode == UNIVERSAL_LOAD and not getattr(engine, "load_universal_checkpoint", lambda: False)():
+        raise RuntimeError(f"checkpoint {root / tag} needs a universal load, but the engine was built without "
+                           "checkpoint.load_universal")
+    path, _client = engine.load_checkpoint(str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
+    if mode == SAME:
+        set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
+    else:
+        reseed(seed, int(meta["step"]), _rank())
+    # free what loading left behind before the first step, so resume peaks no higher than training
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return meta
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Python, NumPy and torch (CUDA included) RNGs from (seed, step, rank): what a rank starts
+    from after a resume on another number of ranks, where the saved per-rank states do not map."""
+    value = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)  # seeds every CUDA device too
+
+
+# --------------------------------------------------------------------------- universal checkpoints
+def universal_root(root: Path) -> Path:
+    return Path(root) / UNIVERSAL
+
+
+def _conversion_is_current(conv: Path, src: Path) -> bool:
+    """A finished conversion (published by rename) made from exactly this checkpoint."""
+    try:
+        made_from = json.loads((conv / UNIVERSAL_SOURCE).read_text())
+        return made_from == json.loads((src / "memfit.json").read_text())
+    except (OSError, ValueError):
+        return False
+
+
+def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -> Path:
+    """`<root>/universal/<tag>`: DeepSpeed's universal checkpoint of `<root>/<tag>`, converted once.
+
+    Rank 0 converts into `universal/.<tag>.tmp`, records the source's memfit.json in it and renames
+    it into place; a conversion of the same checkpoint (same manifest) is reused, a stale one
+    (the step was re-saved since) replaced. Every rank returns once the conversion exists, or
+    raises if rank 0's conversion failed.
+    """
+    root = Path(root)
+    src, dest = root / tag, universal_root(root) / tag
+    convert = not _conversion_is_current(dest, src)  # every rank sees the same files here
+    if convert:
+        # the conversion holds fp32 weights and both Adam moments again, about the source's size
+        needed = int(dir_bytes(src) * 1.1)
+        universal_root(root).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(universal_root(root)).free
+        if _min_over_ranks(free - needed) < 0:
+            raise CheckpointError(
+                f"not enough disk to convert {src} to a universal checkpoint under {universal_root(root)}: "
+                f"{gib(needed)} needed (the checkpoint's size + 10%), {gib(free)} free. "
+                "Nothing was written; free space, or resume on the number of ranks that wrote it."
+            )
+    error: BaseException | None = None
+    if _rank() == 0 and convert:
+        tmp = universal_root(root) / f".{tag}.tmp"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            log(f"converting {src} to a universal checkpoint (resume on a different number of ranks)")
+            _convert_to_universal(src, tmp)
+            shutil.copyfile(src / "memfit.json", tmp / UNIVERSAL_SOURCE)
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+            # ds_to_universal points `latest_universal` (beside its output) at the temporary name
+            write_text_atomic(universal_root(root) / "latest_universal", tag)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            error = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    if _min_over_ranks(0.0 if error is not None else 1.0) < 1.0:
+        if error is not None:
+            raise CheckpointError(f"converting {src} to a universal checkpoint failed: {error}") from error
+        raise CheckpointError(f"converting {src} to a universal checkpoint failed on rank 0 (see its log)")
+    return dest
+
+
+def universal_for_stage(root: Path, tag: str, stage: int) -> None:
+    """Make `<root>/universal/<tag>` loadable by a ZeRO-`stage` engine when another stage wrote it
+    (an OOM fallback from ZeRO-1/2 to ZeRO-3; see `layout_change_mode`). Rank 0 fixes, all wait.
+
+    - A universal load restores weights and optimizer state from `zero/`, but still reads the
+      scheduler, step counters and client state from one model-states file, whose name depends on
+      the loading stage (engine.py `_get_ckpt_name`: `zero_pp_rank_0_mp_rank_*_model_states.pt`
+      under ZeRO-3, `mp_rank_*_model_states.pt` otherwise); `ds_to_universal` keeps the name the
+      writing stage used, so a copy under the other name is added.
+    - ZeRO-3's loader reads Adam's step from `zero/optimizer_state.pt`'s
+      `optimizer_state_dict.state[0].step` and the hyperparameters from its `param_groups`
+      (stage3.py `load_hp_checkpoint_state_from_checkpoint_dir_stage3`); a ZeRO-1/2 conversion
+      keeps the step per parameter (`zero/<param>/step.pt`) and the groups at the top level
+      (ds_to_universal.py `_save_optimizer_state`): they are copied into that key.
+    """
+    conv = universal_root(root) / tag
+    if _rank() == 0:
+        z3_name, plain_name = "zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"
+        want, have = (z3_name, plain_name) if stage == 3 else (plain_name, z3_name)
+        if not (conv / want).exists() and (conv / have).exists():
+            shutil.copyfile(conv / have, conv / f".{want}.tmp")
+            os.replace(conv / f".{want}.tmp", conv / want)
+        optim = conv / "zero" / "optimizer_state.pt"
+        if stage == 3 and optim.exists():
+            sd = torch.load(optim, weights_only=False)
+            if "optimizer_state_dict" not in sd:
+                steps = {torch.load(f, weights_only=False) for f in sorted((conv / "zero").glob("*/step.pt"))}
+                if len(steps) != 1:
+                    raise CheckpointError(f"{conv}: expected one Adam step over all parameters, found {sorted(steps)}")
+                groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
+                sd["optimizer_state_dict"] = {"state": {0: {"step": steps.pop()}}, "param_groups": groups}
+                torch.save(sd, conv / "zero" / ".optimizer_state.pt.tmp")
+                os.replace(conv / "zero" / ".optimizer_state.pt.tmp", optim)
+    _barrier()
+
+
+def _convert_to_universal(src: Path, out: Path) -> None:
+    """DeepSpeed's own converter (deepspeed/checkpoint/ds_to_universal.py `main`), in-process.
+
+    One extraction and one merge worker: `_do_parallel_work` runs serially below two workers, so
+    the conversion holds one source shard at a time. `inject_missing_state`: ZeRO-1/2 conversion
+    asserts a `universal_checkpoint_info` entry that only Megatron-DeepSpeed models save
+    (`_check_for_required_state`); the converter's own flag adds the default one.
+    """
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(src),
+        output_folder=str(out),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    ds_to_universal.main(args)
+
+
+# --------------------------------------------------------------------------- host RAM for a resume
+_OPTIM_SHARD = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+_Z3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_model_states\.pt$")
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (the kernel's estimate of memory available to new work
+    without swapping, proc(5)); psutil's figure (the same on Linux) where /proc is absent."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil  # a DeepSpeed dependency
+
+    return int(psutil.virtual_memory().available)
+
+
+def resume_host_bytes(root: Path, tag: str, mode: str) -> dict[str, int]:
+    """Host bytes one rank torch.load()s to the CPU while DeepSpeed loads this checkpoint, from the
+    checkpoint's own file sizes (a torch.save'd tensor file is as large as the tensors it loads):
+
+    - as saved (SAME, DIRECT): the module-states file the rank reads (ZeRO-0/1/2: the whole
+      mp_rank_00_model_states.pt; ZeRO-3: its own zero_pp_rank_<r>_...) plus its own optimizer
+      shard (engine.py `_get_all_zero_checkpoint_state_dicts` loads only the rank's own shard),
+      the largest over ranks, both held at once (an upper bound: DeepSpeed drops the module dict
+      before the shard when nothing else holds it);
+    - universal: the module-states file of rank 0, zero/optimizer_state.pt, and one parameter's
+      full fp32, exp_avg and exp_avg_sq at a time (base_optimizer.py
+      `load_hp_checkpoint_state_from_checkpoint_dir` loads each whole tensor, then copies the
+      rank's slice into the existing optimizer state), the largest parameter;
+    - convert (universal only, before a conversion exists; rank 0 alone): the largest optimizer
+      shard plus the largest module-states file, what `ds_to_universal` holds with one worker.
+    """
+    src = Path(root) / tag
+    files: dict[str, int] = json.loads((src / "memfit.json").read_text())["files"]
+    shards = {int(m.group(1)): size for f, size in files.items() if (m := _OPTIM_SHARD.search(f))}
+    z3_models = {int(m.group(1)): size for f, size in files.items() if (m := _Z3_MODEL.search(f))}
+    mp_model = max((size for f, size in files.items() if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)), default=0)
+    out: dict[str, int] = {}
+    if mode in (SAME, DIRECT):
+        ranks = set(shards) | set(z3_models) or {0}
+        out["per_rank"] = max(z3_models.get(r, mp_model) + shards.get(r, 0) for r in ranks)
+        return out
+    conv = universal_root(root) / tag
+    if _conversion_is_current(conv, src):
+        model = max(
+            (p.stat().st_size for p in conv.glob("*model_states.pt") if p.name.startswith(("mp_rank_", "zero_pp_rank_0_"))),
+            default=0,
+        )
+        zero = conv / "zero"
+        optim = (zero / "optimizer_state.pt").stat().st_size if (zero / "optimizer_state.pt").exists() else 0
+        biggest = max(
+            (sum(f.stat().st_size for f in d.iterdir() if f.is_file()) for d in zero.iterdir() if d.is_dir()),
+            default=0,
+        )
+        out["per_rank"] = model + optim + biggest
+    else:
+        out["convert"] = max(shards.values(), default=0) + max(list(z3_models.values()) + [mp_model])
+    return out
+
+
+def ensure_host_ram(needed_bytes: int, where: Path, what: str) -> None:
+    """Refuse, before anything is loaded, a resume whose torch.load()s would not fit in this node's
+    available RAM; every rank decides the same way (the smallest MemAvailable any rank saw)."""
+    available = _min_over_ranks(float(mem_available_bytes()))
+    if available < needed_bytes:
+        raise CheckpointError(
+            f"not enough host RAM to resume from {where}: {what} needs {gib(needed_bytes)} on "
+            f"this node, {gib(available)} available (MemAvailable). Nothing was loaded; free "
+            "host memory, use fewer ranks per node, or resume on a node with more RAM."
+        )
+
+
+def restore_metrics(path: Path, step: int, checkpoint_dir: Path) -> None:
+    """The metrics of a resumed run: the copy saved with the checkpoint (rows up to `step`), else
+    the live file's rows up to `step`; a line torn by a kill is dropped."""
+    path = Path(path)
+    saved = Path(checkpoint_dir) / "metrics.jsonl"
+    src = saved if saved.exists() else path
+    if not src.exists():
+        return
+    rows = []
+    for line in src.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                rows.append(line)
+        except (ValueError, KeyError):
+            continue
+    write_text_atomic(path, "".join(r + "\n" for r in rows))

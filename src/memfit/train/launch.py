@@ -1,0 +1,318 @@
+"""Start every rank of a run on this node and report how it ended.
+
+`torch.distributed.run --standalone` picks a free rendezvous port, so several runs
+(probes) can share a machine. DeepSpeed on the CPU needs `DS_ACCELERATOR=cpu`, set
+here when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# What a nested srun may inherit: the job's identity and where the config is. Anything else was
+# set for the step this process runs in (a one-node step under the plugin: SLURM_JOB_NODELIST,
+# SLURM_NNODES=1, ...) and makes srun refuse the job's other nodes ("Only allocated 1 nodes
+# asked for 2", SLURM 22.05); the plugin's jobstep cleans its own srun's environment the same way.
+SRUN_KEEP = frozenset({"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CONF", "SLURM_CLUSTER_NAME"})
+
+
+def srun_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without the SLURM_*/SRUN_*/SBATCH_* variables of the current step (SRUN_KEEP stays)."""
+    return {
+        k: v
+        for k, v in env.items()
+        if k in SRUN_KEEP or not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))
+    }
+
+
+def per_node_srun(nnodes: int, env: Mapping[str, str]) -> list[str] | None:
+    """The `srun` prefix that starts one launcher on each of `nnodes` nodes, or None.
+
+    None when no multi-node start is needed here: one node, no SLURM allocation (launch then
+    asks for an explicit rendezvous), or this process already is one task of a step spread
+    over the nodes (`srun --nodes N --ntasks-per-node 1 memfit launch ...`, as launch.sh does).
+    Under snakemake-executor-plugin-slurm a rule runs as one task of a one-node step
+    (`srun -n1 ...`, the jobstep plugin) on the job's first node: from there this prefix starts
+    a step of its own over all nodes. `--overlap` lets it share the CPUs that first step holds
+    (srun(1), SLURM >= 20.11); `--kill-on-bad-exit` ends every node when one fails. Run it
+    with `srun_env`.
+    """
+    if nnodes <= 1 or not env.get("SLURM_JOB_ID"):
+        return None
+    if env.get("SLURM_STEP_NUM_NODES") == str(nnodes) and env.get("SLURM_STEP_NUM_TASKS") == str(
+        nnodes
+    ):
+        return None
+    return [
+        "srun",
+        "--overlap",
+        f"--nodes={nnodes}",
+        f"--ntasks={nnodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        f"--jobid={env['SLURM_JOB_ID']}",
+    ]
+
+
+def nproc_default() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    if not torch.cuda.is_available():
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    # DeepSpeed's JIT-compiled ops live with the environment that built them (`make ops`).
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    if threads_per_rank:
+        env["OMP_NUM_THREADS"] = str(threads_per_rank)
+    return env
+
+
+class LaunchError(RuntimeError):
+    """A run cannot be started as configured (e.g. several nodes without a rendezvous)."""
+
+
+# torchrun's c10d rendezvous port; any free port on the first node works, all nodes must agree.
+RDZV_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where the nodes of one multi-node run meet (torchrun `--rdzv-backend=c10d`)."""
+
+    nnodes: int
+    node_rank: int
+    host: str
+    port: int = RDZV_PORT
+    run_id: str = "memfit"
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a SLURM hostlist such as `gpu[01-03,7],login1` into host names, in order.
+
+    Same result as `scontrol show hostnames` for the forms SLURM writes into
+    SLURM_JOB_NODELIST (prefix + bracketed comma list of numbers/ranges, zero padding kept;
+    see slurm/src/common/hostlist.c). Nested or multi-dimensional brackets are refused.
+    """
+    hosts: list[str] = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
+        m = re.fullmatch(r"([^\[\]]*)\[([^\]]+)\]([^\[\]]*)", part)
+        if m is None:
+            if "[" in part or "]" in part:
+                raise LaunchError(f"cannot parse SLURM nodelist {nodelist!r} at {part!r}")
+            hosts.append(part)
+            continue
+        prefix, ranges, suffix = m.groups()
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise LaunchError(f"cannot parse SLURM nodelist {nodelist!r}: bad range {r!r}")
+            width = len(lo)
+            for n in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{n:0{width}d}{suffix}")
+    if not hosts:
+        raise LaunchError(f"SLURM nodelist {nodelist!r} names no host")
+    return hosts
+
+
+def rendezvous_from_env(env: Mapping[str, str], nnodes: int) -> Rendezvous | None:
+    """The rendezvous of a multi-node run started by `srun` (one launcher per node).
+
+    Returns None for a single-node run. For nnodes > 1 it needs SLURM_JOB_NODELIST and
+    SLURM_NODEID (set by srun on every node) or MEMFIT_RDZV_HOST + MEMFIT_NODE_RANK
+    (any other scheduler); otherwise it raises instead of silently running on one node.
+    """
+    if nnodes < 1:
+        raise LaunchError(f"num_nodes must be >= 1, got {nnodes}")
+    if nnodes == 1:
+        return None
+    run_id = env.get("SLURM_JOB_ID", "memfit")
+    if env.get("MEMFIT_RDZV_HOST") and env.get("MEMFIT_NODE_RANK") is not None:
+        host, rank = env["MEMFIT_RDZV_HOST"], int(env["MEMFIT_NODE_RANK"])
+    elif env.get("SLURM_JOB_NODELIST") and env.get("SLURM_NODEID") is not None:
+        hosts = expand_nodelist(env["SLURM_JOB_NODELIST"])
+        if len(hosts) < nnodes:
+            raise LaunchError(
+                f"num_nodes={nnodes} but SLURM_JOB_NODELIST={env['SLURM_JOB_NODELIST']!r} has {len(hosts)} host(s)"
+            )
+        host, rank = hosts[0], int(env["SLURM_NODEID"])
+    else:
+        raise LaunchError(
+            f"num_nodes={nnodes} needs a rendezvous: run one launcher per node under `srun` "
+            "(SLURM_JOB_NODELIST, SLURM_NODEID) or set MEMFIT_RDZV_HOST and MEMFIT_NODE_RANK"
+        )
+    if not 0 <= rank < nnodes:
+        raise LaunchError(f"node rank {rank} out of range for num_nodes={nnodes}")
+    port = int(env.get("MEMFIT_RDZV_PORT", RDZV_PORT))
+    return Rendezvous(nnodes=nnodes, node_rank=rank, host=host, port=port, run_id=run_id)
+
+
+def command(config: Path, nproc: int, rdzv: Rendezvous | None = None) -> list[str]:
+    """torchrun for this node: `--standalone` on one node, c10d rendezvous across nodes."""
+    if rdzv is None:
+        dist = ["--standalone"]
+    else:
+        dist = [
+            f"--nnodes={rdzv.nnodes}",
+            f"--node-rank={rdzv.node_rank}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
+            f"--rdzv-id={rdzv.run_id}",
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *dist,
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "memfit.cli",
+        "train",
+        "--config",
+        str(config),
+    ]
+
+
+def launch(
+    config: Path,
+    nproc: int,
+    log: Path | None = None,
+    timeout_s: float | None = None,
+    nnodes: int = 1,
+) -> int:
+    """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code.
+
+    Inside a SLURM job of `nnodes` > 1 nodes started as one task (a Snakemake rule under the
+    executor plugin, or a batch script), this starts one launcher per node with `srun`
+    (per_node_srun) and waits for them.
+
+    SIGUSR1 (SLURM's `--signal=USR1@secs` before the wall-time kill, or `scancel --signal=USR1`)
+    and SIGTERM sent to this process are forwarded: SIGUSR1 to the ranks themselves (they
+    checkpoint at the end of the current step and exit), SIGTERM to torchrun, which passes it on
+    to the ranks and SIGKILLs them 30 s later. torchrun ignores SIGUSR1: SLURM signals every
+    process of a step, and torchrun has no handler for it (its default would kill torchrun, and
+    with it every rank: train._die_with_parent).
+    """
+
+    srun = per_node_srun(nnodes, os.environ)
+    if srun is not None:
+        cmd = [*srun, sys.executable, "-m", "memfit.cli", "launch", "--config", str(config)]
+        cmd += ["--nproc", str(nproc), "--nnodes", str(nnodes)]
+    else:
+        rdzv = rendezvous_from_env(os.environ, nnodes)
+        cmd = command(config, nproc, rdzv)
+        if rdzv is not None and log is None:  # one of several nodes: say where it meets the others
+            host = os.environ.get("SLURMD_NODENAME", "")
+            print(f"[node {rdzv.node_rank} {host}] $ " + " ".join(cmd), file=sys.stderr, flush=True)
+    threads = max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else None
+    out = None
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        out = open(log, "a")  # noqa: SIM115 - closed below
+        out.write("$ " + " ".join(cmd) + "\n")
+        out.flush()
+    env = launch_env(threads)
+    proc = subprocess.Popen(
+        cmd,
+        env=env if srun is None else srun_env(env),
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        preexec_fn=None if srun is not None else _ignore_sigusr1,
+    )
+    forwarded = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            forwarded[sig] = signal.signal(
+                sig, lambda signum, _frame: _forward(proc, signum, to_ranks=srun is None)
+            )
+    try:
+        rc = proc.wait(timeout=timeout_s)
+        if rc != 0 and _preempted(config):
+            from memfit.train.run_config import PREEMPTED_EXIT_CODE
+
+            return (
+                PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
+            )
+        return rc
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        for sig, handler in forwarded.items():
+            signal.signal(sig, handler)
+        if out is not None:
+            out.close()
+
+
+def _ignore_sigusr1() -> None:
+    """torchrun's preexec: SIGUSR1 ignored (inherited through exec; the ranks set their own handler)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _forward(proc: subprocess.Popen, signum: int, to_ranks: bool) -> None:
+    """Pass a stop signal on: SIGUSR1 to torchrun's children (the ranks), everything else (and
+    anything to srun, which forwards it to every node's launcher) to the child itself."""
+    if to_ranks and signum == signal.SIGUSR1:
+        for pid in _children(proc.pid):
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        return
+    proc.send_signal(signum)
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is `pid` (Linux /proc; torchrun starts the ranks as its children)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # after "pid (comm)": state, ppid (proc(5))
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _preempted(config: Path) -> bool:
+    import json
+
+    from memfit.train.run_config import PREEMPTED_MARKER
+
+    out_dir = json.loads(Path(config).read_text()).get("out_dir")
+    return bool(out_dir) and (Path(out_dir) / PREEMPTED_MARKER).exists()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="memfit launch", description="Start all ranks of a run on this node."
+    )
+    ap.add_argument("--config", required=True, type=Path, help="run config JSON")
+    ap.add_argument(
+        "--nproc", type=int, default=nproc_default(), help="ranks per node (GPUs; 2 on the CPU)"
+    )
+    ap.add_argument(
+        "--nnodes", type=int, default=1, help="nodes; >1 needs srun (SLURM) or MEMFIT_RDZV_HOST"
+    )
+    args = ap.parse_args(argv)
+    if args.nproc < 1:
+        ap.error(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nnodes < 1:
+        ap.error(f"--nnodes must be >= 1, got {args.nnodes}")
+    return launch(args.config, args.nproc, nnodes=args.nnodes)

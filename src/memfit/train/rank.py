@@ -1,0 +1,90 @@
+"""One rank's entry point: `python -m memfit.cli train --config run.json` (what `memfit launch`
+starts once per rank under torchrun) runs `main`, which runs `run_rank`: the rank dies with its
+parent, stops on SLURM's signals at the next step, and records an out-of-memory as a marker file
+and exit code (`OOM_EXIT_CODE`) instead of a crash."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.atomic import write_json_atomic
+from memfit.train import dist as dist_env
+from memfit.train.loop import Run, request_stop
+from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
+
+
+def _die_with_parent() -> None:
+    """torchrun starts every rank in a session of its own: if torchrun is SIGKILLed the ranks would
+    train on as orphans and race a resumed run for the checkpoint directory. PR_SET_PDEATHSIG makes
+    the kernel SIGKILL this rank when its parent dies (prctl(2), Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def oom_record(run: Run) -> dict[str, Any]:
+    """Where an OOM happened: the phase, and (on the cpu capacity) the live and capacity bytes."""
+    tracker = getattr(run, "tracker", None)
+    if tracker is not None and tracker.oom is not None:
+        return {k: tracker.oom[k] for k in ("phase", "op", "live_bytes", "capacity_bytes")}
+    rec: dict[str, Any] = {"phase": getattr(run, "oom_phase", "setup")}
+    if torch.cuda.is_available():  # CUDA raised: what its allocator held at that moment
+        rec["live_bytes"] = int(torch.cuda.memory_allocated())
+        rec["capacity_bytes"] = int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return rec
+
+
+def run_rank(cfg: RunConfig) -> dict[str, Any]:
+    _die_with_parent()
+    if cfg.expandable_segments:
+        # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if not cfg.probe_steps:
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, request_stop)
+    dist_env.init_distributed()
+    run = Run(cfg)
+    try:
+        run.setup()
+        return run.probe() if cfg.probe_steps else run.fit()
+    except torch.OutOfMemoryError as e:
+        marker = Path(cfg.out_dir) / f"oom.rank{run.rank}.json"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        # the training step it happened in (or after, for evaluation and checkpoint save): the fallback's oom_step
+        rec = {"rank": run.rank, "error": str(e)[:2000], "step": run.step_now, **oom_record(run)}
+        write_json_atomic(marker, rec)
+        raise SystemExit(OOM_EXIT_CODE) from e
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*|.*reduce_scatter_tensor.*")
+    ap = argparse.ArgumentParser(prog="memfit train", description="Run one training rank (use `memfit launch` for all).")
+    ap.add_argument("--config", required=True, help="run config JSON (RunConfig fields)")
+    args = ap.parse_args(argv)
+    cfg = RunConfig.load(args.config)
+    summary = run_rank(cfg)
+    if dist_env.rank() == 0:
+        name = "probe.rank0.json" if cfg.probe_steps else "summary.json"
+        write_json_atomic(Path(cfg.out_dir) / name, summary)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0

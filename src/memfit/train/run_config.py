@@ -1,0 +1,100 @@
+"""What one training (or probe) run is asked to do: `RunConfig`, written as `run.json` by the
+workflow and read by every rank, and the exit codes and marker a rank reports its end with."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memfit.atomic import write_json_atomic
+from memfit.space import Candidate
+
+OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
+PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
+PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; torchrun itself exits 1
+
+
+@dataclass
+class RunConfig:
+    """Everything one training (or probe) run needs; written as `run.json` by the workflow."""
+
+    method: str  # sft | dpo
+    model_path: str  # HF model directory the policy starts from
+    data_dir: str  # output of prepare_data: train.parquet, eval.parquet, stats.json
+    out_dir: str  # run directory: metrics.jsonl, checkpoints/, model/
+    candidate: dict[str, Any]  # a `Candidate` as a dict: ZeRO, offload, micro batch, seq_len ...
+    lr: float = 1e-3  # peak learning rate
+    epochs: float = 1.0  # passes over the training rows (ignored when max_steps is set)
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    warmup_steps: int = 10  # linear warmup steps
+    min_lr_ratio: float = 0.1  # cosine decays to this fraction of lr
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # global gradient-norm clip
+    seed: int = 0
+    log_every: int = 10  # steps between log lines
+    eval_every: int = 50  # steps between held-out evaluations (and at the end)
+    save_every: int = 100  # steps between checkpoints (and at the end); 0 disables
+    keep_last: int = 2  # checkpoints kept after rotation
+    resume: str = "auto"  # auto: newest valid checkpoint in out_dir/checkpoints, else fresh; never; or a checkpoint dir
+    stop_after_step: int | None = None  # stop (as if killed) after this step: used to test resume
+    export: bool = True  # save the final model to out_dir/model (HF format, safetensors)
+    export_format: str = "merged"  # merged: full HF model | adapter: peft adapter only (LoRA/QLoRA)
+    loss_on: str = "response"  # SFT: response (prompt tokens masked) | all (prompt too, never padding)
+    packing: bool = False  # SFT: pack short rows into sequences of up to seq_len tokens
+    lora_alpha: float | None = None  # default 2 * rank
+    lora_dropout: float = 0.0
+    lora_targets: str | list[str] = "all-linear"  # peft target_modules
+    dpo: dict[str, Any] = field(default_factory=dict)  # DPOConfig fields: beta, loss_type, label_smoothing
+    ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
+    probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
+    loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
+    device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
+    fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.workflow.fallback): resumes checkpoints of earlier candidates that differ in levers only
+
+    @classmethod
+    def load(cls, path: str | Path) -> RunConfig:
+        d = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown run config keys {unknown}")
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        problems = option_problems(self.method, self.loss_on, self.packing, self.export_format,
+                                   [self.cand.finetune])
+        if problems:
+            raise ValueError("invalid run config: " + "; ".join(problems))
+
+    def save(self, path: str | Path) -> None:
+        write_json_atomic(Path(path), dataclasses.asdict(self))
+
+    @property
+    def cand(self) -> Candidate:
+        return Candidate.from_dict(self.candidate)
+
+
+def option_problems(method: str, loss_on: str, packing: bool, export: str, finetunes: list[str]) -> list[str]:
+    """What is wrong with the SFT/export options of a `train.<method>` section, each naming its key
+    (the workflow's config check and RunConfig share this)."""
+    out = []
+    key = f"train.{method}"
+    if loss_on not in ("response", "all"):
+        out.append(f"{key}.loss_on: {loss_on!r} is not allowed (allowed: 'response', 'all')")
+    elif method != "sft" and loss_on != "response":
+        out.append(f"{key}.loss_on: {loss_on!r} applies to sft only (DPO always scores the responses)")
+    if packing and method != "sft":
+        out.append(f"{key}.packing: packing applies to sft only (a DPO pair is scored as one "
+                   "chosen/rejected forward); remove it or set it to false")
+    if export not in ("merged", "adapter"):
+        out.append(f"{key}.export: {export!r} is not allowed (allowed: 'merged', 'adapter')")
+    elif export == "adapter":
+        full = sorted({f for f in finetunes if f not in ("lora", "qlora")})
+        if full:
+            out.append(f"{key}.export: 'adapter' needs finetune lora or qlora (search.finetune lists "
+                       f"{', '.join(full)}: a full fine-tune has no adapter); use export: merged")
+    return out

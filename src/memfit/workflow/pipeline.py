@@ -1,0 +1,459 @@
+"""What each workflow stage does, given the validated workflow config.
+
+Every Snakemake `script:` calls one function here with paths and the config (a
+`memfit.workflow.config.WorkflowConfig`, or the validated dict Snakemake holds); this is where the
+config meets the library (catalog, estimate, probe, select, train), so the stages can be run
+and tested without Snakemake. The resume check (`verify_resume`) lives in `memfit.workflow.resume_check`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from memfit.atomic import write_json_atomic
+from memfit.estimate import catalog
+from memfit.train import checkpoint
+from memfit.train.run_config import RunConfig
+from memfit.workflow.config import WorkflowConfig
+from memfit.workflow.none_fits import export_files, write_none_fits
+from memfit.workflow.rows import Budget
+from memfit.workflow.select import NoneFits, choose, judge
+
+
+# --------------------------------------------------------------------------- stages
+def prepare_data(method: str, source: str, model_path: str, out_dir: Path, **kwargs: Any) -> dict[str, Any]:
+    """Check that the model directory loads (config, weights, tokenizer: `memfit.workflow.model_check`),
+    then tokenize `source` with its tokenizer (`memfit.data.prepare`, `kwargs` passed on)."""
+    from memfit.data import prepare
+    from memfit.workflow.model_check import check_model_dir
+
+    check_model_dir(model_path)
+    return prepare(method, source, model_path, out_dir, **kwargs)
+
+
+def check_model(cfg: WorkflowConfig, model: str) -> None:
+    """Before any probe: the model directory loads (`memfit.workflow.model_check`). A plan-only run
+    never loads weights: it checks only the config.json of a directory that exists."""
+    from memfit.workflow.model_check import check_model_dir
+
+    path = cfg.model_path(model)
+    if not cfg.plan_only:
+        if not path:
+            raise ValueError(f"models.{model}.path: not set; probes and training need the model directory")
+        check_model_dir(path)
+    elif path and (Path(path) / "config.json").exists():
+        check_model_dir(path, weights=False, tokenizer=False)
+
+
+def _estimate_settings(cfg: WorkflowConfig) -> Any:
+    from memfit.estimate import Settings
+
+    est = cfg.estimate
+    return Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
+
+
+def _estimate_rows(
+    cfg: WorkflowConfig, arch: Any, gpu: str, method: str, b: Budget, cands: list[Any]
+) -> list[dict[str, Any]]:
+    """Every candidate of `cands` estimated on `cfg`'s topology and the budget `b`."""
+    from memfit.estimate import estimate_space
+
+    return estimate_space(
+        arch,
+        catalog.gpu(gpu),
+        cfg.num_gpus,
+        cfg.num_nodes,
+        method,
+        cands,
+        host_memory_gb=b.host_bytes / 1e9,
+        budget_bytes=b.device_limit_bytes,
+        settings=_estimate_settings(cfg),
+    )
+
+
+def estimate_candidates(
+    config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path
+) -> dict[str, Any]:
+    """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes."""
+    cfg = WorkflowConfig.of(config)
+    check_model(cfg, model)
+    arch = catalog.model(cfg.arch_source(model), allow_moe=True)
+    b = cfg.budget(gpu)
+    settings = _estimate_settings(cfg)
+    rows = _estimate_rows(cfg, arch, gpu, method, b, cfg.candidates(method))
+    ranked = sorted(
+        (r for r in rows if r["fits"] and not r["invalid"]),
+        key=lambda r: -r["tokens_per_s"],  # fastest predicted first
+    )
+    probe = [] if cfg.plan_only else probe_choice(ranked, cfg.probe.top_k)
+    compare = reference_twin(rows, probe) if method == "dpo" else None
+    if compare and compare["model"] not in probe:
+        probe.append(compare["model"])  # one probe more: the same candidate holding a reference model
+    boundary = [] if cfg.plan_only else boundary_probe(rows, probe, b, cfg.probe.boundary_margin)
+    probe += [i for i in boundary if i not in probe]
+    result = {
+        "model": model,
+        "gpu": gpu,
+        "method": method,
+        "world_size": cfg.world_size,
+        "budget": dataclasses.asdict(b),
+        "arch": dataclasses.asdict(arch),
+        "estimator": f"memfit.estimate (activations {settings.activations})",
+        "probe": probe,
+        "boundary_probe": boundary,
+        "reference_compare": compare,
+        "rows": rows,
+    }
+    write_json_atomic(out_json, result)
+    return result
+
+
+def probe_choice(ranked: list[dict[str, Any]], top_k: int) -> list[str]:
+    """The fastest candidates predicted to fit, the last place going to the one predicted to need
+    the least memory: if the prediction is optimistic for the fast ones, a measured fallback exists."""
+    chosen = [r["id"] for r in ranked[:top_k]]
+    if top_k > 1 and ranked:
+        smallest = min(ranked, key=lambda r: r["device_total_bytes"])["id"]
+        if smallest not in chosen:
+            chosen[-1] = smallest
+    return chosen
+
+
+def boundary_probe(rows: list[dict[str, Any]], probe: list[str], budget: Budget, margin: float) -> list[str]:
+    """The fastest candidate predicted *not* to fit, by at most `margin` over the device budget
+    (device memory less headroom) and within the host's, if it is predicted faster than every probe.
+
+    The estimator decides exactly there: if it is pessimistic, this candidate fits and wins
+    (measured beats predicted); if it is right, the probe runs out of memory for real and the
+    OOM (phase, live bytes) is recorded as data. A candidate that would not win even if it fit
+    is not worth a probe, so there is one such probe at most. [] when there is none.
+    """
+    if margin <= 0:
+        return []
+    by_id, limit = {r["id"]: r for r in rows}, budget.device_limit_bytes
+    fastest = max((by_id[i]["tokens_per_s"] or 0.0 for i in probe), default=0.0)
+    near = [
+        r
+        for r in rows
+        if not r["invalid"]
+        and not r["fits"]
+        and r["id"] not in probe
+        and limit < r["device_total_bytes"] <= limit * (1 + margin)
+        and r.get("host_bytes", 0) <= budget.host_bytes
+        and (r["tokens_per_s"] or 0.0) > fastest
+    ]
+    return [max(near, key=lambda r: r["tokens_per_s"])["id"]] if near else []
+
+
+def reference_twin(rows: list[dict[str, Any]], probe: list[str]) -> dict[str, str] | None:
+    """The first probed DPO candidate without a reference model, and its twin that holds one.
+
+    Probing both measures what `ref: precomputed` (or `adapter`) saves over `ref: model` on
+    the same ZeRO stage, micro batch and checkpointing; the report shows the two side by
+    side. The twin is probed even when predicted not to fit: the measurement is the point.
+    None when the search space offers no such pair.
+    """
+    by_id = {r["id"]: r for r in rows}
+    for cid in probe:
+        cand = by_id[cid]["candidate"]
+        if cand.get("ref") == "model":
+            continue
+        twin = next(
+            (r for r in rows if not r["invalid"] and r["candidate"] == {**cand, "ref": "model"}),
+            None,
+        )
+        if twin is not None:
+            return {cand["ref"]: cid, "model": twin["id"]}
+    return None
+
+
+def probe_candidate(
+    config: WorkflowConfig | dict[str, Any],
+    method: str,
+    cand_id: str,
+    candidates_json: Path,
+    model_path: str,
+    data_dir: str,
+    out_json: Path,
+    log: Path,
+) -> dict[str, Any]:
+    """A few real training steps of one candidate of `candidates_json` (OOM is a result)."""
+    from memfit.workflow.probe import ProbeFailed, run_probe
+
+    cfg = WorkflowConfig.of(config)
+    table = json.loads(Path(candidates_json).read_text())
+    row = next((r for r in table["rows"] if r["id"] == cand_id), None)
+    if row is None:
+        raise ValueError(f"{candidates_json}: no candidate {cand_id!r}")
+    run = cfg.run_config(method, row["candidate"], model_path, data_dir, str(Path(out_json).parent))
+    # Without CUDA the rank's live tensor bytes are held to the budget's device memory
+    # (`cpu_memory_mib` on `cpu`): the probe then OOMs as it would on a GPU of that size.
+    run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
+    result = run_probe(
+        run,
+        nproc=cfg.num_gpus,
+        nnodes=cfg.num_nodes,
+        out_json=Path(out_json),
+        log=Path(log),
+        steps=cfg.probe.steps,
+        timeout_s=cfg.probe.timeout_s,
+        prediction=row,
+    )
+    if result["status"] == "error":
+        # Not a measurement (OOM and timeout are): a bug, a broken model or data directory. Every
+        # other probe would fail alike and selection would end in "no candidate fits", so stop
+        # here, leaving no probe JSON (a re-run probes again), with the cause on the console.
+        Path(out_json).unlink(missing_ok=True)
+        raise ProbeFailed(probe_failure_message(cand_id, result, log))
+    return result
+
+
+def probe_failure_message(cand_id: str, result: dict[str, Any], log: Path | str | None) -> str:
+    from memfit.workflow.probe import error_excerpt
+
+    excerpt = error_excerpt(Path(log) if log else None) or result.get("log_tail", "")
+    indented = "\n".join("    " + line for line in excerpt.splitlines())
+    return (
+        f"probe of {cand_id} failed ({result.get('error', 'error')}), not for lack of memory or time; "
+        + (f"the first error in {log}:" if log else "the end of its log:")
+        + f"\n{indented}\n"
+        "Fix the cause and re-run (other candidates would likely fail alike; a re-run probes this one again)."
+    )
+
+
+def select_config(
+    config: WorkflowConfig | dict[str, Any],
+    model: str,
+    gpu: str,
+    method: str,
+    candidates_json: Path,
+    probe_jsons: list[Path],
+    model_path: str,
+    data_dir: str,
+    train_dir: str,
+    out: dict[str, Path],
+) -> dict[str, Any]:
+    """Choose; write selected.json (with every loser's reason), ds_config.json, run.json, launch.sh,
+    and the exports to OpenRLHF, LLaMA-Factory and HF (`memfit.exports.FILES`; `out` may name them,
+    else they go under exports/ beside selected.json).
+
+    ds_config.json is the DeepSpeed config training runs with: the step count comes from the
+    prepared data as the trainer computes it (`dsconfig.planned_steps`); a plan without prepared
+    data and without `max_steps` writes "auto" there (see `dsconfig.build`)."""
+    from memfit import exports
+    from memfit.train import dsconfig
+
+    cfg = WorkflowConfig.of(config)
+    table = json.loads(Path(candidates_json).read_text())
+    probes = {}
+    for p in probe_jsons:
+        d = json.loads(Path(p).read_text())
+        if d.get("status") == "error":  # written by a memfit before probes that fail stopped the workflow
+            from memfit.workflow.probe import ProbeFailed
+
+            raise ProbeFailed(f"{p}: " + probe_failure_message(d["id"], d, d.get("log")))
+        probes[d["id"]] = d
+    b = Budget(**table["budget"])
+    try:
+        best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method), b)
+    except NoneFits as e:
+        more = _nodes_that_fit(cfg, model, gpu, method, b)
+        e = NoneFits(e.rows, e.what, more) if more else e
+        if not cfg.plan_only:
+            raise e from None  # a training run stops here, with every candidate's reason
+        return write_none_fits(model, gpu, method, table, cfg, e, out)
+    run = cfg.run_config(method, best.candidate, model_path, data_dir, train_dir)
+    run = dataclasses.replace(run, device_capacity_bytes=int(table["budget"]["device_bytes"]))
+    run.save(out["run"])
+    # (how the step count was found is not added to selected.json: tests/test_select.py pins its bytes)
+    total_steps, schedule = dsconfig.planned_steps(run, table["world_size"])
+    ds = dsconfig.for_run(run, table["world_size"], total_steps, table["arch"]["hidden_size"])
+    write_json_atomic(out["ds_config"], ds)
+    cmd = f"memfit launch --config {shlex.quote(str(out['run']))} --nproc {cfg.num_gpus}"
+    if cfg.num_nodes > 1:  # one launcher per node: srun starts them, torchrun meets at the first host
+        cmd = f"srun --nodes {cfg.num_nodes} --ntasks-per-node 1 {cmd} --nnodes {cfg.num_nodes}"
+    Path(out["launch"]).write_text(
+        "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
+        f"# DeepSpeed config: {out['ds_config']} (what the trainer builds from run.json).\nset -euo pipefail\n{cmd}\n"
+    )
+    files = export_files(out, method)
+    (Path(out["selected"]).parent / exports.NONE_FITS).unlink(missing_ok=True)  # an earlier plan's, where nothing fit
+    exports.write_all(exports.ExportPlan(
+        run=run, ds_config=ds, num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, total_steps=total_steps,
+        warmup_steps=schedule["warmup_steps"], data_source=cfg.raw["data"].get(method),
+        eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)), files=files,
+    ))
+    selected = {
+        "model": model,
+        "gpu": gpu,
+        "method": method,
+        "selected": best.to_json(),
+        "budget": table["budget"],
+        "plan_only": cfg.plan_only,
+        "launch": cmd,
+        "candidates": [r.to_json() for r in ranked],
+    }
+    write_json_atomic(out["selected"], selected)
+    return selected
+
+
+MAX_NODES_HINT = 16  # how far `_nodes_that_fit` looks: a few cheap re-estimates, not a search of the cluster
+
+
+def _nodes_that_fit(cfg: WorkflowConfig, model: str, gpu: str, method: str, b: Budget) -> str:
+    """When nothing fits on `num_nodes`: the smallest node count (same GPU type, same GPUs per
+    node, same global batch, so grad_accum shrinks) at which a candidate of the search space is
+    predicted to fit, re-estimated as estimate_candidates estimates (same architecture source and
+    settings); "" on the CPU, where more nodes is not the answer."""
+    if gpu == "cpu":
+        return ""
+    arch = catalog.model(cfg.arch_source(model), allow_moe=True)
+    for nodes in range(cfg.num_nodes + 1, MAX_NODES_HINT + 1):
+        wider = WorkflowConfig.of(cfg.raw | {"num_nodes": nodes})
+        try:
+            cands = wider.candidates(method)
+        except ValueError:  # the global batch cannot be split over this many ranks
+            continue
+        rows = _estimate_rows(wider, arch, gpu, method, b, cands)
+        fitting = [r for r in judge(rows, {}, b, wider.world_size, method) if r.fits and r.tokens_per_s]
+        if fitting:
+            best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
+            return f"would fit on {nodes} nodes (estimate; {cfg.num_gpus} {gpu} per node, fastest there: {best.id})"
+    return f"would not fit on up to {MAX_NODES_HINT} nodes of {cfg.num_gpus} {gpu} either (estimate)"
+
+
+def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1, selected_json: Path | None = None) -> dict[str, Any]:
+    """Train run.json's candidate; after a device OOM fall back to the next candidate of
+    selected.json's ranking that keeps the training dynamics, from the newest complete
+    checkpoint (memfit.workflow.fallback), until the run completes or no candidate is left.
+
+    Writes train/summary.json with `fallbacks`: one record per switch (empty without any)."""
+    from memfit.train.launch import launch
+    from memfit.workflow import fallback
+
+    run_json, log = Path(run_json), Path(log)
+    base = RunConfig.load(run_json)
+    records = fallback.load_state(base)  # a re-run after a crash continues with the last fallback
+    run_path = fallback.fallback_config_path(base.out_dir, len(records)) if records else run_json
+    run = RunConfig.load(run_path)
+    set_aside_stale_checkpoints(run, log)
+    out = Path(run.out_dir)
+    ranking: list[dict[str, Any]] | None = None
+    while True:
+        fallback.clear_oom_markers(out)
+        rc = launch(run_path, nproc, log=log, nnodes=nnodes)
+        if rc == 0:
+            break
+        markers = fallback.oom_markers(out)
+        if not markers:
+            raise RuntimeError(f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint.")
+        if ranking is None:
+            ranking = fallback.load_ranking(Path(selected_json) if selected_json else run_json.with_name("selected.json"))
+        record, run = _fall_back(base, run, records, markers[0], ranking, nproc * nnodes, log)
+        records.append(record)
+        run_path = fallback.fallback_config_path(out, len(records))
+        run.save(run_path)
+        fallback.save_state(base, records)  # after the run config it names: a re-run finds both
+    fallback.clear_oom_markers(out)
+    summary = json.loads((out / "summary.json").read_text())
+    summary["fallbacks"] = records
+    summary["trained_candidate"] = run.cand.id
+    write_json_atomic(out / "summary.json", summary)
+    return summary
+
+
+def _fall_back(
+    base: RunConfig,
+    run: RunConfig,
+    records: list[dict[str, Any]],
+    marker: dict[str, Any],
+    ranking: list[dict[str, Any]],
+    world: int,
+    log: Path,
+) -> tuple[dict[str, Any], RunConfig]:
+    """After `run` ran out of device memory: the fallback record and the next run config, or a
+    RuntimeError naming every candidate tried and why the others were refused."""
+    import sys
+
+    from memfit.workflow import fallback
+
+    ckpts = Path(run.out_dir) / "checkpoints"
+    checkpoint.remove_incomplete(ckpts, log=lambda msg: _say(log, msg))  # a save the OOM cut short
+    found = checkpoint.latest_valid(ckpts, log=lambda msg: _say(log, msg))
+    writer, step = None, 0
+    if found is not None:
+        meta = json.loads((found[0] / found[1] / "memfit.json").read_text())
+        writer, step = meta["run_config"]["candidate"], int(meta["step"])
+    tried = [base.cand.id] + [r["to"] for r in records]
+    where = f"at step {marker.get('step')} ({marker.get('phase', 'unknown phase')}"
+    if marker.get("live_bytes") and marker.get("capacity_bytes"):
+        where += f", {marker['live_bytes']} B live > {marker['capacity_bytes']} B"
+    where += ")"
+    row, refused = fallback.next_candidate(ranking, base.candidate, run.candidate, writer, tried, world)
+    if row is None:
+        raise RuntimeError(
+            f"training ran out of device memory with {run.cand.id} {where}, and no candidate is left to fall back to.\n"
+            f"Tried: {', '.join(tried)}.\nRefused (fitting candidates of selected.json):\n  "
+            + ("\n  ".join(refused) or "none")
+            + f"\nSee {log}. Raise the budget's headroom (or widen the search space) and re-run select_config."
+        )
+    rec = fallback.record(marker, step, run.cand.id, row["id"])
+    nxt = dataclasses.replace(base, candidate=row["candidate"], fallback=len(records) + 1)
+    msg = (f"memfit: OOM fallback {len(records) + 1}: {run.cand.id} ran out of device memory {where}; "
+           f"continuing with {row['id']} from {'step ' + str(step) if found else 'the start (no checkpoint yet)'}")
+    _say(log, msg)
+    print(msg, file=sys.__stderr__, flush=True)  # the console, also when stderr goes to the rule's log
+    return rec, nxt
+
+
+def _say(log: Path, msg: str) -> None:
+    with open(log, "a") as f:
+        f.write(msg + "\n")
+
+
+def set_aside_stale_checkpoints(run: RunConfig, log: Path) -> None:
+    """Snakemake re-runs `train` when the selected configuration changed: checkpoints of the
+    previous configuration cannot continue this run, so they move to `checkpoints.previous`
+    (replacing an older one) instead of blocking the run; a crash of the same run resumes."""
+    ckpts = Path(run.out_dir) / "checkpoints"
+    found = checkpoint.latest_valid(ckpts, log=lambda _msg: None)
+    if found is None:
+        return
+    meta = json.loads((found[0] / found[1] / "memfit.json").read_text())
+    try:
+        checkpoint.check_compatible(meta, dataclasses.asdict(run), found[0] / found[1], world=int(meta["world_size"]))
+        return
+    except ValueError as e:
+        reason = str(e).splitlines()[1:-1]
+    dest = ckpts.with_name("checkpoints.previous")
+    shutil.rmtree(dest, ignore_errors=True)
+    ckpts.rename(dest)
+    (Path(run.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
+    with open(log, "a") as f:
+        f.write(f"configuration changed; moved old checkpoints to {dest}:\n" + "\n".join(reason) + "\n")
+
+
+def log_to(path: str | Path) -> None:
+    """Send this process's stderr (warnings, progress bars, tracebacks) to the rule's log."""
+    import sys
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the script
+    console = sys.__stderr__
+
+    def on_error(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        # The traceback goes to the log; the error itself also to the console Snakemake prints
+        # on, so a failed job says why there (not only "check log file(s) for error details").
+        import traceback
+
+        traceback.print_exception(kind, exc, tb, file=sys.stderr)
+        if console is not None:
+            console.write(f"memfit: {kind.__name__}: {exc}\n(traceback in {path})\n")
+            console.flush()
+
+    sys.excepthook = on_error

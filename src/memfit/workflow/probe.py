@@ -1,0 +1,107 @@
+"""What a configuration really uses: a few real training steps on the worst-case batch.
+
+A probe runs the training step of `memfit.train.loop` (same model, same DeepSpeed config,
+same loss) for `steps` optimizer steps on the longest rows of the data, padded to the
+candidate's `seq_len`, on every rank, and records peak allocated/reserved memory,
+host RSS and step time. Running out of memory is a result, not a crash: the probe
+writes `"status": "oom"` and the workflow goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from memfit.atomic import write_json_atomic
+from memfit.train.launch import launch
+from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
+
+
+def run_probe(
+    run: RunConfig,
+    nproc: int,
+    out_json: Path,
+    log: Path | None = None,
+    steps: int = 3,
+    timeout_s: float = 900,
+    prediction: dict[str, Any] | None = None,
+    nnodes: int = 1,
+) -> dict[str, Any]:
+    """Probe `run.candidate`; write and return the result (status ok | oom | error | timeout)."""
+    out_json = Path(out_json)
+    work = Path(tempfile.mkdtemp(prefix="probe-", dir=out_json.parent if out_json.parent.exists() else None))
+    try:
+        cfg = dataclasses.replace(run, out_dir=str(work), probe_steps=steps, export=False, resume="never", save_every=0)
+        cfg_path = work / "run.json"
+        cfg.save(cfg_path)
+        result: dict[str, Any] = {"id": cfg.cand.id, "candidate": cfg.candidate, "world_size": nproc, "steps": steps}
+        try:
+            rc = launch(cfg_path, nproc, log=log, timeout_s=timeout_s, nnodes=nnodes)
+        except subprocess.TimeoutExpired:
+            rc = None
+        ooms = sorted(work.glob("oom.rank*.json"))
+        if rc == 0:
+            result |= json.loads((work / "probe.rank0.json").read_text()) | {"status": "ok"}
+        elif rc is None:
+            result |= {"status": "timeout", "error": f"probe did not finish within {timeout_s:.0f} s"}
+        elif ooms or rc in (OOM_EXIT_CODE, -signal.SIGKILL, 128 + signal.SIGKILL):
+            # A CUDA OOM writes a marker; a host OOM is the kernel's SIGKILL.
+            marker = json.loads(ooms[0].read_text()) if ooms else {}
+            detail = marker.get("error") or f"killed (exit {rc}): host out of memory?"
+            # phase (forward | backward | optimizer step | ...), live and capacity bytes at the OOM
+            where = {k: marker[k] for k in ("phase", "op", "live_bytes", "capacity_bytes") if k in marker}
+            result |= {"status": "oom", "error": detail, "oom": where or None}
+        else:
+            result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
+        if prediction is not None:
+            result["predicted"] = {k: prediction.get(k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
+        write_json_atomic(out_json, result)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class ProbeFailed(RuntimeError):
+    """A probe ended for a reason other than running out of memory or time: a bug, a broken
+    model or data directory, a missing package. Not a measurement: the workflow stops on it."""
+
+
+def error_excerpt(log: Path | None, n: int = 25) -> str:
+    """The first error in a probe's log: its first Python traceback (the first rank's, up to its
+    exception line), else the first line that names an error, with what follows; at most `n` lines.
+    The ranks' tracebacks come before torchrun's summary of them, so the first is the cause."""
+    if log is None or not Path(log).exists():
+        return ""
+    lines = Path(log).read_text(errors="replace").splitlines()
+    # the log is appended to: read from this run's launch command (`memfit.train.launch` writes "$ cmd")
+    launched = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+    lines = lines[launched[-1] + 1 :] if launched else lines
+    start = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    if start is None:
+        start = next((i for i, line in enumerate(lines) if "error" in line.lower()), max(0, len(lines) - n))
+        return "\n".join(lines[start : start + n])
+    # A traceback ends at its first unindented line after the header (the exception). Ranks
+    # write at once: with torchrun's "[rank0]: " prefix, only that rank's lines are followed.
+    prefix = lines[start][: lines[start].index("Traceback")]
+    block = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith(prefix):
+            continue
+        block.append(line)
+        if not line[len(prefix) :].startswith((" ", "\t")):
+            break
+    if len(block) > n:  # keep the head (where it entered) and the tail (where it failed)
+        block = block[:3] + ["  ..."] + block[-(n - 4) :]
+    return "\n".join(block)
+
+
+def _tail(log: Path | None, n: int = 40) -> str:
+    if log is None or not Path(log).exists():
+        return ""
+    return "\n".join(Path(log).read_text(errors="replace").splitlines()[-n:])
