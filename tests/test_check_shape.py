@@ -112,3 +112,27 @@ def test_three_module_cycle_names_each_module(tree):
 def test_the_repository_passes():
     result = _run(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_import_pointing_up_the_layers_fails(tree):
+    # train/ sits below workflow/: a training module reaching for a stage is refused ...
+    _write(tree, "src/memfit/train/__init__.py", '"""train."""\n')
+    _write(tree, "src/memfit/workflow/__init__.py", '"""workflow."""\n')
+    _write(tree, "src/memfit/workflow/rows.py", "ROWS = 1\n")
+    _write(tree, "src/memfit/train/losses.py", "def f():\n    from memfit.workflow import rows\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "layer: memfit.train.losses imports memfit.workflow.rows" in result.stdout
+    # ... while the stage importing the training code is the direction the DAG allows
+    _write(tree, "src/memfit/train/losses.py", "X = 1\n")
+    _write(tree, "src/memfit/workflow/rows.py", "from memfit.train.losses import X\n")
+    assert _run(tree).returncode == 0
+
+
+def test_the_vocabulary_imports_only_the_vocabulary(tree):
+    _write(tree, "src/memfit/estimate/__init__.py", '"""estimate."""\n')
+    _write(tree, "src/memfit/estimate/core.py", "from memfit.units import GIB\n")
+    _write(tree, "src/memfit/units.py", "from memfit.estimate import core\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "layer: memfit.units imports memfit.estimate.core" in result.stdout

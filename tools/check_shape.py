@@ -6,7 +6,9 @@ and a package whose imports point one way.
 
 Limits: a module of at most 500 lines, a function or method of at most 80 lines (its `def` line
 to its last line, decorators excluded: ast's end_lineno - lineno + 1), in src/memfit, scripts/
-and workflow/ (tests/ and benchmarks/ aside); no import cycle among memfit's modules.
+and workflow/ (tests/ and benchmarks/ aside); no import cycle among memfit's modules; and each
+subpackage imports only what its `__init__` docstring allows (`MAY_IMPORT`: imports point down
+the DAG, ARCHITECTURE.md).
 
 Imports counted for cycles: every `import memfit.x` / `from memfit.x import y` / relative import
 anywhere in a module, at module level or inside a function. A function-level import still
@@ -32,6 +34,28 @@ MAX_FUNCTION_LINES = 80
 CHECKED_DIRS = ("src/memfit", "scripts", "workflow")
 PACKAGE = "memfit"
 PACKAGE_ROOT = "src"
+
+# The layers, bottom up: what each subpackage (or top-level module) may import besides itself and
+# the shared vocabulary. A name allows the package or module and everything under it. Modules not
+# listed (memfit.cli, the `memfit` command) may import anything.
+VOCABULARY = ("memfit", "memfit.space", "memfit.units", "memfit.atomic")
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "memfit.data": (),
+    "memfit.train": ("memfit.data",),
+    # the estimator traces the real loss code (memfit.estimate.trace_step, logits)
+    "memfit.estimate": ("memfit.data", "memfit.train.losses", "memfit.train.vocab_loss"),
+    "memfit.exports": ("memfit.train.run_config",),
+    "memfit.workflow": ("memfit.data", "memfit.train", "memfit.estimate", "memfit.exports"),
+    "memfit.results": ("memfit.data", "memfit.train", "memfit.estimate", "memfit.exports", "memfit.workflow"),
+    "memfit.report": (
+        "memfit.data",
+        "memfit.train",
+        "memfit.estimate",
+        "memfit.exports",
+        "memfit.workflow",
+        "memfit.results",
+    ),
+}
 
 
 def _python_files(root: Path) -> list[Path]:
@@ -182,10 +206,40 @@ def cycle_findings(root: Path) -> list[str]:
     return findings
 
 
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_findings(root: Path) -> list[str]:
+    """Imports that point up: a module of a listed layer importing what MAY_IMPORT does not allow
+    it (the vocabulary may import only the vocabulary). A layer that does not exist is skipped."""
+    graph = import_graph(root)
+    findings = []
+    for mod in sorted(graph):
+        if mod in VOCABULARY[1:]:
+            allowed: tuple[str, ...] = ()
+            owner = mod
+        else:
+            owners = [p for p in MAY_IMPORT if _within(mod, p)]
+            if not owners:
+                continue
+            owner = max(owners, key=len)
+            allowed = (owner, *MAY_IMPORT[owner])
+        for dep in sorted(graph[mod]):
+            if dep in VOCABULARY or any(_within(dep, a) for a in allowed):
+                continue
+            findings.append(
+                f"layer: {mod} imports {dep} ({owner} may import "
+                f"{', '.join(MAY_IMPORT.get(owner, ())) or 'only the vocabulary'}; "
+                f"{', '.join(VOCABULARY[1:])} for all)"
+            )
+    return findings
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     root = Path(args[0]) if args else Path(__file__).resolve().parent.parent
-    findings = size_findings(root) + cycle_findings(root)
+    findings = size_findings(root) + cycle_findings(root) + layer_findings(root)
     for line in findings:
         print(line)
     if findings:
