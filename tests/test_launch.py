@@ -47,6 +47,16 @@ def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_se
     assert "OMP_NUM_THREADS" not in launch_env()
 
 
+def test_ranks_build_deepspeed_ops_with_this_environments_ninja(monkeypatch):
+    """Debian's ninja 1.11 and the lock's 1.13 invalidate each other's .ninja_log: ranks that found
+    the system one first on PATH would recompile every DeepSpeed op the venv's ninja built."""
+    env_bin = os.path.join(sys.prefix, "bin")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    assert launch_env()["PATH"].split(os.pathsep) == [env_bin, "/usr/bin", "/bin"]
+    monkeypatch.setenv("PATH", os.pathsep.join([env_bin, "/usr/bin"]))
+    assert launch_env()["PATH"] == os.pathsep.join([env_bin, "/usr/bin"])  # not added twice
+
+
 def fake_ranks(monkeypatch, code: str) -> None:
     """Launch runs `python -c code` instead of torchrun (the config path is in sys.argv[1])."""
     monkeypatch.setattr(launch_mod, "command", lambda config, nproc, rdzv=None: [sys.executable, "-c", code, str(config)])

@@ -77,6 +77,11 @@ def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     # DeepSpeed's JIT-compiled ops live with the environment that built them (`make ops`).
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # ... and are built by this environment's ninja: another ninja version (Debian's 1.11 vs the
+    # lock's 1.13) writes an incompatible .ninja_log, so each would recompile every op.
+    env_bin = os.path.join(sys.prefix, "bin")
+    if env.get("PATH", "").split(os.pathsep)[0] != env_bin:
+        env["PATH"] = os.pathsep.join(p for p in (env_bin, env.get("PATH")) if p)
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
     return env
