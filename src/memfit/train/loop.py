@@ -36,12 +36,7 @@ from memfit.train import resume as train_resume
 from memfit.train.batches import Schedule, rank_batches
 from memfit.train.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.train.modeling import check_hardware, export_model, hidden_size, load_model, model_dir
-from memfit.train.reference import (
-    _forget_zero3_module,
-    _storage_refs,
-    reference_engine,
-    reference_logps,
-)
+from memfit.train.reference import precompute_reference, reference_engine
 from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, RunConfig
 from memfit.train.steps import StepRunner
 from memfit.units import MIB
@@ -96,7 +91,7 @@ class Run:
         ds_cfg = dsconfig.for_run(cfg, self.world, self.total_steps, hidden_size(model_dir(cfg.model_path)))
         self.ds_config = ds_cfg
         if cfg.method == "dpo" and cand.ref == "precomputed":
-            self._precompute_reference(ds_cfg)
+            precompute_reference(self, ds_cfg)
         hf_ds = None
         if cand.zero == 3:
             from transformers.integrations import HfDeepSpeedConfig
@@ -152,43 +147,6 @@ class Run:
         self.log(f"packing: {stats['rows']} rows into {stats['packs']} sequences of <= {cap} tokens "
                  f"({stats['rows_per_pack']} rows each, {stats['fill']:.1%} filled)")
         return units, stats
-
-    def _precompute_reference(self, ds_cfg: dict[str, Any]) -> None:
-        """ref=precomputed: one inference pass of the reference over every row (only the worst-case
-        rows for a probe) before the policy exists, so training holds no reference model. The
-        log-probs are cached in out_dir/ref_logps.pt and reused on resume."""
-        import gc
-
-        cache = self.out / "ref_logps.pt"
-        ref_path = self.cfg.ref_model_path or self.cfg.model_path
-        # the probe's rows are the very objects probe() runs (they receive the log-probs below)
-        splits = {"probe": self._worst_case_units()} if self.cfg.probe_steps else {"train": self.train_rows, "eval": self.eval_rows}
-        sizes = {k: len(v) for k, v in splits.items()}
-        stored = torch.load(cache, weights_only=False) if cache.exists() else None
-        if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
-            engine = reference_engine(self.cand, ref_path, ds_cfg)
-            t0 = time.perf_counter()
-            values = {k: reference_logps(engine, rows, self.pad_id, self.cand.micro_batch, self.world, self.rank,
-                                         self.cand.loss_impl, self.cfg.loss_chunk_tokens)
-                      for k, rows in splits.items()}
-            self.log(f"reference log-probs of {sum(sizes.values())} rows precomputed in {time.perf_counter() - t0:.1f} s")
-            weights = _storage_refs(engine.module)
-            _forget_zero3_module(engine.module)
-            engine.destroy()
-            del engine
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            left = sum(n for ref, n in weights if ref() is not None)
-            self.log(f"reference model released: {left / MIB:.1f} MiB of its parameters still allocated")
-            stored = {"ref_path": ref_path, "sizes": sizes, "values": values}
-            if self.rank == 0 and not self.cfg.probe_steps:
-                self.out.mkdir(parents=True, exist_ok=True)
-                torch.save(stored, self.out / "ref_logps.pt.tmp")
-                os.replace(self.out / "ref_logps.pt.tmp", cache)
-        for k, rows in splits.items():
-            for row, (chosen, rejected) in zip(rows, stored["values"][k].tolist(), strict=True):
-                row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
 
     # -- evaluation ----------------------------------------------------------
     def evaluate(self) -> dict[str, float]:

@@ -1,9 +1,13 @@
-"""The DPO reference model's memory: a workaround that lets a dropped ZeRO-3 reference engine be
-freed, and how to check that it was."""
+"""The DPO reference model: its engine and log-probs, precomputing them once (`ref: precomputed`),
+and its memory: a workaround that lets a dropped ZeRO-3 reference engine be freed, and how to
+check that it was."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
+import os
+import time
 import weakref
 from typing import Any
 
@@ -14,6 +18,7 @@ from memfit.train import dist as dist_env
 from memfit.train import dsconfig
 from memfit.train.batches import collate, rank_batches
 from memfit.train.modeling import hidden_size, load_model, model_dir
+from memfit.units import MIB
 
 
 def _storage_refs(module) -> list[tuple[weakref.ref, int]]:
@@ -106,3 +111,39 @@ def reference_logps(engine, rows: list[dict[str, Any]], pad_id: int, micro: int,
                 out[idx, 1] = lp[n:].double().cpu()
     totals = dist_env.all_reduce_sum(out.flatten().tolist())  # each row was filled by exactly one rank
     return torch.tensor(totals, dtype=torch.float64).view(len(rows), 2)
+
+
+def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
+    """ref=precomputed (`run` is the memfit.train.loop.Run at hand): one inference pass of the reference over every row (only the worst-case
+    rows for a probe) before the policy exists, so training holds no reference model. The
+    log-probs are cached in out_dir/ref_logps.pt and reused on resume."""
+    cache = run.out / "ref_logps.pt"
+    ref_path = run.cfg.ref_model_path or run.cfg.model_path
+    # the probe's rows are the very objects probe() runs (they receive the log-probs below)
+    splits = {"probe": run._worst_case_units()} if run.cfg.probe_steps else {"train": run.train_rows, "eval": run.eval_rows}
+    sizes = {k: len(v) for k, v in splits.items()}
+    stored = torch.load(cache, weights_only=False) if cache.exists() else None
+    if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
+        engine = reference_engine(run.cand, ref_path, ds_cfg)
+        t0 = time.perf_counter()
+        values = {k: reference_logps(engine, rows, run.pad_id, run.cand.micro_batch, run.world, run.rank,
+                                     run.cand.loss_impl, run.cfg.loss_chunk_tokens)
+                  for k, rows in splits.items()}
+        run.log(f"reference log-probs of {sum(sizes.values())} rows precomputed in {time.perf_counter() - t0:.1f} s")
+        weights = _storage_refs(engine.module)
+        _forget_zero3_module(engine.module)
+        engine.destroy()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        left = sum(n for ref, n in weights if ref() is not None)
+        run.log(f"reference model released: {left / MIB:.1f} MiB of its parameters still allocated")
+        stored = {"ref_path": ref_path, "sizes": sizes, "values": values}
+        if run.rank == 0 and not run.cfg.probe_steps:
+            run.out.mkdir(parents=True, exist_ok=True)
+            torch.save(stored, run.out / "ref_logps.pt.tmp")
+            os.replace(run.out / "ref_logps.pt.tmp", cache)
+    for k, rows in splits.items():
+        for row, (chosen, rejected) in zip(rows, stored["values"][k].tolist(), strict=True):
+            row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected

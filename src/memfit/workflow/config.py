@@ -357,10 +357,9 @@ def _context_problems(cfg: WorkflowConfig) -> list[str]:
     return out
 
 
-def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
-    from memfit.train.run_config import option_problems
-
-    raw, out = cfg.raw, []
+def _gpu_problems(cfg: WorkflowConfig) -> list[str]:
+    """Unknown GPU names (in `gpus` and `slurm.gpu_types`) and planning-only GPUs in a training run."""
+    out = []
     gpus = catalog.load_gpus()
     for i, name in enumerate(cfg.gpus):
         try:
@@ -376,9 +375,14 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     for name in cfg.slurm.get("gpu_types") or {}:
         # a site-wide section may list GPU types this config does not use, but not a typo
         if name not in cfg.gpus and name not in gpus:
-            out.append(
-                f"slurm.gpu_types.{name}: not a GPU name (allowed: {', '.join(sorted(gpus))})"
-            )
+            out.append(f"slurm.gpu_types.{name}: not a GPU name (allowed: {', '.join(sorted(gpus))})")
+    return out
+
+
+def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
+    from memfit.train.run_config import option_problems
+
+    raw, out = cfg.raw, _gpu_problems(cfg)
     for name in cfg.models:
         m = cfg.model(name)
         if m.build is not None and not Path(m.build).exists():

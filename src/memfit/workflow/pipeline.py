@@ -250,14 +250,7 @@ def select_config(
 
     cfg = WorkflowConfig.of(config)
     table = json.loads(Path(candidates_json).read_text())
-    probes = {}
-    for p in probe_jsons:
-        d = json.loads(Path(p).read_text())
-        if d.get("status") == "error":  # written by a memfit before probes that fail stopped the workflow
-            from memfit.workflow.probe import ProbeFailed
-
-            raise ProbeFailed(f"{p}: " + probe_failure_message(d["id"], d, d.get("log")))
-        probes[d["id"]] = d
+    probes = _read_probes(probe_jsons)
     b = Budget(**table["budget"])
     try:
         best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method), b)
@@ -274,13 +267,7 @@ def select_config(
     total_steps, schedule = dsconfig.planned_steps(run, table["world_size"])
     ds = dsconfig.for_run(run, table["world_size"], total_steps, table["arch"]["hidden_size"])
     write_json_atomic(out["ds_config"], ds)
-    cmd = f"memfit launch --config {shlex.quote(str(out['run']))} --nproc {cfg.num_gpus}"
-    if cfg.num_nodes > 1:  # one launcher per node: srun starts them, torchrun meets at the first host
-        cmd = f"srun --nodes {cfg.num_nodes} --ntasks-per-node 1 {cmd} --nnodes {cfg.num_nodes}"
-    Path(out["launch"]).write_text(
-        "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
-        f"# DeepSpeed config: {out['ds_config']} (what the trainer builds from run.json).\nset -euo pipefail\n{cmd}\n"
-    )
+    cmd = _write_launch(cfg, out)
     files = export_files(out, method)
     (Path(out["selected"]).parent / exports.NONE_FITS).unlink(missing_ok=True)  # an earlier plan's, where nothing fit
     exports.write_all(exports.ExportPlan(
@@ -300,6 +287,31 @@ def select_config(
     }
     write_json_atomic(out["selected"], selected)
     return selected
+
+
+def _read_probes(probe_jsons: list[Path]) -> dict[str, dict[str, Any]]:
+    """Probe results by candidate id; a probe that failed for another reason than OOM stops here."""
+    probes = {}
+    for p in probe_jsons:
+        d = json.loads(Path(p).read_text())
+        if d.get("status") == "error":  # written by a memfit before probes that fail stopped the workflow
+            from memfit.workflow.probe import ProbeFailed
+
+            raise ProbeFailed(f"{p}: " + probe_failure_message(d["id"], d, d.get("log")))
+        probes[d["id"]] = d
+    return probes
+
+
+def _write_launch(cfg: WorkflowConfig, out: dict[str, Path]) -> str:
+    """launch.sh: the command the `train` rule runs; returns that command."""
+    cmd = f"memfit launch --config {shlex.quote(str(out['run']))} --nproc {cfg.num_gpus}"
+    if cfg.num_nodes > 1:  # one launcher per node: srun starts them, torchrun meets at the first host
+        cmd = f"srun --nodes {cfg.num_nodes} --ntasks-per-node 1 {cmd} --nnodes {cfg.num_nodes}"
+    Path(out["launch"]).write_text(
+        "#!/usr/bin/env bash\n# Trains with the selected configuration (what the `train` rule runs).\n"
+        f"# DeepSpeed config: {out['ds_config']} (what the trainer builds from run.json).\nset -euo pipefail\n{cmd}\n"
+    )
+    return cmd
 
 
 MAX_NODES_HINT = 16  # how far `_nodes_that_fit` looks: a few cheap re-estimates, not a search of the cluster
