@@ -66,6 +66,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/snakefmt --check .
 	$(BIN)/snakemake --lint
 	$(BIN)/python tools/check_shape.py
