@@ -53,3 +53,12 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest marker `gpu`)")
         for item in gpu_tests:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(demo_model, demo_data, tmp_path_factory):
+    """DeepSpeed runs made once per session and read by the tests of several files
+    (tests/deepspeed_runs.py `SharedRuns`); a test copies a run directory before changing it."""
+    from deepspeed_runs import SharedRuns
+
+    return SharedRuns(demo_model, demo_data, tmp_path_factory.mktemp("shared-runs"))
