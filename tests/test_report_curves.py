@@ -3,7 +3,6 @@ the resume check marked, and the page's list of what switched."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
