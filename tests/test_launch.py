@@ -42,6 +42,9 @@ def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_se
     assert env["HF_HUB_OFFLINE"] == "0"
     assert env["TOKENIZERS_PARALLELISM"] == "false"
     assert env["TORCH_EXTENSIONS_DIR"] == os.path.join(sys.prefix, "torch_extensions")
+    # the ops are built by this environment's ninja whatever PATH the caller has
+    monkeypatch.setenv("PATH", "/usr/bin")
+    assert launch_env()["PATH"].split(os.pathsep) == [os.path.dirname(sys.executable), "/usr/bin"]
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
     assert launch_env()["DS_ACCELERATOR"] == "cuda"
     assert "OMP_NUM_THREADS" not in launch_env()

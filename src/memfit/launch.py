@@ -33,6 +33,13 @@ def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     # DeepSpeed's JIT-compiled ops live with the environment that built them (`make ops`).
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    # ... built by the environment's own tools: torch.utils.cpp_extension runs the first `ninja` on
+    # PATH, and two ninjas (here the system's 1.11 and pip's 1.13 in the venv) record different
+    # hashes of the same build command in .ninja_log, so launches that alternate them recompile
+    # the ops each time (and a rank can map a .so being rewritten). The interpreter's bin first.
+    bindir = os.path.dirname(sys.executable)
+    if env.get("PATH", "").split(os.pathsep)[0] != bindir:
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
     return env
