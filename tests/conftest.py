@@ -42,8 +42,16 @@ def demo_data(demo_model, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.gpu` tests need CUDA: skipped, with the reason shown, where there is none."""
+    """`@pytest.mark.gpu` tests need CUDA: skipped, with the reason shown, where there is none.
+
+    Under pytest-xdist with `--dist loadgroup`, every `slow` test (multi-process DeepSpeed runs)
+    goes to one worker: the session's shared runs (`shared_runs`) are made once, and at most
+    one worker's ranks compete for the cores; the other workers run the rest."""
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("deepspeed"))
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
@@ -53,3 +61,12 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (pytest marker `gpu`)")
         for item in gpu_tests:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_runs(demo_model, demo_data, tmp_path_factory):
+    """DeepSpeed runs made once per session and read by the tests of several files
+    (tests/deepspeed_runs.py `SharedRuns`); a test copies a run directory before changing it."""
+    from deepspeed_runs import SharedRuns
+
+    return SharedRuns(demo_model, demo_data, tmp_path_factory.mktemp("shared-runs"))

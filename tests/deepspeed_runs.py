@@ -1,8 +1,9 @@
 """Real DeepSpeed training runs for the tests (CPU accelerator, gloo): the run config a test
-starts from and how it is launched, shared by test_train and test_resume_universal."""
+starts from, how it is launched, and the runs several test files share (`SharedRuns`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,3 +48,46 @@ def run_side_by_side(*cfgs: RunConfig, nproc: int = 2) -> list[list[dict]]:
     runs' start-up (imports, DeepSpeed init), which leaves a core idle, overlaps."""
     with ThreadPoolExecutor(max_workers=2) as pool:
         return list(pool.map(lambda cfg: run(cfg, nproc), cfgs))
+
+
+class SharedRuns:
+    """Runs several test files read, each made once per session (the `shared_runs` fixture).
+
+    A test gets `(run directory, metrics rows)` and must not change the directory: one that
+    resumes, kills or rewrites a run copies it first. The runs:
+
+    - `sft-z0`, `sft-z2`, `sft-z3`: `base_run` SFT under ZeRO-0/2/3 (6 steps, checkpoints at 3
+      and 6; 2 ranks, micro batch 8, global batch 16);
+    - `sft-z3-resumed`: `sft-z3` "killed" after step 4 (`stop_after_step`, the checkpoint of
+      step 3 the newest), then relaunched unchanged: it resumes from step 3. Rows: the relaunch's.
+      `first_rows["sft-z3-resumed"]`: the interrupted launch's rows, and whether it exported a model.
+    """
+
+    STAGES = {"sft-z0": 0, "sft-z2": 2, "sft-z3": 3}
+
+    def __init__(self, demo_model, data, root: Path) -> None:
+        self.demo_model, self.data, self.root = demo_model, data, Path(root)
+        self.done: dict[str, tuple[Path, list[dict]]] = {}
+        self.first_rows: dict[str, tuple[list[dict], bool]] = {}
+
+    def config(self, name: str) -> RunConfig:
+        zero = self.STAGES[name.removesuffix("-resumed")]
+        return base_run(self.demo_model, self.data, self.root / name, zero=zero)
+
+    def _make(self, name: str) -> list[dict]:
+        cfg = self.config(name)
+        if name.endswith("-resumed"):
+            rows = run(dataclasses.replace(cfg, stop_after_step=4))
+            self.first_rows[name] = (rows, (Path(cfg.out_dir) / "model").exists())
+        return run(cfg)
+
+    def prefetch(self, *names: str) -> None:
+        """Make the runs not made yet, two at a time (see `run_side_by_side`)."""
+        todo = [n for n in dict.fromkeys(names) if n not in self.done]
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for name, rows in zip(todo, pool.map(self._make, todo), strict=True):
+                self.done[name] = (self.root / name, rows)
+
+    def __getitem__(self, name: str) -> tuple[Path, list[dict]]:
+        self.prefetch(name)
+        return self.done[name]

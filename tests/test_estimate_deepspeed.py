@@ -111,11 +111,19 @@ def measured(built):
     # else the machine runs; their start-up (imports, DeepSpeed init) overlaps.
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = dict(zip(CASES, pool.map(probe, CASES), strict=True))
-    out = {}
     for name, res in results.items():
         assert res["status"] == "ok", (name, res)
-        out[name] = res["peak_allocated_bytes"]
-    return out
+    return results
+
+
+def test_a_probe_writes_its_candidate_peak_and_step_time(built, measured):
+    """What select_config reads of a probe (was test_train's own ZeRO-2 probe run)."""
+    import json
+
+    for name, (_, kw) in CASES.items():
+        res = measured[name]
+        assert json.loads((built / f"{name}.json").read_text())["id"] == _cand(kw).id
+        assert res["step_time_s"] > 0 and res["peak_allocated_bytes"] > 0
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -123,5 +131,5 @@ def test_prediction_within_10_percent(built, measured, name):
     method, kw = CASES[name]
     arch = catalog.model(str(built / "model"))
     e = estimate(arch, catalog.gpu("cpu"), 2, 1, method, _cand(kw), budget_bytes=8 * 2**30)
-    ratio = measured[name] / e.peak_allocated_bytes
-    assert 0.90 <= ratio <= 1.10, (name, measured[name], e.peak_allocated_bytes, e.phases)
+    ratio = measured[name]["peak_allocated_bytes"] / e.peak_allocated_bytes
+    assert 0.90 <= ratio <= 1.10, (name, measured[name]["peak_allocated_bytes"], e.peak_allocated_bytes, e.phases)

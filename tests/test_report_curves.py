@@ -3,14 +3,11 @@ the resume check marked, and the page's list of what switched."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import pytest
-from deepspeed_runs import base_run
-from deepspeed_runs import run as run_training
 from test_report import WINNER, GiB, MiB, _cand, _dpo_run, _pred, _render, _text, _write
 
 from memfit.report.charts import curves_figure
@@ -158,13 +155,11 @@ def test_an_older_summary_still_marks_its_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_real_resumed_training_is_marked_where_it_resumed(demo_model, demo_data, tmp_path):
+def test_a_real_resumed_training_is_marked_where_it_resumed(shared_runs, tmp_path):
     """memfit's trainer, "killed" after step 4 and relaunched (it resumes from the checkpoint at
-    step 3): the report's curves mark the resume at step 3 and draw what the trainer logged."""
-    out = tmp_path / "sft-run"
-    cfg = base_run(demo_model, demo_data, out, zero=2)
-    run_training(dataclasses.replace(cfg, stop_after_step=4))
-    rows = run_training(cfg)
+    step 3; the session's shared run, tests/deepspeed_runs.py): the report's curves mark the
+    resume at step 3 and draw what the trainer logged."""
+    out, rows = shared_runs["sft-z3-resumed"]
     assert [r.get("resumed_from_step") for r in rows if r["split"] == "train"] == [
         None,
         None,

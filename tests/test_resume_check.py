@@ -40,17 +40,19 @@ def test_losses_after_the_checkpoint_decide_within_rtol(tmp_path):
 
 
 @pytest.mark.slow
-def test_verify_resume_and_stale_checkpoints_on_a_real_run(demo_model, demo_data, tmp_path):
-    from deepspeed_runs import base_run
+def test_verify_resume_and_stale_checkpoints_on_a_real_run(shared_runs, tmp_path):
+    """On a copy of the session's ZeRO-2 run (6 steps, checkpoints at 3 and 6; the train stage
+    itself, memfit.workflow.pipeline.train, runs in test_fallback_train.py)."""
+    import shutil
 
     from memfit.workflow import pipeline
     from memfit.workflow.resume_check import verify_resume
 
-    cfg = base_run(demo_model, demo_data, tmp_path / "run", zero=2)  # 6 steps, checkpoints at 3 and 6
-    Path(cfg.out_dir).mkdir(parents=True)
+    src, _ = shared_runs["sft-z2"]
+    shutil.copytree(src, tmp_path / "run")
+    cfg = dataclasses.replace(shared_runs.config("sft-z2"), out_dir=str(tmp_path / "run"))
     cfg.save(tmp_path / "run.json")
-    summary = pipeline.train(tmp_path / "run.json", 2, tmp_path / "train.log")
-    assert summary["peak_allocated_bytes"] > 0
+    assert json.loads((tmp_path / "run/summary.json").read_text())["peak_allocated_bytes"] > 0
 
     res = verify_resume(tmp_path / "run.json", 2, tmp_path / "verify_resume.json", tmp_path / "verify.log")
     assert json.loads((tmp_path / "verify_resume.json").read_text()) == res

@@ -204,7 +204,7 @@ def data(demo_data):
 
 
 def sft_run(demo_model, data, out, **cand):
-    return base_run(demo_model, data, out, **{"micro_batch": 4, **cand})
+    return base_run(demo_model, data, out, **{"micro_batch": 8, **cand})
 
 
 def rows_of(rows, split):
@@ -224,13 +224,19 @@ def interrupted_copy(src: Path, dest: Path, keep: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("zero", "before", "after"), [(2, 2, 1), (3, 2, 1), (0, 2, 1), (2, 1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(demo_model, data, tmp_path, zero, before, after):
-    """Global batch 8 = 4 micro x accum x ranks throughout; ZeRO-1/2/3 through a universal
-    checkpoint, ZeRO-0 (nothing partitioned) as saved."""
-    ref_cfg = sft_run(demo_model, data, tmp_path / "ref", zero=zero, grad_accum=2 // before)
-    ref = run(ref_cfg, before)
+def test_a_checkpoint_resumes_on_another_number_of_ranks(demo_model, data, shared_runs, tmp_path, zero, before, after):
+    """Global batch 16 = 8 micro x accum x ranks throughout; ZeRO-1/2/3 through a universal
+    checkpoint, ZeRO-0 (nothing partitioned) as saved. The 2-rank runs resumed from are the
+    session's shared ones (tests/deepspeed_runs.py `SharedRuns`, the same `base_run`)."""
+    if before == 2:
+        ref_dir, ref = shared_runs[f"sft-z{zero}"]
+        ref_cfg = shared_runs.config(f"sft-z{zero}")
+    else:
+        ref_dir = tmp_path / "ref"
+        ref_cfg = sft_run(demo_model, data, ref_dir, zero=zero, grad_accum=2 // before)
+        ref = run(ref_cfg, before)
     out = tmp_path / "resumed"
-    interrupted_copy(tmp_path / "ref", out, "step00000003")
+    interrupted_copy(ref_dir, out, "step00000003")
     cfg = dataclasses.replace(ref_cfg, out_dir=str(out), candidate={**ref_cfg.candidate, "grad_accum": 2 // after})
     rows = run(cfg, after)
     log = (out / "log.txt").read_text()
@@ -251,7 +257,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(demo_model, data, tmp_p
         rel = max(abs(a - b) / abs(b) for (_, a), (_, b) in zip(got, want, strict=True))
         print(f"ZeRO-{zero} {before}->{after} ranks, {split} losses: max relative difference {rel:.2e}")
         assert rel < 1e-5, (split, got, want)
-    a = load_file(str(tmp_path / "ref/model/model.safetensors"))
+    a = load_file(str(ref_dir / "model/model.safetensors"))
     b = load_file(str(out / "model/model.safetensors"))
     worst = max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)) for k in a)
     print(f"ZeRO-{zero} {before}->{after} ranks, final weights: max relative difference {worst:.2e}")

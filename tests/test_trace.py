@@ -65,17 +65,21 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("traces")
 
 
-def test_fake_trace_equals_real_step_and_is_linear_in_batch():
-    """The fake run measures what the real run measures (every MEASURES entry, exactly), for both attention kinds and checkpointing on/off, Llama- and
-    Qwen2-shaped, full and LoRA; and with 2, 3 and 4 sequences the same ops run and what is
-    alive after each op lies on a line (what per_sequence relies on)."""
-    cases = [
-        ("llama", "sdpa", False, "full"),
-        ("llama", "eager", True, "lora"),
-        ("qwen2", "sdpa", True, "full"),
-        ("qwen2", "eager", False, "full"),
-        ("qwen2", "sdpa", False, "lora"),
-    ]
+# Every case of the sweeps below runs in benchmarks/bench_trace.py; the suite keeps the cases
+# that together take each value of each dimension (attention, checkpointing, family, LoRA).
+FAKE_CASES = [
+    ("llama", "sdpa", False, "full"),
+    ("llama", "eager", True, "lora"),
+    ("qwen2", "sdpa", True, "full"),
+    ("qwen2", "eager", False, "full"),
+    ("qwen2", "sdpa", False, "lora"),
+]
+FAKE_IN_SUITE = [FAKE_CASES[1], FAKE_CASES[2], FAKE_CASES[3]]
+
+
+def fake_vs_real(cases) -> list[str]:
+    """For each (kind, attn, grad_ckpt, finetune): the fake-tensor trace against the same step
+    on real tensors, and the real steps at 2, 3 and 4 sequences; the failures, as sentences."""
     code = """
         import json, warnings
         warnings.filterwarnings("ignore")
@@ -93,14 +97,28 @@ def test_fake_trace_equals_real_step_and_is_linear_in_batch():
         print(json.dumps(res))
         """
     # the cases split over two child processes run side by side (each case is independent)
-    halves = _children(*(code.replace("CASES", repr(cases[i::2])) for i in (0, 1)))
+    halves = _children(*(code.replace("CASES", repr(list(cases)[i::2])) for i in (0, 1)))
     out = halves[0] + halves[1]
     assert len(out) == len(cases)
+    bad = []
     for kind, attn, ck, ft, fake, real, (s1, s2, s3) in out:
-        assert fake[0] == real[0], f"{kind} {attn} ckpt={ck} {ft}: {fake[0]} != {real[0]}"
-        assert len(s1) == len(s2) == len(s3), (kind, attn, ck, ft)
+        if fake[0] != real[0]:
+            bad.append(f"{kind} {attn} ckpt={ck} {ft}: fake {fake[0]} != real {real[0]}")
+        if not len(s1) == len(s2) == len(s3):
+            bad.append(f"{kind} {attn} ckpt={ck} {ft}: a different number of ops at 2, 3, 4 sequences")
+            continue
         bent = [i for i in range(len(s1)) if s3[i] - s2[i] != s2[i] - s1[i]]
-        assert not bent, f"{kind} {attn} ckpt={ck} {ft}: not affine in the batch at ops {bent[:5]}"
+        if bent:
+            bad.append(f"{kind} {attn} ckpt={ck} {ft}: not affine in the batch at ops {bent[:5]}")
+    return bad
+
+
+def test_fake_trace_equals_real_step_and_is_linear_in_batch():
+    """The fake run measures what the real run measures (every MEASURES entry, exactly), for both attention kinds and checkpointing on/off, Llama- and
+    Qwen2-shaped, full and LoRA; and with 2, 3 and 4 sequences the same ops run and what is
+    alive after each op lies on a line (what per_sequence relies on)."""
+    bad = fake_vs_real(FAKE_IN_SUITE)
+    assert not bad, "\n".join(bad)
 
 
 # -- against the real-tensor ground truth (test_estimate_groundtruth.py) ------------------------
@@ -116,11 +134,14 @@ GT_CASES = [
     ("qwen2", "dpo", dict(finetune="lora", attn="sdpa", grad_ckpt=False, ref="adapter")),
     ("qwen2", "dpo", dict(finetune="full", attn="eager", grad_ckpt=True, ref="model", seq_len=96)),
 ]
+# Each family, method, attention, checkpointing, LoRA and reference kind once (all eight in
+# benchmarks/bench_trace.py).
+GT_IN_SUITE = [GT_CASES[i] for i in (2, 3, 4, 6)]
 
 
-@pytest.fixture(scope="module")
-def groundtruth(cache):
-    cands = [(kind, method, dataclasses.replace(GT_BASE, **kw)) for kind, method, kw in GT_CASES]
+def groundtruth_rows(cases, cache) -> list[tuple]:
+    """(kind, method, candidate, measured, analytic estimate, traced estimate) for each case."""
+    cands = [(kind, method, dataclasses.replace(GT_BASE, **kw)) for kind, method, kw in cases]
     traced_settings = Settings(
         optimizer_impl="single", activations="traced", trace_cache=str(cache)
     )
@@ -161,6 +182,11 @@ def groundtruth(cache):
     return out
 
 
+@pytest.fixture(scope="module")
+def groundtruth(cache):
+    return groundtruth_rows(GT_IN_SUITE, cache)
+
+
 def test_traced_within_5_percent_of_ground_truth(groundtruth):
     bad = []
     for kind, method, c, m, _, t in groundtruth:
@@ -179,33 +205,47 @@ def test_traced_and_analytic_agree_on_small_shapes(groundtruth):
         )
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b"])
-def test_traced_and_analytic_agree_on_catalog_models(name, cache):
-    """Real sizes (bf16, 2048 tokens): what autograd keeps per layer and the loss terms are the
-    same tensors whether counted by the formulas or traced."""
+CATALOG_CANDIDATES = (
+    Candidate(attn="flash", grad_ckpt=False, seq_len=2048, micro_batch=1),
+    Candidate(attn="eager", grad_ckpt=True, seq_len=2048, micro_batch=2),
+    Candidate(attn="sdpa", grad_ckpt=False, finetune="lora", seq_len=2048),
+)
+
+
+def catalog_disagreements(name: str, cache) -> list[str]:
+    """Real sizes (bf16, 2048 tokens) of catalog model `name`: the fields where the traced
+    activations differ from the formulas by more than 2%."""
     from memfit.estimate import activations, traced_activations
 
     arch = catalog.model(name)
-    cands = (
-        Candidate(attn="flash", grad_ckpt=False, seq_len=2048, micro_batch=1),
-        Candidate(attn="eager", grad_ckpt=True, seq_len=2048, micro_batch=2),
-        Candidate(attn="sdpa", grad_ckpt=False, finetune="lora", seq_len=2048),
-    )
-    # the three shapes traced in one batch of child processes (as estimate_space does), then read
+    # the shapes traced in one batch of child processes (as estimate_space does), then read
     # from the cache by traced_activations below
     prefetch_traces(
         arch,
         catalog.gpu("h100-80gb"),
-        cands,
+        CATALOG_CANDIDATES,
         Settings(activations="traced", trace_cache=str(cache)),
     )
-    for c in cands:
+    bad = []
+    for c in CATALOG_CANDIDATES:
         s = Settings(activations="traced", trace_cache=str(cache))
         a = activations(arch, c, "sft", s)
         t = traced_activations(arch, c, "sft", s, a)
         for f in ("saved", "kept_per_layer", "logits_saved", "logits_bwd_extra"):
             x, y = getattr(a, f), getattr(t, f)
-            assert abs(y - x) <= 0.02 * x, f"{name} {c.id} {f}: analytic {x} traced {y}"
+            if abs(y - x) > 0.02 * x:
+                bad.append(f"{name} {c.id} {f}: analytic {x} traced {y}")
+    return bad
+
+
+# Llama-3.1-8B here; Qwen2.5-7B (q/k/v biases, tied embeddings at 7B: no) in benchmarks/bench_trace.py.
+# Qwen2-shaped tracing against real tensors stays in the suite through the ground truth above.
+@pytest.mark.parametrize("name", ["llama-3.1-8b"])
+def test_traced_and_analytic_agree_on_catalog_models(name, cache):
+    """Real sizes (bf16, 2048 tokens): what autograd keeps per layer and the loss terms are the
+    same tensors whether counted by the formulas or traced."""
+    bad = catalog_disagreements(name, cache)
+    assert not bad, "\n".join(bad)
 
 
 # -- the cache ----------------------------------------------------------------------------------

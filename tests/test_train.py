@@ -26,19 +26,20 @@ def losses(rows, split="train"):
 
 
 @pytest.fixture(scope="module")
-def zero3_run(demo_model, data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("z3")
-    return out, run(base_run(demo_model, data, out, zero=3))
+def zero3_run(shared_runs):
+    """The ZeRO-3 SFT run (conftest `shared_runs`, read-only): (run directory, metrics rows)."""
+    return shared_runs["sft-z3"]
 
 
-def test_sft_learns_and_zero_stages_agree(demo_model, data, tmp_path, zero3_run):
+def test_sft_learns_and_zero_stages_agree(shared_runs, zero3_run):
+    shared_runs.prefetch("sft-z0", "sft-z2")
     _, ref_rows = zero3_run
     ref = losses(ref_rows)
     assert len(ref) == 6
     ev = losses(ref_rows, "eval")
     assert ev[-1] < ev[0] * 0.8, f"held-out loss did not fall: {ev}"
-    got = run_side_by_side(*(base_run(demo_model, data, tmp_path / f"z{stage}", zero=stage) for stage in (0, 2)))
-    for stage, rows in zip((0, 2), got, strict=True):
+    for stage in (0, 2):
+        _, rows = shared_runs[f"sft-z{stage}"]
         assert losses(rows) == pytest.approx(ref, rel=1e-4), f"ZeRO-{stage} differs from ZeRO-3"
 
 
@@ -48,20 +49,19 @@ def test_optimizer_offload_trains_the_same(demo_model, data, tmp_path, zero3_run
     assert got == pytest.approx(losses(ref_rows), rel=1e-4)
 
 
-def test_resume_after_interruption_continues_exactly(demo_model, data, tmp_path, zero3_run):
+def test_resume_after_interruption_continues_exactly(shared_runs, zero3_run):
     ref_dir, ref_rows = zero3_run
-    cfg = base_run(demo_model, data, tmp_path / "resumed", zero=3)
-    first = run(dataclasses.replace(cfg, stop_after_step=4))  # "killed" after step 4; checkpoint at 3
+    out, rows = shared_runs["sft-z3-resumed"]  # resume: auto picks step 3 and re-does step 4
+    first, exported = shared_runs.first_rows["sft-z3-resumed"]  # "killed" after step 4; checkpoint at 3
     assert max(r["step"] for r in first) == 4
-    assert not (tmp_path / "resumed/model").exists()
-    rows = run(cfg)  # resume: auto picks step 3 and re-does step 4
-    summary = json.loads((tmp_path / "resumed/summary.json").read_text())
+    assert not exported  # the interrupted launch wrote no model
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["resume_peak_allocated_bytes"] > 0  # loading the checkpoint is measured on its own
     assert json.loads((ref_dir / "summary.json").read_text())["resume_peak_allocated_bytes"] is None
     assert [(r["step"], r["split"]) for r in rows] == [(r["step"], r["split"]) for r in ref_rows]
     assert losses(rows) == losses(ref_rows)  # bit for bit
     a = load_file(str(ref_dir / "model/model.safetensors"))
-    b = load_file(str(tmp_path / "resumed/model/model.safetensors"))
+    b = load_file(str(out / "model/model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -76,15 +76,30 @@ def test_resume_refuses_a_checkpoint_of_another_run(demo_model, data, tmp_path, 
     assert "belongs to a different run" in (Path(cfg.out_dir) / "log.txt").read_text()
 
 
-def test_dpo_with_frozen_reference_reports_trl_metrics(demo_model, data, tmp_path):
-    rows = run(base_run(demo_model, data, tmp_path / "dpo", method="dpo", zero=3, micro_batch=4, grad_accum=2))
+@pytest.fixture(scope="module")
+def dpo_ref_runs(demo_model, data, tmp_path_factory):
+    """DPO (3 steps, micro batch 8) with the frozen reference model held (`ref=model`) and with its
+    log-probs precomputed (`ref=precomputed`), under ZeRO-2 and ZeRO-3: {(zero, ref): (dir, rows)}."""
+    root = tmp_path_factory.mktemp("dpo-ref")
+    cfgs = {}
+    for zero in (2, 3):
+        for ref in ("model", "precomputed"):
+            out = root / f"z{zero}-{ref}"
+            cfg = base_run(demo_model, data, out, method="dpo", zero=zero, micro_batch=8, grad_accum=1, ref=ref)
+            cfgs[(zero, ref)] = dataclasses.replace(cfg, max_steps=3)
+    got = run_side_by_side(*cfgs.values())
+    return {key: (Path(cfg.out_dir), rows) for (key, cfg), rows in zip(cfgs.items(), got, strict=True)}
+
+
+def test_dpo_with_frozen_reference_reports_trl_metrics(dpo_ref_runs):
+    out, rows = dpo_ref_runs[(3, "model")]
     train = [r for r in rows if r["split"] == "train"]
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
         assert key in train[0], key
     # policy == reference at step 1: the first loss is log(2) exactly as in the DPO paper
     assert train[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
     assert train[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
-    assert (tmp_path / "dpo/model/model.safetensors").exists()
+    assert (out / "model/model.safetensors").exists()
 
 
 LORA = {"finetune": "lora", "lora_rank": 8, "grad_ckpt": True}
@@ -107,21 +122,6 @@ def test_lora_exports_a_merged_model_transformers_loads(demo_model, lora_merged)
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in base.parameters())
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, dict(base.named_parameters())[n])]
     assert any("q_proj" in n for n in changed) and not any("norm" in n for n in changed)
-
-
-def test_probe_measures_peak_memory_and_step_time(demo_model, data, tmp_path):
-    from memfit.workflow.probe import run_probe
-
-    cfg = base_run(demo_model, data, tmp_path / "probe", zero=2, micro_batch=16)
-    res = run_probe(cfg, nproc=2, out_json=tmp_path / "probe.json", log=tmp_path / "probe.log", steps=2)
-    assert res["status"] == "ok", res
-    from transformers import AutoModelForCausalLM
-
-    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(demo_model).parameters())
-    # fp32 weights + grads + 2 Adam moments, partly sharded over 2 ranks, plus activations
-    assert res["peak_allocated_bytes"] > params * 4 * 2
-    assert res["step_time_s"] > 0
-    assert json.loads((tmp_path / "probe.json").read_text())["id"] == cfg.cand.id
 
 
 def test_sigterm_checkpoints_the_current_step_and_the_rerun_resumes(demo_model, data, tmp_path, zero3_run):
@@ -157,15 +157,13 @@ def test_sigterm_checkpoints_the_current_step_and_the_rerun_resumes(demo_model, 
 
 
 @pytest.mark.parametrize("zero", [2, 3])
-def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, data, tmp_path, zero):
+def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, dpo_ref_runs, zero):
     """ref=precomputed: reference log-probs from one pass before training; no reference model held."""
-    common = {"zero": zero, "micro_batch": 8, "grad_accum": 1}
-    model_cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "ref-model", method="dpo", **common), max_steps=3)
-    pre_cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "ref-pre", method="dpo", ref="precomputed", **common), max_steps=3)
-    with_model, pre = run_side_by_side(model_cfg, pre_cfg)
+    pre_dir, pre = dpo_ref_runs[(zero, "precomputed")]
+    _, with_model = dpo_ref_runs[(zero, "model")]
     assert losses(pre) == pytest.approx(losses(with_model), rel=1e-5)
     assert losses(pre, "eval") == pytest.approx(losses(with_model, "eval"), rel=1e-5)
-    assert (tmp_path / "ref-pre/ref_logps.pt").exists()
+    assert (pre_dir / "ref_logps.pt").exists()
     peak = {name: max(r["peak_allocated_bytes"] for r in rows if r["split"] == "train") for name, rows in (("model", with_model), ("pre", pre))}
     # The frozen reference's weights are gone from training: at least its share per rank (a full
     # fp32 replica under ZeRO-2, 1/world of it under ZeRO-3, where DeepSpeed kept the precompute
@@ -173,7 +171,7 @@ def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, data
     n_params = sum(t.numel() for t in load_file(demo_model / "model.safetensors").values())
     ref_share = 4 * n_params // (2 if zero == 3 else 1)
     assert peak["model"] - peak["pre"] >= ref_share, (peak, ref_share)
-    assert "reference model released: 0.0 MiB of its parameters still allocated" in (tmp_path / "ref-pre/log.txt").read_text()
+    assert "reference model released: 0.0 MiB of its parameters still allocated" in (pre_dir / "log.txt").read_text()
 
 
 def test_sigkill_anywhere_then_resume_is_bit_exact(demo_model, data, tmp_path, zero3_run):
