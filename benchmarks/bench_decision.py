@@ -45,9 +45,7 @@ def _probe_all(cfg: WorkflowConfig, method: str, ids: list[str], table: Path, mo
     for i, cid in enumerate(ids, 1):
         p = out / "probes" / f"{cid}.json"
         t0 = time.perf_counter()
-        r = pipeline.probe_candidate(
-            cfg, method, cid, table, str(model), str(data), p, out / "probes" / f"{cid}.log"
-        )
+        r = pipeline.probe_candidate(cfg, method, cid, table, str(model), str(data), p, out / "probes" / f"{cid}.log")
         times.append(time.perf_counter() - t0)
         print(f"  [{i}/{len(ids)}] {cid}: {r['status']} in {times[-1]:.1f} s", flush=True)
         paths.append(p)
@@ -67,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default=str(REPO / "config/config.yaml"))
     ap.add_argument("--method", default="sft", choices=["sft", "dpo"])
-    ap.add_argument(
-        "--limit", type=int, default=None, help="brute force probes only the first N candidates"
-    )
+    ap.add_argument("--limit", type=int, default=None, help="brute force probes only the first N candidates")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--json", default=None, help="also write the result here")
     args = ap.parse_args(argv)
@@ -103,16 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     table = pipeline.estimate_candidates(cfg, "demo-tiny", "cpu", method, m_out / "candidates.json")
     t_est = time.perf_counter() - t0
-    probes, _ = _probe_all(
-        cfg, method, table["probe"], m_out / "candidates.json", model, data, m_out
-    )
+    probes, _ = _probe_all(cfg, method, table["probe"], m_out / "candidates.json", model, data, m_out)
     m_pick = _select(cfg, method, m_out / "candidates.json", probes, model, data, m_out)
     t_memfit = time.perf_counter() - t0
 
     b_out = work / "brute"
-    b_table = pipeline.estimate_candidates(
-        cfg, "demo-tiny", "cpu", method, b_out / "candidates.json"
-    )  # untimed
+    b_table = pipeline.estimate_candidates(cfg, "demo-tiny", "cpu", method, b_out / "candidates.json")  # untimed
     valid = [r["id"] for r in b_table["rows"] if not r["invalid"]]
     ids = valid[: args.limit] if args.limit else valid
     print(f"brute force: {len(ids)} of {len(valid)} candidates probed -> select", flush=True)
@@ -136,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         "same_pick": m_pick == b_pick,
         "ratio": round(t_brute_full / t_memfit, 2),
     }  # fmt: skip
-    print(
-        f"memfit:      {t_memfit:7.1f} s  ({len(table['probe'])} probes, estimate {t_est:.1f} s) -> {m_pick}"
-    )
+    print(f"memfit:      {t_memfit:7.1f} s  ({len(table['probe'])} probes, estimate {t_est:.1f} s) -> {m_pick}")
     print(f"brute force: {t_brute:7.1f} s  ({len(ids)} of {len(valid)} probes) -> {b_pick}")
     if not full:
         print(

@@ -112,8 +112,9 @@ def run_memfit(model_dir: Path, rows: list[dict], a, pad_id: int) -> dict:
     ref.eval().requires_grad_(False)
     policy.train()
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    runner = StepRunner("dpo", policy, ref, pad_id,
-                        dpo={"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0}, ref="model")
+    runner = StepRunner(
+        "dpo", policy, ref, pad_id, dpo={"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0}, ref="model"
+    )
     stamps: list[float] = []
     loss = torch.tensor(0.0)
     for b in batches(rows, a.batch, a.warmup + a.steps, a.seed):

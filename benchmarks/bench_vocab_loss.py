@@ -32,9 +32,17 @@ VOCAB = 151_936  # Qwen2/2.5 (config/models.yaml)
 
 def build(hidden: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16384,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=16384,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return LlamaForCausalLM(cfg).float().train()
 
 
@@ -56,8 +64,12 @@ def step(model, impl: str, method: str, hidden: torch.Tensor, ids: torch.Tensor)
     labels = ids.clone()
     head = _HeadOnly(model)
     if impl == "torch-lce":  # SFT only: PyTorch's fused linear cross entropy on the final hidden states
-        loss = F.linear_cross_entropy(hidden[:, :-1].reshape(-1, hidden.shape[-1]), model.lm_head.weight,
-                                      labels[:, 1:].reshape(-1), options=torch.nn.LinearCrossEntropyOptions())
+        loss = F.linear_cross_entropy(
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            model.lm_head.weight,
+            labels[:, 1:].reshape(-1),
+            options=torch.nn.LinearCrossEntropyOptions(),
+        )
     else:
         runner = StepRunner(method, head, None, 0, loss_impl=impl)
         logps, mask = runner.token_logps(head, labels, hidden=hidden)
@@ -103,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
             for impl in ("full", "chunked") + (("torch-lce",) if method == "sft" else ()):
                 peak, secs = measure(model, impl, method, tokens)
                 base = base or (peak, secs)
-                print(f"{method:6} {tokens:>6} {impl:>9} {fmt_bytes(peak):>11} {secs:>7.2f}s"
-                      f"  {peak / base[0]:9.3f}  {secs / base[1]:9.2f}")
+                print(
+                    f"{method:6} {tokens:>6} {impl:>9} {fmt_bytes(peak):>11} {secs:>7.2f}s"
+                    f"  {peak / base[0]:9.3f}  {secs / base[1]:9.2f}"
+                )
     return 0
 
 

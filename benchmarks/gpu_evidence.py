@@ -45,10 +45,12 @@ from memfit.units import GIB, MIB, fmt_bytes  # noqa: E402
 
 # Wheels needed beyond PyTorch (fetched by benchmarks/fetch_gpu_wheels.sh). Optional ones make
 # their rows "skipped: <reason>" when absent.
-WHEELS = ["deepspeed", "peft", "transformers", "accelerate", "safetensors", "tokenizers",
-          "pyarrow", "pyyaml", "tqdm"]
-OPTIONAL_WHEELS = {"bitsandbytes": "QLoRA rows", "liger-kernel": "not used by rows yet",
-                   "flash-attn": "attn=flash rows (only if a wheel exists for this torch/CUDA)"}
+WHEELS = ["deepspeed", "peft", "transformers", "accelerate", "safetensors", "tokenizers", "pyarrow", "pyyaml", "tqdm"]
+OPTIONAL_WHEELS = {
+    "bitsandbytes": "QLoRA rows",
+    "liger-kernel": "not used by rows yet",
+    "flash-attn": "attn=flash rows (only if a wheel exists for this torch/CUDA)",
+}
 
 STEPS = 3  # optimizer steps per probe: first is warm-up, the median of the rest is step_time_s
 
@@ -77,13 +79,20 @@ class Profile:
 def gpu_profile(gpu: str) -> Profile:
     # Llama-3.1-8B with 4 of its 32 layers: 1.9e9 params (full FT with Adam ~30 GiB), so every
     # full-FT row fits an 80 GB GPU with room for activations; LoRA rows use the same model.
-    return Profile("gpu", "llama-3.1-8b", 4, gpu,
-                   dict(precision="bf16", seq_len=2048, micro_batch=1, grad_accum=1, attn="sdpa"))
+    return Profile(
+        "gpu", "llama-3.1-8b", 4, gpu, dict(precision="bf16", seq_len=2048, micro_batch=1, grad_accum=1, attn="sdpa")
+    )
 
 
 def dry_profile() -> Profile:
-    return Profile("dry", str(REPO / "config/models/demo-tiny.json"), 2, "cpu",
-                   dict(precision="fp32", seq_len=24, micro_batch=2, grad_accum=1, attn="sdpa"), 24)
+    return Profile(
+        "dry",
+        str(REPO / "config/models/demo-tiny.json"),
+        2,
+        "cpu",
+        dict(precision="fp32", seq_len=24, micro_batch=2, grad_accum=1, attn="sdpa"),
+        24,
+    )
 
 
 # Stage name -> rows. Each stage is sized for < 8 minutes on one H100 (about 40-70 s a probe:
@@ -113,13 +122,11 @@ STAGES: dict[str, list[Row]] = {
     "qlora": [
         Row("sft-lora-z0", "sft", dict(zero=0, finetune="lora")),
         Row("sft-qlora-z0", "sft", dict(zero=0, finetune="qlora"), needs=("cuda", "bitsandbytes")),
-        Row("sft-qlora-z0-gc", "sft", dict(zero=0, finetune="qlora", grad_ckpt=True),
-            needs=("cuda", "bitsandbytes")),
+        Row("sft-qlora-z0-gc", "sft", dict(zero=0, finetune="qlora", grad_ckpt=True), needs=("cuda", "bitsandbytes")),
     ],
     "allocator": [
         Row("sft-full-z2-expandable-off", "sft", dict(zero=2), expandable_segments=False),
-        Row("sft-full-z2-expandable-on", "sft", dict(zero=2), expandable_segments=True,
-            needs=("cuda",)),
+        Row("sft-full-z2-expandable-on", "sft", dict(zero=2), expandable_segments=True, needs=("cuda",)),
     ],
     "long_context": [],  # rows made at run time from memfit.estimate.fit (~3 min)
 }
@@ -141,8 +148,11 @@ def _missing(needs: tuple[str, ...], cuda: bool) -> str | None:
 
 
 def model_arch(profile: Profile) -> catalog.ModelArch:
-    arch = (catalog.model_from_config_file(profile.model) if profile.model.endswith(".json")
-            else catalog.model(profile.model))
+    arch = (
+        catalog.model_from_config_file(profile.model)
+        if profile.model.endswith(".json")
+        else catalog.model(profile.model)
+    )
     return dataclasses.replace(arch, num_layers=profile.layers)
 
 
@@ -175,8 +185,9 @@ def build(profile: Profile, work: Path) -> tuple[Path, dict[str, Path]]:
     for m in ("sft", "dpo"):
         data[m] = work / f"data-{profile.name}-{m}"
         if not (data[m] / "stats.json").exists():
-            prepare(m, REPO / f"data/demo/{m}.jsonl", model_dir, data[m], max_len=profile.data_max_len,
-                    eval_fraction=0.05)
+            prepare(
+                m, REPO / f"data/demo/{m}.jsonl", model_dir, data[m], max_len=profile.data_max_len, eval_fraction=0.05
+            )
     return model_dir, data
 
 
@@ -195,8 +206,12 @@ class DevicePoller:
         self._t = threading.Thread(target=self._loop, daemon=True)
 
     def _used(self) -> int:
-        out = subprocess.run([self.exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            [self.exe, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
         rows = [line.split(",") for line in out.splitlines() if "," in line]
         # every compute process but this driver (which never touches CUDA), in MiB
         return sum(int(m) for pid, m in rows if int(pid) != os.getpid() and m.strip().isdigit()) * MIB
@@ -246,8 +261,16 @@ def _err(measured, est) -> float | None:
     return round(measured / est - 1, 4)
 
 
-def run_row(row: Row, profile: Profile, model_dir: Path, data: dict[str, Path], work: Path,
-            cuda: bool, settings_kw: dict | None = None, budget: int | None = None) -> dict[str, Any]:
+def run_row(
+    row: Row,
+    profile: Profile,
+    model_dir: Path,
+    data: dict[str, Path],
+    work: Path,
+    cuda: bool,
+    settings_kw: dict | None = None,
+    budget: int | None = None,
+) -> dict[str, Any]:
     from memfit.train.run_config import RunConfig
     from memfit.workflow.probe import run_probe
 
@@ -260,20 +283,44 @@ def run_row(row: Row, profile: Profile, model_dir: Path, data: dict[str, Path], 
     arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
     settings = Settings(expandable_segments=row.expandable_segments, variable_length=False, **(settings_kw or {}))
     est = estimate(arch, gpu, 1, 1, row.method, cand, budget_bytes=budget, settings=settings)
-    out["estimate"] = {k: getattr(est, k) for k in (
-        "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "step_time_s", "tokens_per_s",
-        "fits", "margin_bytes", "peak_phase", "calibration")}
-    out["estimate"]["mfu"] = round(model_flops(arch, cand, row.method) / est.step_time_s / (gpu.tflops(cand.precision) * 1e12), 4)
-    run = RunConfig(method=row.method, model_path=str(model_dir), data_dir=str(data[row.method]),
-                    out_dir=str(work / "runs"), candidate=cand.to_dict(),
-                    dpo={"beta": 0.1} if row.method == "dpo" else {},
-                    expandable_segments=row.expandable_segments)
+    out["estimate"] = {
+        k: getattr(est, k)
+        for k in (
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "device_total_bytes",
+            "step_time_s",
+            "tokens_per_s",
+            "fits",
+            "margin_bytes",
+            "peak_phase",
+            "calibration",
+        )
+    }
+    out["estimate"]["mfu"] = round(
+        model_flops(arch, cand, row.method) / est.step_time_s / (gpu.tflops(cand.precision) * 1e12), 4
+    )
+    run = RunConfig(
+        method=row.method,
+        model_path=str(model_dir),
+        data_dir=str(data[row.method]),
+        out_dir=str(work / "runs"),
+        candidate=cand.to_dict(),
+        dpo={"beta": 0.1} if row.method == "dpo" else {},
+        expandable_segments=row.expandable_segments,
+    )
     env_before = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # "off" means off
     t0 = time.time()
     try:
         with DevicePoller() as poll:
-            res = run_probe(run, nproc=1, out_json=work / "probe" / f"{row.id}.json",
-                            log=work / "probe" / f"{row.id}.log", steps=STEPS, timeout_s=420)
+            res = run_probe(
+                run,
+                nproc=1,
+                out_json=work / "probe" / f"{row.id}.json",
+                log=work / "probe" / f"{row.id}.log",
+                steps=STEPS,
+                timeout_s=420,
+            )
     finally:
         if env_before is not None:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = env_before
@@ -295,13 +342,24 @@ def run_row(row: Row, profile: Profile, model_dir: Path, data: dict[str, Path], 
         "step_time_s": step,
         "first_step_time_s": res.get("first_step_time_s"),
         "tokens_per_s": tokens / step if step else None,  # padded tokens, as the estimate counts
-        "mfu": round(model_flops(arch, cand, row.method) / step / (gpu.tflops(cand.precision) * 1e12), 4) if step else None,
+        "mfu": round(model_flops(arch, cand, row.method) / step / (gpu.tflops(cand.precision) * 1e12), 4)
+        if step
+        else None,
         "achieved_tflops": model_flops(arch, cand, row.method) / step / 1e12 if step else None,
         "device": res.get("device"),
     }
     out["measured"] = meas
-    out["error_rel"] = {k: _err(meas[k], out["estimate"][k]) for k in (
-        "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "step_time_s", "tokens_per_s", "mfu")}
+    out["error_rel"] = {
+        k: _err(meas[k], out["estimate"][k])
+        for k in (
+            "peak_allocated_bytes",
+            "peak_reserved_bytes",
+            "device_total_bytes",
+            "step_time_s",
+            "tokens_per_s",
+            "mfu",
+        )
+    }
     return out
 
 
@@ -344,11 +402,26 @@ def stage_long_context(profile: Profile, model_dir, data, work, cuda: bool) -> l
     budget = None
     if not cuda:  # dry: a budget 25% above seq_len's own estimate, so fit lands near seq_len
         budget = int(estimate(arch, gpu, 1, 1, "sft", base, settings=settings).device_total_bytes * 1.25)
-    n, _ = fit(arch, gpu, 1, 1, "sft", base, "seq_len", budget_bytes=budget, settings=settings,
-               upper=arch.max_position_embeddings)
+    n, _ = fit(
+        arch,
+        gpu,
+        1,
+        1,
+        "sft",
+        base,
+        "seq_len",
+        budget_bytes=budget,
+        settings=settings,
+        upper=arch.max_position_embeddings,
+    )
     if n == 0 or n >= arch.max_position_embeddings:
-        return [{"id": "long-context", "status": f"skipped: fit gave seq_len {n} (no limit below "
-                 f"max_position_embeddings {arch.max_position_embeddings} to test)"}]
+        return [
+            {
+                "id": "long-context",
+                "status": f"skipped: fit gave seq_len {n} (no limit below "
+                f"max_position_embeddings {arch.max_position_embeddings} to test)",
+            }
+        ]
     rows = []
     for tag, s in (("fit", n), ("fit+10%", int(n * 1.1))):
         r = Row(f"long-context-{tag}-seq{s}", "sft", {**LONG_CONTEXT, "seq_len": s})
@@ -389,15 +462,22 @@ def run_stage(name: str, profile: Profile, work: Path, cuda: bool, dry: bool) ->
                     continue
                 rows.append(run_row(r, profile, model_dir, data, work, cuda))
                 ran += 1
-    return {"rows": rows, "wall_s": round(time.time() - t0, 1), "finished": dt.datetime.now(dt.timezone.utc).isoformat()}
+    return {
+        "rows": rows,
+        "wall_s": round(time.time() - t0, 1),
+        "finished": dt.datetime.now(dt.timezone.utc).isoformat(),
+    }
 
 
 def header(profile: Profile, cuda: bool) -> dict[str, Any]:
     import torch
 
     arch = model_arch(profile)
-    full = (catalog.model_from_config_file(profile.model) if profile.model.endswith(".json")
-            else catalog.model(profile.model))
+    full = (
+        catalog.model_from_config_file(profile.model)
+        if profile.model.endswith(".json")
+        else catalog.model(profile.model)
+    )
     return {
         "gpu": profile.gpu,
         "device_name": _smi_name() if cuda else "cpu",
@@ -406,8 +486,10 @@ def header(profile: Profile, cuda: bool) -> dict[str, Any]:
         "profile": profile.name,
         "model": profile.model,
         "scaling": f"{arch.num_layers} of {full.num_layers} layers ({arch.num_params():,} of "
-                   f"{full.num_params():,} params), random init; estimates use the same reduced model",
-        "packages": {m: _version(m) for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel")},
+        f"{full.num_params():,} params), random init; estimates use the same reduced model",
+        "packages": {
+            m: _version(m) for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel")
+        },
     }
 
 
@@ -428,8 +510,11 @@ def _smi_name() -> str:
     exe = shutil.which("nvidia-smi")
     if not exe:
         raise SystemExit("nvidia-smi not found: pass --gpu <catalog name> (config/gpus.yaml)")
-    return subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                          text=True, timeout=30).stdout.splitlines()[0].strip()
+    return (
+        subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        .stdout.splitlines()[0]
+        .strip()
+    )
 
 
 def detect_gpu() -> str:
@@ -441,8 +526,10 @@ def detect_gpu() -> str:
 
 
 def table(doc: dict[str, Any]) -> str:
-    lines = [f"{'row':34} {'status':8} {'alloc est/meas':>21} {'err':>6} {'reserved err':>12} "
-             f"{'total err':>9} {'step s est/meas':>17} {'MFU':>5}"]
+    lines = [
+        f"{'row':34} {'status':8} {'alloc est/meas':>21} {'err':>6} {'reserved err':>12} "
+        f"{'total err':>9} {'step s est/meas':>17} {'MFU':>5}"
+    ]
     stages = doc.get("stages", {})
     for st in [stages[k] for k in STAGES if k in stages]:
         for r in st["rows"]:
@@ -453,19 +540,27 @@ def table(doc: dict[str, Any]) -> str:
 
             def pct(x):
                 return "  n/a" if x is None else f"{100 * x:+.0f}%"
+
             lines.append(
                 f"{r['id']:34} {'ok':8} {e['peak_allocated_bytes'] / GIB:9.2f}/{m['peak_allocated_bytes'] / GIB:7.2f} GiB "
                 f"{pct(er['peak_allocated_bytes']):>6} {pct(er['peak_reserved_bytes']):>12} {pct(er['device_total_bytes']):>9} "
-                f"{e['step_time_s']:8.3f}/{m['step_time_s']:7.3f} {m['mfu'] or 0:5.2f}")
+                f"{e['step_time_s']:8.3f}/{m['step_time_s']:7.3f} {m['mfu'] or 0:5.2f}"
+            )
     s = summary(doc)
     if s["n"]:
-        lines.append(f"allocated error over {s['n']} rows: median {100 * s['median']:+.1f}%, worst {100 * s['worst']:+.1f}%")
+        lines.append(
+            f"allocated error over {s['n']} rows: median {100 * s['median']:+.1f}%, worst {100 * s['worst']:+.1f}%"
+        )
     return "\n".join(lines)
 
 
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
-    errs = [r["error_rel"]["peak_allocated_bytes"] for st in doc.get("stages", {}).values() for r in st["rows"]
-            if r.get("status") == "ok" and r.get("error_rel", {}).get("peak_allocated_bytes") is not None]
+    errs = [
+        r["error_rel"]["peak_allocated_bytes"]
+        for st in doc.get("stages", {}).values()
+        for r in st["rows"]
+        if r.get("status") == "ok" and r.get("error_rel", {}).get("peak_allocated_bytes") is not None
+    ]
     if not errs:
         return {"n": 0}
     return {"n": len(errs), "median": statistics.median(errs), "worst": max(errs, key=abs)}
@@ -477,7 +572,11 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
     ctx = rows.get("context", {})
     if ctx.get("status") != "ok":
         raise SystemExit("the context stage has no measurement: run --stage context on the GPU first")
-    ok = [r for r in rows.values() if r.get("status") == "ok" and "measured" in r and r["measured"].get("peak_reserved_bytes")]
+    ok = [
+        r
+        for r in rows.values()
+        if r.get("status") == "ok" and "measured" in r and r["measured"].get("peak_reserved_bytes")
+    ]
     frag_rows = [r for r in ok if not r["expandable_segments"]]
     step_rows = [r for r in ok if r["candidate"]["attn"] == "sdpa" and r["candidate"]["precision"] == "bf16"]
     if not frag_rows or not step_rows:
@@ -491,8 +590,12 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
         "source": f"benchmarks/results/gpu_evidence_{doc['gpu']}.json",
         "cuda_context_bytes": int(m["cuda_context_bytes"]),
         "cublas_workspace_bytes": int(max(m["cublas_workspace_bytes"], 0)),
-        "fragmentation": round(statistics.median(
-            r["measured"]["peak_reserved_bytes"] / r["measured"]["peak_allocated_bytes"] - 1 for r in frag_rows), 4),
+        "fragmentation": round(
+            statistics.median(
+                r["measured"]["peak_reserved_bytes"] / r["measured"]["peak_allocated_bytes"] - 1 for r in frag_rows
+            ),
+            4,
+        ),
         "tflops": {
             "step": round(statistics.median(r["measured"]["achieved_tflops"] for r in step_rows), 1),
             "matmul": round(m["matmul_tflops"], 1),
@@ -524,8 +627,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.list_stages:
         for k, rows in STAGES.items():
-            what = {"context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s (~20 s)",
-                    "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)"}.get(k)
+            what = {
+                "context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s (~20 s)",
+                "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)",
+            }.get(k)
             print(f"{k:14} {what or ', '.join(r.id for r in rows)}")
         return 0
     if a.list_wheels:
@@ -554,8 +659,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown stage {s!r}; stages: {', '.join(STAGES)}")
     jobs = a.jobs if a.jobs is not None else (2 if a.dry else 1)
     if jobs < 1 or (jobs > 1 and not a.dry):
-        raise SystemExit(f"--jobs {jobs}: stages run side by side only in the --dry run (on a GPU "
-                         "their probes would share the device and disturb each other's measurements)")
+        raise SystemExit(
+            f"--jobs {jobs}: stages run side by side only in the --dry run (on a GPU "
+            "their probes would share the device and disturb each other's measurements)"
+        )
     a.work.mkdir(parents=True, exist_ok=True)
     pending = []
     for s in stages:

@@ -35,4 +35,6 @@ def assert_close_fp32(got: torch.Tensor, want: torch.Tensor, reduction_length: i
     length `reduction_length` along the longest chain (see the module docstring)."""
     scale = float(want.detach().abs().max()) if want.numel() else 0.0
     atol = 2 * gamma(reduction_length) * scale
-    torch.testing.assert_close(got, want, rtol=0.0, atol=atol, msg=lambda m: f"{msg}: {m} (fp32 bound N={reduction_length})")
+    torch.testing.assert_close(
+        got, want, rtol=0.0, atol=atol, msg=lambda m: f"{msg}: {m} (fp32 bound N={reduction_length})"
+    )

@@ -89,9 +89,7 @@ def inputs(tmp_path: Path) -> Path:
     """The files the CLI cases name."""
     tiny = json.loads(TINY.read_text())
     (tmp_path / "latin1").mkdir()
-    (tmp_path / "latin1" / "config.json").write_bytes(
-        '{"model_type": "llama", "x": "é"}'.encode("latin-1")
-    )
+    (tmp_path / "latin1" / "config.json").write_bytes('{"model_type": "llama", "x": "é"}'.encode("latin-1"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "weird").mkdir()
     (tmp_path / "weird" / "config.json").write_text(json.dumps(tiny | {"model_type": "weirdnet"}))
@@ -115,9 +113,7 @@ def _run_config(tmp: Path) -> dict:
     }
 
 
-@pytest.mark.parametrize(
-    ("argv", "needle"), CLI_CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CLI_CASES]
-)
+@pytest.mark.parametrize(("argv", "needle"), CLI_CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CLI_CASES])
 def test_cli_refuses_with_one_sentence(argv, needle, inputs, capsys):
     argv = [a.replace("{tmp}", str(inputs)) for a in argv]
     rc = cli.main(argv)
@@ -146,9 +142,7 @@ def test_beyond_context_is_allowed_when_asked(capsys):
 
 def test_fit_seq_len_ignores_the_default_seq_len(tmp_path, capsys):
     """`fit --maximize seq_len` on a model whose context is below the --seq-len default."""
-    rc = cli.main(
-        ["fit", "--maximize", "seq_len", "--model", str(TINY), "--gpu", "a100-80gb", "--json"]
-    )
+    rc = cli.main(["fit", "--maximize", "seq_len", "--model", str(TINY), "--gpu", "a100-80gb", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["seq_len"] == 128  # the whole context fits
 
@@ -156,12 +150,8 @@ def test_fit_seq_len_ignores_the_default_seq_len(tmp_path, capsys):
 def test_broken_pipe_exits_quietly():
     """`memfit estimate ... | head -c 10` (a config that fits: exit 0 whether or not the pipe closed first): no BrokenPipeError."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{os.environ.get('PYTHONPATH', '')}")
-    cmd = (
-        f"{sys.executable} -m memfit.cli estimate --model llama-3.1-8b --gpu a100-80gb --finetune lora | head -c 10"
-    )
-    proc = subprocess.run(
-        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, timeout=120
-    )
+    cmd = f"{sys.executable} -m memfit.cli estimate --model llama-3.1-8b --gpu a100-80gb --finetune lora | head -c 10"
+    proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
     assert proc.stdout == "llama-3.1-"
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
     assert proc.returncode == 0
@@ -204,9 +194,7 @@ def _base() -> dict:
     return raw
 
 
-def _model_dir(
-    tmp: Path, *, config: dict | None = None, tokenizer=True, weights=True, cfg_file=True
-) -> Path:
+def _model_dir(tmp: Path, *, config: dict | None = None, tokenizer=True, weights=True, cfg_file=True) -> Path:
     d = tmp / "mymodel"
     d.mkdir()
     if cfg_file:

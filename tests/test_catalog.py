@@ -528,9 +528,7 @@ def test_h100_sxm_and_pcie_are_different_cards():
     assert (sxm.memory_bandwidth_gbs, pcie.memory_bandwidth_gbs) == (3350, 2000)
     assert pcie.tflops_bf16 < sxm.tflops_bf16 and pcie.interconnect_kind == "pcie"
     assert GPUS["h200"].memory_bandwidth_gbs == 4800  # its own HBM3e figure, not the H100's
-    assert (
-        GPUS["a100-80gb-pcie"].memory_bandwidth_gbs == 1935 < GPUS["a100-80gb"].memory_bandwidth_gbs
-    )
+    assert GPUS["a100-80gb-pcie"].memory_bandwidth_gbs == 1935 < GPUS["a100-80gb"].memory_bandwidth_gbs
 
 
 def test_planning_only_gpus_say_why(tmp_path):
@@ -753,9 +751,7 @@ def test_sharded_index_total_size_is_cross_checked(tmp_path):
         catalog.model(d)
     assert str(index) in str(err.value) and "+5.0%" in str(err.value)
     # quantized weights: the dtype does not give bytes per parameter, nothing to compare
-    (d / "config.json").write_text(
-        json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}})
-    )
+    (d / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
     assert catalog.check_checkpoint(catalog.model(d), d) is None
 
 

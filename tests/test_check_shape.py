@@ -13,9 +13,7 @@ TOOL = REPO / "tools" / "check_shape.py"
 
 
 def _run(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(TOOL), str(root)], capture_output=True, text=True, check=False
-    )
+    return subprocess.run([sys.executable, str(TOOL), str(root)], capture_output=True, text=True, check=False)
 
 
 def _write(root: Path, rel: str, text: str) -> Path:

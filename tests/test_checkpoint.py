@@ -26,7 +26,9 @@ class FakeEngine:
 
 
 def save(root, step, engine=None, **kw):
-    return checkpoint.save(engine or FakeEngine(), root, step, {"step": step}, keep_last=3, run_config={"seed": 0}, **kw)
+    return checkpoint.save(
+        engine or FakeEngine(), root, step, {"step": step}, keep_last=3, run_config={"seed": 0}, **kw
+    )
 
 
 def test_latest_complete_checkpoint_is_found(tmp_path):
@@ -59,7 +61,9 @@ def test_full_disk_is_refused_before_writing_and_the_previous_stays(tmp_path, mo
     size = checkpoint.dir_bytes(tmp_path / "step00000010")
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=size // 2))
-    with pytest.raises(checkpoint.CheckpointError, match=r"not enough disk .*GiB needed.*GiB free.*previous checkpoint is intact"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"not enough disk .*GiB needed.*GiB free.*previous checkpoint is intact"
+    ):
         save(tmp_path, 20)
     assert not (tmp_path / "step00000020").exists()
     assert checkpoint.latest_valid(tmp_path) == (tmp_path, "step00000010")

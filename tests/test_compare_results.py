@@ -20,21 +20,42 @@ def write_tree(root: Path, *, selected="z2-mb8", losses=(2.5, 2.0, 1.5), passed=
     (run / "probes").mkdir(parents=True)
     (run / "train").mkdir()
     rows = [
-        {"id": cid, "fits": True, "invalid": False, "peak_allocated_bytes": 1000 + i, "peak_reserved_bytes": 1000 + i,
-         "device_total_bytes": 1000 + i, "host_bytes": 5000, "step_time_s": 0.1 * (i + 1), "breakdown": {"x": i}}
+        {
+            "id": cid,
+            "fits": True,
+            "invalid": False,
+            "peak_allocated_bytes": 1000 + i,
+            "peak_reserved_bytes": 1000 + i,
+            "device_total_bytes": 1000 + i,
+            "host_bytes": 5000,
+            "step_time_s": 0.1 * (i + 1),
+            "breakdown": {"x": i},
+        }
         for i, cid in enumerate(("z2-mb8", "z3-mb4"))
     ]
     (run / "candidates.json").write_text(json.dumps({"probe": ["z2-mb8", "z3-mb4"], "rows": rows}))
     for cid in ("z2-mb8", "z3-mb4"):
         status = probe_status if cid == "z3-mb4" else "ok"
         (run / "probes" / f"{cid}.json").write_text(json.dumps({"id": cid, "status": status, "step_time_s": 0.3}))
-    ranked = [{"id": cid, "tokens_per_s": 1000.0 + (cid == selected), "source": "measured"} for cid in ("z2-mb8", "z3-mb4")]
+    ranked = [
+        {"id": cid, "tokens_per_s": 1000.0 + (cid == selected), "source": "measured"} for cid in ("z2-mb8", "z3-mb4")
+    ]
     (run / "selected.json").write_text(json.dumps({"selected": {"id": selected}, "candidates": ranked}))
-    metrics = [{"step": s + 1, "split": "train", "loss": loss, "tokens_per_s": 99.0 + s} for s, loss in enumerate(losses)]
+    metrics = [
+        {"step": s + 1, "split": "train", "loss": loss, "tokens_per_s": 99.0 + s} for s, loss in enumerate(losses)
+    ]
     metrics.append({"step": len(losses), "split": "eval", "loss": losses[-1] + 0.1})
     (run / "train" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
-    verdict = {"passed": passed, "from_step": 1, "final_step": 3, "steps_compared": 2, "missing_steps": [],
-               "losses_bitwise_equal": passed, "weights_bitwise_equal": passed, "resume_peak_allocated_bytes": 7}
+    verdict = {
+        "passed": passed,
+        "from_step": 1,
+        "final_step": 3,
+        "steps_compared": 2,
+        "missing_steps": [],
+        "losses_bitwise_equal": passed,
+        "weights_bitwise_equal": passed,
+        "resume_peak_allocated_bytes": 7,
+    }
     (run / "verify_resume.json").write_text(json.dumps(verdict))
     return root
 

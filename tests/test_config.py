@@ -35,7 +35,10 @@ def test_cluster_example_is_valid_as_a_plan(repo, monkeypatch):
         (lambda c: c["train"].update(batch=8), r"train: .*'batch' was unexpected.*allowed keys: .*global_batch"),
         (lambda c: c["data"].update(sft="data/demo/nope.jsonl"), r"data\.sft: data/demo/nope\.jsonl does not exist"),
         (lambda c: c["train"].update(global_batch=30), r"train\.global_batch: .*not a multiple"),
-        (lambda c: c["models"].update(mine={"path": "/nonexistent/model"}), r"models\.mine\.path: '/nonexistent/model' is not a model directory"),
+        (
+            lambda c: c["models"].update(mine={"path": "/nonexistent/model"}),
+            r"models\.mine\.path: '/nonexistent/model' is not a model directory",
+        ),
     ],
 )
 def test_bad_config_names_the_key(config, change, expected):
@@ -110,8 +113,11 @@ def test_model_paths_have_one_home(config, tmp_path):
 def test_architecture_comes_from_weights_then_arch_then_the_catalog(config, tmp_path):
     weights = tmp_path / "m"
     weights.mkdir()
-    models = {"a": {"path": str(weights), "arch": "qwen2.5-7b"}, "qwen2.5-7b": {"path": None},
-              "b": {"path": "/nonexistent", "arch": "llama-3.1-8b"}}
+    models = {
+        "a": {"path": str(weights), "arch": "qwen2.5-7b"},
+        "qwen2.5-7b": {"path": None},
+        "b": {"path": "/nonexistent", "arch": "llama-3.1-8b"},
+    }
     cfg = WorkflowConfig({**config, "models": models, "plan_only": True})
     assert cfg.arch_source("a") == "qwen2.5-7b"  # no config.json yet
     (weights / "config.json").write_text("{}")
@@ -128,7 +134,12 @@ def test_run_config_takes_the_train_section_and_the_methods(config, tmp_path):
     t = config["train"]
     assert (run.method, run.model_path, run.ref_model_path, run.candidate) == ("dpo", "policy", "policy", cand)
     assert run.dpo == {k: t["dpo"][k] for k in ("beta", "loss_type", "label_smoothing")}
-    assert (run.lr, run.seed, run.save_every, run.export_format) == (t["dpo"]["lr"], t["seed"], t["save_every"], "merged")
+    assert (run.lr, run.seed, run.save_every, run.export_format) == (
+        t["dpo"]["lr"],
+        t["seed"],
+        t["save_every"],
+        "merged",
+    )
     assert cfg.run_config("sft", cfg.candidates("sft")[0].to_dict(), "m", "d", "o").ref_model_path is None
 
 

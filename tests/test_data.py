@@ -118,8 +118,7 @@ def test_worst_case_batch(dpo_out):
 
 
 def test_worst_case_batch_repeats_rows_when_train_is_small(tok_dir, tmp_path):
-    src = _jsonl(tmp_path / "s.jsonl", [{"prompt": "1 + 1", "response": "2"},
-                                       {"prompt": "1 + 1", "response": "2 2 2"}])
+    src = _jsonl(tmp_path / "s.jsonl", [{"prompt": "1 + 1", "response": "2"}, {"prompt": "1 + 1", "response": "2 2 2"}])
     data.prepare("sft", src, tok_dir, tmp_path / "o", max_len=64, eval_fraction=0.0, seed=0)
     assert [r["row"] for r in data.worst_case_batch(tmp_path / "o", 5)] == [2, 1, 2, 1, 2]
 
@@ -157,13 +156,16 @@ def test_zero_eval_fraction_writes_an_empty_eval_split(tok_dir, tmp_path):
 def test_sft_drops_and_truncations_are_counted(tok_dir, tok, tmp_path):
     prompt_len = len(_prompt_ids(tok, [{"role": "user", "content": "What is 1 + 1?"}]))
     max_len = prompt_len + 4
-    src = _jsonl(tmp_path / "s.jsonl", [
-        {"prompt": "What is 1 + 1?", "response": "2"},  # kept whole
-        {"prompt": "What is 1 + 1?", "response": "1 2 3 4 5 6 7 8 9"},  # truncated
-        "",  # blank line
-        {"prompt": "What is 1 + 1?", "response": "  "},  # empty response
-        {"prompt": "What is 1 + 1? " * 10, "response": "2"},  # prompt leaves no room
-    ])
+    src = _jsonl(
+        tmp_path / "s.jsonl",
+        [
+            {"prompt": "What is 1 + 1?", "response": "2"},  # kept whole
+            {"prompt": "What is 1 + 1?", "response": "1 2 3 4 5 6 7 8 9"},  # truncated
+            "",  # blank line
+            {"prompt": "What is 1 + 1?", "response": "  "},  # empty response
+            {"prompt": "What is 1 + 1? " * 10, "response": "2"},  # prompt leaves no room
+        ],
+    )
     s = data.prepare("sft", src, tok_dir, tmp_path / "o", max_len=max_len, eval_fraction=0.0, seed=0)
     assert s["dropped"] == {"blank_line": 1, "empty_response": 1, "prompt_too_long": 1}
     assert s["truncated"] == {"response": 1}
@@ -177,19 +179,27 @@ def test_sft_drops_and_truncations_are_counted(tok_dir, tok, tmp_path):
 def test_dpo_drops_and_truncations_are_counted(tok_dir, tok, tmp_path):
     prompt_len = len(_prompt_ids(tok, [{"role": "user", "content": "Q"}]))
     max_len = prompt_len + 3
-    src = _jsonl(tmp_path / "d.jsonl", [
-        {"prompt": "Q", "chosen": "12", "rejected": "13"},  # kept: 3 tokens each with EOS
-        {"prompt": "Q", "chosen": "", "rejected": "13"},
-        {"prompt": "Q", "chosen": "12", "rejected": " "},
-        {"prompt": "Q", "chosen": "12", "rejected": "12"},
-        {"prompt": "Q " * 40, "chosen": "1", "rejected": "2"},
-        {"prompt": "Q", "chosen": "1234", "rejected": "1235"},  # both cut to "123": nothing to prefer
-        {"prompt": "Q", "chosen": "1234", "rejected": "9"},  # chosen truncated, kept
-    ])
+    src = _jsonl(
+        tmp_path / "d.jsonl",
+        [
+            {"prompt": "Q", "chosen": "12", "rejected": "13"},  # kept: 3 tokens each with EOS
+            {"prompt": "Q", "chosen": "", "rejected": "13"},
+            {"prompt": "Q", "chosen": "12", "rejected": " "},
+            {"prompt": "Q", "chosen": "12", "rejected": "12"},
+            {"prompt": "Q " * 40, "chosen": "1", "rejected": "2"},
+            {"prompt": "Q", "chosen": "1234", "rejected": "1235"},  # both cut to "123": nothing to prefer
+            {"prompt": "Q", "chosen": "1234", "rejected": "9"},  # chosen truncated, kept
+        ],
+    )
     s = data.prepare("dpo", src, tok_dir, tmp_path / "o", max_len=max_len, eval_fraction=0.0, seed=0)
-    assert s["dropped"] == {"blank_line": 0, "empty_chosen": 1, "empty_rejected": 1,
-                            "identical_chosen_rejected": 1, "prompt_too_long": 1,
-                            "identical_after_truncation": 1}
+    assert s["dropped"] == {
+        "blank_line": 0,
+        "empty_chosen": 1,
+        "empty_rejected": 1,
+        "identical_chosen_rejected": 1,
+        "prompt_too_long": 1,
+        "identical_after_truncation": 1,
+    }
     assert s["truncated"] == {"chosen": 1, "rejected": 0}  # kept rows only
     rows = data.load_split(tmp_path / "o", "train")
     assert [r["row"] for r in rows] == [1, 7]
@@ -226,21 +236,33 @@ def test_all_rows_dropped_is_an_error_not_an_empty_dataset(tok_dir, tmp_path):
 GOOD_DPO = {"prompt": "Q", "chosen": "1", "rejected": "2"}
 BAD_INPUTS = {
     # name: (method, file bytes, line, key or None, words the message must contain)
-    "missing chosen": ("dpo", [GOOD_DPO, {"prompt": "Q", "rejected": "2"}], 2, "chosen",
-                       "missing (DPO rows need"),
+    "missing chosen": ("dpo", [GOOD_DPO, {"prompt": "Q", "rejected": "2"}], 2, "chosen", "missing (DPO rows need"),
     "missing prompt": ("dpo", [{"chosen": "1", "rejected": "2"}], 1, "prompt", "missing (DPO rows need"),
     "missing response": ("sft", [{"prompt": "p"}], 1, "response", "missing (SFT rows need"),
     "empty prompt": ("dpo", [GOOD_DPO, GOOD_DPO, {**GOOD_DPO, "prompt": " "}], 3, "prompt", "empty"),
     "prompt not a string": ("sft", [{"prompt": 5, "response": "r"}], 1, "prompt", "expected a string, got int"),
     "null response": ("sft", [{"prompt": "p", "response": None}], 1, "response", "got null"),
-    "messages last turn": ("sft", [{"messages": [{"role": "user", "content": "a"},
-                                                 {"role": "user", "content": "b"}]}],
-                           1, "messages[1].role", "assistant"),
-    "messages content list": ("sft", [{"messages": [{"role": "user", "content": ["a"]},
-                                                    {"role": "assistant", "content": "b"}]}],
-                              1, "messages[0].content", "expected a string"),
-    "non-UTF-8 line": ("sft", [{"prompt": "p", "response": "r"}, b'{"prompt": "caf\xe9", "response": "r"}'],
-                       2, None, "not UTF-8"),
+    "messages last turn": (
+        "sft",
+        [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+        1,
+        "messages[1].role",
+        "assistant",
+    ),
+    "messages content list": (
+        "sft",
+        [{"messages": [{"role": "user", "content": ["a"]}, {"role": "assistant", "content": "b"}]}],
+        1,
+        "messages[0].content",
+        "expected a string",
+    ),
+    "non-UTF-8 line": (
+        "sft",
+        [{"prompt": "p", "response": "r"}, b'{"prompt": "caf\xe9", "response": "r"}'],
+        2,
+        None,
+        "not UTF-8",
+    ),
     "CSV file": ("sft", ["prompt,response", "1 + 1,2"], 1, None, "not JSON"),
     "garbage": ("sft", [b"\x00\x01garbage\xff"], 1, None, "not UTF-8"),
     "JSON array line": ("dpo", ['[{"prompt": "Q"}]'], 1, None, "JSON object"),
@@ -251,8 +273,12 @@ BAD_INPUTS = {
 def test_bad_input_names_file_line_key_and_leaves_no_output(case, tok_dir, tmp_path):
     method, lines, line, key, words = BAD_INPUTS[case]
     src = tmp_path / ("bad.csv" if case == "CSV file" else "bad.jsonl")
-    src.write_bytes(b"".join((x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode())
-                             + b"\n" for x in lines))
+    src.write_bytes(
+        b"".join(
+            (x if isinstance(x, bytes) else (x if isinstance(x, str) else json.dumps(x)).encode()) + b"\n"
+            for x in lines
+        )
+    )
     out = tmp_path / "out"
     with pytest.raises(data.DataError) as err:
         data.prepare(method, src, tok_dir, out, max_len=32, eval_fraction=0.1, seed=0)
@@ -283,6 +309,7 @@ def test_parquet_type_error_names_row_and_column(tok_dir, tmp_path):
 
 
 # ----------------------------------------------------------------------- other formats
+
 
 def _demo_dpo_rows() -> list[dict]:
     return [json.loads(line) for line in (DEMO / "dpo.jsonl").read_text().splitlines()][:400]
@@ -319,8 +346,9 @@ def test_saved_hf_dataset_with_messages(tok_dir, tmp_path):
     datasets = pytest.importorskip("datasets")
     messages = [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": "3"}]
     datasets.Dataset.from_list([{"messages": messages}] * 2).save_to_disk(str(tmp_path / "ds"))
-    s = data.prepare("sft", tmp_path / "ds", tok_dir, tmp_path / "o", max_len=64, eval_fraction=0.0,
-                     seed=0, progress=True)
+    s = data.prepare(
+        "sft", tmp_path / "ds", tok_dir, tmp_path / "o", max_len=64, eval_fraction=0.0, seed=0, progress=True
+    )
     assert s["rows_kept"] == {"train": 2, "eval": 0}
 
 

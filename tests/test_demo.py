@@ -34,8 +34,12 @@ def test_regenerating_data_reproduces_committed_files(tmp_path):
 def _parse(prompt: str) -> tuple[str, tuple[int, ...]]:
     """The task and its numbers, read back from the prompt text."""
     numbers = tuple(int(n) for n in re.findall(r"\d+", prompt))
-    for task, words in (("larger", ("larger", "bigger")), ("smaller", ("smaller", "less")),
-                        ("after", ("after", "follows")), ("before", ("before", "precedes"))):
+    for task, words in (
+        ("larger", ("larger", "bigger")),
+        ("smaller", ("smaller", "less")),
+        ("after", ("after", "follows")),
+        ("before", ("before", "precedes")),
+    ):
         if any(w in prompt for w in words):
             return task, numbers
     raise AssertionError(prompt)
@@ -43,8 +47,7 @@ def _parse(prompt: str) -> tuple[str, tuple[int, ...]]:
 
 def _solve(prompt: str) -> int:
     task, numbers = _parse(prompt)
-    return {"larger": max, "smaller": min, "after": lambda n: n[0] + 1,
-            "before": lambda n: n[0] - 1}[task](numbers)
+    return {"larger": max, "smaller": min, "after": lambda n: n[0] + 1, "before": lambda n: n[0] - 1}[task](numbers)
 
 
 def _problem_keys(rows: list[dict]) -> list[tuple]:
@@ -90,8 +93,7 @@ def test_dpo_rows_prefer_the_right_answer_over_a_plausible_mistake():
             n = numbers[0]
             step = right - n
             # the number itself, a step the wrong way, two steps, a forgotten carry/borrow
-            kind = {n: "same", n - step: "wrong_way", n + 2 * step: "two_steps",
-                    n - 9 * step: "carry"}[wrong]
+            kind = {n: "same", n - step: "wrong_way", n + 2 * step: "two_steps", n - 9 * step: "carry"}[wrong]
             if kind == "carry":
                 assert n % 10 == (9 if step == 1 else 0)
             kinds.add(kind)
@@ -114,7 +116,10 @@ def test_model_and_tokenizer_load_with_auto_classes(built):
     assert model.config.vocab_size == len(tok)
     assert model.config.tie_word_embeddings
     assert (model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id) == (
-        tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     n_params = sum(p.numel() for p in model.parameters())
     assert 2_000_000 < n_params < 4_000_000
     # the committed JSON carries what the build fills in, so the estimator can read it as is
@@ -146,8 +151,12 @@ def test_forward_pass_gives_finite_loss(built):
 
     tok = AutoTokenizer.from_pretrained(built)
     model = AutoModelForCausalLM.from_pretrained(built)
-    batch = tok(["<|bos|><|user|>1 + 1 = ?<|assistant|>2<|eos|>", "<|bos|><|user|>9 - 9 = ?"],
-                add_special_tokens=False, padding=True, return_tensors="pt")
+    batch = tok(
+        ["<|bos|><|user|>1 + 1 = ?<|assistant|>2<|eos|>", "<|bos|><|user|>9 - 9 = ?"],
+        add_special_tokens=False,
+        padding=True,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         out = model(**batch, labels=batch["input_ids"])
     assert out.logits.shape == (*batch["input_ids"].shape, len(tok))

@@ -22,7 +22,10 @@ def _build(cwd: Path, site: Path) -> subprocess.CompletedProcess[str]:
     # no -q: mkdocs 1.6 then drops warnings before --strict counts them (a broken link would pass)
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
-        cwd=cwd, capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
 

@@ -112,9 +112,7 @@ def _select(cfg: WorkflowConfig, demo_model, data_dir, run_dir: Path) -> dict:
 
 @pytest.mark.slow  # one DeepSpeed rank under torchrun: 15 s idle, minutes on a loaded machine
 @pytest.mark.parametrize("packing", [False, True], ids=["rows", "packed"])
-def test_select_configs_ds_config_is_the_one_the_trainer_initialises(
-    demo_model, demo_data, tmp_path, packing
-):
+def test_select_configs_ds_config_is_the_one_the_trainer_initialises(demo_model, demo_data, tmp_path, packing):
     """Before, select_config wrote total_num_steps=1 while training ran epochs x steps_per_epoch."""
     cfg = _demo_cfg(demo_model, packing=packing, epochs=1.5)
     run_dir = tmp_path / "demo-tiny/cpu/sft"
@@ -153,9 +151,7 @@ def test_select_configs_ds_config_is_the_one_the_trainer_initialises(
     assert written["scheduler"]["params"]["warmup_num_steps"] == min(10, steps // 2)
 
 
-def test_a_plan_without_prepared_data_leaves_the_step_count_to_the_trainer_that_runs_it(
-    demo_model, tmp_path
-):
+def test_a_plan_without_prepared_data_leaves_the_step_count_to_the_trainer_that_runs_it(demo_model, tmp_path):
     cfg = _demo_cfg(demo_model)
     run_dir = tmp_path / "demo-tiny/cpu/sft"
     _select(cfg, demo_model, tmp_path / "not-prepared", run_dir)

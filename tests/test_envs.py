@@ -47,7 +47,11 @@ def test_env_pins_equal_the_lock(env_file):
     locked = tool.locked_versions(REPO / "requirements-cpu.lock")
     pins = _pins(env_file)
     assert "torch" in pins and "deepspeed" in pins, f"{env_file.name} must pin torch and deepspeed"
-    wrong = {n: f"{env_file.name} pins {v}, the lock {locked.get(n)}" for n, v in pins.items() if n not in GPU_ONLY and locked.get(n) != v}
+    wrong = {
+        n: f"{env_file.name} pins {v}, the lock {locked.get(n)}"
+        for n, v in pins.items()
+        if n not in GPU_ONLY and locked.get(n) != v
+    }
     assert not wrong, f"{wrong}: run `make lock`"
     missing = [d for d in tool.direct_dependencies(REPO / "pyproject.toml") if d not in pins]
     assert not missing, f"{env_file.name} lacks pins for memfit's dependencies {missing}: run `make lock`"

@@ -48,9 +48,7 @@ def test_glm4_dpo_8xa100_fits_with_flash_and_eager_costs_more():
 
 def test_qwen2_7b_sft_4x4090_needs_offload_or_lora():
     arch, g = catalog.model("qwen2-7b"), catalog.gpu("rtx4090")
-    cand = Candidate(
-        zero=3, micro_batch=1, seq_len=128, precision="bf16", grad_ckpt=True, attn="flash"
-    )
+    cand = Candidate(zero=3, micro_batch=1, seq_len=128, precision="bf16", grad_ckpt=True, attn="flash")
     plain = estimate(arch, g, 4, 1, "sft", cand)
     assert not plain.fits
     # 16 bytes per parameter over 4 GPUs is ~30 GB of model states alone
@@ -58,14 +56,10 @@ def test_qwen2_7b_sft_4x4090_needs_offload_or_lora():
     assert states > 24 * 1e9
     for seq in (128, 512, 2048):
         assert not estimate(arch, g, 4, 1, "sft", dataclasses.replace(cand, seq_len=seq)).fits
-    off = estimate(
-        arch, g, 4, 1, "sft", dataclasses.replace(cand, offload_optimizer="cpu"), host_memory_gb=256
-    )
+    off = estimate(arch, g, 4, 1, "sft", dataclasses.replace(cand, offload_optimizer="cpu"), host_memory_gb=256)
     assert off.fits
     assert off.step_time_s > plain.step_time_s
-    starved = estimate(
-        arch, g, 4, 1, "sft", dataclasses.replace(cand, offload_optimizer="cpu"), host_memory_gb=64
-    )
+    starved = estimate(arch, g, 4, 1, "sft", dataclasses.replace(cand, offload_optimizer="cpu"), host_memory_gb=64)
     assert not starved.fits and starved.host_margin_bytes < 0
     lora = estimate(arch, g, 4, 1, "sft", dataclasses.replace(cand, finetune="lora"))
     assert lora.fits
@@ -88,10 +82,7 @@ def test_v100_dpo_4096_vs_2048():
     cand = Candidate(zero=3, precision="fp16", attn="sdpa", grad_ckpt=True, ref="model")
     long = estimate(arch, g, 8, 1, "dpo", dataclasses.replace(cand, seq_len=4096))
     short = estimate(arch, g, 8, 1, "dpo", dataclasses.replace(cand, seq_len=2048))
-    assert (
-        long.peak_reserved_bytes - long.peak_allocated_bytes
-        > short.peak_reserved_bytes - short.peak_allocated_bytes
-    )
+    assert long.peak_reserved_bytes - long.peak_allocated_bytes > short.peak_reserved_bytes - short.peak_allocated_bytes
     assert long.device_total_bytes > short.device_total_bytes
 
 
@@ -105,9 +96,7 @@ def test_72b_pinned_host_memory_and_resume():
         attn="flash",
         grad_ckpt=True,
     )
-    pinned = estimate(
-        arch, g, 8, 1, "sft", dataclasses.replace(base, pin_memory=True), host_memory_gb=1536
-    )
+    pinned = estimate(arch, g, 8, 1, "sft", dataclasses.replace(base, pin_memory=True), host_memory_gb=1536)
     unpinned = estimate(arch, g, 8, 1, "sft", base, host_memory_gb=1536)
     # power-of-two pinned buffers: ~50 GB more per rank in steady state
     assert pinned.host_phases["steady"] > unpinned.host_phases["steady"] + 8 * 40e9
@@ -147,9 +136,7 @@ def test_estimate_space_rows():
     cands = list(enumerate_space({"zero": [2, 3], "grad_ckpt": [True, False]}, {"seq_len": 512}))
     rows = estimate_space(arch, catalog.gpu("a100-80gb"), 8, 1, "sft", cands, 1000)
     assert len(rows) == 4 and all(r["id"] == Candidate.from_dict(r["candidate"]).id for r in rows)
-    tiny_rows = estimate_space(
-        arch, catalog.gpu("cpu"), 2, 1, "sft", cands[:1], None, budget_bytes=10**9
-    )
+    tiny_rows = estimate_space(arch, catalog.gpu("cpu"), 2, 1, "sft", cands[:1], None, budget_bytes=10**9)
     assert tiny_rows[0]["device_memory_bytes"] == 10**9 and not tiny_rows[0]["fits"]
 
 

@@ -177,9 +177,7 @@ def test_fit_is_the_largest_value_that_fits_with_the_workflow_headroom(capsys):
 
 def test_estimate_verdict_uses_headroom(capsys):
     """A configuration between 90% and 100% of the device: fits raw, not with the default headroom."""
-    rc = fit_main(
-        ["--maximize", "micro_batch", *BASE, "--seq-len", "4096", "--headroom", "0", "--json"]
-    )
+    rc = fit_main(["--maximize", "micro_batch", *BASE, "--seq-len", "4096", "--headroom", "0", "--json"])
     mb = json.loads(capsys.readouterr().out)["micro_batch"]
     rc = main([*BASE, "--seq-len", "4096", "--micro-batch", str(mb)])
     table = capsys.readouterr().out
@@ -244,6 +242,4 @@ def test_cli_trainer_logits_and_nccl_reach_the_estimate(capsys):
     assert held["peak_allocated_bytes"] - own["peak_allocated_bytes"] == 4 * 1024 * 128256
     two = run("--num-gpus", "2")
     small = run("--num-gpus", "2", "--nccl-mib", "256")
-    assert (
-        two["device_total_bytes"] - small["device_total_bytes"] == int(1.79 * 2**30) - 256 * 2**20
-    )
+    assert two["device_total_bytes"] - small["device_total_bytes"] == int(1.79 * 2**30) - 256 * 2**20

@@ -23,9 +23,7 @@ def test_device_overheads_by_gpu_and_world():
     assert device_overheads(a100, 1) == {"cuda_context": 500 * MIB, "cublas": 9 * MIB, "nccl": 0}
     assert device_overheads(h100, 2)["cublas"] == 32 * MIB
     # NCCL >= 2.19 cuMem communicator: vLLM's measured 1.79 GiB per process, any world > 1
-    assert (
-        device_overheads(a100, 2)["nccl"] == device_overheads(a100, 64)["nccl"] == NCCL_CUMEM_BYTES
-    )
+    assert device_overheads(a100, 2)["nccl"] == device_overheads(a100, 64)["nccl"] == NCCL_CUMEM_BYTES
     assert 1.7 * GIB < NCCL_CUMEM_BYTES < 1.8 * GIB
     assert device_overheads(a100, 8, Settings(nccl_bytes=256 * MIB))["nccl"] == 256 * MIB
     assert device_overheads(catalog.gpu("cpu"), 8, Settings(nccl_bytes=GIB))["nccl"] == 0  # gloo

@@ -45,9 +45,7 @@ CASES = {
 
 
 def _cand(kw: dict) -> Candidate:
-    c = dict(
-        attn="sdpa", seq_len=24, precision="fp32", finetune="full", grad_ckpt=False, ref="model"
-    )
+    c = dict(attn="sdpa", seq_len=24, precision="fp32", finetune="full", grad_ckpt=False, ref="model")
     c.update(kw)
     c["grad_accum"] = 32 // (c["micro_batch"] * 2)
     return Candidate(**c)

@@ -67,9 +67,7 @@ def _cases(n: int = 260, seed: int = 14) -> list[dict]:
             "seq_len": rng.choice([128, 512, 2048, 4096]),
             "grad_accum": rng.choice([1, 4]),
             "precision": rng.choice(["bf16", "bf16", "fp16", "fp32"]),
-            "ref": rng.choice(
-                ["model", "precomputed"] + (["adapter"] if finetune != "full" else [])
-            ),
+            "ref": rng.choice(["model", "precomputed"] + (["adapter"] if finetune != "full" else [])),
         }
         if zero == 3 and cand["offload_optimizer"] == "cpu" and rng.random() < 0.4:
             cand["offload_ratio"] = rng.choice([0.3, 0.5, 0.9])
@@ -159,9 +157,7 @@ def _run(case: dict) -> dict:
 
 def _run_fit(case: dict) -> dict:
     arch, gpu = catalog.model(case["model"]), catalog.gpu(case["gpu"])
-    best, e = fit(
-        arch, gpu, case["num_gpus"], 1, case["method"], Candidate(**case["cand"]), case["maximize"]
-    )
+    best, e = fit(arch, gpu, case["num_gpus"], 1, case["method"], Candidate(**case["cand"]), case["maximize"])
     return {"best": best, "estimate": e.to_dict() if e else None}
 
 
@@ -198,9 +194,7 @@ def test_fixture_covers_the_axes():
         assert {c["cand"][key] for c in cases} == values, key
     assert {c["method"] for c in cases} == {"sft", "dpo"}
     outputs = [c["output"]["estimate"] for c in _load()["estimate"]]
-    assert any(o["fits"] for o in outputs) and any(
-        not o["fits"] and not o["invalid"] for o in outputs
-    )
+    assert any(o["fits"] for o in outputs) and any(not o["fits"] and not o["invalid"] for o in outputs)
     assert any(o["invalid"] for o in outputs)
 
 

@@ -116,9 +116,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
 
     model = build_model(kind, cand.attn)
     ref = (
-        build_model(kind, cand.attn).eval().requires_grad_(False)
-        if (method == "dpo" and cand.ref == "model")
-        else None
+        build_model(kind, cand.attn).eval().requires_grad_(False) if (method == "dpo" and cand.ref == "model") else None
     )
     if cand.finetune == "lora":
         model = get_peft_model(
@@ -133,15 +131,22 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
     model.train()
     if cand.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False
-    )
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False)
     V = SHAPES[kind]["vocab_size"]
     g = torch.Generator().manual_seed(1)
     # The trainer's own step (memfit.train.steps.StepRunner: collate, forward, memfit's losses) on
     # the plain model; the engine stand-in gives it the DeepSpeed engine's `.module`.
-    runner = StepRunner(method, _Engine(model), ref, pad_id=0, dpo={}, ref=cand.ref, loss_on="all",
-                        loss_impl=cand.loss_impl, loss_chunk_tokens=chunk)
+    runner = StepRunner(
+        method,
+        _Engine(model),
+        ref,
+        pad_id=0,
+        dpo={},
+        ref=cand.ref,
+        loss_on="all",
+        loss_impl=cand.loss_impl,
+        loss_chunk_tokens=chunk,
+    )
 
     def rows():
         """A micro batch of random full-length rows; DPO: every token of chosen and rejected scored."""
@@ -176,9 +181,7 @@ def _cases():
     """kind x method x finetune x attention x checkpointing, each at one of three sizes
     (micro batch 1/2/4 with 24/64/160 tokens, rotating): 32 cases. MEMFIT_GT_ALL=1 runs every
     combination at all three sizes (96 cases, several minutes on 2 shared cores)."""
-    base = Candidate(
-        zero=0, precision="fp32", attn="sdpa", micro_batch=1, seq_len=64, ref="precomputed"
-    )
+    base = Candidate(zero=0, precision="fp32", attn="sdpa", micro_batch=1, seq_len=64, ref="precomputed")
     sizes = ((1, 24), (2, 64), (4, 160))
     cases, k = [], 0
     for kind in ("llama", "qwen2"):
@@ -186,11 +189,7 @@ def _cases():
             for finetune in ("full", "lora"):
                 for attn in ("sdpa", "eager"):
                     for gc in (False, True):
-                        ref = (
-                            "precomputed"
-                            if method == "sft"
-                            else ("model" if finetune == "full" else "adapter")
-                        )
+                        ref = "precomputed" if method == "sft" else ("model" if finetune == "full" else "adapter")
                         for mb, s in sizes if ALL else (sizes[k % 3],):
                             cases.append(
                                 (
@@ -225,11 +224,7 @@ def results():
 
 
 def test_every_case_within_5_percent(results):
-    bad = [
-        f"{k} {me} {c.id}: measured {m} predicted {p} ({e:+.1%})"
-        for k, me, c, m, p, e in results
-        if abs(e) > 0.05
-    ]
+    bad = [f"{k} {me} {c.id}: measured {m} predicted {p} ({e:+.1%})" for k, me, c, m, p, e in results if abs(e) > 0.05]
     assert not bad, "\n".join(bad)
 
 
@@ -241,11 +236,27 @@ def test_median_within_2_percent(results):
 # loss_impl chunked (memfit.train.vocab_loss) in several chunks of 64 tokens: no full logits, the
 # estimator's `chunked_loss_terms` instead of the logit terms
 CHUNKED = [
-    (kind, method, Candidate(finetune=ft, attn="sdpa", grad_ckpt=gc, micro_batch=2, seq_len=160, zero=0, precision="fp32",
-                             ref="precomputed" if method == "sft" else ("model" if ft == "full" else "adapter"),
-                             loss_impl="chunked"))
-    for kind, method, ft, gc in [("llama", "sft", "full", False), ("qwen2", "sft", "lora", True),
-                                 ("llama", "dpo", "lora", False), ("qwen2", "dpo", "full", False)]
+    (
+        kind,
+        method,
+        Candidate(
+            finetune=ft,
+            attn="sdpa",
+            grad_ckpt=gc,
+            micro_batch=2,
+            seq_len=160,
+            zero=0,
+            precision="fp32",
+            ref="precomputed" if method == "sft" else ("model" if ft == "full" else "adapter"),
+            loss_impl="chunked",
+        ),
+    )
+    for kind, method, ft, gc in [
+        ("llama", "sft", "full", False),
+        ("qwen2", "sft", "lora", True),
+        ("llama", "dpo", "lora", False),
+        ("qwen2", "dpo", "full", False),
+    ]
 ]
 
 
@@ -266,6 +277,4 @@ if __name__ == "__main__":
         p = predict(kind, method, cand)
         errs.append((p - m) / m)
         print(f"{kind:6} {method} {cand.id:60} measured {m:>10} predicted {p:>10} {errs[-1]:+.1%}")
-    print(
-        f"median |err| {statistics.median(abs(e) for e in errs):.2%} max {max(abs(e) for e in errs):.2%}"
-    )
+    print(f"median |err| {statistics.median(abs(e) for e in errs):.2%} max {max(abs(e) for e in errs):.2%}")

@@ -159,9 +159,7 @@ def _measure_moe_layer(kind: str, finetune: str, seqs: int = 2, seq_len: int = 2
 
     arch = catalog.arch_from_hf_config(TINY[kind], name=f"tiny-{kind}")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        arch.to_hf_config(), dtype=torch.bfloat16, attn_implementation="sdpa"
-    )
+    model = AutoModelForCausalLM.from_config(arch.to_hf_config(), dtype=torch.bfloat16, attn_implementation="sdpa")
     model.train()
     if finetune == "lora":
         from peft import LoraConfig, get_peft_model
@@ -290,9 +288,7 @@ def test_traced_activations_agree_for_moe(tmp_path):
                       settings=Settings(activations="traced", trace_cache=str(tmp_path)))  # fmt: skip
     analytic = estimate(arch, cpu, cand=cand)
     assert traced.activations_source == "traced"
-    assert traced.breakdown["activations"] == pytest.approx(
-        analytic.breakdown["activations"], rel=0.05
-    )
+    assert traced.breakdown["activations"] == pytest.approx(analytic.breakdown["activations"], rel=0.05)
     lora = dataclasses.replace(cand, finetune="lora", lora_rank=8)
     fell_back = estimate(arch, cpu, cand=lora,
                          settings=Settings(activations="traced", trace_cache=str(tmp_path)))  # fmt: skip

@@ -38,29 +38,19 @@ AXES = {
         ("llama-3.1-8b", "rtx4090", "sft", "torchtune-held"),
     ],
 )
-def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(
-    model, gpu, method, logits_handling
-):
+def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(model, gpu, method, logits_handling):
     cands = list(enumerate_space(AXES, {"ref": "model" if method == "dpo" else "precomputed"}))
     settings = dataclasses.replace(DEFAULT_SETTINGS, logits_handling=logits_handling)
-    rows = estimate_space(
-        catalog.model(model), catalog.gpu(gpu), 4, 1, method, cands, settings=settings
-    )
+    rows = estimate_space(catalog.model(model), catalog.gpu(gpu), 4, 1, method, cands, settings=settings)
     phases_seen = set()
     for row in rows:
         if row["invalid"]:
             continue
         parts = row["breakdown"]
         assert sum(parts.values()) == row["device_total_bytes"], row["id"]
-        assert row["device_total_bytes"] - parts["overheads"] == row["peak_allocated_bytes"], row[
-            "id"
-        ]
+        assert row["device_total_bytes"] - parts["overheads"] == row["peak_allocated_bytes"], row["id"]
         assert all(v >= 0 for v in parts.values()), (row["id"], parts)
-        assert (
-            row["phases"][row["peak_phase"]]
-            == max(row["phases"].values())
-            == row["peak_allocated_bytes"]
-        )
+        assert row["phases"][row["peak_phase"]] == max(row["phases"].values()) == row["peak_allocated_bytes"]
         phases_seen.add(row["peak_phase"])
     # the space is varied enough that the peak is not always in the same phase
     assert len(phases_seen) >= 2, phases_seen
@@ -68,9 +58,7 @@ def test_breakdown_sums_to_the_peak_and_the_peak_is_the_largest_phase(
 
 def _est(settings=DEFAULT_SETTINGS, gpu="a100-80gb", num_gpus=1, **cand):
     c = Candidate(**{"finetune": "lora", "seq_len": 4096, "grad_ckpt": True, **cand})
-    return estimate(
-        catalog.model("llama-3.1-8b"), catalog.gpu(gpu), num_gpus, 1, "sft", c, settings=settings
-    )
+    return estimate(catalog.model("llama-3.1-8b"), catalog.gpu(gpu), num_gpus, 1, "sft", c, settings=settings)
 
 
 def test_another_trainers_logits_handling_adds_only_its_own_tensors():
@@ -126,7 +114,4 @@ def test_qlora_counts_one_dequantized_weight():
     assert delta == delta_lora
     lora_static = lora.phases["resume"]
     q_static = q.phases["resume"]
-    assert (
-        q.phases["top_layer_backward"] - q_static
-        == lora.phases["top_layer_backward"] - lora_static + w
-    )
+    assert q.phases["top_layer_backward"] - q_static == lora.phases["top_layer_backward"] - lora_static + w

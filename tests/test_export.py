@@ -38,8 +38,10 @@ def test_merged_lora_state_equals_peft_merge_and_unload(demo_model):
     from memfit.train.modeling import _merged_lora_state
 
     torch.manual_seed(0)
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(demo_model),
-                           LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(demo_model),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)  # peft starts B at zero: nothing to merge

@@ -82,9 +82,7 @@ LLAMAFACTORY_CHOICES = {
 }
 
 
-def _plan(
-    tmp_path: Path, method: str, cand: dict, total_steps: int | None = 40, **run
-) -> exports.ExportPlan:
+def _plan(tmp_path: Path, method: str, cand: dict, total_steps: int | None = 40, **run) -> exports.ExportPlan:
     """An export plan of one rank (the HF check below runs in this single process)."""
     r = RunConfig(
         method=method,
@@ -99,9 +97,7 @@ def _plan(
     )
     ds = dsconfig.for_run(r, 1, total_steps, hidden_size=64)
     warmup = (
-        None
-        if total_steps is None
-        else dsconfig.schedule_steps(dataclasses.replace(r, max_steps=total_steps), None)[1]
+        None if total_steps is None else dsconfig.schedule_steps(dataclasses.replace(r, max_steps=total_steps), None)[1]
     )
     files = exports.paths(tmp_path, method)
     return exports.ExportPlan(run=r, ds_config=ds, num_gpus=1, num_nodes=1, total_steps=total_steps,
@@ -164,9 +160,7 @@ def _openrlhf_parser(cli_file: Path) -> argparse.ArgumentParser:
     CUDA-only packages): the `parser.add_argument(...)` statements of the `__main__` block, executed."""
     tree = ast.parse(cli_file.read_text())
     main = next(n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test))
-    calls = [
-        s for s in main.body if isinstance(s, ast.Expr) and "parser.add_argument" in ast.unparse(s)
-    ]
+    calls = [s for s in main.body if isinstance(s, ast.Expr) and "parser.add_argument" in ast.unparse(s)]
     ns: dict = {"argparse": argparse, "datetime": __import__("datetime").datetime}
     exec("parser = argparse.ArgumentParser()\n" + "\n".join(ast.unparse(s) for s in calls), ns)  # noqa: S102
     return ns["parser"]
@@ -177,11 +171,7 @@ def _openrlhf_source() -> Path | None:
     if os.environ.get("MEMFIT_OPENRLHF_SRC"):
         return Path(os.environ["MEMFIT_OPENRLHF_SRC"])
     spec = importlib.util.find_spec("openrlhf")
-    return (
-        Path(next(iter(spec.submodule_search_locations)))
-        if spec and spec.submodule_search_locations
-        else None
-    )
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
 
 
 def test_openrlhf_command_uses_only_its_flags_and_maps_the_levers(written):
@@ -210,9 +200,7 @@ def test_openrlhf_command_uses_only_its_flags_and_maps_the_levers(written):
     if c.finetune != "full":
         assert got["--ds.lora.rank"] == str(c.lora_rank)
         assert ("--ds.load_in_4bit" in argv) == (c.finetune == "qlora")
-    notes = text.split("set -euo pipefail")[
-        0
-    ]  # the comment block listing what OpenRLHF cannot express
+    notes = text.split("set -euo pipefail")[0]  # the comment block listing what OpenRLHF cannot express
     expected = {
         "sft-full-fp32-packed": ["precision fp32", "loss_on all", "packing with attn sdpa"],
         "dpo-lora-z3-offload-ref-adapter-ipo": [
@@ -231,13 +219,8 @@ def test_openrlhf_command_uses_only_its_flags_and_maps_the_levers(written):
     src = _openrlhf_source()
     if src is None:
         return  # not installed here: the names above are the check
-    args = _openrlhf_parser(src / "cli" / f"train_{method}.py").parse_args(
-        argv
-    )  # OpenRLHF's own parser
-    assert (
-        getattr(args, "ds.zero_stage") == c.zero
-        and getattr(args, "train.batch_size") == plan.global_batch
-    )
+    args = _openrlhf_parser(src / "cli" / f"train_{method}.py").parse_args(argv)  # OpenRLHF's own parser
+    assert getattr(args, "ds.zero_stage") == c.zero and getattr(args, "train.batch_size") == plan.global_batch
 
 
 # --------------------------------------------------------------------------- LLaMA-Factory
@@ -253,9 +236,7 @@ def test_llamafactory_yaml_uses_only_its_arguments_and_points_at_memfits_deepspe
     for key, allowed in LLAMAFACTORY_CHOICES.items():
         if key in y:
             assert y[key] in allowed
-    assert (
-        json.loads(Path(y["deepspeed"]).read_text()) == plan.ds_config
-    )  # ZeRO, offload, precision exactly
+    assert json.loads(Path(y["deepspeed"]).read_text()) == plan.ds_config  # ZeRO, offload, precision exactly
     info = json.loads((Path(y["dataset_dir"]) / "dataset_info.json").read_text())
     assert Path(info[y["dataset"]]["file_name"]).exists()
     assert y["cutoff_len"] == c.seq_len and y["per_device_train_batch_size"] == c.micro_batch
@@ -298,38 +279,27 @@ def test_hf_training_args_parse_and_agree_with_the_deepspeed_json(written, monke
     from peft import LoraConfig
     from transformers import HfArgumentParser, TrainingArguments
 
-    monkeypatch.setenv(
-        "ACCELERATE_USE_DEEPSPEED", "false"
-    )  # TrainingArguments sets it; restored after
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # TrainingArguments sets it; restored after
     case, plan, files = written
     d = json.loads(files["hf_args"].read_text())
     extra = d.pop("_memfit")
     assert json.loads(Path(d["deepspeed"]).read_text()) == plan.ds_config
-    (args,) = HfArgumentParser(TrainingArguments).parse_dict(
-        _on_this_machine(d), allow_extra_keys=False
-    )
+    (args,) = HfArgumentParser(TrainingArguments).parse_dict(_on_this_machine(d), allow_extra_keys=False)
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (4, 2)
-    assert (
-        args.max_steps == plan.total_steps
-        and args.gradient_checkpointing == plan.run.cand.grad_ckpt
-    )
+    assert args.max_steps == plan.total_steps and args.gradient_checkpointing == plan.run.cand.grad_ckpt
     # the HF Trainer's own check of its arguments against the DeepSpeed JSON (deepspeed_init calls it)
     args.hf_deepspeed_config.trainer_config_finalize(args, None, plan.total_steps)
 
     import trl
 
     cls = getattr(trl, extra["trl_class"].split(".")[1])
-    (full,) = HfArgumentParser(cls).parse_dict(
-        _on_this_machine(d) | extra["trl_fields"], allow_extra_keys=False
-    )
+    (full,) = HfArgumentParser(cls).parse_dict(_on_this_machine(d) | extra["trl_fields"], allow_extra_keys=False)
     assert full.max_length == plan.run.cand.seq_len
     if plan.run.method == "dpo":
         assert full.beta == plan.run.dpo["beta"] and full.loss_type == [plan.run.dpo["loss_type"]]
         assert full.precompute_ref_log_probs == (plan.run.cand.ref == "precomputed")
     else:
-        assert full.packing == plan.run.packing and full.completion_only_loss == (
-            plan.run.loss_on == "response"
-        )
+        assert full.packing == plan.run.packing and full.completion_only_loss == (plan.run.loss_on == "response")
     if plan.run.cand.finetune != "full":
         lora = LoraConfig(**extra["peft_lora_config"])
         assert lora.r == plan.run.cand.lora_rank and lora.lora_alpha == plan.lora_alpha
@@ -347,9 +317,7 @@ def test_hf_deepspeed_check_catches_a_mismatch(tmp_path, monkeypatch):
     d = json.loads(files["hf_args"].read_text())
     d.pop("_memfit")
     d["learning_rate"] = 1e-3
-    (args,) = HfArgumentParser(TrainingArguments).parse_dict(
-        _on_this_machine(d), allow_extra_keys=False
-    )
+    (args,) = HfArgumentParser(TrainingArguments).parse_dict(_on_this_machine(d), allow_extra_keys=False)
     with pytest.raises(ValueError, match="optimizer.params.lr"):
         args.hf_deepspeed_config.trainer_config_finalize(args, None, plan.total_steps)
 
@@ -358,9 +326,7 @@ def test_without_a_step_count_the_trainers_count_their_own(tmp_path):
     """A plan without prepared data: the JSON says "auto" and the tools get epochs, not max_steps."""
     plan = _plan(tmp_path, "sft", {"zero": 2}, total_steps=None)
     files = exports.write_all(plan)
-    assert (
-        json.loads(files["hf_ds"].read_text())["scheduler"]["params"]["total_num_steps"] == "auto"
-    )
+    assert json.loads(files["hf_ds"].read_text())["scheduler"]["params"]["total_num_steps"] == "auto"
     y = yaml.safe_load(files["llamafactory"].read_text())
     assert "max_steps" not in y and y["num_train_epochs"] == 2
     assert "warmup_steps 5: OpenRLHF takes a ratio" in files["openrlhf"].read_text()

@@ -57,11 +57,9 @@ def test_levers_keep_the_dynamics_and_the_global_batch_must_stay():
     }
     for key, c in refused.items():
         problems = fallback.dynamics_problems(base, c, WORLD)
-        assert (
-            len(problems) == 1
-            and problems[0].startswith(f"{key} ")
-            and "changes what is learned" in problems[0]
-        ), problems
+        assert len(problems) == 1 and problems[0].startswith(f"{key} ") and "changes what is learned" in problems[0], (
+            problems
+        )
 
 
 def test_next_candidate_is_the_first_fitting_one_that_keeps_dynamics_and_can_continue_the_checkpoint():
@@ -69,22 +67,14 @@ def test_next_candidate_is_the_first_fitting_one_that_keeps_dynamics_and_can_con
     ranking = [
         row(selected, device_bytes=90),
         row(cand(precision="bf16"), device_bytes=50),  # faster, but trains something else
-        row(
-            cand(zero=2, micro_batch=8, grad_accum=2), device_bytes=60
-        ),  # no ZeRO-0 -> ZeRO-2 conversion
-        row(
-            cand(micro_batch=8, grad_accum=2, loss_impl="chunked"), device_bytes=95
-        ),  # needs more than what ran out
+        row(cand(zero=2, micro_batch=8, grad_accum=2), device_bytes=60),  # no ZeRO-0 -> ZeRO-2 conversion
+        row(cand(micro_batch=8, grad_accum=2, loss_impl="chunked"), device_bytes=95),  # needs more than what ran out
         row(cand(micro_batch=8, grad_accum=4), device_bytes=40),  # global batch 64
-        row(
-            cand(micro_batch=4, grad_accum=4), fits=False, device_bytes=20
-        ),  # does not fit: skipped silently
+        row(cand(micro_batch=4, grad_accum=4), fits=False, device_bytes=20),  # does not fit: skipped silently
         row(cand(micro_batch=4, grad_accum=4, grad_ckpt=True), device_bytes=70),  # the one
         row(cand(micro_batch=2, grad_accum=8), device_bytes=30),
     ]
-    nxt, refused = fallback.next_candidate(
-        ranking, selected, selected, selected, [ranking[0]["id"]], WORLD
-    )
+    nxt, refused = fallback.next_candidate(ranking, selected, selected, selected, [ranking[0]["id"]], WORLD)
     assert nxt is ranking[6]
     assert [r.split(":")[0] for r in refused] == [ranking[i]["id"] for i in (1, 2, 3, 4)]
     assert "precision 'fp32' -> 'bf16' changes what is learned" in refused[0]
@@ -93,23 +83,17 @@ def test_next_candidate_is_the_first_fitting_one_that_keeps_dynamics_and_can_con
     assert "global batch 32 -> 64" in refused[3]
     # that one ran out too: next in line, judged against the candidate that failed last
     tried = [ranking[0]["id"], ranking[6]["id"]]
-    nxt, _ = fallback.next_candidate(
-        ranking, selected, ranking[6]["candidate"], selected, tried, WORLD
-    )
+    nxt, _ = fallback.next_candidate(ranking, selected, ranking[6]["candidate"], selected, tried, WORLD)
     assert nxt is ranking[7]
     tried.append(ranking[7]["id"])
-    nxt, refused = fallback.next_candidate(
-        ranking, selected, ranking[7]["candidate"], selected, tried, WORLD
-    )
+    nxt, refused = fallback.next_candidate(ranking, selected, ranking[7]["candidate"], selected, tried, WORLD)
     assert nxt is None and len(refused) == 4
 
 
 def test_without_a_checkpoint_any_zero_stage_may_take_over():
     selected = cand()
     z2 = row(cand(zero=2), device_bytes=60)
-    nxt, refused = fallback.next_candidate(
-        [row(selected, device_bytes=90), z2], selected, selected, None, [], WORLD
-    )
+    nxt, refused = fallback.next_candidate([row(selected, device_bytes=90), z2], selected, selected, None, [], WORLD)
     assert nxt is z2 and refused == []
 
 
@@ -126,28 +110,20 @@ def test_a_fallback_resumes_across_levers_and_only_its_config_may():
     where = Path("ck/step00000003")
     # same optimizer layout: as saved
     assert (
-        checkpoint.check_compatible(
-            meta(), now(micro_batch=8, grad_accum=2, grad_ckpt=True), where, WORLD
-        )
+        checkpoint.check_compatible(meta(), now(micro_batch=8, grad_accum=2, grad_ckpt=True), where, WORLD)
         == checkpoint.SAME
     )
     assert (
-        checkpoint.check_compatible(
-            meta(zero=2), now(zero=2, loss_impl="chunked", ref="precomputed"), where, WORLD
-        )
+        checkpoint.check_compatible(meta(zero=2), now(zero=2, loss_impl="chunked", ref="precomputed"), where, WORLD)
         == checkpoint.SAME
     )
     # another ZeRO stage or offload: through DeepSpeed's universal checkpoint
     assert (
-        checkpoint.check_compatible(
-            meta(zero=2), now(zero=3, micro_batch=8, grad_accum=2), where, WORLD
-        )
+        checkpoint.check_compatible(meta(zero=2), now(zero=3, micro_batch=8, grad_accum=2), where, WORLD)
         == checkpoint.UNIVERSAL_LOAD
     )
     assert (
-        checkpoint.check_compatible(
-            meta(zero=2), now(zero=2, offload_optimizer="cpu"), where, WORLD
-        )
+        checkpoint.check_compatible(meta(zero=2), now(zero=2, offload_optimizer="cpu"), where, WORLD)
         == checkpoint.UNIVERSAL_LOAD
     )
     with pytest.raises(ValueError, match=r"written with ZeRO-0 and cannot continue under ZeRO-2"):
@@ -158,17 +134,13 @@ def test_a_fallback_resumes_across_levers_and_only_its_config_may():
     ):
         checkpoint.check_compatible(meta(zero=3), now(zero=2), where, WORLD)
     assert (
-        checkpoint.check_compatible(
-            meta(zero=3), now(zero=3, offload_optimizer="cpu"), where, WORLD
-        )
+        checkpoint.check_compatible(meta(zero=3), now(zero=3, offload_optimizer="cpu"), where, WORLD)
         == checkpoint.UNIVERSAL_LOAD
     )
     with pytest.raises(ValueError, match=r"written with ZeRO-3 and cannot continue under ZeRO-0"):
         checkpoint.check_compatible(meta(zero=3), now(zero=0), where, WORLD)
     with pytest.raises(ValueError, match=r"ZeRO-3 partial optimizer offload \(offload_ratio 0.5\)"):
-        checkpoint.check_compatible(
-            meta(zero=2), now(zero=3, offload_optimizer="cpu", offload_ratio=0.5), where, WORLD
-        )
+        checkpoint.check_compatible(meta(zero=2), now(zero=3, offload_optimizer="cpu", offload_ratio=0.5), where, WORLD)
     # the global batch and everything that is not a lever still must match
     with pytest.raises(ValueError, match=r"global batch: checkpoint 32 .* != now 16"):
         checkpoint.check_compatible(meta(), now(micro_batch=8), where, WORLD)
@@ -190,9 +162,7 @@ class TrackedWriter:
     def save_checkpoint(self, root, tag, client_state, save_latest):
         d = Path(root) / tag
         d.mkdir(parents=True, exist_ok=True)
-        (d / "mp_rank_00_model_states.pt").write_bytes(
-            b"\0" * 100
-        )  # a first file lands, then the copy
+        (d / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 100)  # a first file lands, then the copy
         state = {"module": self.weights.clone(), **client_state}
         torch.save(state, d / "mp_rank_00_model_states.pt")
 
@@ -211,9 +181,7 @@ def test_an_oom_during_a_save_leaves_the_previous_checkpoint_the_newest(tmp_path
         t.phase = "checkpoint save"
         checkpoint.save(writer, root, 6, {"step": 6}, keep_last=2, run_config={})
     assert t.oom["phase"] == "checkpoint save"
-    assert (root / "step00000006").exists() and not (
-        root / "step00000006" / checkpoint.COMPLETE
-    ).exists()
+    assert (root / "step00000006").exists() and not (root / "step00000006" / checkpoint.COMPLETE).exists()
     assert (root / "latest").read_text() == "step00000003"
     assert checkpoint.complete_tags(root) == ["step00000003"]
     assert checkpoint.latest_valid(root, log=lambda _m: None) == (root, "step00000003")
@@ -339,9 +307,7 @@ def ranks_that(monkeypatch, behaviour):
     return calls
 
 
-def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
-    tmp_path, monkeypatch, capfd
-):
+def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(tmp_path, monkeypatch, capfd):
     from memfit.workflow import pipeline
 
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -356,14 +322,10 @@ def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
     base.save(job / "run.json")
     selected_json(job / "selected.json", [row(first), row(other), row(second)])
 
-    def runs_out_at_step_6(
-        run, out
-    ):  # checkpoint 3 published, the save of step 6 cut short by an OOM
+    def runs_out_at_step_6(run, out):  # checkpoint 3 published, the save of step 6 cut short by an OOM
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.jsonl").write_text(
-            "".join(
-                json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in range(1, 4)
-            )
+            "".join(json.dumps({"step": s, "split": "train", "loss": 1.0}) + "\n" for s in range(1, 4))
         )
         checkpoint.save(
             ShardWriter(),
@@ -408,9 +370,7 @@ def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
     assert not (out / "checkpoints/step00000006").exists()  # the half-written save is gone
     nxt = RunConfig.load(out / "run.fallback-1.json")
     assert (
-        nxt.candidate == second
-        and nxt.fallback == 1
-        and dataclasses.replace(nxt, candidate=first, fallback=0) == base
+        nxt.candidate == second and nxt.fallback == 1 and dataclasses.replace(nxt, candidate=first, fallback=0) == base
     )
 
     # the job is re-run (crash, preemption): it continues with the fallback, not with run.json
@@ -446,10 +406,7 @@ def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(
     with pytest.raises(RuntimeError) as e:
         pipeline.train(job / "run.json", 1, job / "train.log")
     msg = str(e.value)
-    assert (
-        f"ran out of device memory with {ids[2]} at step 7 (forward), and no candidate is left"
-        in msg
-    )
+    assert f"ran out of device memory with {ids[2]} at step 7 (forward), and no candidate is left" in msg
     assert f"Tried: {ids[0]}, {ids[2]}." in msg
     assert f"{ids[1]}: precision 'fp32' -> 'bf16' changes what is learned" in msg
 
@@ -467,9 +424,7 @@ def test_without_an_oom_marker_a_failed_training_is_not_a_fallback(tmp_path, mon
     )
     job.mkdir()
     base.save(job / "run.json")
-    calls = ranks_that(
-        monkeypatch, {base.cand.id: lambda run, out: -9}
-    )  # e.g. the kernel's SIGKILL (host OOM)
+    calls = ranks_that(monkeypatch, {base.cand.id: lambda run, out: -9})  # e.g. the kernel's SIGKILL (host OOM)
     with pytest.raises(RuntimeError, match=r"training failed \(exit code -9\)"):
         pipeline.train(job / "run.json", 1, job / "train.log")
     assert len(calls) == 1 and not (job / "train/fallbacks.json").exists()
@@ -497,9 +452,7 @@ def test_a_zero2_universal_checkpoint_is_made_loadable_by_zero3(tmp_path, monkey
         "param_groups": [{"lr": 0.002, "betas": [0.9, 0.95], "step": 0}],
     }
     assert sd["param_groups"] == groups and sd["clip_grad"] == 1.0
-    assert torch.load(conv / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False) == {
-        "global_steps": 3
-    }
+    assert torch.load(conv / "zero_pp_rank_0_mp_rank_00_model_states.pt", weights_only=False) == {"global_steps": 3}
     assert sorted(p.name for p in conv.rglob(".*")) == []  # no temporary left
     torch.save(4, conv / "zero/b.weight/step.pt")  # parameters disagree: refused, not guessed
     torch.save({"ds_version": "0.19.8", "param_groups": groups}, conv / "zero/optimizer_state.pt")

@@ -36,9 +36,7 @@ def mixed_data(demo_model, tmp_path_factory, repo):
     among short ones (15-18 tokens), so that a later batch needs more memory than the first ones."""
     from memfit.data import prepare
 
-    rows = [
-        json.loads(line) for line in (repo / "data/demo/sft.jsonl").read_text().splitlines()[:240]
-    ]
+    rows = [json.loads(line) for line in (repo / "data/demo/sft.jsonl").read_text().splitlines()[:240]]
     for i in range(7, len(rows), 20):
         qs = rows[i : i + 5]
         rows[i] = {
@@ -57,10 +55,7 @@ def longest_per_step(data_dir, cand, steps=8):
 
     lengths = [len(r["input_ids"]) for r in load_split(data_dir, "train")]
     s = Schedule(len(lengths), cand["micro_batch"], cand["grad_accum"], 2, SEED)
-    return [
-        max(lengths[i] for r in range(2) for idx in s.micro_batches(k, r) for i in idx)
-        for k in range(steps)
-    ]
+    return [max(lengths[i] for r in range(2) for idx in s.micro_batches(k, r) for i in idx) for k in range(steps)]
 
 
 def ranking_of(cfg, cands):
@@ -100,9 +95,7 @@ def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_i
     demo_model, mixed_data, tmp_path
 ):
     longest = longest_per_step(mixed_data / "sft", FIRST)
-    assert max(longest[:3]) <= 18 and longest[3] >= 76, (
-        longest
-    )  # the premise: short steps 1-3, a long step 4
+    assert max(longest[:3]) <= 18 and longest[3] >= 76, longest  # the premise: short steps 1-3, a long step 4
     job = tmp_path / "sft"
     train_dir = job / "train"
     cfg = dataclasses.replace(
@@ -126,14 +119,9 @@ def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_i
     assert fb["from"] == cfg.cand.id and fb["to"] == second.id
     assert fb["capacity_bytes"] == CAPACITY and fb["bytes_live"] > CAPACITY
     assert fb["phase"] in ("forward", "backward", "optimizer step", "evaluation", "checkpoint save")
-    assert (
-        fb["oom_step"] == 4 and fb["resumed_from_step"] == 3
-    )  # the first long batch, the checkpoint before it
+    assert fb["oom_step"] == 4 and fb["resumed_from_step"] == 3  # the first long batch, the checkpoint before it
     assert summary["trained_candidate"] == second.id
-    assert (
-        f"memfit: OOM fallback 1: {cfg.cand.id} ran out of device memory at step {fb['oom_step']}"
-        in log.read_text()
-    )
+    assert f"memfit: OOM fallback 1: {cfg.cand.id} ran out of device memory at step {fb['oom_step']}" in log.read_text()
     assert not list(train_dir.glob("oom.rank*.json"))
     # nothing half-written: every checkpoint directory is published
     ckpts = train_dir / "checkpoints"
@@ -163,9 +151,7 @@ def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_i
         f"losses after the switch vs the uninterrupted run of {second.id} from step {start}: max relative difference {worst:.2e}"
     )
     assert worst <= 1e-6
-    assert [r for r in rows if r["step"] <= start] == [
-        r for r in ref if r["step"] <= start
-    ]  # the checkpoint's curve
+    assert [r for r in rows if r["step"] <= start] == [r for r in ref if r["step"] <= start]  # the checkpoint's curve
 
     # verify_resume resumes the finished run (now the fallback candidate) from its previous checkpoint
     res = verify_resume(job / "run.json", 2, job / "verify_resume.json", job / "verify_resume.log")

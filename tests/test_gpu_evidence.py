@@ -32,10 +32,19 @@ def test_estimate_uses_a_measured_calibration_and_says_so(tmp_path, monkeypatch)
     monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
     before = estimate(arch, gpu, 1, 1, "sft", cand)
     assert before.calibration == "uncalibrated (stated heuristics)"
-    (tmp_path / "h100-80gb.json").write_text(json.dumps({
-        "device": "h100-80gb", "measured_on": "2026-11-22", "measured_device": "NVIDIA H100 80GB HBM3",
-        "cuda_context_bytes": 600 * MIB, "cublas_workspace_bytes": 32 * MIB,
-        "fragmentation": 0.0, "tflops": {"step": 400.0}}))
+    (tmp_path / "h100-80gb.json").write_text(
+        json.dumps(
+            {
+                "device": "h100-80gb",
+                "measured_on": "2026-11-22",
+                "measured_device": "NVIDIA H100 80GB HBM3",
+                "cuda_context_bytes": 600 * MIB,
+                "cublas_workspace_bytes": 32 * MIB,
+                "fragmentation": 0.0,
+                "tflops": {"step": 400.0},
+            }
+        )
+    )
     after = estimate(arch, gpu, 1, 1, "sft", cand)
     assert after.calibration == "measured 2026-11-22 on NVIDIA H100 80GB HBM3"
     assert after.peak_allocated_bytes == before.peak_allocated_bytes
@@ -44,13 +53,16 @@ def test_estimate_uses_a_measured_calibration_and_says_so(tmp_path, monkeypatch)
     assert after.time_breakdown["compute"] < before.time_breakdown["compute"]  # 400 > 0.4 x 989
 
 
-@pytest.mark.parametrize("bad, key", [
-    ({"cuda_context_bytes": -1}, "cuda_context_bytes"),
-    ({"tflops": {"gemm": 1.0}}, "tflops.gemm"),
-    ({"fragmentation": 3}, "fragmentation"),
-    ({"measured_on": ""}, "measured_on"),
-    ({"colour": 1}, "colour"),
-])
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"cuda_context_bytes": -1}, "cuda_context_bytes"),
+        ({"tflops": {"gemm": 1.0}}, "tflops.gemm"),
+        ({"fragmentation": 3}, "fragmentation"),
+        ({"measured_on": ""}, "measured_on"),
+        ({"colour": 1}, "colour"),
+    ],
+)
 def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
     d = {"device": "h100-80gb", "measured_on": "2026-11-22", "cuda_context_bytes": 1, "cublas_workspace_bytes": 1}
     (tmp_path / "h100-80gb.json").write_text(json.dumps(d | bad))
@@ -93,4 +105,6 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
     assert not (repo / "config/calibration/cpu.json").exists()
     # resumable: a stage already in the JSON is not run again without --force
     again = subprocess.run(cmd + ["--stage", "sft_zero"], capture_output=True, text=True, timeout=300)
-    assert "already in" in again.stdout and json.loads(out.read_text())["stages"]["sft_zero"] == doc["stages"]["sft_zero"]
+    assert (
+        "already in" in again.stdout and json.loads(out.read_text())["stages"]["sft_zero"] == doc["stages"]["sft_zero"]
+    )

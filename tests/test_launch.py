@@ -25,8 +25,16 @@ from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):
     cmd = command(tmp_path / "run.json", 3)
     assert cmd == [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-        "-m", "memfit.cli", "train", "--config", str(tmp_path / "run.json"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=3",
+        "-m",
+        "memfit.cli",
+        "train",
+        "--config",
+        str(tmp_path / "run.json"),
     ]
 
 
@@ -59,7 +67,9 @@ def test_ranks_build_deepspeed_ops_with_this_environments_ninja(monkeypatch):
 
 def fake_ranks(monkeypatch, code: str) -> None:
     """Launch runs `python -c code` instead of torchrun (the config path is in sys.argv[1])."""
-    monkeypatch.setattr(launch_mod, "command", lambda config, nproc, rdzv=None: [sys.executable, "-c", code, str(config)])
+    monkeypatch.setattr(
+        launch_mod, "command", lambda config, nproc, rdzv=None: [sys.executable, "-c", code, str(config)]
+    )
 
 
 def run_json(tmp_path: Path) -> Path:

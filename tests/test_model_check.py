@@ -73,17 +73,13 @@ def test_a_shard_that_does_not_match_its_index(sharded_model, tmp_path):
         shutil.copy(d / b.name, d / a.name)
 
     d = broken(sharded_model, tmp_path, swap)
-    with pytest.raises(
-        ModelCheckError, match=rf"^{d / a.name}: has no tensor '.+' .* does not match the index"
-    ):
+    with pytest.raises(ModelCheckError, match=rf"^{d / a.name}: has no tensor '.+' .* does not match the index"):
         check_model_dir(d)
 
 
 def test_no_weights_at_all(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: (d / "model.safetensors").unlink())
-    with pytest.raises(
-        ModelCheckError, match=rf"^{d / 'model.safetensors'}: missing: no weights in {d}"
-    ):
+    with pytest.raises(ModelCheckError, match=rf"^{d / 'model.safetensors'}: missing: no weights in {d}"):
         check_model_dir(d)
 
 
@@ -103,9 +99,7 @@ def test_a_truncated_safetensors_file(demo_model, tmp_path, keep):
 
 def test_a_missing_tokenizer(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: (d / "tokenizer.json").unlink())
-    with pytest.raises(
-        ModelCheckError, match=rf"^{d / 'tokenizer.json'}: missing: no tokenizer files in {d}"
-    ):
+    with pytest.raises(ModelCheckError, match=rf"^{d / 'tokenizer.json'}: missing: no tokenizer files in {d}"):
         check_model_dir(d)
 
 
@@ -121,9 +115,7 @@ def test_a_corrupt_tokenizer(demo_model, tmp_path):
 
 def test_an_unsupported_architecture(demo_model, tmp_path):
     d = broken(demo_model, tmp_path, lambda d: edit_config(d, model_type="gpt_neox"))
-    with pytest.raises(
-        ModelCheckError, match=rf"^{d / 'config.json'}: model_type 'gpt_neox' is not supported"
-    ):
+    with pytest.raises(ModelCheckError, match=rf"^{d / 'config.json'}: model_type 'gpt_neox' is not supported"):
         check_model_dir(d)
 
 
@@ -159,9 +151,7 @@ def demo_config(repo: Path, model_dir: Path, **overrides) -> WorkflowConfig:
     return WorkflowConfig.load(raw)
 
 
-def test_the_stages_before_the_probes_refuse_a_broken_model(
-    repo, demo_model, tmp_path, monkeypatch
-):
+def test_the_stages_before_the_probes_refuse_a_broken_model(repo, demo_model, tmp_path, monkeypatch):
     """prepare_data and estimate_candidates stop on a truncated weight file (which the config's
     own validation, a presence check, lets through); neither leaves an output."""
 
@@ -180,9 +170,7 @@ def test_the_stages_before_the_probes_refuse_a_broken_model(
         pipeline.estimate_candidates(cfg, "demo-tiny", "cpu", "sft", out)
     assert not out.parent.exists() or not any(out.parent.iterdir())
     # a plan-only run never loads the weights: it plans from config.json alone
-    table = pipeline.estimate_candidates(
-        demo_config(repo, d, plan_only=True), "demo-tiny", "cpu", "sft", out
-    )
+    table = pipeline.estimate_candidates(demo_config(repo, d, plan_only=True), "demo-tiny", "cpu", "sft", out)
     assert table["probe"] == [] and out.exists()
 
 

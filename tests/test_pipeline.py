@@ -30,11 +30,25 @@ def test_plan_for_hardware_not_present(cfg, tmp_path):
     assert len(table["rows"]) == len(cfg.candidates("sft"))
     assert table["budget"]["device_bytes"] == cfg.budget("a100-80gb").device_bytes
 
-    out = {"selected": run / "selected.json", "ds_config": run / "ds_config.json", "run": run / "run.json",
-           "launch": run / "launch.sh"}
+    out = {
+        "selected": run / "selected.json",
+        "ds_config": run / "ds_config.json",
+        "run": run / "run.json",
+        "launch": run / "launch.sh",
+    }
     # a stage may get the dict Snakemake holds instead of the WorkflowConfig: the same result
-    selected = pipeline.select_config(dict(cfg.raw), "qwen2.5-7b", "a100-80gb", "sft", run / "candidates.json", [],
-                                      "/models/qwen", "data", str(run / "train"), out)
+    selected = pipeline.select_config(
+        dict(cfg.raw),
+        "qwen2.5-7b",
+        "a100-80gb",
+        "sft",
+        run / "candidates.json",
+        [],
+        "/models/qwen",
+        "data",
+        str(run / "train"),
+        out,
+    )
     best = selected["selected"]
     assert selected["plan_only"] and best["fits"] and best["source"] == "predicted"
     assert best["device_bytes"] <= cfg.budget("a100-80gb").device_limit_bytes
@@ -73,11 +87,20 @@ def test_a_boundary_probe_checks_the_estimate_where_it_decides(repo, demo_model,
     others = [by_id[i] for i in table["probe"] if i != bid]
     assert all(b["tokens_per_s"] > r["tokens_per_s"] for r in others)
     # the fastest of those within the margin
-    near = [r for r in table["rows"] if not r["invalid"] and not r["fits"] and limit < r["device_total_bytes"] <= 1.2 * limit]
+    near = [
+        r
+        for r in table["rows"]
+        if not r["invalid"] and not r["fits"] and limit < r["device_total_bytes"] <= 1.2 * limit
+    ]
     assert b["tokens_per_s"] == max(r["tokens_per_s"] for r in near)
     # margin 0: no boundary probe, the rest unchanged
-    off = pipeline.estimate_candidates(demo_cfg(repo, demo_model, probe={**cfg.raw["probe"], "boundary_margin": 0}),
-                                       "demo-tiny", "cpu", "dpo", tmp_path / "off.json")
+    off = pipeline.estimate_candidates(
+        demo_cfg(repo, demo_model, probe={**cfg.raw["probe"], "boundary_margin": 0}),
+        "demo-tiny",
+        "cpu",
+        "dpo",
+        tmp_path / "off.json",
+    )
     assert off["boundary_probe"] == [] and off["probe"] == table["probe"][:-1]
 
 
@@ -87,7 +110,14 @@ def test_boundary_probe_rules(repo):
     budget = Budget(device_bytes=100, host_bytes=1000, headroom=0.1)  # limit 90
 
     def row(i, dev, tps, fits=False, invalid=False, host=10):
-        return {"id": i, "device_total_bytes": dev, "tokens_per_s": tps, "fits": fits, "invalid": invalid, "host_bytes": host}
+        return {
+            "id": i,
+            "device_total_bytes": dev,
+            "tokens_per_s": tps,
+            "fits": fits,
+            "invalid": invalid,
+            "host_bytes": host,
+        }
 
     probed = row("p", 80, 100.0, fits=True)
     rows = [
@@ -117,12 +147,30 @@ def test_select_config_refuses_a_probe_that_failed(repo, demo_model, tmp_path, m
     cid = table["probe"][0]
     probe = run / "probes" / f"{cid}.json"
     probe.parent.mkdir()
-    probe.write_text(json.dumps({"id": cid, "status": "error", "error": "exit code 1; see probe.log",
-                                 "log_tail": "Traceback (most recent call last):\n  File \"x\"\nKeyError: 'chosen'"}))
+    probe.write_text(
+        json.dumps(
+            {
+                "id": cid,
+                "status": "error",
+                "error": "exit code 1; see probe.log",
+                "log_tail": "Traceback (most recent call last):\n  File \"x\"\nKeyError: 'chosen'",
+            }
+        )
+    )
     out = {k: run / f"{k}.json" for k in ("selected", "ds_config", "run")} | {"launch": run / "launch.sh"}
     with pytest.raises(ProbeFailed, match=rf"(?s){probe}: probe of {cid} failed .*KeyError: 'chosen'"):
-        pipeline.select_config(cfg, "demo-tiny", "cpu", "sft", run / "candidates.json", [probe], str(demo_model),
-                               "data", str(run / "train"), out)
+        pipeline.select_config(
+            cfg,
+            "demo-tiny",
+            "cpu",
+            "sft",
+            run / "candidates.json",
+            [probe],
+            str(demo_model),
+            "data",
+            str(run / "train"),
+            out,
+        )
     assert not any(p.exists() for p in out.values())
 
 
@@ -157,18 +205,18 @@ def test_the_error_shown_is_this_runs_first_traceback(tmp_path):
 
     log = tmp_path / "probe.log"
     log.write_text(
-        "Traceback (most recent call last):\n  File \"old.py\"\nOldError: a previous run\n"
+        'Traceback (most recent call last):\n  File "old.py"\nOldError: a previous run\n'
         "$ torchrun --nproc-per-node 2 -m memfit.train.loop --config run.json\n"
         "UserWarning: not an error\n"
         "[rank1]: Traceback (most recent call last):\n[rank0]: Traceback (most recent call last):\n"
-        "[rank1]:   File \"train.py\", line 10, in setup\n[rank0]:   File \"train.py\", line 10, in setup\n"
+        '[rank1]:   File "train.py", line 10, in setup\n[rank0]:   File "train.py", line 10, in setup\n'
         "[rank1]:     rows = read(data)\n[rank0]:     rows = read(data)\n"
         "[rank1]: FileNotFoundError: data/train.parquet\n[rank0]: FileNotFoundError: data/train.parquet\n"
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: memfit.train.loop FAILED\n"
     )
     assert error_excerpt(log).splitlines() == [
         "[rank1]: Traceback (most recent call last):",
-        "[rank1]:   File \"train.py\", line 10, in setup",
+        '[rank1]:   File "train.py", line 10, in setup',
         "[rank1]:     rows = read(data)",
         "[rank1]: FileNotFoundError: data/train.parquet",
     ]

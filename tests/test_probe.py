@@ -20,14 +20,25 @@ from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
 from memfit.units import MIB
 from memfit.workflow import probe
 
-PREDICTION = {"id": "x", "peak_allocated_bytes": 123, "peak_reserved_bytes": 456, "host_bytes": 7, "step_time_s": 0.5,
-              "breakdown": {"not": "copied"}}
+PREDICTION = {
+    "id": "x",
+    "peak_allocated_bytes": 123,
+    "peak_reserved_bytes": 456,
+    "host_bytes": 7,
+    "step_time_s": 0.5,
+    "breakdown": {"not": "copied"},
+}
 
 
 def run_config(tmp_path: Path, **cand) -> RunConfig:
     c = Candidate(zero=2, micro_batch=4, seq_len=32, **cand)
-    return RunConfig(method="sft", model_path=str(tmp_path / "model"), data_dir=str(tmp_path / "data"),
-                     out_dir=str(tmp_path / "train"), candidate=c.to_dict())
+    return RunConfig(
+        method="sft",
+        model_path=str(tmp_path / "model"),
+        data_dir=str(tmp_path / "data"),
+        out_dir=str(tmp_path / "train"),
+        candidate=c.to_dict(),
+    )
 
 
 def ranks_that(monkeypatch, end):
@@ -45,7 +56,9 @@ def ranks_that(monkeypatch, end):
 
 def test_a_cuda_oom_on_one_rank_is_recorded_as_oom(tmp_path, monkeypatch):
     def oom(out, _log):  # what run_rank does on torch.OutOfMemoryError
-        (out / "oom.rank1.json").write_text(json.dumps({"rank": 1, "error": "CUDA out of memory. Tried to allocate 2.00 GiB"}))
+        (out / "oom.rank1.json").write_text(
+            json.dumps({"rank": 1, "error": "CUDA out of memory. Tried to allocate 2.00 GiB"})
+        )
         return OOM_EXIT_CODE
 
     calls = ranks_that(monkeypatch, oom)
@@ -54,7 +67,9 @@ def test_a_cuda_oom_on_one_rank_is_recorded_as_oom(tmp_path, monkeypatch):
     res = probe.run_probe(run_config(tmp_path), nproc=2, out_json=out, steps=3, timeout_s=60, prediction=PREDICTION)
     assert res["status"] == "oom" and "Tried to allocate 2.00 GiB" in res["error"]
     assert json.loads(out.read_text()) == res
-    assert res["predicted"] == {k: PREDICTION[k] for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
+    assert res["predicted"] == {
+        k: PREDICTION[k] for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")
+    }
     # the probe ran in probe mode, without checkpoints or export, in a scratch directory it removed
     run = calls[0]["run"]
     assert (run["probe_steps"], run["save_every"], run["export"], run["resume"]) == (3, 0, False, "never")
@@ -78,8 +93,15 @@ def test_a_finished_probe_reports_rank0s_measurement(tmp_path, monkeypatch):
     ranks_that(monkeypatch, ok)
     cfg = run_config(tmp_path)
     res = probe.run_probe(cfg, nproc=2, out_json=tmp_path / "p.json", steps=2)
-    assert res == {"id": cfg.cand.id, "candidate": cfg.candidate, "world_size": 2, "steps": 2, "status": "ok",
-                   "peak_allocated_bytes": 1000, "step_time_s": 0.25}
+    assert res == {
+        "id": cfg.cand.id,
+        "candidate": cfg.candidate,
+        "world_size": 2,
+        "steps": 2,
+        "status": "ok",
+        "peak_allocated_bytes": 1000,
+        "step_time_s": 0.25,
+    }
 
 
 def test_a_timeout_and_a_crash_are_results_too(tmp_path, monkeypatch):
@@ -109,8 +131,9 @@ def test_real_ranks_that_refuse_the_candidate_give_an_error_result(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA (flash attention is refused on the CPU)")
     log = tmp_path / "probe.log"
-    res = probe.run_probe(run_config(tmp_path, attn="flash"), nproc=2, out_json=tmp_path / "p.json", log=log,
-                          steps=1, timeout_s=300)
+    res = probe.run_probe(
+        run_config(tmp_path, attn="flash"), nproc=2, out_json=tmp_path / "p.json", log=log, steps=1, timeout_s=300
+    )
     assert res["status"] == "error", res
     assert res["error"] == f"exit code 1; see {log}" and res["log_tail"]
     assert "RuntimeError: attn=flash needs a CUDA GPU" in log.read_text()  # the rank's reason, in the log named
@@ -126,9 +149,15 @@ def test_real_ranks_over_the_cpu_capacity_oom_with_phase_and_bytes(tmp_path, dem
         pytest.skip("the cpu capacity applies without CUDA")
     c = Candidate(zero=0, micro_batch=16, seq_len=32)
     cap = 44 * MIB  # weights, Adam states and data (about 40 MiB, the baseline) fit; a micro batch of 16 does not
-    run = RunConfig(method="sft", model_path=str(demo_model), data_dir=str(demo_data / "sft"),
-                    out_dir=str(tmp_path / "train"), candidate=c.to_dict(), max_steps=3,
-                    device_capacity_bytes=cap)
+    run = RunConfig(
+        method="sft",
+        model_path=str(demo_model),
+        data_dir=str(demo_data / "sft"),
+        out_dir=str(tmp_path / "train"),
+        candidate=c.to_dict(),
+        max_steps=3,
+        device_capacity_bytes=cap,
+    )
     log = tmp_path / "probe.log"
     res = probe.run_probe(run, nproc=2, out_json=tmp_path / "p.json", log=log, steps=1, timeout_s=300)
     assert res["status"] == "oom", (res, log.read_text()[-3000:])

@@ -74,9 +74,7 @@ def test_settings_reach_the_estimator():
     """A row's LoRA targets, dropout and offload change the estimate the way they should."""
     row = next(r for r in ROWS if r.id == "peft-ds-z3-lora-70b-8xh100")
     base = v.compare(row).predicted_bytes
-    no_dropout = dataclasses.replace(
-        row, settings=dataclasses.replace(row.settings, lora_alpha_dropout=False)
-    )
+    no_dropout = dataclasses.replace(row, settings=dataclasses.replace(row.settings, lora_alpha_dropout=False))
     assert v.compare(no_dropout).predicted_bytes < base
     off = next(r for r in ROWS if r.id == "peft-fsdp-qlora-70b-offload")
     on = next(r for r in ROWS if r.id == "peft-fsdp-qlora-70b-no-offload")

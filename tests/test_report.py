@@ -164,7 +164,13 @@ def test_every_loser_has_its_reason_escaped(page):
 def test_plots_are_embedded_images(page):
     images = re.findall(r'<img class="plot" alt="([^"]*)" src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     alts = [alt for alt, _ in images]
-    for what in ("memory per candidate", "predicted memory breakdown", "training curves", "training peak vs probe peak", "length distribution"):
+    for what in (
+        "memory per candidate",
+        "predicted memory breakdown",
+        "training curves",
+        "training peak vs probe peak",
+        "length distribution",
+    ):
         assert any(a.startswith(what) for a in alts), f"no {what!r} plot in {alts}"
     assert all(data.startswith("iVBORw0KGgo") for _, data in images)  # the PNG signature
 

@@ -138,11 +138,7 @@ def test_selection_numbers_match_selected_json(page, seen):
         if chosen.get("tokens_per_s") is not None:
             assert _tps(chosen["tokens_per_s"]) in text
         if sel.get("plan_only"):  # the plan, and no training sections
-            assert (
-                "Plan only" in text
-                and "Did training work" not in text
-                and "Resume check" not in text
-            )
+            assert "Plan only" in text and "Did training work" not in text and "Resume check" not in text
 
 
 def test_resume_and_training_numbers_match_their_files(page, seen):
@@ -157,40 +153,22 @@ def test_resume_and_training_numbers_match_their_files(page, seen):
             if not check["passed"]:
                 assert "Resume check did NOT pass" in text
             assert check["resumed_from"] in text
-            assert (
-                f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in text
-            )
+            assert f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in text
             checked += 1
         summary = run / "train" / "summary.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
             assert "Did training work?" in text
             assert f"steps\t{_plain(s['steps'])}" in text
-            for n, f in enumerate(
-                s.get("fallbacks") or [], 1
-            ):  # each OOM fallback listed and marked
+            for n, f in enumerate(s.get("fallbacks") or [], 1):  # each OOM fallback listed and marked
                 assert f"OOM {n} at step {f['oom_step']}" in text
-                assert (
-                    f"resumed from the checkpoint at step {f['resumed_from_step']} on {f['to']}"
-                    in text
-                )
+                assert f"resumed from the checkpoint at step {f['resumed_from_step']} on {f['to']}" in text
             assert f"peak allocated per device\t{_bytes(s['peak_allocated_bytes'])}" in text
-            rows = [
-                json.loads(line)
-                for line in (run / "train" / "metrics.jsonl").read_text().splitlines()
-                if line
-            ]
+            rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line]
             for split in ("train", "eval"):
-                last = [
-                    r
-                    for r in rows
-                    if r.get("split", "train") == split and r.get("loss") is not None
-                ]
+                last = [r for r in rows if r.get("split", "train") == split and r.get("loss") is not None]
                 if last:
-                    assert (
-                        f"final {split} loss (step {last[-1]['step']})\t{_plain(last[-1]['loss'])}"
-                        in text
-                    )
+                    assert f"final {split} loss (step {last[-1]['step']})\t{_plain(last[-1]['loss'])}" in text
             checked += 1
     if not os.environ.get("MEMFIT_REPORT_HTML"):
         assert checked == 2, "the synthetic page has one trained run with a resume check"

@@ -56,9 +56,7 @@ def _plan(root: Path, models=MODELS, gpus=GPUS, methods=METHODS, plan_only=True)
                 pipeline.estimate_candidates(cfg, model, gpu, method, run / "candidates.json")
                 out = {k: run / f for k, f in (("selected", "selected.json"), ("run", "run.json"),
                                                 ("ds_config", "ds_config.json"), ("launch", "launch.sh"))}  # fmt: skip
-                out |= {
-                    k: p for k, p in exports.paths(run, method).items()
-                }  # as plan.smk declares them
+                out |= {k: p for k, p in exports.paths(run, method).items()}  # as plan.smk declares them
                 pipeline.select_config(cfg, model, gpu, method, run / "candidates.json", [], cfg.model_path(model),
                                        f"results/{model}/data/{method}", f"{run}/train", out)  # fmt: skip
                 selected.append(out["selected"])
@@ -97,10 +95,7 @@ def test_plan_only_shows_the_plan_and_no_training(planned):
     for p in selected:
         sel = json.loads(p.read_text())
         assert sel["plan_only"] is True and sel["selected"]["id"] in text and sel["launch"] in text
-    assert (
-        page.count('alt="memory per candidate') == 8
-        and page.count('alt="predicted memory breakdown') == 8
-    )
+    assert page.count('alt="memory per candidate') == 8 and page.count('alt="predicted memory breakdown') == 8
 
 
 def _grid(page: str) -> tuple[list[str], dict[str, list[tuple[str, str]]]]:
@@ -129,24 +124,18 @@ def test_fit_grid_is_gpu_type_by_model_by_method_with_memfit_fit_values(planned)
     for col, (model, method, cid) in enumerate(ordered):
         assert heads[col].startswith(method)
         assert f"{model} · {method}: <code>{cid}</code>, selected for" in legend
-        cand = Candidate.from_dict(
-            next(s["selected"]["candidate"] for s in sels if s["selected"]["id"] == cid)
-        )
+        cand = Candidate.from_dict(next(s["selected"]["candidate"] for s in sels if s["selected"]["id"] == cid))
         arch = catalog.model(model)
         for name, gpu in catalog.load_gpus().items():
             # the value is what `memfit fit --maximize seq_len` gives for that setup on that GPU type
             longest, _ = fit(arch, gpu, world, 1, method, cand, "seq_len", settings=SETTINGS)
             text, cls = cells[name][col]
-            assert text.replace(",", "").removesuffix(" (max)") == (
-                str(longest) if longest else "—"
-            )
+            assert text.replace(",", "").removesuffix(" (max)") == (str(longest) if longest else "—")
             want = "ok" if longest >= cand.seq_len else "short" if longest else "bad"
             assert cls.split()[0] == want, (name, model, method, text, cls)
             # the GPU types the setup was selected for are outlined
             picked = {
-                s["gpu"]
-                for s in sels
-                if s["selected"]["id"] == cid and s["model"] == model and s["method"] == method
+                s["gpu"] for s in sels if s["selected"]["id"] == cid and s["model"] == model and s["method"] == method
             }
             assert ("here" in cls.split()) == (name in picked)
     # an 80 GB GPU trains a 7-8B model at the selected length; a 16 GB V100 cannot at that length
@@ -164,9 +153,7 @@ def test_each_run_links_its_launch_files_and_exports_relative_to_the_page(planne
     root, selected, page = planned
     out_dir = root / "results"  # report.html's folder
     linked = {(out_dir / h).resolve() for h in _hrefs(page)}
-    assert all(
-        not h.startswith(("/", "file:")) for h in _hrefs(page)
-    )  # relative: the results folder can move
+    assert all(not h.startswith(("/", "file:")) for h in _hrefs(page))  # relative: the results folder can move
     for p in selected:
         run, sel = p.parent, json.loads(p.read_text())
         want = {run / "launch.sh", run / "run.json", run / "ds_config.json"}
@@ -176,9 +163,7 @@ def test_each_run_links_its_launch_files_and_exports_relative_to_the_page(planne
         assert sel["launch"] in _text(page)  # the exact launch command, beside the files
     text = _text(page)
     for what in ("OpenRLHF command", "LLaMA-Factory config", "HF TrainingArguments"):
-        assert text.count(what) == 2 * len(selected), (
-            what
-        )  # in each run's table and above its folded text
+        assert text.count(what) == 2 * len(selected), what  # in each run's table and above its folded text
 
 
 # ------------------------------------------------------------------ a plan where nothing fits
@@ -207,9 +192,7 @@ def test_plan_only_where_nothing_fits_writes_that_answer_and_nothing_launchable(
     assert reason.startswith("no candidate fits the budget") and "host RAM" in reason
     table = json.loads((run / "candidates.json").read_text())
     assert len(sel["candidates"]) == len(table["rows"]) > 1
-    assert all(
-        not c["fits"] and c["reason"] for c in sel["candidates"]
-    )  # every one says why it lost
+    assert all(not c["fits"] and c["reason"] for c in sel["candidates"])  # every one says why it lost
     # the closest candidate comes first and is the one the reason names
     assert f"the closest, {sel['candidates'][0]['id']}:" in reason
     # nothing beside it pretends to be a run: memfit's files hold the reason only, launch.sh fails with it
@@ -258,13 +241,9 @@ def test_the_nodes_hint_is_what_a_plan_on_that_many_nodes_selects(none_fits, tmp
     out = {k: run / f for k, f in (("selected", "selected.json"), ("run", "run.json"),
                                     ("ds_config", "ds_config.json"), ("launch", "launch.sh"))}  # fmt: skip
     pipeline.estimate_candidates(raw, BIG, "h100-80gb", "sft", run / "candidates.json")
-    sel = pipeline.select_config(
-        raw, BIG, "h100-80gb", "sft", run / "candidates.json", [], None, "d", "t", out
-    )
+    sel = pipeline.select_config(raw, BIG, "h100-80gb", "sft", run / "candidates.json", [], None, "d", "t", out)
     assert sel["selected"]["id"] == cand
-    assert not (
-        run / exports.NONE_FITS
-    ).exists()  # a plan that fits writes the exports, no NONE_FITS.txt
+    assert not (run / exports.NONE_FITS).exists()  # a plan that fits writes the exports, no NONE_FITS.txt
     assert nodes == 2  # one node is what failed; the hint looks from num_nodes + 1 up
 
 
@@ -307,8 +286,5 @@ def test_report_shows_a_run_where_nothing_fits_as_does_not_fit_with_the_reason(n
     assert heads == ["sft (none fits) <sup>1</sup>", "sft <sup>2</sup>"]
     legend = re.search(r"<ul class='legend'>(.*?)</ul>", page, re.S).group(1)
     closest = json.loads(selected[0].read_text())["candidates"][0]["id"]
-    assert (
-        f"{BIG} · sft: <code>{closest}</code>, nothing fits; the closest candidate for h100-80gb"
-        in legend
-    )
+    assert f"{BIG} · sft: <code>{closest}</code>, nothing fits; the closest candidate for h100-80gb" in legend
     assert "No fit map" not in text

@@ -88,17 +88,11 @@ def test_curves_draw_every_logged_metric_with_eval_points_and_labelled_marks(tmp
     # units where there are units
     mem = next(ax for ax in fig.axes if ax.get_title().startswith("device memory"))
     assert mem.get_ylabel() == "MiB"
-    assert (
-        next(ax for ax in fig.axes if ax.get_title().startswith("throughput")).get_ylabel()
-        == "tok/s"
-    )
+    assert next(ax for ax in fig.axes if ax.get_title().startswith("throughput")).get_ylabel() == "tok/s"
 
 
 def test_sft_curves_have_no_dpo_panels():
-    rows = [
-        {"step": s, "split": "train", "loss": 2.0 / s, "lr": 1e-4 * s, "tokens_per_s": 900.0}
-        for s in range(1, 6)
-    ]
+    rows = [{"step": s, "split": "train", "loss": 2.0 / s, "lr": 1e-4 * s, "tokens_per_s": 900.0} for s in range(1, 6)]
     titles = [ax.get_title() for ax in curves_figure(rows, "sft", []).axes]
     assert titles == ["loss", "learning rate", "throughput, rank 0 (non-padding tokens/s)"]
 
@@ -110,24 +104,14 @@ def test_page_lists_the_switch_and_the_marks(tmp_path):
     assert "Training ran out of memory 1 time(s) and continued on another configuration" in text
     assert f"It finished on {SMALL}" in text
     # the switch: where, what, how much, from what to what, and which levers changed
-    assert (
-        f"6 backward aten::mm 3.20 GiB of 3.00 GiB {WINNER} 4 {SMALL} micro_batch 4 → 2, grad_accum 4 → 8"
-        in text
-    )
+    assert f"6 backward aten::mm 3.20 GiB of 3.00 GiB {WINNER} 4 {SMALL} micro_batch 4 → 2, grad_accum 4 → 8" in text
     assert f"trained; 1 OOM fallback(s), finished on {SMALL}" in text  # the overview says it too
     # the marks, in words, and named in the chart's alt text
     assert "training resumed from its checkpoint at step 2" in text
     assert f"resumed from the checkpoint at step 4 on {SMALL} (steps 5-6 run again)" in text
-    assert (
-        "out of memory at step 6 (backward, aten::mm, 3.20 GiB live of a 3.00 GiB capacity)" in text
-    )
-    assert (
-        "resume check: a copy of the finished run restarted from the checkpoint at step 4" in text
-    )
-    assert (
-        'alt="training curves, demo-tiny · cpu · dpo; marked: resumed from 2, fallback 1: resumed from 4'
-        in page
-    )
+    assert "out of memory at step 6 (backward, aten::mm, 3.20 GiB live of a 3.00 GiB capacity)" in text
+    assert "resume check: a copy of the finished run restarted from the checkpoint at step 4" in text
+    assert 'alt="training curves, demo-tiny · cpu · dpo; marked: resumed from 2, fallback 1: resumed from 4' in page
 
 
 def test_no_fallbacks_no_banner_and_a_malformed_entry_is_a_note(tmp_path):
@@ -174,9 +158,7 @@ def test_a_real_resumed_training_is_marked_where_it_resumed(shared_runs, tmp_pat
         shutil.copyfile(out / name, train_dir / name)
     run = _run(paths)
     assert [(m.step, m.kind) for m in training_marks(run)] == [(3, "resume"), (4, "resume-check")]
-    titles = [
-        ax.get_title() for ax in curves_figure(run.metrics, run.title, training_marks(run)).axes
-    ]
+    titles = [ax.get_title() for ax in curves_figure(run.metrics, run.title, training_marks(run)).axes]
     assert titles[0] == "loss" and {"learning rate", "gradient norm (global)", "throughput, rank 0 (non-padding tokens/s)",
                                     "device memory: running peak, largest rank", "host RSS: peak, largest rank"} <= set(titles)  # fmt: skip
     text = _text(_render(tmp_path / "page", paths))

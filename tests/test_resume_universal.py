@@ -34,15 +34,23 @@ def test_a_world_size_change_keeping_the_global_batch_is_resumable():
     assert checkpoint.check_compatible(meta_for(2), now(grad_accum=2), where, world=1) == checkpoint.UNIVERSAL_LOAD
     assert checkpoint.check_compatible(meta_for(1, grad_accum=2), now(), where, world=2) == checkpoint.UNIVERSAL_LOAD
     z3 = {"zero": 3, "offload_optimizer": "cpu"}  # full optimizer offload converts like the rest
-    assert checkpoint.check_compatible(meta_for(2, **z3), now(grad_accum=2, **z3), where, world=1) == checkpoint.UNIVERSAL_LOAD
+    assert (
+        checkpoint.check_compatible(meta_for(2, **z3), now(grad_accum=2, **z3), where, world=1)
+        == checkpoint.UNIVERSAL_LOAD
+    )
     # ZeRO-0 partitions nothing: DeepSpeed's plain load reads it on any number of ranks
-    assert checkpoint.check_compatible(meta_for(2, zero=0), now(zero=0, grad_accum=2), where, world=1) == checkpoint.DIRECT
+    assert (
+        checkpoint.check_compatible(meta_for(2, zero=0), now(zero=0, grad_accum=2), where, world=1) == checkpoint.DIRECT
+    )
 
 
 def test_a_world_size_change_that_changes_the_global_batch_is_refused():
-    with pytest.raises(ValueError, match=r"global batch: checkpoint 8 \(world size 2\) != now 4 \(world size 1\); "
-                                         r"with 1 ranks grad_accum must be 2 to keep the data order\n"
-                                         r"\(written by 2 ranks, now 1, ZeRO-2: "):
+    with pytest.raises(
+        ValueError,
+        match=r"global batch: checkpoint 8 \(world size 2\) != now 4 \(world size 1\); "
+        r"with 1 ranks grad_accum must be 2 to keep the data order\n"
+        r"\(written by 2 ranks, now 1, ZeRO-2: ",
+    ):
         checkpoint.check_compatible(meta_for(2), now(), Path("ck/step00000003"), world=1)
     with pytest.raises(ValueError, match=r"now 12 \(world size 3\); no grad_accum keeps it \(8 is not a multiple"):
         checkpoint.check_compatible(meta_for(2), now(), Path("ck/step00000003"), world=3)
@@ -53,8 +61,11 @@ def test_a_world_size_change_that_changes_the_global_batch_is_refused():
 
 def test_partial_offload_zero3_on_another_world_size_is_refused_naming_both_sizes_and_the_stage():
     z3 = {"zero": 3, "offload_optimizer": "cpu", "offload_ratio": 0.5}
-    with pytest.raises(ValueError, match=r"ck/step00000003 was written by 2 ranks and cannot be resumed on 1: "
-                                         r"ZeRO-3 with partial optimizer offload \(offload_ratio 0.5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ck/step00000003 was written by 2 ranks and cannot be resumed on 1: "
+        r"ZeRO-3 with partial optimizer offload \(offload_ratio 0.5\)",
+    ):
         checkpoint.check_compatible(meta_for(2, **z3), now(grad_accum=2, **z3), Path("ck/step00000003"), world=1)
 
 
@@ -119,8 +130,13 @@ class ShardWriter:
 def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypatch):
     """The needed RAM comes from the checkpoint's own file sizes; the available RAM from
     `checkpoint.mem_available_bytes` (MemAvailable), replaced here by a small value."""
-    cfg = RunConfig(method="sft", model_path="m", data_dir="d", out_dir=str(tmp_path),
-                    candidate={"zero": 2, "micro_batch": 4, "grad_accum": 1})
+    cfg = RunConfig(
+        method="sft",
+        model_path="m",
+        data_dir="d",
+        out_dir=str(tmp_path),
+        candidate={"zero": 2, "micro_batch": 4, "grad_accum": 1},
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     root = tmp_path / "checkpoints"
@@ -134,9 +150,12 @@ def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypa
     run.engine = RecordingEngine()
     run.resume_plan = (root, tag, checkpoint.SAME)
     monkeypatch.setattr(checkpoint, "mem_available_bytes", lambda: 2 * per_rank - 1)
-    with pytest.raises(checkpoint.CheckpointError, match=rf"not enough host RAM to resume from {root / tag}: loading it "
-                                                         r"\(2 ranks x 0.00 GiB .*\) needs 0.00 GiB on this node, "
-                                                         r"0.00 GiB available \(MemAvailable\)\. Nothing was loaded"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"not enough host RAM to resume from {root / tag}: loading it "
+        r"\(2 ranks x 0.00 GiB .*\) needs 0.00 GiB on this node, "
+        r"0.00 GiB available \(MemAvailable\)\. Nothing was loaded",
+    ):
         run.maybe_resume()
     assert run.engine.loaded == []  # refused before DeepSpeed read a byte
     monkeypatch.setattr(checkpoint, "mem_available_bytes", lambda: 2 * per_rank)
@@ -181,12 +200,16 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
         raise AssertionError("Required universal_checkpoint_info state is missing")
 
     monkeypatch.setattr(checkpoint, "_convert_to_universal", convert)
-    with pytest.raises(checkpoint.CheckpointError, match=r"converting .*step00000003 to a universal checkpoint failed: Required"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"converting .*step00000003 to a universal checkpoint failed: Required"
+    ):
         checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
     assert list((root / "universal").iterdir()) == []
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _p: usage._replace(free=1000))
-    with pytest.raises(checkpoint.CheckpointError, match=r"not enough disk to convert .*step00000003 .*GiB needed.*GiB free"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"not enough disk to convert .*step00000003 .*GiB needed.*GiB free"
+    ):
         checkpoint.ensure_universal(root, "step00000003", log=lambda _m: None)
 
 

@@ -66,7 +66,11 @@ def test_oom_probe_is_a_loss_not_a_crash():
 
 
 def test_without_probes_the_prediction_decides_and_invalid_rows_say_why():
-    estimates = [est("a", 1, 40, 1.0), est("b", 2, 95, 0.1), est("v", 2, 10, 0.01, invalid=True, reason="no bf16 on v100")]
+    estimates = [
+        est("a", 1, 40, 1.0),
+        est("b", 2, 95, 0.1),
+        est("v", 2, 10, 0.01, invalid=True, reason="no bf16 on v100"),
+    ]
     best, ranked = choose(judge(estimates, {}, BUDGET, world=1, method="sft"))
     assert best.id == "a" and best.source == "predicted"
     assert "cannot run here: no bf16 on v100" in next(r for r in ranked if r.id == "v").reason
@@ -119,7 +123,12 @@ def test_dpo_probes_the_reference_model_twin_of_the_first_precomputed_probe():
     def row(cid, ref, zero=2, invalid=False):
         return {"id": cid, "invalid": invalid, "candidate": {"zero": zero, "micro_batch": 8, "ref": ref}}
 
-    rows = [row("z3-pre", "precomputed", 3), row("z2-pre", "precomputed"), row("z2-model", "model"), row("z3-model", "model", 3, invalid=True)]
+    rows = [
+        row("z3-pre", "precomputed", 3),
+        row("z2-pre", "precomputed"),
+        row("z2-model", "model"),
+        row("z3-model", "model", 3, invalid=True),
+    ]
     # z3's twin is invalid, so the pair comes from the next probe
     assert reference_twin(rows, ["z3-pre", "z2-pre"]) == {"precomputed": "z2-pre", "model": "z2-model"}
     assert reference_twin(rows, ["z2-model"]) is None  # already a model reference: nothing to compare
@@ -136,7 +145,12 @@ def test_ranking_puts_measured_before_predicted():
 FIXTURES = Path(__file__).parent / "fixtures" / "select"
 # name -> (inputs directory, method, plan_only); the expected files were written by the code before
 # selection rows were typed (commit "select fixtures"), and sft/dpo equal the demo's selected.json
-SELECT_CASES = {"sft": ("sft", "sft", False), "dpo": ("dpo", "dpo", False), "plan_only": ("dpo", "dpo", True), "mixed": ("mixed", "sft", False)}
+SELECT_CASES = {
+    "sft": ("sft", "sft", False),
+    "dpo": ("dpo", "dpo", False),
+    "plan_only": ("dpo", "dpo", True),
+    "mixed": ("mixed", "sft", False),
+}
 
 
 @pytest.mark.parametrize("case", sorted(SELECT_CASES))
@@ -171,7 +185,9 @@ def test_nothing_fits_names_the_closest_and_round_trips_as_a_selection():
         choose(judge(estimates, {}, BUDGET, world=1, method="sft"), BUDGET)
     e = info.value
     assert [r.id for r in e.rows] == ["a", "b", "v"]
-    assert e.reason.startswith("no candidate fits the budget (3 candidates, 1 of them cannot run here); the closest, a: host RAM")
+    assert e.reason.startswith(
+        "no candidate fits the budget (3 candidates, 1 of them cannot run here); the closest, a: host RAM"
+    )
     assert "Widen the search space" in e.reason and "  v: cannot run here: no bf16" in str(e)
     doc = {"model": "m", "gpu": "g", "method": "sft", "selected": None, "none_fits": e.reason,
            "budget": {"device_bytes": 1, "host_bytes": 1, "headroom": 0.1}, "plan_only": True, "launch": None,

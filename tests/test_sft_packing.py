@@ -77,7 +77,9 @@ def test_loss_on_response_ignores_the_prompt_tokens(demo_model, sft_rows):
     # ... and the response positions do count
     targets_resp = ~targets_prompt
     targets_resp[:, -1] = False
-    assert float(sft_loss(logits + 5 * torch.randn_like(logits) * targets_resp.unsqueeze(-1), batch["labels"])[0]) != float(loss)
+    assert float(
+        sft_loss(logits + 5 * torch.randn_like(logits) * targets_resp.unsqueeze(-1), batch["labels"])[0]
+    ) != float(loss)
     assert n == sum(sum(y != IGNORE_INDEX for y in r["labels"]) for r in rows)
 
 
@@ -129,7 +131,9 @@ def test_packed_batch_equals_the_rows_run_unpacked(demo_model, sft_rows, attn, l
             logps, mask = token_logps(model(input_ids=b["input_ids"], use_cache=False).logits, b["labels"])
             unpacked[id(r)] = (logps[0], mask[0])
         padded = collate("sft", rows, pad_id=0, loss_on=loss_on)
-        ref_loss, ref_n = sft_loss(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits, padded["labels"])
+        ref_loss, ref_n = sft_loss(
+            model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits, padded["labels"]
+        )
         layouts = [False, True]  # [B, L] (sdpa/eager) and the flattened [1, B*L] used for flash
         for flatten in layouts:
             b = collate_packed(packs, pad_id=0, pad_to=40, loss_on=loss_on, flatten=flatten)
@@ -159,7 +163,9 @@ def test_packing_without_position_ids_would_leak_across_rows(demo_model, sft_row
     b = collate_packed(packs, pad_id=0, pad_to=40)
     padded = collate("sft", rows, pad_id=0)
     with torch.no_grad():
-        ref = sft_loss(model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits, padded["labels"])[0]
+        ref = sft_loss(
+            model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits, padded["labels"]
+        )[0]
         leaky = sft_loss(model(input_ids=b["input_ids"]).logits, b["labels"])[0]
     assert abs(float(leaky) - float(ref)) > 1e-3
 
@@ -168,8 +174,14 @@ def test_packing_without_position_ids_would_leak_across_rows(demo_model, sft_row
 
 
 def _run(method="sft", **kw):
-    return RunConfig(method=method, model_path="m", data_dir="d", out_dir="o",
-                     candidate={"finetune": kw.pop("finetune", "full"), "lora_rank": 8}, **kw)
+    return RunConfig(
+        method=method,
+        model_path="m",
+        data_dir="d",
+        out_dir="o",
+        candidate={"finetune": kw.pop("finetune", "full"), "lora_rank": 8},
+        **kw,
+    )
 
 
 def test_run_config_refuses_invalid_combinations():
@@ -207,8 +219,14 @@ def test_workflow_config_passes_the_new_keys_through(config, tmp_path):
     ("change", "expected"),
     [
         (lambda c: c["train"]["dpo"].update(packing=True), r"train\.dpo\.packing: packing applies to sft only"),
-        (lambda c: c["train"]["sft"].update(export="adapter"), r"train\.sft\.export: 'adapter' needs finetune lora or qlora \(search\.finetune lists full"),
-        (lambda c: c["train"]["sft"].update(loss_on="prompt"), r"train\.sft\.loss_on: 'prompt' is not allowed \(allowed: 'response', 'all'\)"),
+        (
+            lambda c: c["train"]["sft"].update(export="adapter"),
+            r"train\.sft\.export: 'adapter' needs finetune lora or qlora \(search\.finetune lists full",
+        ),
+        (
+            lambda c: c["train"]["sft"].update(loss_on="prompt"),
+            r"train\.sft\.loss_on: 'prompt' is not allowed \(allowed: 'response', 'all'\)",
+        ),
         (lambda c: c["train"]["sft"].update(packing="yes"), r"train\.sft\.packing: 'yes' is not of type 'boolean'"),
     ],
 )

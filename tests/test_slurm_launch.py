@@ -73,9 +73,7 @@ def test_node_rank_out_of_range_is_refused():
 
 def test_explicit_rendezvous_for_other_schedulers():
     env = {"MEMFIT_RDZV_HOST": "10.0.0.1", "MEMFIT_NODE_RANK": "1", "MEMFIT_RDZV_PORT": "31000"}
-    assert rendezvous_from_env(env, 2) == Rendezvous(
-        nnodes=2, node_rank=1, host="10.0.0.1", port=31000
-    )
+    assert rendezvous_from_env(env, 2) == Rendezvous(nnodes=2, node_rank=1, host="10.0.0.1", port=31000)
 
 
 def test_sigusr1_reaches_the_ranks_and_spares_torchrun(tmp_path):

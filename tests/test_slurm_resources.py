@@ -49,11 +49,7 @@ def test_72b_on_four_nodes_of_eight_h100():
     assert res["nodes"] == 4 and res["gres"] == "gpu:h100:8" and "gpu" not in res
     assert res["constraint"] == "h100" and "tasks" not in res
     assert res["mem_mb"] == mem_mb(900 * GIB) and res["mem_mb"] > 900 * 1024
-    assert (
-        res["runtime"] == 2880
-        and res["slurm_partition"] == "gpu"
-        and res["slurm_account"] == "proj1"
-    )
+    assert res["runtime"] == 2880 and res["slurm_partition"] == "gpu" and res["slurm_account"] == "proj1"
     assert res["cpus_per_gpu"] == 12
 
 
@@ -71,9 +67,7 @@ def test_8b_on_one_rtx4090_asks_gpus_of_its_model_and_no_constraint():
 
 
 def test_without_a_slurm_section_the_profile_decides_partition_and_account():
-    res = job_resources(
-        num_gpus=2, num_nodes=1, gpu="a100-80gb", host_bytes=0, runtime_min=1, cluster={}
-    )
+    res = job_resources(num_gpus=2, num_nodes=1, gpu="a100-80gb", host_bytes=0, runtime_min=1, cluster={})
     assert "slurm_partition" not in res and "slurm_account" not in res and "gpu_model" not in res
     assert res["gpu"] == 2 and res["cpus_per_gpu"] == 8
     with pytest.raises(SlurmConfigError):

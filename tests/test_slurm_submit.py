@@ -110,9 +110,7 @@ def _jobs(tmp: Path):
             )
             wapi.dag(DAGSettings())
             wf = wapi._workflow
-            wf._prepare_dag(
-                forceall=False, ignore_incomplete=True, lock_warn_only=True, nolock=True
-            )
+            wf._prepare_dag(forceall=False, ignore_incomplete=True, lock_warn_only=True, nolock=True)
             wf._build_dag()
             # what Workflow.is_local answers when an executor plugin runs the jobs remotely
             local = wf._localrules
@@ -127,9 +125,7 @@ def _jobs(tmp: Path):
 def _sbatch(job, tmp: Path, monkeypatch) -> str:
     """The sbatch call the plugin's Executor.run_job would make for `job` (before --wrap)."""
     monkeypatch.setattr(plugin, "validate_account", lambda account, _logger: account)
-    fake_executor = SimpleNamespace(
-        _partitions=None, _fallback_partition=None, _fallback_account_arg=None, logger=None
-    )
+    fake_executor = SimpleNamespace(_partitions=None, _fallback_partition=None, _fallback_account_arg=None, logger=None)
     params = {
         "run_uuid": "run-uuid",
         "slurm_logfile": tmp / ".snakemake/slurm_logs/%j.log",
@@ -138,9 +134,7 @@ def _sbatch(job, tmp: Path, monkeypatch) -> str:
         "partition": plugin.Executor.get_partition_arg(fake_executor, job),
         "workdir": str(tmp),
     }
-    call = get_submit_command(
-        job, params, settings=plugin.ExecutorSettings(status_command="squeue")
-    )
+    call = get_submit_command(job, params, settings=plugin.ExecutorSettings(status_command="squeue"))
     call += set_gres_string(job)
     print(call)  # shown with pytest -s
     return call

@@ -142,9 +142,7 @@ GT_IN_SUITE = [GT_CASES[i] for i in (2, 3, 4, 6)]
 def groundtruth_rows(cases, cache) -> list[tuple]:
     """(kind, method, candidate, measured, analytic estimate, traced estimate) for each case."""
     cands = [(kind, method, dataclasses.replace(GT_BASE, **kw)) for kind, method, kw in cases]
-    traced_settings = Settings(
-        optimizer_impl="single", activations="traced", trace_cache=str(cache)
-    )
+    traced_settings = Settings(optimizer_impl="single", activations="traced", trace_cache=str(cache))
     # The traces the estimates below read, made while the real steps run: per architecture one
     # batch of child processes (prefetch_traces, as estimate_space does), so the estimates find
     # them in the cache instead of tracing one shape at a time. Traces run in children only.
@@ -286,13 +284,9 @@ def test_key_covers_what_changes_activations():
     assert k["arch"]["hidden_size"] == SHAPES["qwen2"]["hidden_size"]
     assert "num_layers" not in k["arch"] and "name" not in k["arch"]
     assert {"torch", "transformers", "peft"} <= set(k["versions"])
-    other = trace.trace_key(
-        dataclasses.replace(arch, intermediate_size=128), 64, "eager", "bf16", False, "lora", 8
-    )
+    other = trace.trace_key(dataclasses.replace(arch, intermediate_size=128), 64, "eager", "bf16", False, "lora", 8)
     assert trace._hash(k) != trace._hash(other)
-    renamed = trace.trace_key(
-        dataclasses.replace(arch, name="x", num_layers=80), 64, "eager", "bf16", False, "lora", 8
-    )
+    renamed = trace.trace_key(dataclasses.replace(arch, name="x", num_layers=80), 64, "eager", "bf16", False, "lora", 8)
     assert trace._hash(k) == trace._hash(renamed)
     assert trace.trace_key(arch, 64, "eager", "bf16", False, "qlora", 8)["finetune"] == "lora"
 

@@ -67,8 +67,10 @@ def test_resume_after_interruption_continues_exactly(shared_runs, zero3_run):
 
 def test_resume_refuses_a_checkpoint_of_another_run(demo_model, data, tmp_path, zero3_run):
     ref_dir, _ = zero3_run
-    cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "other", zero=3, micro_batch=4, grad_accum=2),
-                              resume=str(ref_dir / "checkpoints/step00000003"))
+    cfg = dataclasses.replace(
+        base_run(demo_model, data, tmp_path / "other", zero=3, micro_batch=4, grad_accum=2),
+        resume=str(ref_dir / "checkpoints/step00000003"),
+    )
     Path(cfg.out_dir).mkdir(parents=True)
     cfg.save(Path(cfg.out_dir) / "run.json")
     rc = launch(Path(cfg.out_dir) / "run.json", 2, log=Path(cfg.out_dir) / "log.txt", timeout_s=600)
@@ -94,7 +96,14 @@ def dpo_ref_runs(demo_model, data, tmp_path_factory):
 def test_dpo_with_frozen_reference_reports_trl_metrics(dpo_ref_runs):
     out, rows = dpo_ref_runs[(3, "model")]
     train = [r for r in rows if r["split"] == "train"]
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert key in train[0], key
     # policy == reference at step 1: the first loss is log(2) exactly as in the DPO paper
     assert train[0]["loss"] == pytest.approx(0.6931, abs=1e-3)
@@ -164,7 +173,10 @@ def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, dpo_
     assert losses(pre) == pytest.approx(losses(with_model), rel=1e-5)
     assert losses(pre, "eval") == pytest.approx(losses(with_model, "eval"), rel=1e-5)
     assert (pre_dir / "ref_logps.pt").exists()
-    peak = {name: max(r["peak_allocated_bytes"] for r in rows if r["split"] == "train") for name, rows in (("model", with_model), ("pre", pre))}
+    peak = {
+        name: max(r["peak_allocated_bytes"] for r in rows if r["split"] == "train")
+        for name, rows in (("model", with_model), ("pre", pre))
+    }
     # The frozen reference's weights are gone from training: at least its share per rank (a full
     # fp32 replica under ZeRO-2, 1/world of it under ZeRO-3, where DeepSpeed kept the precompute
     # pass's partitions alive until memfit dropped them from its module stack).
@@ -251,7 +263,10 @@ def _logits(model, demo_model):
 def lora_adapter(demo_model, data, tmp_path_factory):
     """The same LoRA SFT run as lora_merged, exporting the adapter only, under ZeRO-2 and ZeRO-3."""
     dirs = {stage: tmp_path_factory.mktemp(f"adapter-z{stage}") for stage in (2, 3)}
-    cfgs = [dataclasses.replace(base_run(demo_model, data, d, zero=stage, **LORA), export_format="adapter") for stage, d in dirs.items()]
+    cfgs = [
+        dataclasses.replace(base_run(demo_model, data, d, zero=stage, **LORA), export_format="adapter")
+        for stage, d in dirs.items()
+    ]
     return {stage: (dirs[stage], rows) for stage, rows in zip(dirs, run_side_by_side(*cfgs), strict=True)}
 
 
@@ -307,7 +322,9 @@ def test_dpo_starts_from_an_adapter_only_sft_output(demo_model, data, lora_merge
     cfgs = {}
     for name, start in (("merged", merged_dir / "model"), ("adapter", out / "model")):
         cfg = base_run(demo_model, data, tmp_path / name, method="dpo", zero=3, micro_batch=4, grad_accum=2)
-        cfgs[name] = dataclasses.replace(cfg, model_path=str(start), ref_model_path=str(start), max_steps=3, save_every=0)
+        cfgs[name] = dataclasses.replace(
+            cfg, model_path=str(start), ref_model_path=str(start), max_steps=3, save_every=0
+        )
     runs = dict(zip(cfgs, run_side_by_side(*cfgs.values()), strict=True))
     assert losses(runs["adapter"])[0] == pytest.approx(0.6931, abs=1e-3)  # policy == reference at step 1
     assert losses(runs["adapter"]) == pytest.approx(losses(runs["merged"]), rel=1e-4)
@@ -318,7 +335,11 @@ def test_dpo_starts_from_an_adapter_only_sft_output(demo_model, data, lora_merge
 def test_packed_sft_trains_under_zero3_and_probes_full_packs(demo_model, data, tmp_path):
     from memfit.workflow.probe import run_probe
 
-    cfg = dataclasses.replace(base_run(demo_model, data, tmp_path / "packed", zero=3, micro_batch=4, grad_accum=1), packing=True, loss_on="all")
+    cfg = dataclasses.replace(
+        base_run(demo_model, data, tmp_path / "packed", zero=3, micro_batch=4, grad_accum=1),
+        packing=True,
+        loss_on="all",
+    )
     rows = run(cfg)
     summary = json.loads((tmp_path / "packed/summary.json").read_text())
     p = summary["packing"]
@@ -328,8 +349,13 @@ def test_packed_sft_trains_under_zero3_and_probes_full_packs(demo_model, data, t
     assert len(train) == 6 and all(r["tokens_per_s"] > 0 for r in train)
     ev = losses(rows, "eval")
     assert ev[-1] < ev[0] * 0.8, f"held-out loss did not fall: {ev}"
-    res = run_probe(dataclasses.replace(cfg, out_dir=str(tmp_path / "probe")), nproc=2,
-                    out_json=tmp_path / "probe.json", log=tmp_path / "probe.log", steps=2)
+    res = run_probe(
+        dataclasses.replace(cfg, out_dir=str(tmp_path / "probe")),
+        nproc=2,
+        out_json=tmp_path / "probe.json",
+        log=tmp_path / "probe.log",
+        steps=2,
+    )
     assert res["status"] == "ok", res
     assert res["packing"] == p  # the probe packs the same rows, then runs the fullest packs padded to seq_len
     assert res["peak_allocated_bytes"] >= max(r["peak_allocated_bytes"] for r in train)

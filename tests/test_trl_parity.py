@@ -136,8 +136,14 @@ def test_dpo_matches_trl(demo_model, pairs, tmp_path, beta):
             trl_loss = float(trainer.compute_loss(trainer.model, batch))
         trl_metrics = {k: trainer._metrics["train"][k][-1] for k in METRICS}
 
-        runner = StepRunner("dpo", policy, ref, pad_id=trainer.processing_class.pad_token_id,
-                            dpo={"beta": beta, "loss_type": loss_type, "label_smoothing": 0.0}, ref="model")
+        runner = StepRunner(
+            "dpo",
+            policy,
+            ref,
+            pad_id=trainer.processing_class.pad_token_id,
+            dpo={"beta": beta, "loss_type": loss_type, "label_smoothing": 0.0},
+            ref="model",
+        )
         with torch.no_grad():
             loss, sums, _ = runner.loss(rows)
         n = len(rows)

@@ -14,9 +14,15 @@ from memfit.train.vocab_loss import ChunkedHead, chunked_token_logps, default_ch
 def _model(tied: bool, vocab: int = 300, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=tied, attn_implementation="eager",
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
     )
     return LlamaForCausalLM(cfg).float()
 
@@ -90,7 +96,10 @@ def test_head_bias_and_lora_head():
     base = _model(tied=False)
     base.lm_head = torch.nn.Linear(32, 300, bias=True)
     torch.nn.init.normal_(base.lm_head.bias, std=0.5)
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False))
+    model = get_peft_model(
+        base,
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0, init_lora_weights=False),
+    )
     ids, labels = _batch(300)
     full_lp, full_g = _run(model, ids, labels, 5, "full")
     ch_lp, ch_g = _run(model, ids, labels, 5, "chunked")
@@ -147,7 +156,15 @@ def test_default_chunk_is_a_fixed_logits_budget():
 def test_softcapping_refused():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    cfg = Gemma2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=30.0)
+    cfg = Gemma2Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        final_logit_softcapping=30.0,
+    )
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         ChunkedHead(Gemma2ForCausalLM(cfg))

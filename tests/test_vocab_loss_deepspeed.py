@@ -22,7 +22,11 @@ CASES = {  # id: (method, candidate fields, dpo loss)
     "sft-z0": ("sft", {"zero": 0}, None),
     "sft-z3-lora": ("sft", {"zero": 3, "finetune": "lora", "lora_rank": 8}, None),
     "dpo-sigmoid-z3-ref-model": ("dpo", {"zero": 3, "ref": "model", "micro_batch": 4}, "sigmoid"),
-    "dpo-ipo-z2-lora-ref-adapter": ("dpo", {"zero": 2, "finetune": "lora", "lora_rank": 8, "ref": "adapter", "micro_batch": 4}, "ipo"),
+    "dpo-ipo-z2-lora-ref-adapter": (
+        "dpo",
+        {"zero": 2, "finetune": "lora", "lora_rank": 8, "ref": "adapter", "micro_batch": 4},
+        "ipo",
+    ),
     "dpo-hinge-z2-precomputed": ("dpo", {"zero": 2, "ref": "precomputed", "micro_batch": 4}, "hinge"),
 }
 
@@ -33,9 +37,15 @@ def test_chunked_trains_as_full(demo_model, data, tmp_path, case):
     cfgs = {}
     for impl in ("full", "chunked"):
         cfg = base_run(demo_model, data, tmp_path / impl, method=method, **cand, loss_impl=impl)
-        cfgs[impl] = dataclasses.replace(cfg, max_steps=3, save_every=0, eval_every=3, export=False,
-                                         loss_chunk_tokens=16,  # several chunks per micro batch
-                                         dpo={"beta": 0.1, "loss_type": loss_type} if loss_type else {})
+        cfgs[impl] = dataclasses.replace(
+            cfg,
+            max_steps=3,
+            save_every=0,
+            eval_every=3,
+            export=False,
+            loss_chunk_tokens=16,  # several chunks per micro batch
+            dpo={"beta": 0.1, "loss_type": loss_type} if loss_type else {},
+        )
     rows = dict(zip(cfgs, run_side_by_side(*cfgs.values()), strict=True))
     keys = [k for k in rows["full"][0] if k == "loss" or k.startswith(("rewards/", "logps/"))]
     assert "loss" in keys and (method == "sft" or "logps/chosen" in keys)

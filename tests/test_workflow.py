@@ -107,7 +107,9 @@ def test_plan_only_stops_after_selection(repo, checkout, tmp_path):
     res = dry_run(checkout, "--configfile", str(path))
     assert res.returncode == 0, res.stderr + res.stdout
     counts = job_counts(res.stdout)
-    assert counts == {"estimate_candidates": 12, "select_config": 12, "candidates_table": 1, "report": 1, "all": 1}, counts
+    assert counts == {"estimate_candidates": 12, "select_config": 12, "candidates_table": 1, "report": 1, "all": 1}, (
+        counts
+    )
 
 
 def test_bad_config_stops_before_any_job(repo, checkout, tmp_path):

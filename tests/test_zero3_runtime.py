@@ -37,9 +37,7 @@ def test_a_small_model_stays_gathered_and_a_70b_keeps_up_to_the_live_limit():
     partitioned = small.num_params() - small.hidden_size * (2 * small.num_layers + 1)
     assert zero3_gathered_bytes(small, full, Settings()) == 4 * partitioned
     # with no reuse distance only the modules in use and the prefetched ones
-    assert (
-        zero3_gathered_bytes(small, full, Settings(stage3_max_reuse_distance=0)) < 4 * partitioned
-    )
+    assert zero3_gathered_bytes(small, full, Settings(stage3_max_reuse_distance=0)) < 4 * partitioned
     big = catalog.model("llama-2-70b")
     lora = Candidate(zero=3, precision="bf16", finetune="lora", grad_ckpt=True)
     live = zero3_gathered_bytes(big, lora, Settings())

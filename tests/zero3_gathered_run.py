@@ -38,11 +38,7 @@ def peak_gathered(ckpt: bool) -> int:
 
     def record(*_):
         if counting[0]:
-            n = sum(
-                p.ds_numel
-                for p in params
-                if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist
-            )
+            n = sum(p.ds_numel for p in params if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
             seen[0] = max(seen[0], n)
 
     for m in model.modules():

@@ -82,8 +82,7 @@ def size_findings(root: Path) -> list[str]:
                 size = node.end_lineno - node.lineno + 1
                 if size > MAX_FUNCTION_LINES:
                     findings.append(
-                        f"{rel}:{node.lineno}: function {node.name} has {size} lines "
-                        f"(limit {MAX_FUNCTION_LINES})"
+                        f"{rel}:{node.lineno}: function {node.name} has {size} lines (limit {MAX_FUNCTION_LINES})"
                     )
     return findings
 

@@ -1,10 +1,10 @@
 """The `memfit` command. Each subcommand lives in the module that owns its logic.
 
-    memfit estimate --model qwen2-7b --gpu rtx4090 --num-gpus 4 --zero 3 --json
-    memfit fit --maximize seq_len --model gemma-3-12b --gpu a100-80gb
-    memfit train --config results/demo-tiny/cpu/sft/run.json      (one rank; see `launch`)
-    memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
-    memfit compare-results baseline/results results        (exit 1 on a difference)
+memfit estimate --model qwen2-7b --gpu rtx4090 --num-gpus 4 --zero 3 --json
+memfit fit --maximize seq_len --model gemma-3-12b --gpu a100-80gb
+memfit train --config results/demo-tiny/cpu/sft/run.json      (one rank; see `launch`)
+memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
+memfit compare-results baseline/results results        (exit 1 on a difference)
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ COMMANDS = {
     "fit": ("memfit.estimate", "fit_main", "largest seq_len or micro_batch that fits"),
     "train": ("memfit.train.rank", "main", "run one training rank from a run config (JSON)"),
     "launch": ("memfit.train.launch", "main", "start all ranks of a run on this node"),
-    "compare-results": ("memfit.workflow.compare_results", "main", "compare two results/ trees (selections, losses, resume)"),
+    "compare-results": (
+        "memfit.workflow.compare_results",
+        "main",
+        "compare two results/ trees (selections, losses, resume)",
+    ),
 }
 
 
@@ -56,11 +60,7 @@ def run_config_problem(path: str) -> str | None:
     from memfit.train.run_config import RunConfig
 
     fields = dataclasses.fields(RunConfig)
-    required = [
-        f.name
-        for f in fields
-        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    ]
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     missing = [k for k in required if k not in data]
     if missing:
         return f"{p}: missing run config key(s) {', '.join(missing)}"

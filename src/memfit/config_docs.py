@@ -84,7 +84,9 @@ def embedded_value(embedded: Any, path: list[str]) -> str:
     return "—" if isinstance(node, Mapping) else f"`{_yaml_inline(node)}`"
 
 
-def sections(node: Mapping[str, Any], root: Mapping[str, Any], path: list[str]) -> Iterator[tuple[list[str], Mapping[str, Any]]]:
+def sections(
+    node: Mapping[str, Any], root: Mapping[str, Any], path: list[str]
+) -> Iterator[tuple[list[str], Mapping[str, Any]]]:
     """Every section under `node` (itself first), depth first, in the schema's key order."""
     node = resolve(node, root)
     if is_named_mapping(node):

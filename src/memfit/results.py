@@ -49,7 +49,16 @@ KEYS = ("model", "gpu", "method")
 LEVERS = tuple(f.name for f in dataclasses.fields(Candidate))
 # the estimator's components at the peak (memfit.estimate: `breakdown`, design contract)
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "logits", "reference", "temporaries", "overheads")
-PREDICTED = ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "host_bytes", "step_time_s", "tokens_per_s", "fits", "peak_phase")
+PREDICTED = (
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "device_total_bytes",
+    "host_bytes",
+    "step_time_s",
+    "tokens_per_s",
+    "fits",
+    "peak_phase",
+)
 PROBE = {  # column: key in the probe's JSON (memfit.workflow.probe.run_probe)
     "probe_peak_allocated_bytes": "peak_allocated_bytes",
     "probe_peak_reserved_bytes": "peak_reserved_bytes",
@@ -141,7 +150,11 @@ def run_rows(
         rec["plan_only"] = selection.plan_only if selection is not None else None
         rec["world_size"] = table.world_size if table is not None else (summary or {}).get("world_size")
         if budget is not None:
-            rec |= {"budget_device_bytes": budget.device_bytes, "budget_host_bytes": budget.host_bytes, "headroom": budget.headroom}
+            rec |= {
+                "budget_device_bytes": budget.device_bytes,
+                "budget_host_bytes": budget.host_bytes,
+                "headroom": budget.headroom,
+            }
         cand = (row.candidate if row is not None else est.candidate) or {}
         rec |= {k: cand.get(k, DEFAULTS[k]) for k in LEVERS} | {k: v for k, v in cand.items() if k not in LEVERS}
         if est is not None:
@@ -241,7 +254,11 @@ def read_run(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
         raise ResultsError(f"{d}: {e}") from None
     if selection is None and table is None:
         raise ResultsError(f"{d}: neither selected.json nor candidates.json")
-    run = (selection.model, selection.gpu, selection.method) if selection is not None else tuple(str(tab_json.get(k) or p.name) for k, p in zip(KEYS, (d.parent.parent, d.parent, d), strict=True))
+    run = (
+        (selection.model, selection.gpu, selection.method)
+        if selection is not None
+        else tuple(str(tab_json.get(k) or p.name) for k, p in zip(KEYS, (d.parent.parent, d.parent, d), strict=True))
+    )
     probes = {}
     if selection is None:
         probes = {p.stem: _read(p, "probe") for p in sorted((d / "probes").glob("*.json"))}

@@ -36,16 +36,17 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike):
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if not tok.chat_template:
-        raise ValueError(f"tokenizer at {tokenizer_dir} has no chat_template (a base model's "
-                         "tokenizer?): set one in its tokenizer_config.json or chat_template.jinja")
+        raise ValueError(
+            f"tokenizer at {tokenizer_dir} has no chat_template (a base model's "
+            "tokenizer?): set one in its tokenizer_config.json or chat_template.jinja"
+        )
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {tokenizer_dir} has no eos_token")
     return tok
 
 
 def _render_prompts(tok, conversations: list[list[dict]]) -> list[str]:
-    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-            for c in conversations]
+    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
 
 
 def _ids(tok, texts: list[str]) -> list[list[int]]:
@@ -90,8 +91,7 @@ def _tokenize_sft(tok, chunk, src, max_len, min_response, dropped, truncated, se
     cols: dict[str, list] = {"row": [], "input_ids": [], "labels": [], "length": []}
     keys = []
     eos = tok.eos_token_id
-    for row, text, p, r in zip(rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, responses),
-                               strict=True):
+    for row, text, p, r in zip(rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, responses), strict=True):
         r = r + [eos]
         room = max_len - len(p)
         if room < min_response:
@@ -126,12 +126,12 @@ def _tokenize_dpo(tok, chunk, src, max_len, min_response, dropped, truncated, se
             rejecteds.append(rejected)
             rows.append(row)
     prompt_texts = _render_prompts(tok, convs)
-    cols: dict[str, list] = {"row": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [],
-                             "length": []}
+    cols: dict[str, list] = {"row": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     keys = []
     eos = tok.eos_token_id
-    for row, text, p, c, r in zip(rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, chosens),
-                                  _ids(tok, rejecteds), strict=True):
+    for row, text, p, c, r in zip(
+        rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, chosens), _ids(tok, rejecteds), strict=True
+    ):
         c, r = c + [eos], r + [eos]
         room = max_len - len(p)
         if room < min_response:
@@ -173,14 +173,19 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float | int]:
     def rank(p: float) -> int:  # nearest-rank percentile: a real row length
         return int(s[max(math.ceil(p / 100 * len(s)), 1) - 1])
 
-    return {"min": int(s[0]), "mean": round(float(s.mean()), 2), "p50": rank(50), "p90": rank(90),
-            "p99": rank(99), "max": int(s[-1])}
+    return {
+        "min": int(s[0]),
+        "mean": round(float(s.mean()), 2),
+        "p50": rank(50),
+        "p90": rank(90),
+        "p99": rank(99),
+        "max": int(s[-1]),
+    }
 
 
 def _token_count(table: pa.Table, method: str) -> int:
     cols = ("input_ids",) if method == "sft" else ("prompt_ids", "chosen_ids", "rejected_ids")
-    return int(sum(pc.sum(pc.list_value_length(table[c])).as_py() or 0
-                   for c in cols))
+    return int(sum(pc.sum(pc.list_value_length(table[c])).as_py() or 0 for c in cols))
 
 
 def longest_first(lengths: np.ndarray) -> np.ndarray:

@@ -27,9 +27,7 @@ TRUNCATION_REASONS = {"sft": ("response",), "dpo": ("chosen", "rejected")}
 
 _LIST_I32 = pa.list_(pa.int32())
 SCHEMAS = {
-    "sft": pa.schema(
-        [("row", pa.int64()), ("input_ids", _LIST_I32), ("labels", _LIST_I32), ("length", pa.int32())]
-    ),
+    "sft": pa.schema([("row", pa.int64()), ("input_ids", _LIST_I32), ("labels", _LIST_I32), ("length", pa.int32())]),
     "dpo": pa.schema(
         [
             ("row", pa.int64()),
@@ -45,8 +43,9 @@ SCHEMAS = {
 class DataError(ValueError):
     """Bad input: names the file, the 1-based line or row, and the key."""
 
-    def __init__(self, path: str | os.PathLike, problem: str, line: int | None = None,
-                 key: str | None = None, unit: str = "line") -> None:
+    def __init__(
+        self, path: str | os.PathLike, problem: str, line: int | None = None, key: str | None = None, unit: str = "line"
+    ) -> None:
         self.path, self.line, self.key, self.problem = str(path), line, key, problem
         where = str(path)
         if line is not None:

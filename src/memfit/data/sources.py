@@ -47,8 +47,10 @@ def _open_jsonl(path: Path) -> Source:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise DataError(
-                        path, f"not UTF-8 (byte {raw[e.start:e.start + 1]!r} at column {e.start + 1}); "
-                        "JSONL must be UTF-8", lineno) from None
+                        path,
+                        f"not UTF-8 (byte {raw[e.start : e.start + 1]!r} at column {e.start + 1}); JSONL must be UTF-8",
+                        lineno,
+                    ) from None
                 if lineno == 1:
                     text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is harmless
                 if not text.strip():
@@ -58,12 +60,14 @@ def _open_jsonl(path: Path) -> Source:
                     record = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise DataError(
-                        path, f"not JSON ({e.msg} at column {e.colno}); expected JSONL, one JSON "
-                        "object per line", lineno) from None
+                        path,
+                        f"not JSON ({e.msg} at column {e.colno}); expected JSONL, one JSON object per line",
+                        lineno,
+                    ) from None
                 if not isinstance(record, dict):
                     raise DataError(
-                        path, f"expected a JSON object per line (JSONL), got a JSON "
-                        f"{type(record).__name__}", lineno)
+                        path, f"expected a JSON object per line (JSONL), got a JSON {type(record).__name__}", lineno
+                    )
                 yield lineno, record
 
     return Source(path, "line", total, records())
@@ -82,8 +86,7 @@ def _open_parquet(path: Path) -> Source:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise DataError(path, f"not a readable Parquet file ({e})") from None
-    return Source(path, "row", pf.metadata.num_rows,
-                   _table_records(path, pf.iter_batches(batch_size=CHUNK_ROWS)))
+    return Source(path, "row", pf.metadata.num_rows, _table_records(path, pf.iter_batches(batch_size=CHUNK_ROWS)))
 
 
 def _open_saved_dataset(path: Path) -> Source:
@@ -91,8 +94,9 @@ def _open_saved_dataset(path: Path) -> Source:
     if (path / "dataset_dict.json").exists():
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         if "train" not in splits:
-            raise DataError(path, f"a DatasetDict without a 'train' split (splits: {splits}); "
-                            "pass the split's directory")
+            raise DataError(
+                path, f"a DatasetDict without a 'train' split (splits: {splits}); pass the split's directory"
+            )
         path = path / "train"
     state_file = path / "state.json"
     if not state_file.exists():
@@ -124,11 +128,9 @@ NEEDS = {
 }
 
 
-def string_field(src: Source, row: int, record: dict, key: str, method: str, *,
-            non_empty: bool = False) -> str:
+def string_field(src: Source, row: int, record: dict, key: str, method: str, *, non_empty: bool = False) -> str:
     if key not in record:
-        raise DataError(src.path, f"missing ({NEEDS[method]}; the row has keys {sorted(record)})",
-                        row, key, src.unit)
+        raise DataError(src.path, f"missing ({NEEDS[method]}; the row has keys {sorted(record)})", row, key, src.unit)
     value = record[key]
     if not isinstance(value, str):
         raise DataError(src.path, f"expected a string, got {type_name(value)}", row, key, src.unit)
@@ -151,8 +153,7 @@ def sft_conversation(src: Source, row: int, record: dict) -> tuple[list[dict], s
     if not isinstance(messages, list):
         raise bad(f"expected a list of {{role, content}} turns, got {type_name(messages)}", "messages")
     if len(messages) < 2:
-        raise bad(f"needs a prompt turn and a final assistant turn, got {len(messages)} turn(s)",
-                  "messages")
+        raise bad(f"needs a prompt turn and a final assistant turn, got {len(messages)} turn(s)", "messages")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"expected an object {{role, content}}, got {type_name(m)}", f"messages[{i}]")
@@ -163,8 +164,10 @@ def sft_conversation(src: Source, row: int, record: dict) -> tuple[list[dict], s
                 raise bad(f"expected a string, got {type_name(m[k])}", f"messages[{i}].{k}")
     last = len(messages) - 1
     if messages[last]["role"] != "assistant":
-        raise bad(f"the last turn must be the assistant's (it gets the loss), got "
-                  f"{messages[last]['role']!r}", f"messages[{last}].role")
+        raise bad(
+            f"the last turn must be the assistant's (it gets the loss), got {messages[last]['role']!r}",
+            f"messages[{last}].role",
+        )
     if not any(m["content"].strip() for m in messages[:last]):
         raise bad("empty prompt: every turn before the last is empty", "messages")
     prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:last]]

@@ -27,9 +27,7 @@ class Activations:
     """Activation and logit bytes of one micro step on one rank."""
 
     saved: int = 0  # everything autograd keeps after the forward (incl. the logits terms)
-    per_layer: int = (
-        0  # one decoder layer's saved tensors (recomputed per layer with checkpointing)
-    )
+    per_layer: int = 0  # one decoder layer's saved tensors (recomputed per layer with checkpointing)
     logits_saved: int = 0  # logits + fp32 log-softmax kept for the backward
     logits_bwd_extra: int = 0  # the loss backward's two fp32 [tokens, vocab] gradients
     layer_bwd: int = 0  # transient gradients inside one layer's backward
@@ -38,9 +36,7 @@ class Activations:
     final: int = 0  # the final norm's saved tensors (freed before the layers' backward)
     kept_per_layer: int = 0  # what stays saved per layer until its backward
     recompute: int = 0  # checkpointing: one layer's recomputed tensors during its backward
-    attention_scores: int = (
-        0  # eager only: the s x s probabilities of all layers (for the breakdown)
-    )
+    attention_scores: int = 0  # eager only: the s x s probabilities of all layers (for the breakdown)
     ref_forward: int = 0  # DPO reference forward transient (no_grad)
     forward: int = 0  # the policy forward's peak (last layer's attention call)
     # another trainer's logits handling (Settings.logits_handling, `held_logits`); 0 for memfit's
@@ -181,9 +177,7 @@ def _dense_mlp_saved(step: _MicroStep, width: int) -> int:
     return (3 if step.arch.gated_mlp else 1) * d * t * width + down_input
 
 
-def _layer_saved(
-    cand: Candidate, settings: Settings, step: _MicroStep, moe: bool = False
-) -> int:
+def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: bool = False) -> int:
     """What autograd saves for one decoder layer (modeling_llama.py LlamaRMSNorm, LlamaAttention,
     LlamaMLP):
       attention:  rotated q dt*qd, rotated k and v dt*kvd each, output dt*qd;
@@ -201,9 +195,7 @@ def _layer_saved(
     layer = step.rmsnorm(any(step.trainable(n) for n in names["qkv"]))
     layer += d * t * qd + 2 * d * t * kvd  # rotated q, k; v
     if arch.qk_norm:  # Qwen3/Gemma-3 per-head RMSNorm on q and k before rotary
-        layer += (
-            4 * t * (qd + kvd) + (d * t * (qd + kvd) if step.full else 0) + 4 * b * s * (nh + nkv)
-        )
+        layer += 4 * t * (qd + kvd) + (d * t * (qd + kvd) if step.full else 0) + 4 * b * s * (nh + nkv)
     if cand.attn == "eager":
         layer += _eager_probabilities(step)
         if nkv < nh:
@@ -225,9 +217,7 @@ def _layer_saved(
     if not step.full:
         layer += sum(d * t * cand.lora_rank for _ in step.targets)
         if settings.lora_alpha_dropout:
-            layer += sum(
-                d * t * fan_in + t * fan_in for _, fan_in, _ in lora_targets(arch, settings)
-            )
+            layer += sum(d * t * fan_in + t * fan_in for _, fan_in, _ in lora_targets(arch, settings))
     return layer
 
 
@@ -240,9 +230,7 @@ def _moe_forward_transient(step: _MicroStep) -> int:
     return 2 * w * step.tokens * arch.num_experts_per_tok * arch.hidden_size
 
 
-def _layer_backward_transients(
-    cand: Candidate, step: _MicroStep, moe: bool = False
-) -> tuple[int, int]:
+def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = False) -> tuple[int, int]:
     """Transient gradients inside a layer's backward, on top of the layer's saved tensors:
     (at the MLP's backward, at the attention's backward). MoE layers: the expert block's
     backward peaks at gate_up_proj's grouped matmul backward, holding the gradient of the

@@ -50,13 +50,9 @@ class GPU:
     tflops_fp32: float  # peak fp32 TFLOP/s (non-tensor)
     memory_bandwidth_gbs: float  # device memory bandwidth, GB/s
     host_link_gbs: float  # host<->device bandwidth per direction, GB/s (PCIe gen x16)
-    interconnect_gbs: (
-        float  # GPU<->GPU bandwidth per direction inside a node, GB/s (NVLink or PCIe)
-    )
+    interconnect_gbs: float  # GPU<->GPU bandwidth per direction inside a node, GB/s (NVLink or PCIe)
     typical_gpus_per_node: int  # the common server/workstation configuration
-    typical_host_memory_gb: (
-        float  # host RAM per node in that configuration (GB), default for --host-memory-gb
-    )
+    typical_host_memory_gb: float  # host RAM per node in that configuration (GB), default for --host-memory-gb
     source: str  # vendor spec URL(s) the figures come from
     interconnect_kind: str = "pcie"  # "nvlink", "pcie", "xgmi" (AMD Infinity Fabric), "host" (cpu)
     aliases: tuple[str, ...] = ()  # other lowercase names users type for this entry
@@ -72,9 +68,7 @@ class GPU:
     def tflops(self, precision: str) -> float:
         """Peak dense TFLOP/s for a training precision ("bf16", "fp16", "fp32")."""
         try:
-            return {"bf16": self.tflops_bf16, "fp16": self.tflops_fp16, "fp32": self.tflops_fp32}[
-                precision
-            ]
+            return {"bf16": self.tflops_bf16, "fp16": self.tflops_fp16, "fp32": self.tflops_fp32}[precision]
         except KeyError:
             raise ValueError(f"unknown precision {precision!r}: use bf16, fp16 or fp32") from None
 
@@ -150,9 +144,7 @@ def load_models(path: Path = MODELS_YAML) -> dict[str, ModelArch]:
     return dict(_load_models_cached(Path(path)))
 
 
-def model(
-    name_or_path: str | Path, path: Path = MODELS_YAML, *, allow_moe: bool = False
-) -> ModelArch:
+def model(name_or_path: str | Path, path: Path = MODELS_YAML, *, allow_moe: bool = False) -> ModelArch:
     """A catalog name, a HF hub id of a catalog model, a path to a HF config.json, or a model
     directory containing one (its safetensors index or header is cross-checked, see
     `check_checkpoint`).

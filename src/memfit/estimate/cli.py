@@ -43,9 +43,7 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
     """What is trained where: model, GPUs, method, fine-tuning, shapes."""
-    p.add_argument(
-        "--model", required=True, help="catalog name, a HF config.json, or a model directory"
-    )
+    p.add_argument("--model", required=True, help="catalog name, a HF config.json, or a model directory")
     p.add_argument("--gpu", required=True, help="GPU catalog name, or cpu")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) per node")
     p.add_argument("--num-nodes", type=int, default=1)
@@ -73,7 +71,12 @@ def _add_lever_args(p: argparse.ArgumentParser) -> None:
         default="full",
         help="full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward",
     )
-    p.add_argument("--loss-chunk-tokens", type=int, default=None, help="chunked: tokens per chunk (default: 256 MiB of fp32 logits a chunk)")
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="chunked: tokens per chunk (default: 256 MiB of fp32 logits a chunk)",
+    )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=3)
     p.add_argument("--offload-optimizer", choices=["none", "cpu"], default="none")
     p.add_argument("--offload-param", choices=["none", "cpu"], default="none")
@@ -95,18 +98,14 @@ def _add_lever_args(p: argparse.ArgumentParser) -> None:
 
 def _add_budget_args(p: argparse.ArgumentParser) -> None:
     """Memory limits and what the trainer around the model holds."""
-    p.add_argument(
-        "--host-memory-gib", type=float, default=None, help="RAM per node, GiB (2**30 bytes)"
-    )
+    p.add_argument("--host-memory-gib", type=float, default=None, help="RAM per node, GiB (2**30 bytes)")
     p.add_argument(
         "--host-memory-gb",
         type=float,
         default=None,
         help="RAM per node in decimal GB (1e9 bytes); kept for old scripts, prefer --host-memory-gib",
     )
-    p.add_argument(
-        "--budget-gib", type=float, default=None, help="use this many GiB as the device memory"
-    )
+    p.add_argument("--budget-gib", type=float, default=None, help="use this many GiB as the device memory")
     p.add_argument(
         "--budget-gb",
         type=float,
@@ -197,9 +196,7 @@ def _check_flags(args) -> None:
     if args.method == "sft" and args.ref is not None:
         raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
     if args.pin_memory and args.offload_optimizer == "none" and args.offload_param == "none":
-        raise EstimateError(
-            "--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu"
-        )
+        raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
     if args.trace_cache is not None:
         if args.activations != "traced":
             raise EstimateError("--trace-cache does nothing without --activations traced")
@@ -207,9 +204,7 @@ def _check_flags(args) -> None:
         try:
             cache.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise EstimateError(
-                f"--trace-cache {cache}: cannot create it ({exc.strerror})"
-            ) from None
+            raise EstimateError(f"--trace-cache {cache}: cannot create it ({exc.strerror})") from None
         if not cache.is_dir() or not os.access(cache, os.W_OK):
             raise EstimateError(f"--trace-cache {cache}: not a writable directory")
 
@@ -348,21 +343,13 @@ def render(
         f"  {'-' * 28}",
         f"  {'device total':<14}{gib(result.device_total_bytes):>14}   (nvidia-smi) of "
         f"{gib(usable)} usable"
-        + (
-            f" ({gib(result.device_memory_bytes)} less {result.headroom:.0%} headroom)"
-            if result.headroom
-            else ""
-        ),
+        + (f" ({gib(result.device_memory_bytes)} less {result.headroom:.0%} headroom)" if result.headroom else ""),
         f"  of which allocated {gib(result.peak_allocated_bytes)} "
         f"(torch.cuda.max_memory_allocated), reserved {gib(result.peak_reserved_bytes)} "
         "(torch.cuda.max_memory_reserved)",
         f"peak set by {result.peak_phase.replace('_', ' ')} "
         f"({result.phases[result.peak_phase] / GIB:.1f} GiB allocated); other phases: "
-        + ", ".join(
-            f"{k.replace('_', ' ')} {v / GIB:.1f}"
-            for k, v in result.phases.items()
-            if k != result.peak_phase
-        )
+        + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in result.phases.items() if k != result.peak_phase)
         + " GiB",
         f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
         f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",

@@ -35,9 +35,7 @@ class Estimate:
     """The prediction for one configuration on one rank. Bytes unless the name says otherwise."""
 
     peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
-    peak_reserved_bytes: int = (
-        0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
-    )
+    peak_reserved_bytes: int = 0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
     device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
     device_memory_bytes: int = 0  # the device's whole memory (or the budget)
     host_bytes: int = 0  # host RAM per node at its peak
@@ -94,9 +92,7 @@ def _check_inputs(job: Job, cand: Candidate) -> None:
     if job.method not in ("sft", "dpo"):
         raise EstimateError(f"method must be sft or dpo, got {job.method!r}")
     if job.num_gpus < 1 or job.num_nodes < 1:
-        raise EstimateError(
-            f"num_gpus and num_nodes must be >= 1, got {job.num_gpus} and {job.num_nodes}"
-        )
+        raise EstimateError(f"num_gpus and num_nodes must be >= 1, got {job.num_gpus} and {job.num_nodes}")
     if not 0.0 <= job.headroom < 1.0:
         raise EstimateError(f"headroom must be in [0, 1), got {job.headroom}")
     if job.method == "dpo" and cand.ref == "adapter" and cand.finetune == "full":
@@ -161,9 +157,7 @@ def _verdict(job: Job, est: Estimate) -> None:
     est.headroom = job.headroom
     est.usable_device_bytes = int(est.device_memory_bytes * (1.0 - job.headroom))
     used = est.device_memory_bytes - est.margin_bytes
-    est.fits_with_headroom = (
-        est.fits and used <= est.usable_device_bytes and est.host_margin_bytes >= 0
-    )
+    est.fits_with_headroom = est.fits and used <= est.usable_device_bytes and est.host_margin_bytes >= 0
 
 
 def _estimate(job: Job, cand: Candidate) -> Estimate:
@@ -196,9 +190,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
     fragmented = fragmentation(transient, settings, gpu.name == "cpu")
     # plus the fp32 logits block the allocator keeps cached (costs.cached_logits_block)
-    fragmented += cached_logits_block(
-        fp32_logits_block(arch, cand, job.method, settings), settings, gpu.name == "cpu"
-    )
+    fragmented += cached_logits_block(fp32_logits_block(arch, cand, job.method, settings), settings, gpu.name == "cpu")
     cal = calibration.for_gpu(gpu.name, gpu.compute_capability)
     if cal.fragmentation is not None and gpu.name != "cpu":  # measured reserved/allocated - 1 at the peak
         fragmented = int(cal.fragmentation * est.peak_allocated_bytes)
@@ -215,9 +207,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
     # verdict: fits or not, and how fast
     _verdict(job, est)
-    est.time_breakdown = step_time(
-        arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings
-    )
+    est.time_breakdown = step_time(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
     sequences = cand.micro_batch * (2 if job.method == "dpo" else 1)
     tokens = sequences * cand.seq_len * cand.grad_accum * world
@@ -244,9 +234,7 @@ def estimate(
     Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
     `EstimateError`.
     """
-    job = Job(
-        arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
-    )
+    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
     return _estimate(job, cand or Candidate())
 
 
@@ -295,9 +283,7 @@ def fit(
     if maximize not in ("seq_len", "micro_batch"):
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
     hi = upper or (arch.max_position_embeddings if maximize == "seq_len" else 65536)
-    job = Job(
-        arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
-    )
+    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
 
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))

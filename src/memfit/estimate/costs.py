@@ -185,9 +185,7 @@ def host_memory(
     )
 
 
-def _compute_seconds(
-    arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings
-) -> float:
+def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
     """6 FLOPs per parameter per token (Kaplan et al. 2020, sec. 2.1) plus attention 12*L*s*h per
     token (causal: half), 8/6 with recomputation (Korthikanti et al. 2022, sec. 5); LoRA skips
     weight gradients (4 instead of 6); DPO's reference adds a forward (2). Mixture-of-experts:
@@ -244,9 +242,7 @@ def _communication_seconds(
     else:
         seconds += 2 * d * trainable * (world - 1) / world / bandwidth
         if cand.zero >= 1:
-            seconds += (
-                d * trainable * (world - 1) / world / bandwidth
-            )  # all-gather of updated params
+            seconds += d * trainable * (world - 1) / world / bandwidth  # all-gather of updated params
     return seconds
 
 
@@ -266,9 +262,7 @@ def _offload_seconds(
     seconds = 0.0
     if cand.offload_optimizer == "cpu":
         fraction = states.offload_fraction if cand.zero == 3 else 1.0
-        seconds += (
-            fraction * (4 + d) * trainable / world / link
-        )  # fp32 grads down, 16-bit params up
+        seconds += fraction * (4 + d) * trainable / world / link  # fp32 grads down, 16-bit params up
         seconds += fraction * trainable * num_gpus / world / settings.cpu_adam_params_per_s
     if cand.offload_param == "cpu":
         passes = 3 if cand.grad_ckpt else 2
@@ -294,16 +288,10 @@ def step_time(
     # a step's fixed overhead (launches, Python, optimizer bookkeeping)
     overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
     # the device optimizer reads and writes 16 bytes per trainable parameter (memory bound)
-    optimizer = (
-        0.0
-        if cand.offload_optimizer == "cpu"
-        else 16 * trainable / world / (gpu.memory_bandwidth_gbs * 1e9)
-    )
+    optimizer = 0.0 if cand.offload_optimizer == "cpu" else 16 * trainable / world / (gpu.memory_bandwidth_gbs * 1e9)
     return {
         "compute": _compute_seconds(arch, cand, gpu, method, settings),
-        "communication": _communication_seconds(
-            cand, gpu, num_gpus, num_nodes, total, trainable, settings
-        ),
+        "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings),
         "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings),
         "optimizer": optimizer,
         "overhead": overhead,

@@ -166,9 +166,7 @@ def _refuse_unmodelled(cfg: dict[str, Any], model_type: str, where: str) -> None
     modelled = _MODELLED_FIELDS.get(model_type, frozenset())
     for key in (*_MOE_FIELDS, *_MLA_FIELDS):
         value = cfg.get(key)
-        neutral = value in (None, 0, False, []) or (
-            key in ("decoder_sparse_step", "moe_layer_freq") and value == 1
-        )
+        neutral = value in (None, 0, False, []) or (key in ("decoder_sparse_step", "moe_layer_freq") and value == 1)
         if key not in modelled and not neutral:
             kind = "multi-head latent attention" if key in _MLA_FIELDS else "mixture-of-experts"
             raise UnsupportedArchitecture(
@@ -185,9 +183,7 @@ def _refuse_unmodelled(cfg: dict[str, Any], model_type: str, where: str) -> None
         )
 
 
-def arch_from_hf_config(
-    cfg: dict[str, Any], name: str, where: str = "", source: str = ""
-) -> ModelArch:
+def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source: str = "") -> ModelArch:
     """Build a ModelArch from the fields of a HF config.json (already parsed).
 
     Supports `SUPPORTED_MODEL_TYPES`: llama, mistral, qwen2, qwen3, gemma3 (multimodal, nested
@@ -200,9 +196,7 @@ def arch_from_hf_config(
     """
     where = where or name
     model_type = str(cfg.get("model_type", "")).lower()
-    if model_type == "chatglm" or (
-        not model_type and ("padded_vocab_size" in cfg or "multi_query_group_num" in cfg)
-    ):
+    if model_type == "chatglm" or (not model_type and ("padded_vocab_size" in cfg or "multi_query_group_num" in cfg)):
         return _from_chatglm(cfg, name, where, source)
     cfg, model_type, vision_params = _unwrap_multimodal(cfg, model_type, where)
     _refuse_unmodelled(cfg, model_type, where)
@@ -361,13 +355,9 @@ def _moe_fields(model_type: str, get: Any, layers: int, where: str) -> dict[str,
         # mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0.
         experts, step = int(get("num_experts")), int(get("decoder_sparse_step"))
         if step <= 0:
-            raise UnsupportedArchitecture(
-                f"{where}: 'decoder_sparse_step' must be >= 1, got {step}"
-            )
+            raise UnsupportedArchitecture(f"{where}: 'decoder_sparse_step' must be >= 1, got {step}")
         only = {int(i) for i in (get("mlp_only_layers", default=None) or [])}
-        dense = tuple(
-            i for i in range(layers) if i in only or not (experts > 0 and (i + 1) % step == 0)
-        )
+        dense = tuple(i for i in range(layers) if i in only or not (experts > 0 and (i + 1) % step == 0))
         out = dict(
             num_experts=experts,
             num_experts_per_tok=int(get("num_experts_per_tok")),

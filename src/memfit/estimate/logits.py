@@ -15,7 +15,9 @@ def chunk_tokens(arch: ModelArch, tokens: int, settings: Settings) -> int:
     return min(tokens, settings.loss_chunk_tokens or default_chunk_tokens(arch.vocab_size))
 
 
-def chunked_loss_terms(arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings) -> tuple[int, int]:
+def chunked_loss_terms(
+    arch: ModelArch, cand: Candidate, tokens: int, full: bool, settings: Settings
+) -> tuple[int, int]:
     """(saved, transient) bytes of memfit.train.vocab_loss's chunked log-probs, every token scored (the
     worst case; a prompt-masked SFT batch projects fewer).
 

@@ -121,16 +121,12 @@ def param_layout(arch: ModelArch) -> ParamLayout:
         linear_shapes=tuple((n, i, o) for n, (i, o) in arch.linear_shapes().items()),
         largest_module=max([embed, experts_module, *moe, *dense]),
         layers=layers,
-        dense_linear_shapes=tuple(
-            (n, i, o) for n, (i, o) in arch.dense_layer_linear_shapes().items()
-        ),
+        dense_linear_shapes=tuple((n, i, o) for n, (i, o) in arch.dense_layer_linear_shapes().items()),
         inactive=arch.num_params() - arch.num_active_params(),
     )
 
 
-def lora_targets(
-    arch: ModelArch, settings: Settings, layer: int | None = None
-) -> tuple[tuple[str, int, int], ...]:
+def lora_targets(arch: ModelArch, settings: Settings, layer: int | None = None) -> tuple[tuple[str, int, int], ...]:
     """(name, in, out) of each adapted linear of one decoder layer (`layer`: which one, for MoE
     models whose dense layers hold other linears; default an MoE layer / any dense-model layer).
 
@@ -183,10 +179,6 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
     if arch.is_moe:
         experts = expert_lora_params(arch, r) if lora_adapts_experts(arch, settings) else 0
         return len(arch.moe_layers()) * experts + sum(
-            r * (i + o)
-            for layer in range(arch.num_layers)
-            for _, i, o in lora_targets(arch, settings, layer)
+            r * (i + o) for layer in range(arch.num_layers) for _, i, o in lora_targets(arch, settings, layer)
         )
     return arch.num_layers * sum(r * (i + o) for _, i, o in lora_targets(arch, settings))
-
-

@@ -67,9 +67,7 @@ def _in_layer_backward(arch: ModelArch, cand: Candidate, acts: Activations, laye
     d = dtype_bytes(cand.precision)
     shapes = param_layout(arch).linear_shapes
     mlp_linear = sum(i * o for n, i, o in shapes if n in ("down_proj", "dense_4h_to_h"))
-    attention_linear = sum(
-        i * o for n, i, o in shapes if n not in ("q_proj", "k_proj", "v_proj", "query_key_value")
-    )
+    attention_linear = sum(i * o for n, i, o in shapes if n not in ("q_proj", "k_proj", "v_proj", "query_key_value"))
     return max(
         acts.mlp_bwd + d * mlp_linear,
         acts.attn_bwd + d * (attention_linear + arch.hidden_size),
@@ -132,9 +130,7 @@ def _forward_backward(
     return {k: v + acts.held_logits for k, v in out.items()}
 
 
-def _hold_gradients(
-    cand: Candidate, trainable: int, phases: dict[str, int], grads: BackwardGradients
-) -> None:
+def _hold_gradients(cand: Candidate, trainable: int, phases: dict[str, int], grads: BackwardGradients) -> None:
     """Gradients that outlive the micro step they were produced in (DeepSpeed engines), added to
     the forward/backward phases.
 
@@ -211,9 +207,7 @@ def step_phases(
     forward_backward = _forward_backward(arch, cand, states, acts, grads)
     backward_end = forward_backward["backward_end"]  # before held gradients are added
     _hold_gradients(cand, trainable, forward_backward, grads)
-    optimizer_temporaries = _optimizer_temporaries(
-        arch, cand, gpu, states, trainable, world, settings
-    )
+    optimizer_temporaries = _optimizer_temporaries(arch, cand, gpu, states, trainable, world, settings)
     on_device = _optimizer_resident_fraction(cand, states)
     # resume: torch.optim.Optimizer.load_state_dict copies each saved state to the parameter's
     # device before the old state is dropped, so m and v of the device-resident part exist twice.
@@ -242,9 +236,7 @@ def step_phases(
     return phases
 
 
-def _reference_share(
-    states: ModelStates, cand: Candidate, method: str, trainable: int, world: int
-) -> int:
+def _reference_share(states: ModelStates, cand: Candidate, method: str, trainable: int, world: int) -> int:
     """The DPO reference copy's part of `states.params` (ref=model: the same weights again)."""
     if not (method == "dpo" and cand.ref == "model"):
         return 0
@@ -316,9 +308,7 @@ def peak_breakdown(
         _forward_backward_breakdown(phases, states, acts, cand, breakdown)
     elif where == "optimizer_step":
         breakdown["grads"] += states.grads_dynamic
-        breakdown["temporaries"] += (
-            phases.optimizer_step - phases.static - states.grads_dynamic - acts.held_logits
-        )
+        breakdown["temporaries"] += phases.optimizer_step - phases.static - states.grads_dynamic - acts.held_logits
         breakdown["logits"] += acts.held_logits
     elif where == "resume":
         breakdown["optimizer"] += phases.resume - phases.static

@@ -43,7 +43,9 @@ class Settings:
     # ForCausalLMLoss), "torchtune-held" (torchtune recipes without `del logits`).
     logits_handling: str = "memfit"
     nccl_bytes: int | None = None  # NCCL communicator memory per GPU process (world > 1); None: costs.NCCL_CUMEM_BYTES
-    loss_chunk_tokens: int | None = None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
+    loss_chunk_tokens: int | None = (
+        None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
+    )
 
 
 LOGITS_HANDLING = ("memfit", "hf-model-fp32", "hf-loss-function", "torchtune-held")

@@ -121,11 +121,7 @@ def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, met
     if cand.finetune == "qlora":
         # MoE: bitsandbytes quantizes nn.Linear only; the routed experts (3D parameters) and
         # the router stay unquantized (and are upcast to fp32 below)
-        linear = sum(
-            i * o
-            for layer in range(arch.num_layers)
-            for _, i, o in layout.layer_linear_shapes(arch, layer)
-        )
+        linear = sum(i * o for layer in range(arch.num_layers) for _, i, o in layout.layer_linear_shapes(arch, layer))
         weight_bytes = int(linear * NF4_BYTES_PER_PARAM) + (total - linear) * d
         # peft.prepare_model_for_kbit_training upcasts the remaining (non-quantized) params to fp32
         weight_bytes += (total - linear) * (4 - d)
@@ -255,10 +251,7 @@ def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings) -
     layout = param_layout(arch)
     if settings.zero3_impl == "fsdp":
         per_layer = max(
-            sum(
-                n // 2 if cand.finetune == "qlora" and q else d * n
-                for n, q in _zero3_layer_units(arch, i)
-            )
+            sum(n // 2 if cand.finetune == "qlora" and q else d * n for n, q in _zero3_layer_units(arch, i))
             for i in range(arch.num_layers)
         )
         return d * (layout.embed + layout.lm_head) + 2 * per_layer

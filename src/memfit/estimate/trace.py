@@ -315,9 +315,7 @@ def trace_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _trace_in_children(
-    arch: ModelArch, keys: list[dict[str, Any]]
-) -> list[tuple[dict[str, dict[str, int]], float]]:
+def _trace_in_children(arch: ModelArch, keys: list[dict[str, Any]]) -> list[tuple[dict[str, dict[str, int]], float]]:
     """Trace `keys` in up to trace_workers() child processes (round-robin), results in order."""
     n = min(trace_workers(), len(keys))
     chunks = [list(range(len(keys)))[i::n] for i in range(n)]
@@ -397,9 +395,7 @@ def clear_memo() -> None:
 
 
 def _check(arch: ModelArch) -> None:
-    missing = [
-        f for f in _REQUIRED if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
-    ]
+    missing = [f for f in _REQUIRED if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0]
     if missing:
         raise TraceError(
             f"model {arch.name!r}: config lacks {', '.join(missing)}; the traced path builds the "

@@ -200,11 +200,7 @@ def _sft_loss_module():
 def _decoder_layers(model, arch: ModelArch, num_layers: int):
     import torch
 
-    layers = [
-        m
-        for n, m in model.named_modules()
-        if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)
-    ]
+    layers = [m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
     if not layers or len(layers[0]) != num_layers:
         raise TraceError(f"model {arch.name!r}: no decoder `layers` ModuleList to trace")
     return layers[0]
@@ -319,9 +315,7 @@ def _run(
 
     # fake=False runs the same step on real tensors (small models only): a check of the fake run
     with FakeTensorMode() if fake else contextlib.nullcontext():
-        model = build_model(
-            arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets
-        )
+        model = build_model(arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets)
         layers = _decoder_layers(model, arch, num_layers)
         loss_module = _sft_loss_module()
         _drop_gradients(model)
@@ -332,9 +326,7 @@ def _run(
         windows = _backward_windows(model, tracker, layers, forward.pop("bw_start"))
         top = layers[num_layers - 1]
         snaps = (
-            tracker.memory_tracking[top].snapshots.get(_ModState.PRE_BW, [])
-            if top in tracker.memory_tracking
-            else []
+            tracker.memory_tracking[top].snapshots.get(_ModState.PRE_BW, []) if top in tracker.memory_tracking else []
         )
         out = {
             **forward,

@@ -39,9 +39,7 @@ def qlora_dequant(arch: ModelArch, cand: Candidate) -> tuple[int, int]:
     return d * mlp, d * attn
 
 
-def zero3_linear_inputs(
-    arch: ModelArch, cand: Candidate, method: str, settings: Settings
-) -> tuple[int, int]:
+def zero3_linear_inputs(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:
     """(bytes per decoder layer, bytes of the final norm) that frozen linears save under
     DeepSpeed ZeRO-3 beyond what PyTorch's own linear saves.
 

@@ -147,9 +147,7 @@ def parse_row(d: Mapping[str, Any], where: str) -> Row:
     )
     # the row must map to a valid estimator call (targets that exist, hardware that can run it)
     try:
-        e = estimate(
-            arch, gpu, row.num_gpus, 1, "sft", cand, budget_bytes=budget, settings=settings
-        )
+        e = estimate(arch, gpu, row.num_gpus, 1, "sft", cand, budget_bytes=budget, settings=settings)
     except EstimateError as exc:
         raise TableError(f"{where}: row {rid!r}: {exc}") from None
     if e.invalid:
@@ -170,9 +168,7 @@ def _check_keys(d: Mapping[str, Any], where: str, rid: Any) -> None:
     for key, allowed, default in CHOICES:
         value = d.get(key, default)
         if value not in allowed:
-            raise TableError(
-                f"{where}: row {rid!r}: {key} must be one of {allowed}, got {d[key]!r}"
-            )
+            raise TableError(f"{where}: row {rid!r}: {key} must be one of {allowed}, got {d[key]!r}")
 
 
 def _device_budget(d: Mapping[str, Any], where: str, rid: Any) -> int | None:
@@ -197,9 +193,7 @@ def _published(
         raise TableError(f"{where}: row {rid!r}: published must be {{value, unit}}, got {pub!r}")
     if d["measured"] == "max-fit" or pub["unit"] == "device":
         if not (d["measured"] == "max-fit" or rid.endswith("-oom")) or pub["unit"] != "device":
-            raise TableError(
-                f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)"
-            )
+            raise TableError(f"{where}: row {rid!r}: unit 'device' goes with measured max-fit (or an oom row)")
         published = budget if budget is not None else gpu.memory_bytes
     elif pub["unit"] == AMBIGUOUS_GB:
         # "GB" printed by a source that does not say whether it means 1e9 or 2**30 bytes: the
@@ -218,9 +212,7 @@ def _published(
             )
         if pub["unit"] == "GB" or pub["unit"] == "GiB":
             if "unit_note" not in d:
-                raise TableError(
-                    f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)"
-                )
+                raise TableError(f"{where}: row {rid!r}: say why the figure is {pub['unit']} (unit_note)")
         published = int(float(pub["value"]) * UNITS[pub["unit"]])
     published_range = None
     if pub["unit"] == AMBIGUOUS_GB:
@@ -239,20 +231,15 @@ def _published(
             )
         if "unit_note" not in d:
             raise TableError(
-                f"{where}: row {rid!r}: say how the figure was rounded (unit_note) with "
-                "published_rounding"
+                f"{where}: row {rid!r}: say how the figure was rounded (unit_note) with published_rounding"
             )
         half = float(r) / 2 * UNITS[pub["unit"]]
         published_range = (int(published - half), int(published + half))
     if "bound" in d:
         if d["bound"] not in BOUNDS:
-            raise TableError(
-                f"{where}: row {rid!r}: bound must be one of {BOUNDS}, got {d['bound']!r}"
-            )
+            raise TableError(f"{where}: row {rid!r}: bound must be one of {BOUNDS}, got {d['bound']!r}")
         if published_range is not None:
-            raise TableError(
-                f"{where}: row {rid!r}: bound and published_rounding exclude each other"
-            )
+            raise TableError(f"{where}: row {rid!r}: bound and published_rounding exclude each other")
         published_range = (0, published)
     if d["measured"] == "max-fit" and d.get("bound") != "upper":
         raise TableError(
@@ -268,9 +255,7 @@ def _candidate(d: Mapping[str, Any], where: str, rid: Any) -> tuple[Candidate, t
     finetune = d["finetune"]
     if finetune == "full":
         if d["lora_rank"] is not None or d["lora_targets"] is not None:
-            raise TableError(
-                f"{where}: row {rid!r}: full fine-tuning takes lora_rank/lora_targets null"
-            )
+            raise TableError(f"{where}: row {rid!r}: full fine-tuning takes lora_rank/lora_targets null")
         rank, targets = Candidate.lora_rank, None
     else:
         rank = int(d["lora_rank"])
@@ -280,9 +265,7 @@ def _candidate(d: Mapping[str, Any], where: str, rid: Any) -> tuple[Candidate, t
         elif isinstance(t, list) and t:
             targets = tuple(str(x) for x in t)
         else:
-            raise TableError(
-                f"{where}: row {rid!r}: lora_targets must be all-linear or a list, got {t!r}"
-            )
+            raise TableError(f"{where}: row {rid!r}: lora_targets must be all-linear or a list, got {t!r}")
     try:
         cand = Candidate(
             zero=int(d["zero"]),

@@ -17,9 +17,7 @@ from memfit.space import Candidate
 SIZE_FIELDS = tuple(
     f.name
     for f in dataclasses.fields(ModelArch)
-    if f.default is dataclasses.MISSING
-    and f.type in ("int", int)
-    and f.name != "max_position_embeddings"
+    if f.default is dataclasses.MISSING and f.type in ("int", int) and f.name != "max_position_embeddings"
 )
 
 
@@ -28,20 +26,14 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
     out = []
     is_cpu = gpu.name == "cpu"
     if cand.precision == "bf16" and not gpu.bf16:
-        out.append(
-            f"{gpu.name} has no bf16 support (compute capability {gpu.compute_capability}); use fp16 or fp32"
-        )
+        out.append(f"{gpu.name} has no bf16 support (compute capability {gpu.compute_capability}); use fp16 or fp32")
     if cand.attn == "flash" and (is_cpu or not gpu.flash_attn2):
-        sm = (
-            "" if is_cpu else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})"
-        )
+        sm = "" if is_cpu else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})"
         out.append(f"FlashAttention-2 does not run on {gpu.name}{sm}; use sdpa or eager")
     if cand.finetune == "qlora" and is_cpu:
         out.append("QLoRA's bitsandbytes 4-bit kernels need a CUDA GPU; use lora on cpu")
     if (cand.offload_optimizer != "none" or cand.offload_param != "none") and is_cpu:
-        out.append(
-            "offloading to the host from the host (gpu=cpu) has no meaning; use offload none"
-        )
+        out.append("offloading to the host from the host (gpu=cpu) has no meaning; use offload none")
     return out
 
 
@@ -67,9 +59,7 @@ def unsupported_features(arch: ModelArch) -> list[str]:
 MOE_MODELLED = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
-def planning_notes(
-    gpu: GPU, arch: ModelArch, cand: Candidate, settings: Settings = DEFAULT_SETTINGS
-) -> list[str]:
+def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate, settings: Settings = DEFAULT_SETTINGS) -> list[str]:
     """What the user should know about the hardware and the architecture: planning-only GPUs
     (catalog `GPU.planning_only`) and what the mixture-of-experts model leaves out."""
     out = []
@@ -108,17 +98,9 @@ def planning_notes(
 def check_arch(arch: ModelArch) -> None:
     """Raise EstimateError naming every size field the card lacks (or has non-positive), or the
     architecture feature the estimate does not model."""
-    missing = [
-        f
-        for f in SIZE_FIELDS
-        if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0
-    ]
+    missing = [f for f in SIZE_FIELDS if not isinstance(getattr(arch, f, None), int) or getattr(arch, f) <= 0]
     if missing:
-        raise EstimateError(
-            f"model {arch.name!r} lacks {', '.join(missing)}: the estimate needs them"
-        )
+        raise EstimateError(f"model {arch.name!r} lacks {', '.join(missing)}: the estimate needs them")
     unsupported = unsupported_features(arch)
     if unsupported:
-        raise EstimateError(
-            f"model {arch.name!r} is not supported by the estimate: {'; '.join(unsupported)}"
-        )
+        raise EstimateError(f"model {arch.name!r} is not supported by the estimate: {'; '.join(unsupported)}")

@@ -78,13 +78,9 @@ def write_all(plan: ExportPlan) -> dict[str, Path]:
         plan,
         f"LLaMA-Factory {LLAMAFACTORY_VERSION} (llamafactory-cli train {files['llamafactory']})",
     )
-    head += [
-        "# not expressible in LLaMA-Factory's arguments (this run differs from memfit's here):"
-    ]
+    head += ["# not expressible in LLaMA-Factory's arguments (this run differs from memfit's here):"]
     head += not_expressible(lf_missing)
-    write_text_atomic(
-        files["llamafactory"], "\n".join(head) + "\n" + yaml.safe_dump(lf, sort_keys=False)
-    )
+    write_text_atomic(files["llamafactory"], "\n".join(head) + "\n" + yaml.safe_dump(lf, sort_keys=False))
     write_json_atomic(files["llamafactory_ds"], plan.ds_config)
     write_json_atomic(files["llamafactory_dataset_info"], info)
     args, _ = hf_training_args(plan)

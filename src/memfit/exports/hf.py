@@ -60,9 +60,7 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
             "use_liger_kernel, another kernel)"
         )
     if plan.eval_fraction:
-        missing.append(
-            f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): pass your own eval_dataset"
-        )
+        missing.append(f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): pass your own eval_dataset")
     args["_memfit"] = {
         "about": "not a TrainingArguments field: drop this key before TrainingArguments(**args) / "
         "HfArgumentParser(TrainingArguments).parse_dict(args)",

@@ -76,9 +76,7 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
             "eval_strategy": "steps",
             "eval_steps": run.eval_every,
         }
-        missing.append(
-            f"held-out split: val_size {plan.eval_fraction} draws random rows; memfit splits by prompt"
-        )
+        missing.append(f"held-out split: val_size {plan.eval_fraction} draws random rows; memfit splits by prompt")
     if plan.world > 1 and plan.num_nodes > 1:
         missing.append(
             f"{plan.num_nodes} nodes: launch with FORCE_TORCHRUN=1 NNODES={plan.num_nodes} NODE_RANK=... "
@@ -86,9 +84,7 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
         )
     entry = _dataset_entry(plan, fmt)
     if not plan.data_source:
-        missing.append(
-            "data: no data source in the config (plan only); set file_name in dataset_info.json"
-        )
+        missing.append("data: no data source in the config (plan only); set file_name in dataset_info.json")
     return y, {name: entry}, missing
 
 

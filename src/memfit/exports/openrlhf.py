@@ -94,9 +94,7 @@ def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
     if c.offload_optimizer == "cpu":
         a.append(("--ds.adam_offload", True))
         if not c.pin_memory:
-            missing.append(
-                "pin_memory false: OpenRLHF always pins the offloaded optimizer (get_train_ds_config)"
-            )
+            missing.append("pin_memory false: OpenRLHF always pins the offloaded optimizer (get_train_ds_config)")
     if c.offload_param == "cpu":
         missing.append(
             "offload_param cpu: train_sft/train_dpo have no parameter-offload flag (only --ref.offload for "
@@ -128,9 +126,7 @@ def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
         if c.finetune == "qlora":
             a.append(("--ds.load_in_4bit", True))
     if c.loss_impl == "chunked":
-        missing.append(
-            "loss_impl chunked: no chunked-vocabulary loss flag (full logits are materialised)"
-        )
+        missing.append("loss_impl chunked: no chunked-vocabulary loss flag (full logits are materialised)")
     return a
 
 
@@ -157,13 +153,9 @@ def _optimizer_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
         )
     epochs = run.epochs
     if run.max_steps:
-        missing.append(
-            f"max_steps {run.max_steps}: OpenRLHF counts whole epochs only (--train.max_epochs)"
-        )
+        missing.append(f"max_steps {run.max_steps}: OpenRLHF counts whole epochs only (--train.max_epochs)")
     elif float(epochs) != int(epochs):
-        missing.append(
-            f"epochs {epochs}: --train.max_epochs is an integer; {max(1, round(epochs))} written"
-        )
+        missing.append(f"epochs {epochs}: --train.max_epochs is an integer; {max(1, round(epochs))} written")
     a.append(("--train.max_epochs", max(1, round(epochs))))
     a.append(("--train.seed", run.seed))
     return a
@@ -200,9 +192,7 @@ def _dpo_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
         missing.append(f"loss_type {loss}: OpenRLHF has the sigmoid (DPO) and IPO losses only")
     a.append(("--model.label_smoothing", dpo.get("label_smoothing", 0.0)))
     if c.ref != "model":
-        missing.append(
-            f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)"
-        )
+        missing.append(f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)")
     return a
 
 
@@ -253,8 +243,6 @@ def _groups(argv: list[str]) -> list[list[str]]:
 
 def script_argv(text: str) -> list[str]:
     """The arguments after `--module <module>` in an exported script (for checking it with the tool's parser)."""
-    body = " ".join(
-        line.removesuffix("\\") for line in text.splitlines() if not line.startswith(("#", "set "))
-    )
+    body = " ".join(line.removesuffix("\\") for line in text.splitlines() if not line.startswith(("#", "set ")))
     toks = shlex.split(body)
     return toks[toks.index("--module") + 2 :]

@@ -58,8 +58,6 @@ def write_report(
     out = Path(out_html)
     # the report rule writes results/report.html: the Snakemake working directory is its parent's parent
     root = Path(facts_root) if facts_root is not None else out.resolve().parent.parent
-    page = render(
-        read_inputs(selected, summaries, resume, data_stats), facts_root=root, link_base=out.parent
-    )
+    page = render(read_inputs(selected, summaries, resume, data_stats), facts_root=root, link_base=out.parent)
     write_text_atomic(out, page)
     return out

@@ -95,9 +95,7 @@ class BrowserError(RuntimeError):
 class PageCheck:
     """What headless Chromium saw when it opened the page at `width` CSS pixels."""
 
-    errors: list[
-        str
-    ]  # console.error calls, uncaught exceptions, failed loads, Chromium's console errors
+    errors: list[str]  # console.error calls, uncaught exceptions, failed loads, Chromium's console errors
     images: list[dict]  # src prefix, alt, complete, naturalWidth/Height, rendered width
     resources: list[str]  # every non-data: URL the page fetched (the report must fetch none)
     scroll_width: int  # document.documentElement.scrollWidth, CSS px
@@ -129,9 +127,7 @@ def _run(exe: str, args: list[str], profile: Path, timeout: float) -> subprocess
     try:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
-        raise BrowserError(
-            f"Chromium did not finish within {timeout:.0f} s: {' '.join(cmd)}"
-        ) from e
+        raise BrowserError(f"Chromium did not finish within {timeout:.0f} s: {' '.join(cmd)}") from e
 
 
 # Chromium's console lines on stderr: `[...:INFO:CONSOLE(12)] "message", source: file:///x.html (12)`;

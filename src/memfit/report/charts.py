@@ -21,6 +21,7 @@ from .inputs import RunOutputs
 MAX_BARS = 40  # candidates drawn per chart (the table lists all); best ranked first
 BREAKDOWN = ("params", "grads", "optimizer", "activations", "logits", "reference", "temporaries", "overheads")
 
+
 def _figure(width: float, height: float):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -98,9 +99,22 @@ def memory_chart(run: RunOutputs) -> Plot:
     fig = _figure(9, 1.4 + 0.32 * len(rows))
     ax = fig.add_subplot()
     y = range(len(rows))
-    ax.barh([i - 0.2 for i in y], [(p or 0) / unit for p in pred], 0.4, color="tab:blue", alpha=0.55, label=f"predicted {what}")
+    ax.barh(
+        [i - 0.2 for i in y],
+        [(p or 0) / unit for p in pred],
+        0.4,
+        color="tab:blue",
+        alpha=0.55,
+        label=f"predicted {what}",
+    )
     if probes:
-        ax.barh([i + 0.2 for i in y], [(m or 0) / unit for m in meas], 0.4, color="tab:orange", label=f"measured {what} (probe)")
+        ax.barh(
+            [i + 0.2 for i in y],
+            [(m or 0) / unit for m in meas],
+            0.4,
+            color="tab:orange",
+            label=f"measured {what} (probe)",
+        )
     for i, r in enumerate(rows):
         status = _measured(r)[1]
         if status and status not in ("reserved", "allocated"):
@@ -141,10 +155,14 @@ def breakdown_chart(run: RunOutputs) -> Plot:
             left = [a + b for a, b in zip(left, vals, strict=True)]
     # the probes' measured peaks over the predicted stacks: where the components under- or over-shoot
     meas = [_measured(r) if r["rank"] is not None else (None, "") for r in rows]
-    pts = [(float(v) / unit, i) for i, (v, k) in enumerate(meas) if k in ("reserved", "allocated") and _num(v) is not None]
+    pts = [
+        (float(v) / unit, i) for i, (v, k) in enumerate(meas) if k in ("reserved", "allocated") and _num(v) is not None
+    ]
     if pts:
         kinds = "/".join(sorted({k for _, k in meas if k in ("reserved", "allocated")}))
-        ax.scatter(*zip(*pts, strict=True), marker="D", s=28, color="black", zorder=4, label=f"measured peak {kinds} (probe)")
+        ax.scatter(
+            *zip(*pts, strict=True), marker="D", s=28, color="black", zorder=4, label=f"measured peak {kinds} (probe)"
+        )
     _budget_lines(ax, budget, unit, uname)
     _style_ticks(ax, rows, run.selected_id)
     ax.set_xlabel(f"predicted device memory at the peak ({uname})")
@@ -205,7 +223,9 @@ def curves_figure(metrics: list[dict[str, Any]], title: str, marks: list | None 
                 many = len(series) > 1
                 text = f"{label} ({split})" if many else split
                 if split == "eval":  # eval points as dots (joined when there are several)
-                    ax.plot(*zip(*pts, strict=True), marker="o", ms=4, ls="-" if len(pts) > 1 else "", lw=0.8, label=text)
+                    ax.plot(
+                        *zip(*pts, strict=True), marker="o", ms=4, ls="-" if len(pts) > 1 else "", lw=0.8, label=text
+                    )
                 else:
                     ax.plot(*zip(*pts, strict=True), lw=1.1, label=text)
         for m in marks:
@@ -256,11 +276,21 @@ def curves_chart(metrics: list[dict[str, Any]], title: str, marks: list | None =
     return _img(fig, alt)
 
 
-def memory_compare_chart(figures: list[tuple[str, dict[str, Any]]], title: str, what: str = "Selected candidate memory", measured_from: int = 1, alt: str = "training peak vs probe peak") -> Plot | None:
+def memory_compare_chart(
+    figures: list[tuple[str, dict[str, Any]]],
+    title: str,
+    what: str = "Selected candidate memory",
+    measured_from: int = 1,
+    alt: str = "training peak vs probe peak",
+) -> Plot | None:
     """Peak allocated and reserved of several figure sets (predicted, probe, training...), side by side."""
     # Only what was measured: a predicted reserved peak alone (the CPU reports none) compares nothing.
     measured = figures[measured_from:]
-    kinds = [k for k in ("peak_allocated_bytes", "peak_reserved_bytes") if any(_num(f.get(k)) is not None for _, f in measured)]
+    kinds = [
+        k
+        for k in ("peak_allocated_bytes", "peak_reserved_bytes")
+        if any(_num(f.get(k)) is not None for _, f in measured)
+    ]
     if not kinds:
         return None
     unit, uname = _unit_for(f.get(k) for _, f in figures for k in kinds)
@@ -322,7 +352,14 @@ def accuracy_chart(run: RunOutputs) -> Plot | None:
         xs = [p[0] / unit for p in pts if p[2] == sel]
         ys = [p[1] / unit for p in pts if p[2] == sel]
         if xs:
-            ax.scatter(xs, ys, s=40 if sel else 22, color="tab:green" if sel else "tab:orange", label="selected" if sel else "probed candidate", zorder=3)
+            ax.scatter(
+                xs,
+                ys,
+                s=40 if sel else 22,
+                color="tab:green" if sel else "tab:orange",
+                label="selected" if sel else "probed candidate",
+                zorder=3,
+            )
     kinds = sorted({p[3] for p in pts})
     ax.set_xlabel(f"predicted peak {'/'.join(kinds)} per device ({uname})")
     ax.set_ylabel(f"measured peak {'/'.join(kinds)} per device ({uname})")

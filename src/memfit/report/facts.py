@@ -137,11 +137,7 @@ def launch_files(run_dir: Path, method: str) -> list[tuple[Path, str]]:
     found += [(p, _EXPORT_WHAT.get(k, k)) for k, p in exports.paths(run_dir, method).items()]
     known = {p for p, _ in found}
     extra = (
-        sorted(
-            p
-            for p in run_dir.iterdir()
-            if p.suffix in _OTHER_SUFFIXES and p.name not in _NOT_EXPORTS
-        )
+        sorted(p for p in run_dir.iterdir() if p.suffix in _OTHER_SUFFIXES and p.name not in _NOT_EXPORTS)
         if run_dir.is_dir()
         else []
     )

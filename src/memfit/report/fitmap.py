@@ -52,9 +52,7 @@ def _arch(run: RunOutputs, root: Path):
         return catalog.model(str(run.selection.model), allow_moe=True)
     except Exception:  # noqa: BLE001 - not a catalog name: try the model directory below
         run_json = Path(run.path).parent / "run.json"
-        model_path = (
-            json.loads(run_json.read_text()).get("model_path") if run_json.is_file() else None
-        )
+        model_path = json.loads(run_json.read_text()).get("model_path") if run_json.is_file() else None
         if not model_path:
             raise
         p = Path(model_path)
@@ -156,7 +154,14 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> dict:
     ]  # fmt: skip
     return {
         "models": [(m, sum(1 for k in cols if k[0] == m)) for m in models],
-        "columns": [{"method": c["run"].selection.method, "none_fits": c["run"].selected is None, "number": columns.index(c) + 1} for c in ordered],
+        "columns": [
+            {
+                "method": c["run"].selection.method,
+                "none_fits": c["run"].selected is None,
+                "number": columns.index(c) + 1,
+            }
+            for c in ordered
+        ],
         "rows": rows,
         "legend": legend,
         "unmapped": unmapped,

@@ -91,7 +91,11 @@ def describe(cand: dict[str, Any], method: str | None = None, world_size: Any = 
     if c.get("precision"):
         parts.append(str(c["precision"]))
     if method == "dpo" and c.get("ref"):
-        ref = {"model": "frozen reference model", "adapter": "reference = model with the adapter disabled", "precomputed": "precomputed reference log-probs"}
+        ref = {
+            "model": "frozen reference model",
+            "adapter": "reference = model with the adapter disabled",
+            "precomputed": "precomputed reference log-probs",
+        }
         parts.append(ref.get(c["ref"], f"reference {c['ref']}"))
     return ", ".join(parts)
 

@@ -66,9 +66,7 @@ def read_fallbacks(summary: dict[str, Any] | None) -> tuple[list[Fallback], list
     if not items:
         return [], []
     if not isinstance(items, list):
-        return [], [
-            f"train/summary.json: 'fallbacks' is not a list ({type(items).__name__}); not shown"
-        ]
+        return [], [f"train/summary.json: 'fallbacks' is not a list ({type(items).__name__}); not shown"]
     out, notes = [], []
     for i, f in enumerate(items):
         if not isinstance(f, dict):
@@ -78,9 +76,7 @@ def read_fallbacks(summary: dict[str, Any] | None) -> tuple[list[Fallback], list
         missing = [k for k, v in (("oom_step", oom), ("resumed_from_step", back)) if v is None]
         missing += [k for k in ("from", "to") if not isinstance(f.get(k), str)]
         if missing:
-            notes.append(
-                f"train/summary.json: fallbacks[{i}] lacks {', '.join(missing)}; not shown"
-            )
+            notes.append(f"train/summary.json: fallbacks[{i}] lacks {', '.join(missing)}; not shown")
             continue
         op = f.get("op")
         out.append(
@@ -94,21 +90,12 @@ def _resume_steps(run: RunOutputs, inferred: bool = True) -> list[tuple[int, str
     """(step, where it was read) of each resume of the training itself; with `inferred`, an older
     summary's last resume when no metrics row marks one."""
     rows = [r for r in run.metrics if r.get("split", "train") == "train"]
-    marked = [
-        (s, "metrics.jsonl")
-        for s in (_int(r.get("resumed_from_step")) for r in rows)
-        if s is not None
-    ]
+    marked = [(s, "metrics.jsonl") for s in (_int(r.get("resumed_from_step")) for r in rows) if s is not None]
     if marked:
         return marked
     s = run.summary or {}
     ran, last = _int(s.get("steps")), max((_int(r.get("step")) or 0 for r in rows), default=0)
-    if (
-        inferred
-        and s.get("resume_peak_allocated_bytes") is not None
-        and ran is not None
-        and 0 < last - ran < last
-    ):
+    if inferred and s.get("resume_peak_allocated_bytes") is not None and ran is not None and 0 < last - ran < last:
         return [(last - ran, "summary.json")]
     return []
 
@@ -155,9 +142,5 @@ def changed_levers(run: RunOutputs, src: str, dst: str) -> str:
     a, b = by_id.get(src), by_id.get(dst)
     if a is None or b is None:
         return "—"
-    diff = [
-        f"{k} {_plain(a.get(k))} → {_plain(b.get(k))}"
-        for k in dict.fromkeys([*a, *b])
-        if a.get(k) != b.get(k)
-    ]
+    diff = [f"{k} {_plain(a.get(k))} → {_plain(b.get(k))}" for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
     return ", ".join(diff) or "same configuration"

@@ -61,8 +61,14 @@ def resume_view(check: dict[str, Any], path: Path | None) -> dict[str, Any]:
     pairs = [
         ("final step", _plain(check.get("final_step"))),
         ("steps compared", _plain(check.get("steps_compared"))),
-        ("missing steps", ", ".join(f"{m[0]} ({m[1]})" if isinstance(m, list) and len(m) == 2 else str(m) for m in missing) or "none"),
-        ("max relative loss difference", f"{_plain(check.get('max_rel_loss_diff'))} (tolerance {_plain(check.get('rtol'))})"),
+        (
+            "missing steps",
+            ", ".join(f"{m[0]} ({m[1]})" if isinstance(m, list) and len(m) == 2 else str(m) for m in missing) or "none",
+        ),
+        (
+            "max relative loss difference",
+            f"{_plain(check.get('max_rel_loss_diff'))} (tolerance {_plain(check.get('rtol'))})",
+        ),
         ("losses bitwise equal", _yes_no(check.get("losses_bitwise_equal"))),
         ("weights max abs difference", _plain(check.get("weights_max_abs_diff"))),
         ("weights bitwise equal", _yes_no(check.get("weights_bitwise_equal"))),
@@ -70,7 +76,11 @@ def resume_view(check: dict[str, Any], path: Path | None) -> dict[str, Any]:
     if check.get("resume_peak_allocated_bytes") is not None:
         # resume is where runs die a second time: the load's peak beside the training peak
         train_peak, resume_peak = check.get("training_peak_allocated_bytes"), check["resume_peak_allocated_bytes"]
-        ratio = f" ({resume_peak / train_peak:.2f}x the training peak)" if isinstance(train_peak, (int, float)) and train_peak > 0 else ""
+        ratio = (
+            f" ({resume_peak / train_peak:.2f}x the training peak)"
+            if isinstance(train_peak, (int, float)) and train_peak > 0
+            else ""
+        )
         pairs += [
             ("device peak while loading the checkpoint", _bytes(resume_peak) + ratio),
             ("training peak (uninterrupted run)", _bytes(train_peak)),
@@ -108,7 +118,14 @@ def training_pairs(summary: dict[str, Any], metrics: list[dict[str, Any]] | None
     if tps:
         pairs.append(("throughput (median of logged steps)", _tps(tps[len(tps) // 2])))
     for split in ("train", "eval"):
-        last = next((r for r in reversed(metrics or []) if r.get("split", "train") == split and _num(r.get("loss")) is not None), None)
+        last = next(
+            (
+                r
+                for r in reversed(metrics or [])
+                if r.get("split", "train") == split and _num(r.get("loss")) is not None
+            ),
+            None,
+        )
         if last is not None:
             pairs.append((f"final {split} loss (step {last['step']})", _plain(last["loss"])))
     return pairs
@@ -130,7 +147,11 @@ def _selection_row(r: dict[str, Any], selected_id: str | None) -> dict[str, Any]
         "id": r["id"],
         "selected": r["id"] == selected_id,
         "predicted_total": r["predicted_device_total_bytes"],
-        "measured": {"value": value, "kind": kind, "oom": oom if kind == "OOM" and any(v is not None for v in oom.values()) else None},
+        "measured": {
+            "value": value,
+            "kind": kind,
+            "oom": oom if kind == "OOM" and any(v is not None for v in oom.values()) else None,
+        },
         # a row judged without figures of its own (probe failed, cannot run) shows the prediction, marked
         "host": _or_predicted(r["host_bytes"], r["predicted_host_bytes"], _bytes),
         "step": _or_predicted(r["step_time_s"], r["predicted_step_time_s"], _secs),
@@ -160,7 +181,9 @@ def memory_compare(run: RunOutputs) -> dict[str, Any] | None:
     s = run.selected
     if s is None:
         return None
-    pred = {k: getattr(s.predicted, k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
+    pred = {
+        k: getattr(s.predicted, k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")
+    }
     probe = s.probe
     figures = [("predicted", pred)]
     if probe and probe.get("status", "ok") == "ok":
@@ -201,10 +224,15 @@ def reference_compare(run: RunOutputs) -> dict[str, Any] | None:
         if ok:
             figures.append((f"ref: {mode}", {"peak_allocated_bytes": peak, "peak_reserved_bytes": reserved}))
     base = peaks.pop("model", None)
-    savings = [{"mode": mode, "peak": peak, "base": base, "saved": base - peak if base and peak else None} for mode, peak in peaks.items()]
+    savings = [
+        {"mode": mode, "peak": peak, "base": base, "saved": base - peak if base and peak else None}
+        for mode, peak in peaks.items()
+    ]
     chart = None
     if len(figures) == 2:
-        chart = memory_compare_chart(figures, run.title, what="DPO reference modes", measured_from=0, alt="dpo reference: precomputed vs model")
+        chart = memory_compare_chart(
+            figures, run.title, what="DPO reference modes", measured_from=0, alt="dpo reference: precomputed vs model"
+        )
     return {"rows": rows, "savings": savings, "chart": chart}
 
 
@@ -238,7 +266,9 @@ def overview(runs: list[RunOutputs]) -> dict[str, Any]:
             "header": header + ([] if plan else ["training", "resume check"])}  # fmt: skip
 
 
-def run_view(run: RunOutputs, i: int, data_anchor: str | None, fit: FitResult, link_base: Path | None) -> dict[str, Any]:
+def run_view(
+    run: RunOutputs, i: int, data_anchor: str | None, fit: FitResult, link_base: Path | None
+) -> dict[str, Any]:
     """One run's section: what was selected and why, will it fit, what hardware fits, did training work."""
     sel = run.selection
     world = (run.summary or {}).get("world_size") or (run.table.world_size if run.table is not None else None)
@@ -307,7 +337,9 @@ def page_context(inputs: Inputs, facts_root: Path | None = None, link_base: Path
     runs = inputs.runs
 
     def distinct(key: str) -> str:
-        vals = list(dict.fromkeys(str(getattr(r.selection, key)) for r in runs if getattr(r.selection, key) is not None))
+        vals = list(
+            dict.fromkeys(str(getattr(r.selection, key)) for r in runs if getattr(r.selection, key) is not None)
+        )
         return ", ".join(vals) or "—"
 
     failed = [r.title for r in runs if r.resume is not None and resume_status(r.resume)[0] != "passed"]
@@ -330,11 +362,16 @@ def page_context(inputs: Inputs, facts_root: Path | None = None, link_base: Path
         "distinct": {"models": distinct("model"), "gpus": distinct("gpu"), "methods": distinct("method")},
         "contents": contents,
         "resume_failed": failed,
-        "runs": [run_view(r, i, data_anchor.get((str(r.selection.model), str(r.selection.method))), fits[i], link_base) for i, r in enumerate(runs)],
+        "runs": [
+            run_view(r, i, data_anchor.get((str(r.selection.model), str(r.selection.method))), fits[i], link_base)
+            for i, r in enumerate(runs)
+        ],
         "overview": overview(runs),
         "grid": fit_grid(runs, fits),
         "loose": loose,
-        "data": {"plan_only": bool(runs) and all(r.selection.plan_only for r in runs),
-                 "sections": [data_section(p, s, f"data-{i}") for i, (p, s) in enumerate(inputs.stats)]},  # fmt: skip
+        "data": {
+            "plan_only": bool(runs) and all(r.selection.plan_only for r in runs),
+            "sections": [data_section(p, s, f"data-{i}") for i, (p, s) in enumerate(inputs.stats)],
+        },  # fmt: skip
         "facts": run_facts(facts_root) if facts_root is not None else None,
     }

@@ -22,8 +22,9 @@ def _pad(seqs: list[list[int]], value: int, length: int | None = None) -> torch.
     return out
 
 
-def collate(method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None,
-            loss_on: str = "response") -> dict[str, torch.Tensor]:
+def collate(
+    method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None, loss_on: str = "response"
+) -> dict[str, torch.Tensor]:
     """Right-padded tensors. DPO: chosen rows then rejected rows, one forward (OpenRLHF's concatenated_forward).
 
     SFT `loss_on`: response scores the response tokens only (the prepared labels); all scores
@@ -47,8 +48,13 @@ def collate(method: str, rows: list[dict[str, Any]], pad_id: int, pad_to: int | 
     }
 
 
-def collate_packed(packs: list[list[dict[str, Any]]], pad_id: int, pad_to: int | None = None,
-                   loss_on: str = "response", flatten: bool = False) -> dict[str, torch.Tensor]:
+def collate_packed(
+    packs: list[list[dict[str, Any]]],
+    pad_id: int,
+    pad_to: int | None = None,
+    loss_on: str = "response",
+    flatten: bool = False,
+) -> dict[str, torch.Tensor]:
     """SFT packs (each a list of rows, concatenated) as input_ids, labels and position_ids; no
     attention_mask, on purpose.
 
@@ -119,7 +125,9 @@ class Schedule:
             yield self._perm[1][start : start + self.micro].tolist()
 
 
-def rank_batches(rows: list[dict[str, Any]], micro: int, world: int, rank: int) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
+def rank_batches(
+    rows: list[dict[str, Any]], micro: int, world: int, rank: int
+) -> Iterator[tuple[list[int], list[dict[str, Any]]]]:
     """This rank's share of `rows` in micro batches: micro batch j is rows [j*micro, (j+1)*micro)
     and runs on rank j % world, so which rows share a batch (hence padding and the per-batch
     token mean an eval loss is built from) does not depend on the number of ranks: a run

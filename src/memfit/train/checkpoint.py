@@ -142,7 +142,9 @@ def save(
     if _rank() == 0:
         if metrics is not None and Path(metrics).exists():
             shutil.copyfile(metrics, root / tag / "metrics.jsonl")  # the curve so far travels with the state
-        manifest = {str(p.relative_to(root / tag)): p.stat().st_size for p in sorted((root / tag).rglob("*")) if p.is_file()}
+        manifest = {
+            str(p.relative_to(root / tag)): p.stat().st_size for p in sorted((root / tag).rglob("*")) if p.is_file()
+        }
         meta = {"step": step, "world_size": world, "run_config": run_config, "files": manifest, **client_state}
         write_json_atomic(root / tag / "memfit.json", meta)
         write_text_atomic(root / tag / COMPLETE, tag + "\n")
@@ -161,7 +163,9 @@ def remove_incomplete(root: Path, log: Callable[[str], None] = print) -> list[st
     root = Path(root)
     if not root.is_dir():
         return []
-    gone = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step") and not (p / COMPLETE).exists())
+    gone = sorted(
+        p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step") and not (p / COMPLETE).exists()
+    )
     for tag in gone:
         shutil.rmtree(root / tag, ignore_errors=True)
         shutil.rmtree(universal_root(root) / tag, ignore_errors=True)
@@ -226,9 +230,13 @@ def load(
         raise ValueError(f"checkpoint {root / tag}: planned resume mode {mode!r} but the checkpoint needs {found!r}")
     load_root = universal_root(root) if mode == UNIVERSAL_LOAD else root
     if mode == UNIVERSAL_LOAD and not getattr(engine, "load_universal_checkpoint", lambda: False)():
-        raise RuntimeError(f"checkpoint {root / tag} needs a universal load, but the engine was built without "
-                           "checkpoint.load_universal")
-    path, _client = engine.load_checkpoint(str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+        raise RuntimeError(
+            f"checkpoint {root / tag} needs a universal load, but the engine was built without "
+            "checkpoint.load_universal"
+        )
+    path, _client = engine.load_checkpoint(
+        str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
     if mode == SAME:
@@ -419,7 +427,11 @@ def resume_host_bytes(root: Path, tag: str, mode: str) -> dict[str, int]:
     conv = universal_root(root) / tag
     if _conversion_is_current(conv, src):
         model = max(
-            (p.stat().st_size for p in conv.glob("*model_states.pt") if p.name.startswith(("mp_rank_", "zero_pp_rank_0_"))),
+            (
+                p.stat().st_size
+                for p in conv.glob("*model_states.pt")
+                if p.name.startswith(("mp_rank_", "zero_pp_rank_0_"))
+            ),
             default=0,
         )
         zero = conv / "zero"

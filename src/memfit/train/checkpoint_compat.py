@@ -11,8 +11,20 @@ from pathlib import Path
 from typing import Any
 
 # Fields of the run config that must match for a checkpoint to continue the same run.
-MUST_MATCH = ("method", "candidate", "seed", "lr", "epochs", "max_steps", "warmup_steps", "min_lr_ratio", "dpo", "data_dir",
-              "loss_on", "packing")
+MUST_MATCH = (
+    "method",
+    "candidate",
+    "seed",
+    "lr",
+    "epochs",
+    "max_steps",
+    "warmup_steps",
+    "min_lr_ratio",
+    "dpo",
+    "data_dir",
+    "loss_on",
+    "packing",
+)
 # Candidate fields that may differ when the number of ranks changes: gradient accumulation absorbs
 # the change so that the global batch (micro x accum x ranks), hence the data order, stays the same.
 RESHARD_MAY_DIFFER = ("grad_accum",)
@@ -21,8 +33,18 @@ RESHARD_MAY_DIFFER = ("grad_accum",)
 # not what is learned, as long as the global batch (micro x accum x ranks) stays the same. loss_impl
 # full <-> chunked changes float rounding only (memfit.train.vocab_loss; per-token log-probs within 1e-6,
 # tests/test_vocab_loss.py).
-LEVERS = ("zero", "offload_optimizer", "offload_param", "pin_memory", "offload_ratio", "grad_ckpt",
-          "micro_batch", "grad_accum", "ref", "loss_impl")
+LEVERS = (
+    "zero",
+    "offload_optimizer",
+    "offload_param",
+    "pin_memory",
+    "offload_ratio",
+    "grad_ckpt",
+    "micro_batch",
+    "grad_accum",
+    "ref",
+    "loss_impl",
+)
 # The levers that change how DeepSpeed lays out the optimizer state in a checkpoint (and which
 # optimizer steps it: torch AdamW or DeepSpeedCPUAdam with offload): such a change loads through a
 # universal checkpoint, as a change of the number of ranks does.
@@ -58,8 +80,11 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
         gb_now = _global_batch(c_now, world)
         if gb_then != gb_now:
             per_accum = world * int(c_now.get("micro_batch", 1))
-            fix = (f"with {world} ranks grad_accum must be {gb_then // per_accum}" if gb_then % per_accum == 0
-                   else f"no grad_accum keeps it ({gb_then} is not a multiple of micro_batch x {world} ranks)")
+            fix = (
+                f"with {world} ranks grad_accum must be {gb_then // per_accum}"
+                if gb_then % per_accum == 0
+                else f"no grad_accum keeps it ({gb_then} is not a multiple of micro_batch x {world} ranks)"
+            )
             diffs.append(
                 f"global batch: checkpoint {gb_then} (world size {then_world}) != now {gb_now} (world size "
                 f"{world}); {fix} to keep the data order"
@@ -67,8 +92,10 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
     if diffs:
         note = ""
         if resharded:
-            note = (f"\n(written by {then_world} ranks, now {world}, ZeRO-{c_then.get('zero')}: on another number "
-                    "of ranks only grad_accum may change, keeping the global batch)")
+            note = (
+                f"\n(written by {then_world} ranks, now {world}, ZeRO-{c_then.get('zero')}: on another number "
+                "of ranks only grad_accum may change, keeping the global batch)"
+            )
         raise ValueError(
             f"checkpoint {where} belongs to a different run and was not loaded:\n  "
             + "\n  ".join(diffs)
@@ -113,7 +140,11 @@ def layout_change_mode(c_then: dict[str, Any], c_now: dict[str, Any], where: Pat
             "so Adam's bias correction would restart"
         )
     for c, when in ((c_then, "written"), (c_now, "resumed")):
-        if int(c.get("zero", 2)) == 3 and c.get("offload_optimizer", "none") != "none" and float(c.get("offload_ratio", 1.0)) < 1.0:
+        if (
+            int(c.get("zero", 2)) == 3
+            and c.get("offload_optimizer", "none") != "none"
+            and float(c.get("offload_ratio", 1.0)) < 1.0
+        ):
             raise ValueError(
                 f"checkpoint {where} cannot change ZeRO stage or offload: {when} with ZeRO-3 partial optimizer "
                 f"offload (offload_ratio {c.get('offload_ratio')}), which has no universal-checkpoint load in "

@@ -127,9 +127,7 @@ def schedule_steps(run: RunConfig, steps_per_epoch: int | None) -> tuple[int, in
     elif run.max_steps:
         total = run.max_steps
     elif steps_per_epoch is None:
-        raise ValueError(
-            "schedule_steps: steps_per_epoch is needed when neither max_steps nor probe_steps is set"
-        )
+        raise ValueError("schedule_steps: steps_per_epoch is needed when neither max_steps nor probe_steps is set")
     else:
         total = max(1, math.floor(run.epochs * steps_per_epoch))
     return total, _warmup(run, total)
@@ -139,9 +137,7 @@ def _warmup(run: RunConfig, total_steps: int) -> int:
     return min(run.warmup_steps, total_steps // 2)
 
 
-def for_run(
-    run: RunConfig, world_size: int, total_steps: int | None, hidden_size: int | None
-) -> dict[str, Any]:
+def for_run(run: RunConfig, world_size: int, total_steps: int | None, hidden_size: int | None) -> dict[str, Any]:
     """The DeepSpeed config of `run` (what `memfit.train.loop.Run.setup` hands `deepspeed.initialize`
     on a fresh start; a universal-checkpoint resume adds `checkpoint.load_universal` there).
     `total_steps` from `schedule_steps`; None writes "auto" (see `build`)."""
@@ -214,9 +210,7 @@ def planned_steps(run: RunConfig, world_size: int) -> tuple[int | None, dict[str
     except FileNotFoundError as e:
         return None, info | {"total_steps": None, "warmup_steps": None, "source": f"unknown: {e}"}
     unit = "packed sequences (train.sft.packing)" if run.packing else "training rows"
-    spe = Schedule(
-        units, cand.micro_batch, cand.grad_accum, world_size, run.seed, unit=unit
-    ).steps_per_epoch
+    spe = Schedule(units, cand.micro_batch, cand.grad_accum, world_size, run.seed, unit=unit).steps_per_epoch
     total, warmup = schedule_steps(run, spe)
     return total, info | {
         "units": units,

@@ -29,11 +29,7 @@ SRUN_KEEP = frozenset({"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CONF", "SLURM_CLUST
 
 def srun_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` without the SLURM_*/SRUN_*/SBATCH_* variables of the current step (SRUN_KEEP stays)."""
-    return {
-        k: v
-        for k, v in env.items()
-        if k in SRUN_KEEP or not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))
-    }
+    return {k: v for k, v in env.items() if k in SRUN_KEEP or not k.startswith(("SLURM_", "SRUN_", "SBATCH_"))}
 
 
 def per_node_srun(nnodes: int, env: Mapping[str, str]) -> list[str] | None:
@@ -50,9 +46,7 @@ def per_node_srun(nnodes: int, env: Mapping[str, str]) -> list[str] | None:
     """
     if nnodes <= 1 or not env.get("SLURM_JOB_ID"):
         return None
-    if env.get("SLURM_STEP_NUM_NODES") == str(nnodes) and env.get("SLURM_STEP_NUM_TASKS") == str(
-        nnodes
-    ):
+    if env.get("SLURM_STEP_NUM_NODES") == str(nnodes) and env.get("SLURM_STEP_NUM_TASKS") == str(nnodes):
         return None
     return [
         "srun",
@@ -241,17 +235,13 @@ def launch(
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
-            forwarded[sig] = signal.signal(
-                sig, lambda signum, _frame: _forward(proc, signum, to_ranks=srun is None)
-            )
+            forwarded[sig] = signal.signal(sig, lambda signum, _frame: _forward(proc, signum, to_ranks=srun is None))
     try:
         rc = proc.wait(timeout=timeout_s)
         if rc != 0 and _preempted(config):
             from memfit.train.run_config import PREEMPTED_EXIT_CODE
 
-            return (
-                PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
-            )
+            return PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
         return rc
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -305,16 +295,10 @@ def _preempted(config: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="memfit launch", description="Start all ranks of a run on this node."
-    )
+    ap = argparse.ArgumentParser(prog="memfit launch", description="Start all ranks of a run on this node.")
     ap.add_argument("--config", required=True, type=Path, help="run config JSON")
-    ap.add_argument(
-        "--nproc", type=int, default=nproc_default(), help="ranks per node (GPUs; 2 on the CPU)"
-    )
-    ap.add_argument(
-        "--nnodes", type=int, default=1, help="nodes; >1 needs srun (SLURM) or MEMFIT_RDZV_HOST"
-    )
+    ap.add_argument("--nproc", type=int, default=nproc_default(), help="ranks per node (GPUs; 2 on the CPU)")
+    ap.add_argument("--nnodes", type=int, default=1, help="nodes; >1 needs srun (SLURM) or MEMFIT_RDZV_HOST")
     args = ap.parse_args(argv)
     if args.nproc < 1:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")

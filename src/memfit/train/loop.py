@@ -84,8 +84,14 @@ class Run:
         self.packing: dict[str, Any] | None = None
         if cfg.packing:
             self.train_units, self.packing = self._pack()
-        self.schedule = Schedule(len(self.train_units), cand.micro_batch, cand.grad_accum, self.world, cfg.seed,
-                                 unit="packed sequences (train.sft.packing)" if cfg.packing else "training rows")
+        self.schedule = Schedule(
+            len(self.train_units),
+            cand.micro_batch,
+            cand.grad_accum,
+            self.world,
+            cfg.seed,
+            unit="packed sequences (train.sft.packing)" if cfg.packing else "training rows",
+        )
         # the step count and DeepSpeed config select_config wrote to ds_config.json (dsconfig.planned_steps)
         self.total_steps, _ = dsconfig.schedule_steps(cfg, self.schedule.steps_per_epoch)
         ds_cfg = dsconfig.for_run(cfg, self.world, self.total_steps, hidden_size(model_dir(cfg.model_path)))
@@ -120,9 +126,18 @@ class Run:
         if cfg.method == "dpo" and cand.ref == "model":
             self.ref_engine = reference_engine(cand, cfg.ref_model_path or cfg.model_path, ds_cfg)
         del hf_ds
-        self.runner = StepRunner(cfg.method, self.engine, self.ref_engine, self.pad_id, dpo=cfg.dpo, ref=cand.ref,
-                                 loss_on=cfg.loss_on, flatten_packs=cand.attn == "flash",
-                                 loss_impl=cand.loss_impl, loss_chunk_tokens=cfg.loss_chunk_tokens)
+        self.runner = StepRunner(
+            cfg.method,
+            self.engine,
+            self.ref_engine,
+            self.pad_id,
+            dpo=cfg.dpo,
+            ref=cand.ref,
+            loss_on=cfg.loss_on,
+            flatten_packs=cand.attn == "flash",
+            loss_impl=cand.loss_impl,
+            loss_chunk_tokens=cfg.loss_chunk_tokens,
+        )
 
     def _pack(self) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
         """SFT packing: the training rows in packs of at most seq_len tokens (memfit.data.pack)."""
@@ -144,8 +159,10 @@ class Run:
             "rows_per_pack": round(len(lengths) / len(packs), 3),
             "fill": round(sum(lengths) / (len(packs) * cap), 4),  # real tokens / pack slots
         }
-        self.log(f"packing: {stats['rows']} rows into {stats['packs']} sequences of <= {cap} tokens "
-                 f"({stats['rows_per_pack']} rows each, {stats['fill']:.1%} filled)")
+        self.log(
+            f"packing: {stats['rows']} rows into {stats['packs']} sequences of <= {cap} tokens "
+            f"({stats['rows_per_pack']} rows each, {stats['fill']:.1%} filled)"
+        )
         return units, stats
 
     # -- evaluation ----------------------------------------------------------
@@ -220,8 +237,11 @@ class Run:
         # self.training` (modeling_layers.py GradientCheckpointingLayer), LoRA dropout likewise:
         # without this, probes and any run before its first evaluation trained in eval mode.
         self.engine.train()
-        tracker = (None if torch.cuda.is_available()
-                   else AllocationTracker(dist_env.device(), capacity_bytes=self.cfg.device_capacity_bytes))
+        tracker = (
+            None
+            if torch.cuda.is_available()
+            else AllocationTracker(dist_env.device(), capacity_bytes=self.cfg.device_capacity_bytes)
+        )
         self.tracker = tracker
         reset_device_peaks()
         if tracker is not None:
@@ -231,11 +251,18 @@ class Run:
     def _progress(self, initial: int, desc: str):
         from tqdm import tqdm
 
-        return tqdm(total=self.total_steps, initial=initial, desc=desc, disable=self.rank != 0,
-                    file=sys.stderr, mininterval=2.0)
+        return tqdm(
+            total=self.total_steps, initial=initial, desc=desc, disable=self.rank != 0, file=sys.stderr, mininterval=2.0
+        )
 
-    def _step_row(self, step: int, tracker, peaks: list[tuple[int, int | None]], step_times: list[float],
-                  probe_rows: list[Any] | None = None) -> dict[str, Any]:
+    def _step_row(
+        self,
+        step: int,
+        tracker,
+        peaks: list[tuple[int, int | None]],
+        step_times: list[float],
+        probe_rows: list[Any] | None = None,
+    ) -> dict[str, Any]:
         """Run training step `step` and return its metrics row (peaks over all ranks)."""
         lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.cfg.lr  # what this step uses
         m = self.train_step(step, probe_rows)
@@ -367,7 +394,9 @@ class Run:
             "first_step_time_s": step_times[0] if step_times else None,
             "step_time_s": statistics.median(steady) if steady else None,
             "device": str(dist_env.device()),
-            "memory_source": "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "AllocationTracker (live tensor storages)",
+            "memory_source": "torch.cuda.max_memory_allocated"
+            if torch.cuda.is_available()
+            else "AllocationTracker (live tensor storages)",
             # loading a checkpoint (resumed runs only): device peak while DeepSpeed loaded the shards
             # and host RSS (the process's peak so far) right after; training peaks exclude it
             "resume_peak_allocated_bytes": self.resume_peak["allocated"] if self.resume_peak else None,

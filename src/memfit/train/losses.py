@@ -86,7 +86,9 @@ def dpo_loss(
         # log-ratios averaged over each response's tokens (TRL's `ipo`, confirmed with the authors).
         if chosen_tokens is None or rejected_tokens is None:
             raise ValueError("the ipo loss needs chosen_tokens and rejected_tokens (response lengths)")
-        h = (policy_chosen - ref_chosen) / chosen_tokens.clamp(min=1) - (policy_rejected - ref_rejected) / rejected_tokens.clamp(min=1)
+        h = (policy_chosen - ref_chosen) / chosen_tokens.clamp(min=1) - (
+            policy_rejected - ref_rejected
+        ) / rejected_tokens.clamp(min=1)
         losses = (h - 1 / (2 * cfg.beta)) ** 2
     else:
         # Hinge loss from SLiC (Zhao et al. 2023), as in TRL: relu(1 - beta * logits).

@@ -151,14 +151,19 @@ def _merged_lora_state(peft_model, state: dict[str, torch.Tensor]) -> dict[str, 
         if not isinstance(m, LoraLayer):
             continue
         if not isinstance(m, LoraLinear) or any(m.use_dora.values()) or any(getattr(m, "lora_bias", {}).values()):
-            raise ValueError(f"{name}: merging a {type(m).__name__} adapter from a ZeRO-3 state dict is not "
-                             "supported; use train.<method>.export: adapter")
+            raise ValueError(
+                f"{name}: merging a {type(m).__name__} adapter from a ZeRO-3 state dict is not "
+                "supported; use train.<method>.export: adapter"
+            )
         for adapter in list(m.lora_A):
             a = state.pop(f"{name}.lora_A.{adapter}.weight")
             b = state.pop(f"{name}.lora_B.{adapter}.weight")
             w = f"{name}.base_layer.weight"
             fp32 = b.dtype in (torch.float16, torch.bfloat16)
-            delta = transpose((b.float() if fp32 else b) @ (a.float() if fp32 else a), m.fan_in_fan_out) * m.scaling[adapter]
+            delta = (
+                transpose((b.float() if fp32 else b) @ (a.float() if fp32 else a), m.fan_in_fan_out)
+                * m.scaling[adapter]
+            )
             state[w] = state[w] + delta.to(b.dtype)
     prefix = "base_model.model."
     return {k.removeprefix(prefix).replace(".base_layer.", "."): v for k, v in state.items()}
@@ -194,7 +199,9 @@ def export_model(engine, tokenizer, out: Path, cand: Candidate, rank: int, fmt: 
         if cand.finetune in ("lora", "qlora") and state is not None:
             # ZeRO-3: the module's weights are partitioned (shape [0]) and cannot take the
             # consolidated state; merge in the gathered state dict instead.
-            module.get_base_model().save_pretrained(tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True)
+            module.get_base_model().save_pretrained(
+                tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True
+            )
         elif cand.finetune in ("lora", "qlora"):
             merged = module.merge_and_unload()
             merged.save_pretrained(tmp, safe_serialization=True)

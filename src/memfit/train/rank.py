@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     # torch.distributed deprecation notices that DeepSpeed triggers on every collective.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*|.*reduce_scatter_tensor.*")
-    ap = argparse.ArgumentParser(prog="memfit train", description="Run one training rank (use `memfit launch` for all).")
+    ap = argparse.ArgumentParser(
+        prog="memfit train", description="Run one training rank (use `memfit launch` for all)."
+    )
     ap.add_argument("--config", required=True, help="run config JSON (RunConfig fields)")
     args = ap.parse_args(argv)
     cfg = RunConfig.load(args.config)

@@ -90,8 +90,16 @@ def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any]):
     return engine
 
 
-def reference_logps(engine, rows: list[dict[str, Any]], pad_id: int, micro: int, world: int, rank: int,
-                    loss_impl: str = "full", loss_chunk_tokens: int | None = None) -> torch.Tensor:
+def reference_logps(
+    engine,
+    rows: list[dict[str, Any]],
+    pad_id: int,
+    micro: int,
+    world: int,
+    rank: int,
+    loss_impl: str = "full",
+    loss_chunk_tokens: int | None = None,
+) -> torch.Tensor:
     """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce.
     `loss_impl` as the policy's (StepRunner): chunked never holds the reference's full logits."""
     from memfit.train.steps import StepRunner
@@ -102,8 +110,9 @@ def reference_logps(engine, rows: list[dict[str, Any]], pad_id: int, micro: int,
     with torch.no_grad():
         for idx, batch_rows in rank_batches(rows, micro, world, rank):
             batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, pad_id).items()}
-            token_lp, _ = runner.token_logps(engine, batch["labels"], input_ids=batch["input_ids"],
-                                             attention_mask=batch["attention_mask"])
+            token_lp, _ = runner.token_logps(
+                engine, batch["labels"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            )
             lp = token_lp.sum(-1)
             n = len(batch_rows)
             if idx:
@@ -120,15 +129,27 @@ def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
     cache = run.out / "ref_logps.pt"
     ref_path = run.cfg.ref_model_path or run.cfg.model_path
     # the probe's rows are the very objects probe() runs (they receive the log-probs below)
-    splits = {"probe": run._worst_case_units()} if run.cfg.probe_steps else {"train": run.train_rows, "eval": run.eval_rows}
+    splits = (
+        {"probe": run._worst_case_units()} if run.cfg.probe_steps else {"train": run.train_rows, "eval": run.eval_rows}
+    )
     sizes = {k: len(v) for k, v in splits.items()}
     stored = torch.load(cache, weights_only=False) if cache.exists() else None
     if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
         engine = reference_engine(run.cand, ref_path, ds_cfg)
         t0 = time.perf_counter()
-        values = {k: reference_logps(engine, rows, run.pad_id, run.cand.micro_batch, run.world, run.rank,
-                                     run.cand.loss_impl, run.cfg.loss_chunk_tokens)
-                  for k, rows in splits.items()}
+        values = {
+            k: reference_logps(
+                engine,
+                rows,
+                run.pad_id,
+                run.cand.micro_batch,
+                run.world,
+                run.rank,
+                run.cand.loss_impl,
+                run.cfg.loss_chunk_tokens,
+            )
+            for k, rows in splits.items()
+        }
         run.log(f"reference log-probs of {sum(sizes.values())} rows precomputed in {time.perf_counter() - t0:.1f} s")
         weights = _storage_refs(engine.module)
         _forget_zero3_module(engine.module)

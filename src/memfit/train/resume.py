@@ -88,11 +88,15 @@ def load_planned(run) -> int:
     how = ""
     z_then = int(state["run_config"]["candidate"].get("zero", run.cand.zero))
     if mode != checkpoint.SAME and int(state["world_size"]) == run.world:  # an OOM fallback changed the stage
-        how = (f" (written with ZeRO-{z_then}, now ZeRO-{run.cand.zero}: universal checkpoint, "
-               "RNG reseeded from (seed, step, rank))")
+        how = (
+            f" (written with ZeRO-{z_then}, now ZeRO-{run.cand.zero}: universal checkpoint, "
+            "RNG reseeded from (seed, step, rank))"
+        )
     elif mode != checkpoint.SAME:
-        how = (f" (written by {state['world_size']} ranks, now {run.world}: "
-               f"{'universal checkpoint' if mode == checkpoint.UNIVERSAL_LOAD else 'unpartitioned state'}, "
-               "RNG reseeded from (seed, step, rank))")
+        how = (
+            f" (written by {state['world_size']} ranks, now {run.world}: "
+            f"{'universal checkpoint' if mode == checkpoint.UNIVERSAL_LOAD else 'unpartitioned state'}, "
+            "RNG reseeded from (seed, step, rank))"
+        )
     run.log(f"resumed from {root / tag} at step {step}{how}")
     return step

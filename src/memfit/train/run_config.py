@@ -51,7 +51,9 @@ class RunConfig:
     ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
     probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
-    loss_chunk_tokens: int | None = None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
+    loss_chunk_tokens: int | None = (
+        None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
+    )
     device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
     fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.workflow.fallback): resumes checkpoints of earlier candidates that differ in levers only
 
@@ -65,8 +67,7 @@ class RunConfig:
         return cls(**d)
 
     def __post_init__(self) -> None:
-        problems = option_problems(self.method, self.loss_on, self.packing, self.export_format,
-                                   [self.cand.finetune])
+        problems = option_problems(self.method, self.loss_on, self.packing, self.export_format, [self.cand.finetune])
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
 
@@ -88,13 +89,17 @@ def option_problems(method: str, loss_on: str, packing: bool, export: str, finet
     elif method != "sft" and loss_on != "response":
         out.append(f"{key}.loss_on: {loss_on!r} applies to sft only (DPO always scores the responses)")
     if packing and method != "sft":
-        out.append(f"{key}.packing: packing applies to sft only (a DPO pair is scored as one "
-                   "chosen/rejected forward); remove it or set it to false")
+        out.append(
+            f"{key}.packing: packing applies to sft only (a DPO pair is scored as one "
+            "chosen/rejected forward); remove it or set it to false"
+        )
     if export not in ("merged", "adapter"):
         out.append(f"{key}.export: {export!r} is not allowed (allowed: 'merged', 'adapter')")
     elif export == "adapter":
         full = sorted({f for f in finetunes if f not in ("lora", "qlora")})
         if full:
-            out.append(f"{key}.export: 'adapter' needs finetune lora or qlora (search.finetune lists "
-                       f"{', '.join(full)}: a full fine-tune has no adapter); use export: merged")
+            out.append(
+                f"{key}.export: 'adapter' needs finetune lora or qlora (search.finetune lists "
+                f"{', '.join(full)}: a full fine-tune has no adapter); use export: merged"
+            )
     return out

@@ -15,9 +15,20 @@ from memfit.train.vocab_loss import ChunkedHead
 class StepRunner:
     """Forward + loss for one micro batch; the same code for training, evaluation and probes."""
 
-    def __init__(self, method: str, engine, ref_engine, pad_id: int, *, dpo: dict[str, Any] | None = None,
-                 ref: str = "model", loss_on: str = "response", flatten_packs: bool = False,
-                 loss_impl: str = "full", loss_chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        method: str,
+        engine,
+        ref_engine,
+        pad_id: int,
+        *,
+        dpo: dict[str, Any] | None = None,
+        ref: str = "model",
+        loss_on: str = "response",
+        flatten_packs: bool = False,
+        loss_impl: str = "full",
+        loss_chunk_tokens: int | None = None,
+    ) -> None:
         """`method` sft or dpo; `ref_engine` the frozen reference (None unless `ref` is "model");
         `dpo` the DPOConfig fields (DPO only); `ref` model, adapter or precomputed (Candidate.ref);
         `loss_on` response or all (SFT); `flatten_packs` packs as one [1, B*L] row (flash attention);
@@ -49,14 +60,21 @@ class StepRunner:
         logps, mask = self.token_logps(self.engine, labels, **inputs)
         return -logps.sum() / max(int(mask.sum()), 1)
 
-    def loss(self, rows: list[Any], pad_to: int | None = None, packed: bool = False) -> tuple[torch.Tensor, dict[str, float], int]:
+    def loss(
+        self, rows: list[Any], pad_to: int | None = None, packed: bool = False
+    ) -> tuple[torch.Tensor, dict[str, float], int]:
         """Mean loss over the micro batch, summed metrics (to average later) and non-padding tokens.
 
         packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
         """
         if packed:
-            batch = {k: v.to(self.device) for k, v in collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs).items()}
-            loss = self._sft(batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            batch = {
+                k: v.to(self.device)
+                for k, v in collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs).items()
+            }
+            loss = self._sft(
+                batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+            )
             return loss, {"loss": loss.item() * len(rows)}, sum(len(r["input_ids"]) for p in rows for r in p)
         batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to, self.loss_on).items()}
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}

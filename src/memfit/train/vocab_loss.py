@@ -98,7 +98,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             for p, gp in zip(wanted, got, strict=True):
                 if gp is not None:
                     grads[id(p)] = gp if id(p) not in grads else grads[id(p)].add_(gp)
-        param_grads = [grads.get(id(p)) if need else None for p, need in zip(ctx.params, ctx.needs_input_grad[4:], strict=True)]
+        param_grads = [
+            grads.get(id(p)) if need else None for p, need in zip(ctx.params, ctx.needs_input_grad[4:], strict=True)
+        ]
         return (grad_hidden, None, None, None, *param_grads)
 
 

@@ -26,10 +26,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
-PREDICTION_KEYS = ("fits", "invalid", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes",
-                   "host_bytes", "step_time_s")
-VERDICT_KEYS = ("passed", "from_step", "final_step", "steps_compared", "missing_steps",
-                "losses_bitwise_equal", "weights_bitwise_equal")
+PREDICTION_KEYS = (
+    "fits",
+    "invalid",
+    "peak_allocated_bytes",
+    "peak_reserved_bytes",
+    "device_total_bytes",
+    "host_bytes",
+    "step_time_s",
+)
+VERDICT_KEYS = (
+    "passed",
+    "from_step",
+    "final_step",
+    "steps_compared",
+    "missing_steps",
+    "losses_bitwise_equal",
+    "weights_bitwise_equal",
+)
 
 
 def _is_number(x: Any) -> bool:

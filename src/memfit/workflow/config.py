@@ -175,7 +175,11 @@ class WorkflowConfig:
         dpo = {k: per_method.pop(k) for k in ("beta", "loss_type", "label_smoothing") if k in per_method}
         if "export" in per_method:  # train.<method>.export: merged | adapter
             per_method["export_format"] = per_method.pop("export")
-        common = {k: train[k] for k in ("seed", "save_every", "keep_last", "eval_every", "log_every", "loss_chunk_tokens") if k in train}
+        common = {
+            k: train[k]
+            for k in ("seed", "save_every", "keep_last", "eval_every", "log_every", "loss_chunk_tokens")
+            if k in train
+        }
         return RunConfig(
             method=method,
             model_path=model_path,
@@ -391,7 +395,9 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
             out += _model_dir_problems(name, Path(m.path))
         if not cfg.will_have_weights(name):
             if not cfg.plan_only:
-                out.append(f"models.{name}.path: {m.path!r} is not a model directory; training needs weights (or set plan_only: true)")
+                out.append(
+                    f"models.{name}.path: {m.path!r} is not a model directory; training needs weights (or set plan_only: true)"
+                )
             try:
                 catalog.model(m.arch or name, allow_moe=True)
             except ValueError as e:
@@ -407,9 +413,11 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
                 "(use a step count below the run's steps, or plan_only: true)"
             )
     search = raw["search"]
-    if "dpo" in cfg.methods and "adapter" in search.get("ref", []) and set(
-        search.get("finetune", ["full"])
-    ) == {"full"}:
+    if (
+        "dpo" in cfg.methods
+        and "adapter" in search.get("ref", [])
+        and set(search.get("finetune", ["full"])) == {"full"}
+    ):
         out.append(
             "search.ref: 'adapter' (the reference = the base model under the LoRA adapter) needs "
             "finetune lora or qlora, but search.finetune is [full]; drop 'adapter' or add lora"
@@ -426,8 +434,13 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     for method in ("sft", "dpo"):
         t = raw["train"].get(method)
         if t is not None:
-            out += option_problems(method, t.get("loss_on", "response"), bool(t.get("packing", False)),
-                                   t.get("export", "merged"), list(raw["search"].get("finetune", ["full"])))
+            out += option_problems(
+                method,
+                t.get("loss_on", "response"),
+                bool(t.get("packing", False)),
+                t.get("export", "merged"),
+                list(raw["search"].get("finetune", ["full"])),
+            )
     if not out:
         try:
             for method in cfg.methods:

@@ -38,9 +38,7 @@ from memfit.atomic import write_json_atomic
 from memfit.space import Candidate
 from memfit.train import checkpoint, checkpoint_compat
 
-STATE = (
-    "fallbacks.json"  # in the train directory: {"base": run.json's content, "fallbacks": [records]}
-)
+STATE = "fallbacks.json"  # in the train directory: {"base": run.json's content, "fallbacks": [records]}
 OOM_MARKERS = "oom.rank*.json"
 
 
@@ -63,9 +61,7 @@ def dynamics_problems(base: dict[str, Any], cand: dict[str, Any], world: int) ->
     ]
     gb_a, gb_b = global_batch(a, world), global_batch(b, world)
     if gb_a != gb_b:
-        out.append(
-            f"global batch {gb_a} -> {gb_b} (micro_batch x grad_accum x {world} ranks) changes the data order"
-        )
+        out.append(f"global batch {gb_a} -> {gb_b} (micro_batch x grad_accum x {world} ranks) changes the data order")
     return out
 
 
@@ -112,12 +108,7 @@ def next_candidate(
             problem = resume_problem(writer, row["candidate"], world)
             if problem:
                 why.append(problem)
-        if (
-            not why
-            and failed_bytes
-            and row.get("device_bytes")
-            and row["device_bytes"] >= failed_bytes
-        ):
+        if not why and failed_bytes and row.get("device_bytes") and row["device_bytes"] >= failed_bytes:
             why.append(
                 f"judged to need {row['device_bytes']} B ({row.get('source')}), not less than the "
                 f"{failed_bytes} B of {failed_id}, which ran out of memory"
@@ -135,9 +126,7 @@ def load_ranking(selected_json: Path) -> list[dict[str, Any]]:
 
     path = Path(selected_json)
     if not path.exists():
-        raise FileNotFoundError(
-            f"{path}: missing; the OOM fallback needs select_config's ranking beside run.json"
-        )
+        raise FileNotFoundError(f"{path}: missing; the OOM fallback needs select_config's ranking beside run.json")
     sel = Selection.from_json(json.loads(path.read_text()), str(path))
     return [r.to_json() for r in sel.candidates]
 
@@ -169,9 +158,7 @@ def load_state(base: Any) -> list[dict[str, Any]]:
 
 
 def save_state(base: Any, records: list[dict[str, Any]]) -> None:
-    write_json_atomic(
-        Path(base.out_dir) / STATE, {"base": dataclasses.asdict(base), "fallbacks": records}
-    )
+    write_json_atomic(Path(base.out_dir) / STATE, {"base": dataclasses.asdict(base), "fallbacks": records})
 
 
 def effective_run_json(run_json: str | Path) -> Path:
@@ -200,9 +187,7 @@ def clear_oom_markers(out_dir: str | Path) -> None:
         p.unlink()
 
 
-def record(
-    marker: dict[str, Any], resumed_from_step: int, from_id: str, to_id: str
-) -> dict[str, Any]:
+def record(marker: dict[str, Any], resumed_from_step: int, from_id: str, to_id: str) -> dict[str, Any]:
     """One entry of summary.json's `fallbacks`."""
     return {
         "oom_step": int(marker.get("step") or 0),

@@ -52,9 +52,7 @@ class ModelCheck:
     tokenizer_files: list[Path] = field(default_factory=list)
 
 
-def check_model_dir(
-    path: str | Path, *, weights: bool = True, tokenizer: bool = True
-) -> ModelCheck:
+def check_model_dir(path: str | Path, *, weights: bool = True, tokenizer: bool = True) -> ModelCheck:
     """Check that the model directory `path` loads (see the module doc); ModelCheckError if not.
 
     `weights=False, tokenizer=False` checks config.json and the architecture only (plan-only runs,
@@ -136,9 +134,7 @@ def _check_index(index: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise TypeError("weight_map is empty or not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelCheckError(
-            f"{index}: not a usable shard index ({type(e).__name__}: {e})"
-        ) from None
+        raise ModelCheckError(f"{index}: not a usable shard index ({type(e).__name__}: {e})") from None
     by_shard: dict[str, list[str]] = {}
     for tensor, shard in weight_map.items():
         by_shard.setdefault(str(shard), []).append(tensor)
@@ -173,17 +169,14 @@ def _tensor_names(p: Path) -> set[str]:
                 return set(f.keys())
         except Exception as e:  # SafetensorError (not importable by name), OSError
             raise ModelCheckError(
-                f"{p}: unreadable safetensors file ({e}); a truncated or corrupt download? "
-                f"({p.stat().st_size:,} bytes)"
+                f"{p}: unreadable safetensors file ({e}); a truncated or corrupt download? ({p.stat().st_size:,} bytes)"
             ) from None
     # torch.save's format since torch 1.6: a zip archive (directory at the end, so a truncated
     # file has none) holding data.pkl and one record per storage.
     try:
         with zipfile.ZipFile(p) as z:
             if not any(n.endswith("data.pkl") for n in z.namelist()):
-                raise ModelCheckError(
-                    f"{p}: a zip archive without data.pkl, not a torch checkpoint"
-                )
+                raise ModelCheckError(f"{p}: a zip archive without data.pkl, not a torch checkpoint")
     except zipfile.BadZipFile:
         return _legacy_torch_names(p)
     except OSError as e:

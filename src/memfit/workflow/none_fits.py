@@ -42,7 +42,9 @@ def write_none_fits(
     run_dir = Path(out["selected"]).parent
     files = export_files(out, method)
     shutil.rmtree(run_dir / "exports", ignore_errors=True)  # exports of an earlier plan that did fit
-    write_text_atomic(run_dir / exports.NONE_FITS, f"memfit selected nothing for {model} on {gpu} ({method}):\n{reason}\n")
+    write_text_atomic(
+        run_dir / exports.NONE_FITS, f"memfit selected nothing for {model} on {gpu} ({method}):\n{reason}\n"
+    )
     for key, path in files.items():
         if key not in out:
             continue  # not declared (a caller outside the workflow): NONE_FITS.txt alone

@@ -270,11 +270,19 @@ def select_config(
     cmd = _write_launch(cfg, out)
     files = export_files(out, method)
     (Path(out["selected"]).parent / exports.NONE_FITS).unlink(missing_ok=True)  # an earlier plan's, where nothing fit
-    exports.write_all(exports.ExportPlan(
-        run=run, ds_config=ds, num_gpus=cfg.num_gpus, num_nodes=cfg.num_nodes, total_steps=total_steps,
-        warmup_steps=schedule["warmup_steps"], data_source=cfg.raw["data"].get(method),
-        eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)), files=files,
-    ))
+    exports.write_all(
+        exports.ExportPlan(
+            run=run,
+            ds_config=ds,
+            num_gpus=cfg.num_gpus,
+            num_nodes=cfg.num_nodes,
+            total_steps=total_steps,
+            warmup_steps=schedule["warmup_steps"],
+            data_source=cfg.raw["data"].get(method),
+            eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)),
+            files=files,
+        )
+    )
     selected = {
         "model": model,
         "gpu": gpu,
@@ -363,9 +371,13 @@ def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1, selected_json:
             break
         markers = fallback.oom_markers(out)
         if not markers:
-            raise RuntimeError(f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint.")
+            raise RuntimeError(
+                f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint."
+            )
         if ranking is None:
-            ranking = fallback.load_ranking(Path(selected_json) if selected_json else run_json.with_name("selected.json"))
+            ranking = fallback.load_ranking(
+                Path(selected_json) if selected_json else run_json.with_name("selected.json")
+            )
         record, run = _fall_back(base, run, records, markers[0], ranking, nproc * nnodes, log)
         records.append(record)
         run_path = fallback.fallback_config_path(out, len(records))
@@ -416,8 +428,10 @@ def _fall_back(
         )
     rec = fallback.record(marker, step, run.cand.id, row["id"])
     nxt = dataclasses.replace(base, candidate=row["candidate"], fallback=len(records) + 1)
-    msg = (f"memfit: OOM fallback {len(records) + 1}: {run.cand.id} ran out of device memory {where}; "
-           f"continuing with {row['id']} from {'step ' + str(step) if found else 'the start (no checkpoint yet)'}")
+    msg = (
+        f"memfit: OOM fallback {len(records) + 1}: {run.cand.id} ran out of device memory {where}; "
+        f"continuing with {row['id']} from {'step ' + str(step) if found else 'the start (no checkpoint yet)'}"
+    )
     _say(log, msg)
     print(msg, file=sys.__stderr__, flush=True)  # the console, also when stderr goes to the rule's log
     return rec, nxt

@@ -60,7 +60,10 @@ def run_probe(
         else:
             result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
         if prediction is not None:
-            result["predicted"] = {k: prediction.get(k) for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")}
+            result["predicted"] = {
+                k: prediction.get(k)
+                for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")
+            }
         write_json_atomic(out_json, result)
         return result
     finally:

@@ -18,7 +18,9 @@ from memfit.train import checkpoint
 from memfit.train.run_config import RunConfig
 
 
-def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5, nnodes: int = 1) -> dict[str, Any]:
+def verify_resume(
+    run_json: Path, nproc: int, out_json: Path, log: Path, rtol: float = 1e-5, nnodes: int = 1
+) -> dict[str, Any]:
     """Resume the finished run from its previous checkpoint and compare with what it did uninterrupted."""
     from memfit.train.launch import launch
     from memfit.workflow.fallback import effective_run_json
@@ -27,7 +29,9 @@ def verify_resume(run_json: Path, nproc: int, out_json: Path, log: Path, rtol: f
     ckpts = Path(run.out_dir) / "checkpoints"
     tags = checkpoint.complete_tags(ckpts)
     if len(tags) < 2:
-        raise RuntimeError(f"{ckpts} holds {len(tags)} checkpoint(s); verify_resume needs the final one and an earlier one (keep_last >= 2, save_every < steps)")
+        raise RuntimeError(
+            f"{ckpts} holds {len(tags)} checkpoint(s); verify_resume needs the final one and an earlier one (keep_last >= 2, save_every < steps)"
+        )
     tag = tags[-2]
     work = Path(out_json).parent / "verify_resume.run"
     shutil.rmtree(work, ignore_errors=True)
@@ -70,7 +74,11 @@ def compare_runs(original: Path, resumed: Path, from_step: int, rtol: float) -> 
     missing = [k for k in keys if k not in b]
     diffs = [abs(a[k]["loss"] - b[k]["loss"]) / max(abs(a[k]["loss"]), 1e-12) for k in keys if k in b]
     # the exported weights: the model, or the adapter only (train.<method>.export: adapter)
-    name = "adapter_model.safetensors" if (original / "model" / "adapter_model.safetensors").exists() else "model.safetensors"
+    name = (
+        "adapter_model.safetensors"
+        if (original / "model" / "adapter_model.safetensors").exists()
+        else "model.safetensors"
+    )
     wa = load_file(str(original / "model" / name))
     wb = load_file(str(resumed / "model" / name))
     wdiff = max(float((wa[n].float() - wb[n].float()).abs().max()) for n in wa)

@@ -282,7 +282,9 @@ class Selection:
             model=_get(d, "model", where, "str"),
             gpu=_get(d, "gpu", where, "str"),
             method=_get(d, "method", where, "str"),
-            selected=None if none_fits is not None else CandidateRow.from_json(_get(d, "selected", where, "object"), _where(where, "selected")),
+            selected=None
+            if none_fits is not None
+            else CandidateRow.from_json(_get(d, "selected", where, "object"), _where(where, "selected")),
             budget=budget_from_json(_get(d, "budget", where, "object"), _where(where, "budget")),
             plan_only=_get(d, "plan_only", where, "bool"),
             launch=None if none_fits is not None else _get(d, "launch", where, "str"),

@@ -63,7 +63,9 @@ def judge(
     for i, raw in enumerate(estimates):
         est = EstimateRow.from_json(raw, f"candidates.json rows[{i}]")
         probe = probes.get(est.id)
-        row = CandidateRow(id=est.id, candidate=est.candidate, predicted=Prediction.of(est), source="", fits=False, reason="")
+        row = CandidateRow(
+            id=est.id, candidate=est.candidate, predicted=Prediction.of(est), source="", fits=False, reason=""
+        )
         if est.invalid:
             row.source, row.reason = "rule", f"cannot run here: {est.reason or 'invalid'}"
         elif probe is not None:
@@ -81,13 +83,25 @@ def judge(
     return rows
 
 
-def _verdict(row: CandidateRow, dev: int, host: int, step_time: float | None, budget: Budget, world: int, method: str, source: str) -> None:
+def _verdict(
+    row: CandidateRow,
+    dev: int,
+    host: int,
+    step_time: float | None,
+    budget: Budget,
+    world: int,
+    method: str,
+    source: str,
+) -> None:
     tokens_per_s = _tokens_per_step(row.candidate, world, method) / step_time if step_time else None
     row.source, row.figures = source, Figures(dev, host, step_time, tokens_per_s)
     if dev > budget.device_limit_bytes:
-        row.fits, row.reason = False, (
-            f"does not fit: {fmt_bytes(dev)} {source} > {fmt_bytes(budget.device_limit_bytes)} "
-            f"({fmt_bytes(budget.device_bytes)} less {budget.headroom:.0%} headroom)"
+        row.fits, row.reason = (
+            False,
+            (
+                f"does not fit: {fmt_bytes(dev)} {source} > {fmt_bytes(budget.device_limit_bytes)} "
+                f"({fmt_bytes(budget.device_bytes)} less {budget.headroom:.0%} headroom)"
+            ),
         )
     elif host > budget.host_bytes:
         row.fits, row.reason = False, f"host RAM: {fmt_bytes(host)} {source} > {fmt_bytes(budget.host_bytes)}"

@@ -47,9 +47,7 @@ def mem_mb(host_bytes: int) -> int:
     (pinned offload buffers included, as estimate.Estimate.host_bytes counts them)."""
     if host_bytes < 0:
         raise SlurmConfigError(f"host_bytes must be >= 0, got {host_bytes}")
-    return (
-        -(-host_bytes * (100 + MEM_MARGIN_PERCENT) // (100 * MIB)) + MEM_MARGIN_MB
-    )  # ceil, exact ints
+    return -(-host_bytes * (100 + MEM_MARGIN_PERCENT) // (100 * MIB)) + MEM_MARGIN_MB  # ceil, exact ints
 
 
 def job_resources(
@@ -73,9 +71,7 @@ def job_resources(
     spread it unevenly over the nodes, `--gres` counts per node (sbatch(1), --gpus and --gres).
     """
     if num_gpus < 1 or num_nodes < 1:
-        raise SlurmConfigError(
-            f"num_gpus and num_nodes must be >= 1, got {num_gpus} and {num_nodes}"
-        )
+        raise SlurmConfigError(f"num_gpus and num_nodes must be >= 1, got {num_gpus} and {num_nodes}")
     gtype = (cluster.get("gpu_types") or {}).get(gpu) or {}
     res: dict[str, Any] = {"nodes": num_nodes}
     if gpu == "cpu":
@@ -127,9 +123,7 @@ def runtime_min(config: Mapping[str, Any], rule: str) -> int:
     return DEFAULT_RUNTIME_MIN[rule]
 
 
-def rule_resources(
-    config: Mapping[str, Any], rule: str, gpu: str, host_bytes: int | None = None
-) -> dict[str, Any]:
+def rule_resources(config: Mapping[str, Any], rule: str, gpu: str, host_bytes: int | None = None) -> dict[str, Any]:
     """Every SLURM resource of one job of `rule` on the `{gpu}` wildcard `gpu`.
 
     Rank-running rules (RANK_RULES) get `job_resources` from `num_gpus`, `num_nodes` and the
@@ -178,9 +172,7 @@ def host_bytes_of(selected_json: Path | None, estimates: list[Mapping[str, Any]]
     submitted before select is decided never asks for too little."""
     if selected_json is not None and Path(selected_json).exists():
         sel = json.loads(Path(selected_json).read_text())
-        chosen = (
-            sel.get("selected") or {}
-        )  # pipeline.select writes {"selected": {..., "host_bytes"}}
+        chosen = sel.get("selected") or {}  # pipeline.select writes {"selected": {..., "host_bytes"}}
         if chosen.get("host_bytes") is not None:
             return int(chosen["host_bytes"])
     if not estimates:
