@@ -228,18 +228,28 @@ def records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------- reading files
-def _read(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: str | os.PathLike, what: str, error: type[Exception] = ResultsError) -> dict[str, Any]:
+    """A workflow output that must be a JSON object; `error` names the file and says what is wrong
+    (missing, unreadable, not JSON, not an object). The report reads its inputs with it too."""
     try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ResultsError(f"{path}: cannot read {what}: {e}") from None
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise error(f"{path}: {what} does not exist") from None
+    except OSError as e:
+        raise error(f"{path}: cannot read {what}: {e}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise error(
+            f"{path}: cannot read {what}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
     if not isinstance(obj, dict):
-        raise ResultsError(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")
+        raise error(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")
     return obj
 
 
 def _optional(path: Path, what: str) -> dict[str, Any] | None:
-    return _read(path, what) if path.is_file() else None
+    return read_json_object(path, what) if path.is_file() else None
 
 
 def read_run(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -261,7 +271,7 @@ def read_run(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     )
     probes = {}
     if selection is None:
-        probes = {p.stem: _read(p, "probe") for p in sorted((d / "probes").glob("*.json"))}
+        probes = {p.stem: read_json_object(p, "probe") for p in sorted((d / "probes").glob("*.json"))}
     summary = _optional(d / "train" / "summary.json", "training summary")
     resume = _optional(d / "verify_resume.json", "resume check")
     return run_rows(run, selection, table, probes, summary, resume)

@@ -145,19 +145,7 @@ def _key(p: Path) -> str:
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ReportError(f"{path}: {what} does not exist") from None
-    except OSError as e:
-        raise ReportError(f"{path}: cannot read {what}: {e}") from e
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ReportError(f"{path}: {what} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ReportError(f"{path}: {what} must be a JSON object, got {type(obj).__name__}")
-    return obj
+    return results.read_json_object(path, what, ReportError)
 
 
 def load_run(path: Path) -> RunOutputs:
