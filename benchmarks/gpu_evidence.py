@@ -120,9 +120,10 @@ STAGES: dict[str, list[Row]] = {
         Row("sft-full-z2-flash", "sft", dict(zero=2, attn="flash"), needs=("cuda", "flash_attn")),
     ],
     "qlora": [
+        # QLoRA first: the --dry run probes one row per stage, and bitsandbytes' CPU backend runs it
+        Row("sft-qlora-z0", "sft", dict(zero=0, finetune="qlora"), needs=("bitsandbytes",)),
+        Row("sft-qlora-z0-gc", "sft", dict(zero=0, finetune="qlora", grad_ckpt=True), needs=("bitsandbytes",)),
         Row("sft-lora-z0", "sft", dict(zero=0, finetune="lora")),
-        Row("sft-qlora-z0", "sft", dict(zero=0, finetune="qlora"), needs=("cuda", "bitsandbytes")),
-        Row("sft-qlora-z0-gc", "sft", dict(zero=0, finetune="qlora", grad_ckpt=True), needs=("cuda", "bitsandbytes")),
     ],
     "allocator": [
         Row("sft-full-z2-expandable-off", "sft", dict(zero=2), expandable_segments=False),

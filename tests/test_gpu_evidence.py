@@ -77,7 +77,7 @@ HALVES = {
     "a": ["context", "sft_zero", "dpo_ref", "qlora"],
     "b": ["sft_gc_lora", "attention", "allocator", "long_context"],
 }
-CUDA_ONLY = {"sft-full-z2-flash": "b", "sft-qlora-z0": "a", "sft-full-z2-expandable-on": "b"}
+CUDA_ONLY = {"sft-full-z2-flash": "b", "sft-full-z2-expandable-on": "b"}
 
 
 def test_the_halves_cover_every_stage_once(repo):

@@ -53,6 +53,10 @@ def test_chunked_trains_as_full(demo_model, data, tmp_path, case):
     assert len(pairs) >= 4  # 3 train steps and the final evaluation
     for f, c in pairs:
         assert (f["step"], f["split"]) == (c["step"], c["split"])
+        # A step whose policy still equals the reference (the first steps train at the warmup's
+        # lr 0) has chosen and rejected rewards of 0 up to rounding: which one is larger is decided
+        # by the last bit, which the two loss implementations round apart.
+        tie = max(abs(f.get("rewards/chosen", 1.0)), abs(f.get("rewards/rejected", 1.0))) < 1e-6
         for k in keys:
-            if k in f:
+            if k in f and not (tie and k == "rewards/accuracies"):
                 assert c[k] == pytest.approx(f[k], rel=1e-6, abs=1e-6), (case, f["step"], f["split"], k)

@@ -4,7 +4,7 @@
 pin exactly the versions the CPU install (and so CI) tested. Every direct dependency of memfit
 (pyproject.toml [project.dependencies]) gets the lock's version; torch is pinned without the
 local `+cpu` tag, since the GPU env takes the CUDA build of the same release. Lines that are not
-pins of locked packages (index URLs, `-e ..`, the GPU-only flash-attn and bitsandbytes pins) are
+pins of locked packages (index URLs, `-e ..`, the GPU-only flash-attn pin) are
 kept as written.
 """
 

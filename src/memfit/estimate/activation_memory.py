@@ -354,15 +354,16 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     # log-probs are taken: StepRunner.token_logps), then either one reference attention call or
     # the reference's logits, their fp32 copy in 16-bit training and its log-softmax.
     if method == "dpo" and cand.ref in ("model", "adapter"):
+        # a reference layer's transients: its attention call, or its MLP (the residual stream, the
+        # normed input, gate, up and act(gate)*up), which tops the logits where the vocabulary is
+        # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
+        mlp = d * t * (2 * h + 3 * arch.intermediate_size)
         if cand.loss_impl == "chunked":  # the reference's logits per chunk only
-            # without a [t, V] block, a reference layer's transients set the peak: its attention
-            # call, or its MLP (the residual stream, the normed input, gate, up and act(gate)*up)
             c = chunk_tokens(arch, t, settings)
-            mlp = d * t * (2 * h + 3 * arch.intermediate_size)
             acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
         else:
             ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
-            acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h)
+            acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h, mlp)
     return acts
 
 

@@ -29,6 +29,9 @@ class Settings:
     overlap_comm: bool | None = None  # None: as dsconfig writes it (stage >= 2)
     lora_targets: tuple[str, ...] | None = None  # None: every linear of the decoder layer
     lora_alpha_dropout: bool = False  # lora_dropout > 0 saves a dropout mask+output per target
+    # QLoRA: the non-quantized params stay in fp32 after peft's prepare_model_for_kbit_training
+    # (HF Trainer); False: DeepSpeed casts them back to the training dtype (memfit's trainer)
+    qlora_fp32_upcast: bool = False
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     variable_length: bool = True  # batches of varying length (fragmentation), False: padded
     optimizer_impl: str | None = None  # "fused" (DS FusedAdam), "foreach" or "single" (torch)

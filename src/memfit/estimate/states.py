@@ -111,7 +111,7 @@ class _Sizes:
     full: bool  # full fine-tuning (not LoRA/QLoRA)
 
 
-def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, method: str) -> int:
+def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, method: str, upcast: bool = False) -> int:
     """Weights, LoRA adapters and the DPO reference copy, unpartitioned."""
     layout = param_layout(arch)
     d = dtype_bytes(cand.precision)
@@ -120,11 +120,14 @@ def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, met
     # are in the training dtype.
     if cand.finetune == "qlora":
         # MoE: bitsandbytes quantizes nn.Linear only; the routed experts (3D parameters) and
-        # the router stay unquantized (and are upcast to fp32 below)
+        # the router stay unquantized (kept as the other unquantized params, below)
         linear = sum(i * o for layer in range(arch.num_layers) for _, i, o in layout.layer_linear_shapes(arch, layer))
-        weight_bytes = int(linear * NF4_BYTES_PER_PARAM) + (total - linear) * d
-        # peft.prepare_model_for_kbit_training upcasts the remaining (non-quantized) params to fp32
-        weight_bytes += (total - linear) * (4 - d)
+        # peft's prepare_model_for_kbit_training upcasts the non-quantized params to fp32, and
+        # HF Trainer keeps them there (`Settings.qlora_fp32_upcast`); DeepSpeed casts every
+        # floating-point param back to the training dtype when it wraps the model (memfit's
+        # trainer: runtime/engine.py `_configure_distributed_model` -> `_cast_module_mixed_precision`)
+        kept = 4 if upcast else d
+        weight_bytes = int(linear * NF4_BYTES_PER_PARAM) + (total - linear) * kept
     else:
         weight_bytes = total * d
     adapter_bytes = 0 if cand.finetune == "full" else trainable * d
@@ -378,7 +381,7 @@ def model_states(
         dtype=dtype_bytes(cand.precision),
         trainable=trainable,
         world=world,
-        resident=_resident_weight_bytes(arch, cand, trainable, method),
+        resident=_resident_weight_bytes(arch, cand, trainable, method, settings.qlora_fp32_upcast),
         full=cand.finetune == "full",
     )
     if cand.zero == 0:

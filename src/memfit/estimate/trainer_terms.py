@@ -39,6 +39,31 @@ def qlora_dequant(arch: ModelArch, cand: Candidate) -> tuple[int, int]:
     return d * mlp, d * attn
 
 
+def qlora_backward_extra(arch: ModelArch, cand: Candidate, method: str) -> tuple[int, int]:
+    """(MLP, attention) bytes a QLoRA layer's backward holds beyond the same layer under LoRA.
+
+    A quantized linear's backward dequantizes its weight W for grad_input = grad_output @ W
+    (bitsandbytes autograd/_functions.py `MatMul4Bit.backward`, on the CPU and CUDA alike) and
+    frees it when the matmul returns; the adapter's branch then makes its own input gradient and
+    the two are summed (peft tuners/lora/bnb.py `Linear4bit.forward`: base output + B(A(x))).
+    A LoRA layer's backward peaks at that sum, holding 3 t*in*d bytes (base and adapter input
+    gradients and their sum); the QLoRA layer holds W's d*in*out bytes next to one t*in*d at
+    the base matmul. So the layer's backward rises by max(0, d*in*out - 2 t*in*d), t the tokens
+    of the micro step (chosen and rejected for DPO): W when sequences are short, nothing when
+    t > out/2 (measured on the CPU: benchmarks/bench_qlora_memory.py)."""
+    if cand.finetune != "qlora":
+        return 0, 0
+    d = dtype_bytes(cand.precision)
+    t = cand.micro_batch * cand.seq_len * (2 if method == "dpo" else 1)
+    names = _linear_names(arch)
+    attention = set(names["qkv"]) | {names["o"]}
+    shapes = param_layout(arch).linear_shapes
+    extra = {n: max(0, d * i * o - 2 * t * i * d) for n, i, o in shapes}
+    mlp = max((v for n, v in extra.items() if n not in attention), default=0)
+    attn = max((v for n, v in extra.items() if n in attention), default=0)
+    return mlp, attn
+
+
 def zero3_linear_inputs(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:
     """(bytes per decoder layer, bytes of the final norm) that frozen linears save under
     DeepSpeed ZeRO-3 beyond what PyTorch's own linear saves.
@@ -88,6 +113,7 @@ def apply_trainer_terms(
     mlp, attn = qlora_dequant(arch, cand)
     if mlp or attn:
         acts.dequant = max(mlp, attn)
+        mlp, attn = qlora_backward_extra(arch, cand, method)
         # the increase of the larger of the two (a traced layer_bwd also folds in the
         # recomputation, so it is raised by the increase rather than recomputed)
         before = max(acts.mlp_bwd, acts.attn_bwd)

@@ -301,4 +301,7 @@ def _settings(d: Mapping[str, Any], targets: tuple[str, ...] | None) -> Settings
         scaled_buckets=d.get("zero_buckets", "hf-auto") == "hf-auto",
         # a stage-3 row whose framework names FSDP is FSDP FULL_SHARD, not DeepSpeed's runtime
         zero3_impl="fsdp" if "FSDP" in str(d["framework"]) else "deepspeed",
+        # QLoRA rows train under HF Trainer/peft, which keep what prepare_model_for_kbit_training
+        # upcast to fp32; only a DeepSpeed engine casts it back (states._resident_weight_bytes)
+        qlora_fp32_upcast="DeepSpeed" not in str(d["framework"]),
     )

@@ -30,8 +30,6 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
     if cand.attn == "flash" and (is_cpu or not gpu.flash_attn2):
         sm = "" if is_cpu else f" (needs sm80+, this is sm{gpu.compute_capability.replace('.', '')})"
         out.append(f"FlashAttention-2 does not run on {gpu.name}{sm}; use sdpa or eager")
-    if cand.finetune == "qlora" and is_cpu:
-        out.append("QLoRA's bitsandbytes 4-bit kernels need a CUDA GPU; use lora on cpu")
     if (cand.offload_optimizer != "none" or cand.offload_param != "none") and is_cpu:
         out.append("offloading to the host from the host (gpu=cpu) has no meaning; use offload none")
     return out
@@ -89,7 +87,7 @@ def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate, settings: Setting
             if cand.finetune == "qlora":
                 what += (
                     "; bitsandbytes quantizes nn.Linear only, so the experts stay unquantized "
-                    "(fp32 after prepare_model_for_kbit_training)"
+                    "(in the training dtype: DeepSpeed casts back what prepare_model_for_kbit_training upcast)"
                 )
             out.append(f"mixture-of-experts LoRA: {what}")
     return out

@@ -4,8 +4,8 @@ Owns the run's configuration (`run_config`: `RunConfig`, run.json, exit codes), 
 (`loop`: `Run.setup`, `Run.fit`, `Run.probe`), one rank's entry point (`rank`), starting all
 ranks (`launch`: torchrun, srun, signals), the step of each method (`steps`, `losses`,
 `vocab_loss`, `reference` for DPO), batches (`batches`), the model (`modeling`: load, LoRA,
-export), the DeepSpeed JSON (`dsconfig`), checkpoints (`checkpoint`, `checkpoint_compat`,
-`resume`: the loop's checkpoint hooks), ranks and collectives (`dist`) and measured memory
+export, QLoRA), the DeepSpeed JSON (`dsconfig`), checkpoints (`checkpoint`, `checkpoint_compat`,
+`adapter_state`: QLoRA's adapter-only module state, `resume`: the loop's checkpoint hooks), ranks and collectives (`dist`) and measured memory
 (`memory`). May import the top-level vocabulary (`memfit.space`, `memfit.units`,
 `memfit.atomic`) and `memfit.data`; never `memfit.estimate`, `memfit.workflow`,
 `memfit.exports` or `memfit.report`.

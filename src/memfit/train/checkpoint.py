@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from memfit.atomic import write_json_atomic, write_text_atomic
+from memfit.train.adapter_state import adapter_only_state_dict, load_adapter_state
 from memfit.train.checkpoint_compat import DIRECT, SAME, UNIVERSAL_LOAD, check_compatible
 from memfit.units import gib
 
@@ -136,7 +137,13 @@ def save(
             shutil.rmtree(root / tag)  # a stale copy of this step (a run resumed from an earlier one)
         shutil.rmtree(universal_root(root) / tag, ignore_errors=True)  # and its stale conversion
     _barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+    if _adapter_only(run_config):  # QLoRA: the 4-bit base is rebuilt from the model, not saved
+        with adapter_only_state_dict(engine.module):
+            engine.save_checkpoint(
+                str(root), tag=tag, client_state=client_state, save_latest=False, exclude_frozen_parameters=True
+            )
+    else:
+        engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
     torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
     _barrier()
     if _rank() == 0:
@@ -213,6 +220,11 @@ def _looks_whole(path: Path) -> bool:
     return all((path / f"rng.rank{r}.pt").exists() for r in range(world))
 
 
+def _adapter_only(run_config: dict[str, Any]) -> bool:
+    """Whether the run's checkpoints hold the adapter only (memfit.train.adapter_state)."""
+    return run_config.get("candidate", {}).get("finetune") == "qlora"
+
+
 def load(
     engine, root: Path, tag: str, run_config: dict[str, Any], mode: str | None = None, seed: int = 0
 ) -> dict[str, Any]:
@@ -234,8 +246,9 @@ def load(
             f"checkpoint {root / tag} needs a universal load, but the engine was built without "
             "checkpoint.load_universal"
         )
+    adapter = {"custom_load_fn": load_adapter_state} if _adapter_only(run_config) else {}
     path, _client = engine.load_checkpoint(
-        str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, **adapter
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")

@@ -111,7 +111,7 @@ class Run:
         if self.resume_plan and self.resume_plan[2] == checkpoint.UNIVERSAL_LOAD:
             ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
-        model = load_model(cfg.model_path, cand, trainable=True, lora=lora)
+        model = load_model(cfg.model_path, cand, trainable=True, lora=lora, quant_type=cfg.qlora_quant_type)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)
         # WarmupCosineLR starts at last_batch_iteration=-1, where get_lr_ratio() is 0, and the
@@ -124,7 +124,7 @@ class Run:
 
         self.ref_engine = None
         if cfg.method == "dpo" and cand.ref == "model":
-            self.ref_engine = reference_engine(cand, cfg.ref_model_path or cfg.model_path, ds_cfg)
+            self.ref_engine = reference_engine(cand, cfg.ref_model_path or cfg.model_path, ds_cfg, cfg.qlora_quant_type)
         del hf_ds
         self.runner = StepRunner(
             cfg.method,
@@ -436,7 +436,9 @@ class Run:
 
     def export(self) -> None:
         """Final model in HF format (safetensors) in out_dir/model (memfit.train.modeling.export_model)."""
-        export_model(self.engine, self.tokenizer, self.out, self.cand, self.rank, self.cfg.export_format)
+        export_model(
+            self.engine, self.tokenizer, self.out, self.cand, self.rank, self.cfg.export_format, self.cfg.model_path
+        )
 
 
 def _float_or_none(x: Any) -> float | None:

@@ -3,6 +3,8 @@ exports and merging LoRA into the base weights."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -31,8 +33,11 @@ def check_hardware(cand: Candidate) -> None:
             raise RuntimeError("attn=flash needs the flash-attn package (pip install '.[gpu]')") from e
     if cand.precision == "bf16" and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         raise RuntimeError("bf16 is not supported on this GPU (needs Ampere or newer); use fp16")
-    if cand.finetune == "qlora" and not torch.cuda.is_available():
-        raise RuntimeError("finetune=qlora needs bitsandbytes on a CUDA GPU; it cannot run on the CPU")
+    if cand.finetune == "qlora":
+        try:
+            import bitsandbytes  # noqa: F401  (its CPU backend runs QLoRA without a GPU)
+        except ImportError as e:
+            raise RuntimeError(f"finetune=qlora needs bitsandbytes (pip install bitsandbytes): {e}") from e
 
 
 ADAPTER_CONFIG = "adapter_config.json"  # what peft's save_pretrained writes beside the adapter weights
@@ -82,7 +87,54 @@ def _merge_adapter(model, adapter_dir: str):
     return peft_model.unload()  # drops the (merged) adapter modules on every rank
 
 
-def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any] | None = None):
+def qlora_load_kwargs(cand: Candidate, quant_type: str = "nf4") -> dict[str, Any]:
+    """`from_pretrained` keyword arguments that load the base model in 4 bits (QLoRA, Dettmers et
+    al. 2023): NF4 (or FP4) blocks of 64 weights, double quantization (the absmax constants in 8
+    bits), the matmuls in the training dtype. Only the decoder's nn.Linear layers are quantized
+    (transformers' bitsandbytes integration keeps lm_head and the embeddings as they are).
+
+    Where the weights go: on a GPU each rank loads onto its own device (`device_map` {"": local
+    rank}, TRL's `get_kbit_device_map`); on the CPU onto the host (`device_map` "cpu": bitsandbytes'
+    CPU backend quantizes and multiplies there). Under ZeRO-3 no device_map: `deepspeed.zero.Init`
+    partitions the packed weights as they load, which needs a storage dtype ZeRO-3 can shard:
+    `bnb_4bit_quant_storage` = the training dtype (peft's "DeepSpeed ZeRO-3 + QLoRA" guide),
+    otherwise the default uint8."""
+    from transformers import BitsAndBytesConfig
+
+    if quant_type not in ("nf4", "fp4"):
+        raise ValueError(f"qlora_quant_type must be nf4 or fp4, got {quant_type!r}")
+    out: dict[str, Any] = {
+        "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=quant_type,
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=DTYPE[cand.precision],
+            bnb_4bit_quant_storage=DTYPE[cand.precision] if cand.zero == 3 else torch.uint8,
+        )
+    }
+    if cand.zero != 3:
+        out["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))} if torch.cuda.is_available() else "cpu"
+    return out
+
+
+def _no_cpu_inference_repack(model) -> None:
+    """Keep bitsandbytes' 4-bit weights in the layout they train in.
+
+    On a CPU with AVX512-BF16, `bitsandbytes.nn.Linear4bit.forward` repacks a layer's weight into
+    an inference layout the first time it runs in eval mode without grad
+    (`_convert_weight_packed_for_cpu`; bitsandbytes 0.50.2 nn/modules.py), and from then on
+    `matmul_4bit` multiplies through the bf16 `gemv_4bit` kernel, which autograd cannot
+    differentiate, in training steps too. It also asserts out_features % 32 == 0, so a model with
+    another width fails at its first evaluation. The repack is off on every machine, so an
+    evaluation computes exactly what a training forward does (`gemm_4bit`, the compute dtype)."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+
+
+def load_model(
+    path: str, cand: Candidate, trainable: bool, lora: dict[str, Any] | None = None, quant_type: str = "nf4"
+):
     """A HF causal LM with the candidate's attention, dtype, checkpointing and adapters.
 
     `path` may be an adapter-only export (adapter_config.json, no config.json): the base model it
@@ -92,17 +144,10 @@ def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any]
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPL[cand.attn], "dtype": DTYPE[cand.precision]}
-    if cand.finetune == "qlora" and trainable:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=DTYPE[cand.precision],
-            # peft's ZeRO-3 + QLoRA recipe: a storage dtype ZeRO-3 can shard.
-            bnb_4bit_quant_storage=DTYPE[cand.precision],
-        )
+    if cand.finetune == "qlora":
+        # the DPO reference too (ref=model, precomputed): the same quantized base the policy's
+        # adapter-disabled forward sees
+        kwargs.update(qlora_load_kwargs(cand, quant_type))
     base = adapter_base(path)
     model = AutoModelForCausalLM.from_pretrained(base or path, **kwargs)
     if base is not None:
@@ -111,11 +156,25 @@ def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any]
             if p.is_floating_point():
                 p.requires_grad_(True)
     model.config.use_cache = False
+    if cand.finetune == "qlora":
+        _no_cpu_inference_repack(model)
     if not trainable:
         model.eval()
         model.requires_grad_(False)
         return model
-    if cand.grad_ckpt:
+    if cand.finetune == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        # peft's k-bit preparation (peft/utils/other.py `prepare_model_for_kbit_training`):
+        # freezes the base, upcasts its remaining 16-bit parameters (embeddings, norms, lm_head)
+        # to fp32 "for stability", and enables checkpointing; non-reentrant checkpointing needs
+        # no input that requires grad, so peft skips `enable_input_require_grads` for it.
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=cand.grad_ckpt,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
+    elif cand.grad_ckpt:
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cand.finetune in ("lora", "qlora"):
@@ -132,7 +191,7 @@ def load_model(path: str, cand: Candidate, trainable: bool, lora: dict[str, Any]
                 task_type="CAUSAL_LM",
             ),
         )
-        if cand.grad_ckpt:
+        if cand.grad_ckpt and cand.finetune == "lora":
             model.enable_input_require_grads()
     return model
 
@@ -175,68 +234,83 @@ def hidden_size(model_path: str) -> int | None:
     return cfg.get("hidden_size") or cfg.get("text_config", {}).get("hidden_size")
 
 
-def export_model(engine, tokenizer, out: Path, cand: Candidate, rank: int, fmt: str) -> None:
+def export_model(engine, tokenizer, out: Path, cand: Candidate, rank: int, fmt: str, model_path: str = "") -> None:
     """Final model in HF format (safetensors) in `out`/model, written to model.tmp and renamed
     into place: `fmt` merged (LoRA merged into the base) or adapter. ZeRO-3 gathers the
-    partitioned weights first; every rank calls this (collectives)."""
-    if fmt == "adapter":
-        _export_adapter(engine, tokenizer, out, cand, rank)
+    partitioned weights first; every rank calls this (collectives). QLoRA merges its adapter into
+    the base loaded unquantized from `model_path` (`_qlora_merged`)."""
+    if fmt == "adapter" or cand.finetune == "qlora":
+        state = _adapter_state(engine, cand, rank)
+        if fmt == "adapter":
+            _write_export(out, rank, tokenizer, lambda tmp: _save_adapter(engine.module, state, tmp))
+        else:
+            _write_export(out, rank, tokenizer, lambda tmp: _qlora_merged(engine.module, state, cand, model_path, tmp))
         return
-    import torch.distributed as dist
-
-    dest = out / "model"
     module = engine.module
-    if cand.zero == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # collective: every rank calls
-    else:
-        state = None
-    if rank == 0:
-        tmp = out / "model.tmp"
-        if tmp.exists():
-            import shutil
+    # collective: every rank calls
+    state = engine._zero3_consolidated_16bit_state_dict() if cand.zero == 3 else None
 
-            shutil.rmtree(tmp)
-        if cand.finetune in ("lora", "qlora") and state is not None:
+    def write(tmp: Path) -> None:
+        if cand.finetune == "lora" and state is not None:
             # ZeRO-3: the module's weights are partitioned (shape [0]) and cannot take the
             # consolidated state; merge in the gathered state dict instead.
             module.get_base_model().save_pretrained(
                 tmp, state_dict=_merged_lora_state(module, state), safe_serialization=True
             )
-        elif cand.finetune in ("lora", "qlora"):
-            merged = module.merge_and_unload()
-            merged.save_pretrained(tmp, safe_serialization=True)
+        elif cand.finetune == "lora":
+            module.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
         else:
             module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        replace_dir(tmp, dest)
-    if dist.is_initialized():
-        dist.barrier()
+
+    _write_export(out, rank, tokenizer, write)
 
 
-def _export_adapter(engine, tokenizer, out: Path, cand: Candidate, rank: int) -> None:
-    """LoRA/QLoRA adapter only: peft's adapter_model.safetensors + adapter_config.json (+ the
-    tokenizer) in out_dir/model, written to model.tmp and renamed into place. Only the
-    trainable (adapter) weights are gathered under ZeRO-3: GatheredParameters over those, not
-    the whole model that _zero3_consolidated_16bit_state_dict would collect."""
+def _write_export(out: Path, rank: int, tokenizer, write) -> None:
+    """Rank 0 writes (`write(tmp)`) the model and the tokenizer to out/model.tmp and renames it to
+    out/model; every rank waits for it."""
     import torch.distributed as dist
 
-    module = engine.module
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if cand.zero == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):  # collective
-            state = {n: p.detach().cpu().clone() for n, p in named} if rank == 0 else None
-    else:
-        state = {n: p.detach().cpu().clone() for n, p in named} if rank == 0 else None
     if rank == 0:
         tmp = out / "model.tmp"
         if tmp.exists():
             import shutil
 
             shutil.rmtree(tmp)
-        module.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+        write(tmp)
         tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out / "model")
     if dist.is_initialized():
         dist.barrier()
+
+
+def _adapter_state(engine, cand: Candidate, rank: int) -> dict[str, torch.Tensor] | None:
+    """The trainable (adapter) weights on rank 0, None elsewhere. Only those are gathered under
+    ZeRO-3: GatheredParameters over them, not the whole model that
+    _zero3_consolidated_16bit_state_dict would collect (a collective: every rank calls)."""
+    named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+    if cand.zero == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return {n: p.detach().cpu().clone() for n, p in named} if rank == 0 else None
+    return {n: p.detach().cpu().clone() for n, p in named} if rank == 0 else None
+
+
+def _save_adapter(peft_model, state: dict[str, torch.Tensor], tmp: Path) -> None:
+    """LoRA/QLoRA adapter only: peft's adapter_model.safetensors + adapter_config.json."""
+    peft_model.save_pretrained(tmp, state_dict=state, safe_serialization=True, save_embedding_layers=False)
+
+
+def _qlora_merged(peft_model, state: dict[str, torch.Tensor], cand: Candidate, model_path: str, tmp: Path) -> None:
+    """QLoRA's merged export: the adapter merged into the base model loaded unquantized in the
+    training dtype (as the QLoRA paper's released models and peft's merging guide do), not into
+    the 4-bit weights, whose re-quantization after the merge would add a second rounding error.
+    Rank 0 holds that whole model in host memory for the merge; export `adapter` avoids it."""
+    from peft import get_peft_model
+
+    base = load_model(model_path, dataclasses.replace(cand, finetune="full", ref="precomputed"), trainable=False)
+    merged = get_peft_model(base, copy.deepcopy(peft_model.peft_config["default"]))
+    result = merged.load_state_dict(state, strict=False)
+    if result.unexpected_keys or set(state) - {n for n, _ in merged.named_parameters()}:
+        raise RuntimeError(f"QLoRA merge: adapter keys not in the unquantized model: {result.unexpected_keys[:5]}")
+    merged.merge_and_unload().save_pretrained(tmp, safe_serialization=True)

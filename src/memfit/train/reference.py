@@ -59,7 +59,7 @@ def _forget_zero3_module(module) -> None:
             f.cache_clear()
 
 
-def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any]):
+def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any], quant_type: str = "nf4"):
     """The frozen DPO reference as a DeepSpeed inference engine."""
     import deepspeed
 
@@ -83,7 +83,7 @@ def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any]):
         from transformers.integrations import HfDeepSpeedConfig
 
         ref_hf = HfDeepSpeedConfig(ref_cfg)  # from_pretrained partitions the reference as it loads
-    ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False)
+    ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False, quant_type=quant_type)
     engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
     engine.eval()
     del ref_hf
@@ -135,7 +135,7 @@ def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
     sizes = {k: len(v) for k, v in splits.items()}
     stored = torch.load(cache, weights_only=False) if cache.exists() else None
     if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
-        engine = reference_engine(run.cand, ref_path, ds_cfg)
+        engine = reference_engine(run.cand, ref_path, ds_cfg, run.cfg.qlora_quant_type)
         t0 = time.perf_counter()
         values = {
             k: reference_logps(

@@ -47,6 +47,7 @@ class RunConfig:
     lora_alpha: float | None = None  # default 2 * rank
     lora_dropout: float = 0.0
     lora_targets: str | list[str] = "all-linear"  # peft target_modules
+    qlora_quant_type: str = "nf4"  # finetune qlora: 4-bit data type of the base weights, nf4 or fp4
     dpo: dict[str, Any] = field(default_factory=dict)  # DPOConfig fields: beta, loss_type, label_smoothing
     ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
     probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
