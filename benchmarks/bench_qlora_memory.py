@@ -71,6 +71,7 @@ def probe_and_estimate(root: Path, name: str, finetune: str = "qlora") -> dict:
 
     method, fields = SHAPES[name]
     cand = candidate(fields, finetune)
+    log = root / f"{name}-{finetune}.log"
     res = run_probe(
         RunConfig(
             method=method,
@@ -82,11 +83,11 @@ def probe_and_estimate(root: Path, name: str, finetune: str = "qlora") -> dict:
         ),
         nproc=WORLD,
         out_json=root / f"{name}-{finetune}.json",
-        log=root / f"{name}-{finetune}.log",
+        log=log,
         steps=3,
     )
     if res["status"] != "ok":
-        raise RuntimeError(f"{name}: probe {res['status']}: {res.get('error')} (log {root / name}.log)")
+        raise RuntimeError(f"{name}: probe {res['status']}: {res.get('error')} (log {log})")
     est = estimate(catalog.model(str(root / "model")), catalog.gpu("cpu"), WORLD, 1, method, cand, budget_bytes=8 << 30)
     return {
         "name": name,

@@ -20,6 +20,16 @@ from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
 
 
+def _largest_per_block(arch: ModelArch, bytes_of) -> tuple[int, int]:
+    """(MLP, attention): the largest `bytes_of(in, out)` over each block's decoder linears."""
+    names = _linear_names(arch)
+    attention = set(names["qkv"]) | {names["o"]}
+    shapes = param_layout(arch).linear_shapes
+    mlp = max((bytes_of(i, o) for n, i, o in shapes if n not in attention), default=0)
+    attn = max((bytes_of(i, o) for n, i, o in shapes if n in attention), default=0)
+    return mlp, attn
+
+
 def qlora_dequant(arch: ModelArch, cand: Candidate) -> tuple[int, int]:
     """(MLP, attention) bytes of one dequantized weight: bitsandbytes' 4-bit matmul
     (bitsandbytes/autograd/_functions.py `MatMul4Bit.forward`:
@@ -31,12 +41,7 @@ def qlora_dequant(arch: ModelArch, cand: Candidate) -> tuple[int, int]:
     if cand.finetune != "qlora":
         return 0, 0
     d = dtype_bytes(cand.precision)
-    names = _linear_names(arch)
-    attention = set(names["qkv"]) | {names["o"]}
-    shapes = param_layout(arch).linear_shapes
-    mlp = max((i * o for n, i, o in shapes if n not in attention), default=0)
-    attn = max((i * o for n, i, o in shapes if n in attention), default=0)
-    return d * mlp, d * attn
+    return _largest_per_block(arch, lambda i, o: d * i * o)
 
 
 def qlora_backward_extra(arch: ModelArch, cand: Candidate, method: str) -> tuple[int, int]:
@@ -55,13 +60,7 @@ def qlora_backward_extra(arch: ModelArch, cand: Candidate, method: str) -> tuple
         return 0, 0
     d = dtype_bytes(cand.precision)
     t = cand.micro_batch * cand.seq_len * (2 if method == "dpo" else 1)
-    names = _linear_names(arch)
-    attention = set(names["qkv"]) | {names["o"]}
-    shapes = param_layout(arch).linear_shapes
-    extra = {n: max(0, d * i * o - 2 * t * i * d) for n, i, o in shapes}
-    mlp = max((v for n, v in extra.items() if n not in attention), default=0)
-    attn = max((v for n, v in extra.items() if n in attention), default=0)
-    return mlp, attn
+    return _largest_per_block(arch, lambda i, o: max(0, d * i * o - 2 * t * i * d))
 
 
 def zero3_linear_inputs(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:

@@ -95,10 +95,11 @@ def qlora_load_kwargs(cand: Candidate, quant_type: str = "nf4") -> dict[str, Any
 
     Where the weights go: on a GPU each rank loads onto its own device (`device_map` {"": local
     rank}, TRL's `get_kbit_device_map`); on the CPU onto the host (`device_map` "cpu": bitsandbytes'
-    CPU backend quantizes and multiplies there). Under ZeRO-3 no device_map: `deepspeed.zero.Init`
-    partitions the packed weights as they load, which needs a storage dtype ZeRO-3 can shard:
-    `bnb_4bit_quant_storage` = the training dtype (peft's "DeepSpeed ZeRO-3 + QLoRA" guide),
-    otherwise the default uint8."""
+    CPU backend quantizes and multiplies there). Under ZeRO-3 no device_map: transformers loads a
+    quantized model without `deepspeed.zero.Init` (modeling_utils: `is_deepspeed_zero3_enabled()
+    and not is_quantized`) and DeepSpeed partitions the packed weights when it wraps the model,
+    which needs a storage dtype ZeRO-3 can shard: `bnb_4bit_quant_storage` = the training dtype
+    (peft's "DeepSpeed ZeRO-3 + QLoRA" guide), otherwise the default uint8."""
     from transformers import BitsAndBytesConfig
 
     if quant_type not in ("nf4", "fp4"):
