@@ -18,6 +18,7 @@ from memfit.atomic import write_json_atomic
 from memfit.train import dist as dist_env
 from memfit.train.loop import Run, request_stop
 from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
+from memfit.train.startup import defer_torch_compile, memoize_cpu_info
 
 
 def _die_with_parent() -> None:
@@ -48,6 +49,8 @@ def oom_record(run: Run) -> dict[str, Any]:
 
 def run_rank(cfg: RunConfig) -> dict[str, Any]:
     _die_with_parent()
+    memoize_cpu_info()
+    defer_torch_compile()
     if cfg.expandable_segments:
         # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
