@@ -55,6 +55,19 @@ def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_se
     assert "OMP_NUM_THREADS" not in launch_env()
 
 
+def test_every_math_library_gets_the_ranks_thread_count_not_the_rules(monkeypatch):
+    """Snakemake exports a rule's `threads` (2 for 2 CPU ranks) to six thread variables; a rank
+    left with MKL_NUM_THREADS=2 beside OMP_NUM_THREADS=1 oversubscribes the cores (steps of 0.12 s
+    stalled to 3-5 s). Each rank gets its share in all six."""
+    from memfit.train.launch import THREAD_VARS
+
+    assert {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"} <= set(THREAD_VARS)
+    for var in THREAD_VARS:
+        monkeypatch.setenv(var, "2")  # what Snakemake's shell() sets for a rule with threads: 2
+    env = launch_env(threads_per_rank=1)
+    assert {var: env[var] for var in THREAD_VARS} == dict.fromkeys(THREAD_VARS, "1")
+
+
 def test_ranks_build_deepspeed_ops_with_this_environments_ninja(monkeypatch):
     """Debian's ninja 1.11 and the lock's 1.13 invalidate each other's .ninja_log: ranks that found
     the system one first on PATH would recompile every DeepSpeed op the venv's ninja built."""

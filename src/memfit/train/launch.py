@@ -63,6 +63,21 @@ def nproc_default() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+# Every thread-count variable a math library reads; Snakemake sets all six to a rule's `threads`
+# (snakemake/shell.py, `envvars`), and a rank that inherits MKL_NUM_THREADS=2 next to
+# OMP_NUM_THREADS=1 runs torch's MKL GEMMs on 2 threads per rank: 4 threads on 2 cores, whose
+# OpenMP spin-waits stalled training steps of the demo model from 0.12 s to 3-5 s (measured
+# 2026-11-26, QLoRA ZeRO-0 mb16 on 2 CPU ranks, config/qlora.yaml).
+THREAD_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "GOTO_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+
 def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if not torch.cuda.is_available():
@@ -77,7 +92,7 @@ def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     if env.get("PATH", "").split(os.pathsep)[0] != env_bin:
         env["PATH"] = os.pathsep.join(p for p in (env_bin, env.get("PATH")) if p)
     if threads_per_rank:
-        env["OMP_NUM_THREADS"] = str(threads_per_rank)
+        env.update(dict.fromkeys(THREAD_VARS, str(threads_per_rank)))
     return env
 
 
