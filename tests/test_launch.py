@@ -153,3 +153,12 @@ def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path, monkeypatch):
     assert rc == 42
     # the launcher's handlers are removed afterwards
     assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_ranks_share_the_cores_this_job_may_use(monkeypatch):
+    """A SLURM job of 8 cores on a 64-core node: its 2 ranks get 4 threads each, 16 ranks 1 each."""
+    from memfit.train.launch import threads_per_rank
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert (threads_per_rank(2), threads_per_rank(8), threads_per_rank(16)) == (4, 1, 1)

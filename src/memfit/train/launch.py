@@ -78,6 +78,19 @@ THREAD_VARS = (
 )
 
 
+def threads_per_rank(nproc: int) -> int:
+    """The cores this process may use (its CPU affinity: a SLURM allocation's cgroup, not the whole
+    node), shared evenly by the node's `nproc` ranks, at least one each. On a GPU node too: a
+    rank's CPU work (data, DeepSpeedCPUAdam under optimizer offload, which runs OpenMP threads)
+    gets its share instead of the rule's whole `threads` per rank (DeepSpeed's own launcher does
+    the same with --bind_cores_to_rank, deepspeed/launcher/launch.py)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nproc)
+
+
 def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if not torch.cuda.is_available():
@@ -232,7 +245,7 @@ def launch(
         if rdzv is not None and log is None:  # one of several nodes: say where it meets the others
             host = os.environ.get("SLURMD_NODENAME", "")
             print(f"[node {rdzv.node_rank} {host}] $ " + " ".join(cmd), file=sys.stderr, flush=True)
-    threads = max(1, (os.cpu_count() or 1) // nproc) if not torch.cuda.is_available() else None
+    threads = threads_per_rank(nproc)
     out = None
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
