@@ -27,7 +27,8 @@ from memfit.atomic import write_json_atomic
 def cpu_info_cache_file() -> Path | None:
     """Where this machine's py-cpuinfo answer is kept: beside DeepSpeed's JIT-built CPU ops
     (TORCH_EXTENSIONS_DIR, which `launch_env` sets to the environment's), named by a hash of what
-    identifies the CPU to a compiler (architecture, model name, feature flags from /proc/cpuinfo),
+    identifies the CPU to a compiler (architecture, model name and feature flags from /proc/cpuinfo;
+    on Arm its "Features" and CPU implementer/part lines),
     so nodes with other CPUs sharing that directory get files of their own. None where there is
     no /proc/cpuinfo to key it by."""
     try:
@@ -35,7 +36,8 @@ def cpu_info_cache_file() -> Path | None:
     except OSError:
         return None
     first = text.split("\n\n", 1)[0]  # one processor's block: every core of a node is the same model
-    ident = [platform.machine()] + [ln for ln in first.splitlines() if ln.startswith(("model name", "flags"))]
+    keys = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    ident = [platform.machine()] + [ln for ln in first.splitlines() if ln.startswith(keys)]
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions")
     key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:16]
     return Path(root) / f"memfit-cpuinfo-{key}.json"
