@@ -58,7 +58,7 @@ def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_se
 def test_every_math_library_gets_the_ranks_thread_count_not_the_rules(monkeypatch):
     """Snakemake exports a rule's `threads` (2 for 2 CPU ranks) to six thread variables; a rank
     left with MKL_NUM_THREADS=2 beside OMP_NUM_THREADS=1 oversubscribes the cores (steps of 0.12 s
-    stalled to 3-5 s). Each rank gets its share in all six."""
+    stalled to as much as 5.7 s). Each rank gets its share in all six."""
     from memfit.train.launch import THREAD_VARS
 
     assert {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"} <= set(THREAD_VARS)

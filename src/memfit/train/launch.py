@@ -65,9 +65,9 @@ def nproc_default() -> int:
 
 # Every thread-count variable a math library reads; Snakemake sets all six to a rule's `threads`
 # (snakemake/shell.py, `envvars`), and a rank that inherits MKL_NUM_THREADS=2 next to
-# OMP_NUM_THREADS=1 runs torch's MKL GEMMs on 2 threads per rank: 4 threads on 2 cores, whose
-# OpenMP spin-waits stalled training steps of the demo model from 0.12 s to 3-5 s (measured
-# 2026-11-26, QLoRA ZeRO-0 mb16 on 2 CPU ranks, config/qlora.yaml).
+# OMP_NUM_THREADS=1 runs torch's MKL GEMMs on 2 threads per rank: 4 threads on 2 cores, which
+# stalled 3 of 10 training steps of the demo model from 0.12 s to 3.2-5.7 s (measured 2026-11-26,
+# config/qlora.yaml's QLoRA ZeRO-0 mb16 run.json on 2 CPU ranks, with and without MKL_NUM_THREADS=2).
 THREAD_VARS = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
