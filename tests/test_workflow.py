@@ -61,6 +61,7 @@ def test_embedded_default_dag(checkout):
     assert counts == {
         "build_demo_model": 1,
         "prepare_data": 2,
+        "calibrate": 1,
         "estimate_candidates": 2,
         "select_config": 2,
         "train": 2,
@@ -97,6 +98,7 @@ def test_dag_is_parameterised_by_model_gpu_and_method(repo, checkout, tmp_path):
     assert counts["estimate_candidates"] == 12
     assert counts["train"] == 12 and counts["verify_resume"] == 12 and counts["select_config"] == 12
     assert counts["prepare_data"] == 6
+    assert counts["calibrate"] == 6  # one per model and GPU type, shared by both methods
     assert "build_demo_model" not in counts
     for gpu in ("a100-80gb", "h100-80gb"):
         assert f"results/qwen2.5-72b/{gpu}/dpo/train/summary.json" in res.stdout

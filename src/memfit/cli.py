@@ -20,6 +20,7 @@ COMMANDS = {
     "fit": ("memfit.estimate", "fit_main", "largest seq_len or micro_batch that fits"),
     "train": ("memfit.train.rank", "main", "run one training rank from a run config (JSON)"),
     "launch": ("memfit.train.launch", "main", "start all ranks of a run on this node"),
+    "calibrate": ("memfit.train.calibrate", "main", "one rank of a step-time calibration (see `launch`)"),
     "compare-results": (
         "memfit.workflow.compare_results",
         "main",

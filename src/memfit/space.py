@@ -144,3 +144,42 @@ def _canonical(c: Candidate) -> Candidate:
     if c.finetune == "full" and c.lora_rank != Candidate.lora_rank:
         changes["lora_rank"] = Candidate.lora_rank
     return dataclasses.replace(c, **changes) if changes else c
+
+
+# What a candidate's step time depends on, split the way memfit's calibration measures it
+# (memfit.train.calibrate, priced by memfit.estimate.step_time): the levers that make the
+# DeepSpeed engine and the model it wraps (one engine per set), and the batch one micro step
+# runs through that engine (any number per engine).
+ENGINE_LEVERS = (
+    "zero",
+    "offload_optimizer",
+    "offload_param",
+    "pin_memory",
+    "offload_ratio",
+    "grad_ckpt",
+    "attn",
+    "finetune",
+    "lora_rank",
+    "precision",
+)
+
+
+def engine_key(c: Candidate) -> str:
+    """The DeepSpeed engine a candidate trains with: its ZeRO/offload, checkpointing, attention,
+    adapters and dtype (`c.id` without the batch)."""
+    return "|".join(f"{k}={getattr(c, k)}" for k in ENGINE_LEVERS)
+
+
+def compute_engine(c: Candidate) -> Candidate:
+    """The ZeRO-0 twin of `c` whose micro steps measure its computation alone: the same model
+    (checkpointing, attention, adapters, dtype), no partitioning, no offload."""
+    return dataclasses.replace(
+        c, zero=0, offload_optimizer="none", offload_param="none", pin_memory=False, offload_ratio=1.0
+    )
+
+
+def compute_key(method: str, c: Candidate) -> str:
+    """One micro step's computation: the model (`compute_engine`'s levers) and the batch it runs:
+    method, rows, tokens per row, loss implementation and (DPO) where the reference comes from."""
+    ref = c.ref if method == "dpo" else "-"
+    return f"{method}|{engine_key(compute_engine(c))}|mb={c.micro_batch}|seq={c.seq_len}|loss={c.loss_impl}|ref={ref}"

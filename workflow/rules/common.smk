@@ -53,6 +53,10 @@ def policy_input(w):
     return CFG.policy_inputs(w.model, w.gpu, w.method)
 
 
+def calibration_input(w):
+    return CFG.calibration_inputs(w.model, w.gpu)
+
+
 def data_input(w):
     return [] if PLAN_ONLY else [f"results/{w.model}/data/{w.method}/stats.json"]
 
@@ -136,6 +140,8 @@ def _slurm_host_bytes(name, w, input):
 
     if name == "probe_candidate":
         return slurm.probe_host_bytes(input.candidates, w.cand)
+    if name == "calibrate":
+        return slurm.calibrate_host_bytes(CFG.model_path(w.model))
     return slurm.run_host_bytes(input.run)
 
 

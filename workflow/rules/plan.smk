@@ -1,8 +1,27 @@
+rule calibrate:
+    # What a training step costs on this machine: the model's own 1- and 4-layer steps under
+    # each DeepSpeed engine of the search space (memfit.train.calibrate), on the ranks probes use.
+    input:
+        model=model_input,
+    output:
+        "results/{model}/{gpu}/calibration.json",
+    log:
+        "logs/{model}/{gpu}/calibrate.log",
+    conda:
+        CONDA_ENV
+    threads: rank_threads
+    resources:
+        **slurm_resources("calibrate"),
+    script:
+        "../../scripts/calibrate.py"
+
+
 checkpoint estimate_candidates:
     # Predict memory and speed of every candidate of the search space; pick the probes.
     input:
         model=model_input,
         data=data_input,
+        calibration=calibration_input,
     output:
         "results/{model}/{gpu}/{method}/candidates.json",
     log:

@@ -160,6 +160,13 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="traced: cache directory (default $MEMFIT_TRACE_CACHE or ~/.cache/memfit/traces)",
     )
+    p.add_argument(
+        "--step-time-calibration",
+        default=None,
+        metavar="CALIBRATION_JSON",
+        help="price the step time from a calibration measured on the machine (the workflow's "
+        "results/<model>/<gpu>/calibration.json) instead of an assumed 40%% MFU",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -197,6 +204,16 @@ def _check_flags(args) -> None:
         raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
     if args.pin_memory and args.offload_optimizer == "none" and args.offload_param == "none":
         raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
+    cal = args.step_time_calibration
+    if cal is not None:
+        from memfit.estimate import timing
+
+        if not Path(cal).is_file():
+            raise EstimateError(f"--step-time-calibration {cal}: no such file")
+        try:
+            timing.load(cal)
+        except (timing.CalibrationFileError, UnicodeDecodeError) as exc:
+            raise EstimateError(f"--step-time-calibration {exc}") from None
     if args.trace_cache is not None:
         if args.activations != "traced":
             raise EstimateError("--trace-cache does nothing without --activations traced")
@@ -272,6 +289,7 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         loss_chunk_tokens=args.loss_chunk_tokens,
         logits_handling=args.logits_handling,
         nccl_bytes=None if args.nccl_mib is None else int(args.nccl_mib * MIB),
+        step_time_calibration=args.step_time_calibration,
     )
     return arch, gpu, cand, settings
 
@@ -353,7 +371,9 @@ def render(
         + " GiB",
         f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
         f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",
-        f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s)",
+        f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s): "
+        + ", ".join(f"{k} {v:.3f}" for k, v in result.time_breakdown.items()),
+        f"step time source: {result.time_source}",
         f"calibration: {result.calibration}",
     ]
     lines += [f"note: {note}" for note in result.notes]

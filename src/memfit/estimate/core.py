@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate import calibration
+from memfit.estimate import calibration, timing
 from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
@@ -51,6 +51,7 @@ class Estimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)  # per node at the host peak
     host_phases: dict[str, int] = field(default_factory=dict)
     time_breakdown: dict[str, float] = field(default_factory=dict)
+    time_source: str = ""  # "measured <date> on <device> ..." (a calibration) or "assumed: ..." (why)
     params_total: int = 0
     params_trainable: int = 0
     eager_attention_extra_bytes: int = 0  # eager only: device bytes over the same config with sdpa
@@ -207,12 +208,33 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
     # verdict: fits or not, and how fast
     _verdict(job, est)
-    est.time_breakdown = step_time(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
+    est.time_breakdown, est.time_source = _step_time(job, arch, cand, gpu, states, settings)
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
     sequences = cand.micro_batch * (2 if job.method == "dpo" else 1)
     tokens = sequences * cand.seq_len * cand.grad_accum * world
     est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
     return est
+
+
+def _step_time(
+    job, arch: ModelArch, cand: Candidate, gpu: GPU, states, settings: Settings
+) -> tuple[dict[str, float], str]:
+    """Seconds per optimizer step by term and where they come from: the machine's calibration
+    (memfit.estimate.timing) when `settings.step_time_calibration` has this candidate on this
+    world size, else the assumed model (costs.step_time: a fixed MFU, stated)."""
+    why = "no calibration measured (the calibrate stage measures one where probes run)"
+    if settings.step_time_calibration:
+        cal = timing.load(settings.step_time_calibration)
+        world = job.num_gpus * job.num_nodes
+        why = timing.missing(cal, cand, job.method) or (
+            f"the calibration ran {cal.meta.get('world_size')} ranks, not {world}"
+            if cal.meta.get("world_size") != world
+            else ""
+        )
+        if not why:
+            return timing.predict(cal, cand, job.method, arch.num_layers), cal.label()
+    breakdown = step_time(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
+    return breakdown, f"assumed ({settings.mfu:.0%} MFU of the dense peak, Chowdhery et al. 2022): {why}"
 
 
 def estimate(

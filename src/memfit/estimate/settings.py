@@ -38,6 +38,9 @@ class Settings:
     mfu: float = 0.40  # model FLOPs utilisation of the GPU's dense peak (Chowdhery et al. 2022)
     cpu_adam_params_per_s: float = 1.0e9  # DeepSpeedCPUAdam throughput per node (AVX512, ~32 cores)
     internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
+    # a step-time calibration measured on the machine (memfit.train.calibrate's calibration.json):
+    # step times from it (memfit.estimate.timing) instead of the assumed MFU; None: assumed
+    step_time_calibration: str | None = None
     activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.estimate.trace, cached)
     trace_cache: str | None = None  # traced: cache directory (None: $MEMFIT_TRACE_CACHE or default)
     # How the trainer holds the [tokens, vocab] logits around its loss (memfit.estimate.

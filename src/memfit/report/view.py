@@ -176,6 +176,30 @@ def selection_table(run: RunOutputs) -> dict[str, list[dict[str, Any]]]:
     return {"weighed": [rows[i] for i in weighed], "rest": [rows[i] for i in rest]}
 
 
+def time_check(run: RunOutputs) -> dict[str, Any] | None:
+    """Predicted vs measured step time of the probed candidates: the median and worst |error| and
+    Spearman's rank correlation (does the estimator order them as the machine does?)."""
+    from memfit.estimate.timing import spearman
+
+    pairs = [
+        (r["id"], float(r["predicted_step_time_s"]), float(r["probe_step_time_s"]))
+        for r in run.ranked
+        if _num(r.get("probe_step_time_s")) and _num(r.get("predicted_step_time_s"))
+    ]
+    if len(pairs) < 2:
+        return None
+    errs = sorted(abs(p / m - 1) for _, p, m in pairs)
+    rho = spearman([p for _, p, _ in pairs], [m for _, _, m in pairs])
+    return {
+        "n": len(pairs),
+        "median_error": errs[len(errs) // 2]
+        if len(errs) % 2
+        else (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2,
+        "worst_error": errs[-1],
+        "spearman": None if rho != rho else rho,  # nan: a constant side
+    }
+
+
 def memory_compare(run: RunOutputs) -> dict[str, Any] | None:
     """Training peak vs the probe's and the prediction's, for the selected candidate."""
     s = run.selected
@@ -281,6 +305,7 @@ def run_view(
         "estimator_notes": (est.notes or []) if est is not None else [],
         "run_dir": Path(run.path).parent, "exports": export_files(Path(run.path).parent, str(sel.method), link_base),
         "data_anchor": data_anchor, "selection_table": selection_table(run),
+        "time_check": time_check(run),
         "memory_chart": memory_chart(run), "estimator": run.table.estimator if run.table is not None else None,
         "breakdown_chart": breakdown_chart(run), "accuracy_chart": accuracy_chart(run), "fit": fit,
         "summary": run.summary, "summary_path": run.summary_path,

@@ -188,8 +188,9 @@ def rendezvous_from_env(env: Mapping[str, str], nnodes: int) -> Rendezvous | Non
     return Rendezvous(nnodes=nnodes, node_rank=rank, host=host, port=port, run_id=run_id)
 
 
-def command(config: Path, nproc: int, rdzv: Rendezvous | None = None) -> list[str]:
-    """torchrun for this node: `--standalone` on one node, c10d rendezvous across nodes."""
+def command(config: Path, nproc: int, rdzv: Rendezvous | None = None, rank_command: str = "train") -> list[str]:
+    """torchrun for this node: `--standalone` on one node, c10d rendezvous across nodes; each rank
+    runs `memfit <rank_command>`: train (`--config run.json`) or calibrate (`--spec spec.json`)."""
     if rdzv is None:
         dist = ["--standalone"]
     else:
@@ -208,8 +209,8 @@ def command(config: Path, nproc: int, rdzv: Rendezvous | None = None) -> list[st
         f"--nproc-per-node={nproc}",
         "-m",
         "memfit.cli",
-        "train",
-        "--config",
+        rank_command,
+        "--config" if rank_command == "train" else "--spec",
         str(config),
     ]
 
@@ -220,8 +221,11 @@ def launch(
     log: Path | None = None,
     timeout_s: float | None = None,
     nnodes: int = 1,
+    rank_command: str = "train",
 ) -> int:
     """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code.
+    `rank_command` train (`config` is a run.json) or calibrate (`config` is a calibration spec,
+    memfit.train.calibrate; one node).
 
     Inside a SLURM job of `nnodes` > 1 nodes started as one task (a Snakemake rule under the
     executor plugin, or a batch script), this starts one launcher per node with `srun`
@@ -235,13 +239,13 @@ def launch(
     with it every rank: train._die_with_parent).
     """
 
-    srun = per_node_srun(nnodes, os.environ)
+    srun = per_node_srun(nnodes, os.environ) if rank_command == "train" else None
     if srun is not None:
         cmd = [*srun, sys.executable, "-m", "memfit.cli", "launch", "--config", str(config)]
         cmd += ["--nproc", str(nproc), "--nnodes", str(nnodes)]
     else:
         rdzv = rendezvous_from_env(os.environ, nnodes)
-        cmd = command(config, nproc, rdzv)
+        cmd = command(config, nproc, rdzv, rank_command)
         if rdzv is not None and log is None:  # one of several nodes: say where it meets the others
             host = os.environ.get("SLURMD_NODENAME", "")
             print(f"[node {rdzv.node_rank} {host}] $ " + " ".join(cmd), file=sys.stderr, flush=True)

@@ -53,6 +53,8 @@ class ProbeSettings:
     # One probe more for the fastest candidate predicted over the budget by at most this fraction
     # (a "boundary probe": measures the estimator where it decides); 0: none. See README.
     boundary_margin: float = 0.20
+    # measure this machine's step times before estimating (the calibrate rule); never with plan_only
+    calibrate: bool = True
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,15 @@ class WorkflowConfig:
             steps=int(p["steps"]),
             timeout_s=float(p.get("timeout_s", 900)),
             boundary_margin=float(p.get("boundary_margin", 0.20)),
+            calibrate=bool(p.get("calibrate", True)),
         )
+
+    def calibration_inputs(self, model: str, gpu: str) -> list[str]:
+        """The step-time calibration estimate_candidates reads: this machine's, measured where the
+        probes run; none for a plan (plan_only: the GPUs are not here) or with probe.calibrate false."""
+        if self.plan_only or not self.probe.calibrate:
+            return []
+        return [f"results/{model}/{gpu}/calibration.json"]
 
     @property
     def estimate(self) -> dict[str, Any]:

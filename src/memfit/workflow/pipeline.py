@@ -50,15 +50,27 @@ def check_model(cfg: WorkflowConfig, model: str) -> None:
         check_model_dir(path, weights=False, tokenizer=False)
 
 
-def _estimate_settings(cfg: WorkflowConfig) -> Any:
+def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = None) -> Any:
+    """The estimator's settings from the config's `estimate:`, with this machine's step-time
+    calibration (the calibrate stage's output) when there is one."""
     from memfit.estimate import Settings
 
     est = cfg.estimate
-    return Settings(activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"))
+    return Settings(
+        activations=est.get("activations", "analytic"),
+        trace_cache=est.get("trace_cache"),
+        step_time_calibration=str(calibration) if calibration else None,
+    )
 
 
 def _estimate_rows(
-    cfg: WorkflowConfig, arch: Any, gpu: str, method: str, b: Budget, cands: list[Any]
+    cfg: WorkflowConfig,
+    arch: Any,
+    gpu: str,
+    method: str,
+    b: Budget,
+    cands: list[Any],
+    calibration: Path | str | None = None,
 ) -> list[dict[str, Any]]:
     """Every candidate of `cands` estimated on `cfg`'s topology and the budget `b`."""
     from memfit.estimate import estimate_space
@@ -72,20 +84,26 @@ def _estimate_rows(
         cands,
         host_memory_gb=b.host_bytes / 1e9,
         budget_bytes=b.device_limit_bytes,
-        settings=_estimate_settings(cfg),
+        settings=_estimate_settings(cfg, calibration),
     )
 
 
 def estimate_candidates(
-    config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path
+    config: WorkflowConfig | dict[str, Any],
+    model: str,
+    gpu: str,
+    method: str,
+    out_json: Path,
+    calibration: Path | str | None = None,
 ) -> dict[str, Any]:
-    """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes."""
+    """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes.
+    `calibration`: this machine's step-time calibration (the calibrate stage), else assumed times."""
     cfg = WorkflowConfig.of(config)
     check_model(cfg, model)
     arch = catalog.model(cfg.arch_source(model), allow_moe=True)
     b = cfg.budget(gpu)
-    settings = _estimate_settings(cfg)
-    rows = _estimate_rows(cfg, arch, gpu, method, b, cfg.candidates(method))
+    settings = _estimate_settings(cfg, calibration)
+    rows = _estimate_rows(cfg, arch, gpu, method, b, cfg.candidates(method), calibration)
     ranked = sorted(
         (r for r in rows if r["fits"] and not r["invalid"]),
         key=lambda r: -r["tokens_per_s"],  # fastest predicted first
@@ -104,6 +122,7 @@ def estimate_candidates(
         "budget": dataclasses.asdict(b),
         "arch": dataclasses.asdict(arch),
         "estimator": f"memfit.estimate (activations {settings.activations})",
+        "step_time_calibration": str(calibration) if calibration else None,
         "probe": probe,
         "boundary_probe": boundary,
         "reference_compare": compare,

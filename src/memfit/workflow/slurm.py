@@ -25,13 +25,14 @@ MEM_MARGIN_PERCENT = 10
 MEM_MARGIN_MB = 8 * 1024
 
 # Rules that start ranks (memfit.train.launch): they get nodes, GPUs and memory from the estimate.
-RANK_RULES = frozenset({"probe_candidate", "train", "verify_resume"})
+RANK_RULES = frozenset({"calibrate", "probe_candidate", "train", "verify_resume"})
 # Wall time (minutes) when the config's slurm.runtime_min does not name the rule (our choice:
 # training 48 h, a site's usual maximum; verify_resume repeats the tail of a run).
 DEFAULT_RUNTIME_MIN = {
     "build_demo_model": 15,
     "prepare_data": 60,
     "estimate_candidates": 30,
+    "calibrate": 60,
     "train": 2880,
     "verify_resume": 240,
 }
@@ -40,6 +41,14 @@ DEFAULT_CPUS_PER_GPU = 8  # CPU cores per GPU (dataloader, optimizer offload); s
 
 class SlurmConfigError(ValueError):
     """The `slurm:` section of the workflow config is missing or inconsistent."""
+
+
+def calibrate_host_bytes(model_dir: str | Path) -> int:
+    """Host RAM bound of the calibrate job: the size of the model's weight files. The calibration
+    builds, saves and loads slices of at most 4 decoder layers (memfit.train.calibrate), never the
+    whole model, so the whole model's size bounds what its ranks hold."""
+    files = [p for p in Path(model_dir).glob("*") if p.suffix in (".safetensors", ".bin", ".pt")]
+    return sum(p.stat().st_size for p in files)
 
 
 def mem_mb(host_bytes: int) -> int:
@@ -137,7 +146,8 @@ def rule_resources(config: Mapping[str, Any], rule: str, gpu: str, host_bytes: i
         raise SlurmConfigError(f"rule {rule}: host_bytes (the estimate's host RAM) is needed")
     return job_resources(
         num_gpus=int(config["num_gpus"]),
-        num_nodes=int(config.get("num_nodes", 1)),
+        # the calibration measures one node (memfit.train.calibrate)
+        num_nodes=1 if rule == "calibrate" else int(config.get("num_nodes", 1)),
         gpu=gpu,
         host_bytes=host_bytes,
         runtime_min=runtime_min(config, rule),

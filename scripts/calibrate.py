@@ -1,0 +1,7 @@
+"""Snakemake script: calibrate -> memfit.workflow.calibrate.calibrate."""
+
+from memfit.workflow.calibrate import calibrate
+from memfit.workflow.pipeline import log_to
+
+log_to(snakemake.log[0])
+calibrate(snakemake.config, snakemake.wildcards.model, snakemake.output[0], snakemake.log[0])

@@ -1,0 +1,389 @@
+"""Step-time calibration: what a training step costs on this machine, measured with the model's
+own code, DeepSpeed's own engine and the real backend, on every rank of the job's world.
+
+`python -m memfit.cli calibrate --spec spec.json` runs on each rank (started by `memfit.train.launch`,
+which sets the rank's threads as training does). The spec names the model directory, the
+candidates of each method and the run settings (`memfit.workflow.calibrate` writes it). The model
+is rebuilt with 1 and with 2 decoder layers (random weights: time does not depend on their
+values), and for each layer count:
+
+- **computation** (`compute`): for every ZeRO-0 engine the candidates need (`space.compute_engine`:
+  same model, checkpointing, adapters and dtype, no partitioning) the seconds of one micro step
+  (`StepRunner.loss` + `engine.backward`, away from the accumulation boundary, where ZeRO-0 does
+  nothing but the model's own forward and backward) at every batch shape (`space.compute_key`:
+  rows, tokens, loss implementation, DPO reference);
+- **DeepSpeed's runtime** (`runtime`, per `space.engine_key`): `micro`, what a micro step of that
+  engine costs beyond the computation (ZeRO-2's gradient reduce per bucket, ZeRO-3's parameter
+  gather/release per module, offload copies), measured at the smallest SFT shape and the ZeRO-0
+  time of that shape subtracted; `boundary`, what the micro step at the accumulation boundary
+  costs beyond a plain one (ZeRO-0/1's all-reduce, the optimizer step, ZeRO-1/2's all-gather of
+  the updated partitions, gradient clipping); `ref`, with a ZeRO-3 DPO reference, its per-module
+  gathers in the reference forward.
+
+Each figure is the median of `reps` repetitions after two warm-up optimizer steps (the first
+steps allocate the optimizer state and build DeepSpeed's buckets), and the maximum over ranks
+(a step waits for its slowest rank). On the CPU the steps run under the `AllocationTracker`,
+as training and probes do (its per-op bookkeeping is part of a CPU step's cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.atomic import write_json_atomic
+from memfit.space import Candidate, compute_engine, compute_key, engine_key
+from memfit.train import dist as dist_env
+from memfit.train import dsconfig
+from memfit.train.batches import IGNORE_INDEX
+from memfit.train.memory import AllocationTracker
+from memfit.train.modeling import hidden_size, load_model
+from memfit.train.reference import reference_engine
+from memfit.train.steps import StepRunner
+
+FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.timing reads it)
+# measured with 1 and with n = min(layers, MAX_LAYERS) decoder layers: per layer = (x(n) - x(1)) / (n - 1).
+# n > 2 divides the noise of the two timings by n - 1 when extrapolating to a deep model, and a
+# model of at most MAX_LAYERS layers is measured whole.
+MAX_LAYERS = 4
+WARMUP_STEPS = 2  # optimizer steps before timing: the first allocates Adam's state and DeepSpeed's buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What to calibrate: written by memfit.workflow.calibrate as JSON."""
+
+    model_path: str  # HF model directory (config.json); its weights are not read
+    out: str  # calibration.json (rank 0 writes it)
+    work_dir: str  # scratch directory on a filesystem every rank sees (the 1- and 2-layer models)
+    candidates: dict[str, list[dict[str, Any]]]  # method -> Candidate dicts
+    lora: dict[str, Any] = dataclasses.field(default_factory=dict)  # alpha, dropout, targets
+    qlora_quant_type: str = "nf4"
+    dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
+    loss_on: str = "response"
+    loss_chunk_tokens: int | None = None
+    reps: int = 3
+
+    @classmethod
+    def load(cls, path: str | Path) -> Spec:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _rows(method: str, c: Candidate, vocab: int) -> list[dict[str, Any]]:
+    """A micro batch of `c.micro_batch` rows of exactly `c.seq_len` tokens (the probes' worst case:
+    no padding); half prompt, half response. DPO rows carry zero precomputed reference log-probs."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(c.micro_batch):
+        ids = torch.randint(3, vocab, (c.seq_len,), generator=g).tolist()
+        half = c.seq_len // 2
+        if method == "sft":
+            out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * half + ids[half:]})
+        else:
+            alt = torch.randint(3, vocab, (c.seq_len - half,), generator=g).tolist()
+            out.append(
+                {
+                    "prompt_ids": ids[:half],
+                    "chosen_ids": ids[half:],
+                    "rejected_ids": alt,
+                    "ref_chosen_logps": 0.0,
+                    "ref_rejected_logps": 0.0,
+                }
+            )
+    return out
+
+
+def _layer_model(spec: Spec, layers: int) -> str:
+    """The spec's model with `layers` decoder layers, random weights, saved once (rank 0) where all
+    ranks read it. Per-layer lists of the config (`layer_types`: sliding vs full attention ...)
+    are cut to the same length."""
+    path = Path(spec.work_dir) / f"layers{layers}"
+    if dist_env.rank() == 0:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(spec.model_path)
+        cfg.num_hidden_layers = layers
+        if isinstance(getattr(cfg, "layer_types", None), list):
+            cfg.layer_types = cfg.layer_types[:layers]
+        model = AutoModelForCausalLM.from_config(cfg)
+        shutil.rmtree(path, ignore_errors=True)
+        model.save_pretrained(path)
+    _barrier()
+    return str(path)
+
+
+def _num_layers(model_path: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_path).num_hidden_layers)
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class _Engine:
+    """One DeepSpeed engine of the calibration (gradient accumulation 2: boundary every other micro step)."""
+
+    def __init__(self, spec: Spec, path: str, cand: Candidate, with_ref: bool) -> None:
+        import deepspeed
+
+        self.cand = dataclasses.replace(cand, grad_accum=2)
+        world = dist_env.world()
+        ds_cfg = dsconfig.build(self.cand, world, lr=1e-5, total_steps=1000, hidden_size=hidden_size(path))
+        hf_ds = None
+        if cand.zero == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            hf_ds = HfDeepSpeedConfig(ds_cfg)  # partitioned as it loads, as training does (loop.Run.setup)
+        lora = {"alpha": spec.lora.get("alpha"), "dropout": spec.lora.get("dropout", 0.0)}
+        lora["targets"] = spec.lora.get("targets", "all-linear")
+        model = load_model(path, self.cand, trainable=True, lora=lora, quant_type=spec.qlora_quant_type)
+        self.vocab = int(model.get_input_embeddings().num_embeddings)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)[0]
+        self.engine.train()
+        self.ref = reference_engine(self.cand, path, ds_cfg, spec.qlora_quant_type) if with_ref else None
+        del hf_ds
+        self.spec = spec
+
+    def runner(self, method: str, c: Candidate) -> StepRunner:
+        return StepRunner(
+            method,
+            self.engine,
+            self.ref if (method == "dpo" and c.ref == "model") else None,
+            0,
+            dpo=self.spec.dpo,
+            ref=c.ref,
+            loss_on=self.spec.loss_on,
+            loss_impl=c.loss_impl,
+            loss_chunk_tokens=self.spec.loss_chunk_tokens,
+        )
+
+    def micro(self, method: str, c: Candidate, step: bool) -> float:
+        """Seconds of one micro step: forward + loss + backward (+ `engine.step()`, which acts
+        only at the accumulation boundary)."""
+        runner, rows = self.runner(method, c), _rows(method, c, self.vocab)
+        _sync()
+        t0 = time.perf_counter()
+        loss, _, _ = runner.loss(rows, pad_to=c.seq_len)
+        self.engine.backward(loss)
+        if step:
+            self.engine.step()
+        _sync()
+        return time.perf_counter() - t0
+
+    def optimizer_steps(self, method: str, c: Candidate, n: int) -> list[tuple[float, float]]:
+        """`n` optimizer steps of two micro steps: (plain micro step, boundary micro step) seconds each."""
+        return [(self.micro(method, c, True), self.micro(method, c, True)) for _ in range(n)]
+
+    def ref_forward(self, c: Candidate) -> float:
+        """Seconds of the reference's forward on a DPO micro batch of `c` (no gradients)."""
+        runner = self.runner("dpo", c)
+        rows = _rows("dpo", c, self.vocab)
+        from memfit.train.batches import collate
+
+        batch = {k: v.to(dist_env.device()) for k, v in collate("dpo", rows, 0, c.seq_len).items()}
+        _sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            runner.token_logps(
+                self.ref, batch["labels"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+            )
+        _sync()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        from memfit.train.reference import _forget_zero3_module
+
+        for e in (self.engine, self.ref):
+            if e is not None:
+                _forget_zero3_module(e.module)
+                e.destroy()
+        self.engine = self.ref = None
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def plan(candidates: dict[str, list[Candidate]]) -> dict[str, Any]:
+    """What to measure: the ZeRO-0 compute engines with their (method, candidate) shapes, the
+    other engines with the smallest SFT-or-DPO shape of theirs (`shape0`), and which need a
+    reference engine."""
+    compute: dict[str, dict[str, Any]] = {}
+    runtime: dict[str, dict[str, Any]] = {}
+    for method, cands in sorted(candidates.items()):
+        for c in cands:
+            base = compute_engine(c)
+            e = compute.setdefault(engine_key(base), {"cand": base, "shapes": {}, "ref": False})
+            e["shapes"].setdefault(compute_key(method, c), (method, c))
+            e["ref"] |= method == "dpo" and c.ref == "model"
+            if engine_key(c) != engine_key(base):
+                r = runtime.setdefault(engine_key(c), {"cand": c, "ref": False})
+                r["ref"] |= method == "dpo" and c.ref == "model" and c.zero == 3
+    for e in compute.values():  # every engine's overhead is measured at the smallest shape of its compute twin
+        e["shape0"] = min(e["shapes"].values(), key=lambda mc: (mc[0] != "sft", mc[1].micro_batch, mc[1].seq_len))
+    return {"compute": compute, "runtime": runtime}
+
+
+def _zero0_fields() -> dict[str, Any]:
+    return {"zero": 0, "offload_optimizer": "none", "offload_param": "none", "pin_memory": False, "offload_ratio": 1.0}
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str, dict[str, float]]:
+    """Every figure for one layer count: {"compute": {key: s}, "runtime": {key: {micro, boundary, ref}}}."""
+    path = _layer_model(spec, layers)
+    out: dict[str, dict[str, Any]] = {"compute": {}, "runtime": {}, "ref0": {}}
+    for key, e in sorted(p["compute"].items()):
+        t0 = time.perf_counter()
+        eng = _Engine(spec, path, e["cand"], with_ref=e["ref"])
+        method0, c0 = e["shape0"]
+        eng.optimizer_steps(method0, c0, WARMUP_STEPS)
+        for ck, (method, c) in sorted(e["shapes"].items()):
+            eng.micro(method, c, step=False)  # warm-up of this shape (kernels, allocator)
+            out["compute"][ck] = _median([eng.micro(method, c, step=False) for _ in range(spec.reps)])
+        eng.engine.zero_grad()
+        steps = eng.optimizer_steps(method0, c0, spec.reps)
+        out["runtime"][key] = {"micro": 0.0, "boundary": _median([b - a for a, b in steps])}
+        if e["ref"]:
+            out["ref0"][key] = _median([eng.ref_forward(c0) for _ in range(spec.reps)])
+        eng.close()
+        log(f"{layers} layer(s): ZeRO-0 engine {key}: {len(e['shapes'])} shapes in {time.perf_counter() - t0:.1f} s")
+    for key, r in sorted(p["runtime"].items()):
+        t0 = time.perf_counter()
+        base = p["compute"][engine_key(compute_engine(r["cand"]))]
+        method0, c0 = base["shape0"]
+        c0 = dataclasses.replace(c0, **{k: getattr(r["cand"], k) for k in _zero0_fields()})
+        eng = _Engine(spec, path, r["cand"], with_ref=r["ref"])
+        eng.optimizer_steps(method0, c0, WARMUP_STEPS)
+        steps = eng.optimizer_steps(method0, c0, spec.reps)
+        plain = _median([a for a, _ in steps])
+        fig = {
+            "micro": plain - out["compute"][compute_key(method0, c0)],
+            "boundary": _median([b - a for a, b in steps]),
+        }
+        if r["ref"]:
+            fig["ref"] = (
+                _median([eng.ref_forward(c0) for _ in range(spec.reps)])
+                - out["ref0"][engine_key(compute_engine(r["cand"]))]
+            )
+        out["runtime"][key] = fig
+        eng.close()
+        log(f"{layers} layer(s): engine {key} in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
+    """Measure everything `spec` needs on this rank; the figures (max over ranks) on rank 0, None elsewhere."""
+    cands = {m: [Candidate.from_dict(c) for c in cs] for m, cs in spec.candidates.items()}
+    p = plan(cands)
+    tracker = None if torch.cuda.is_available() else AllocationTracker(dist_env.device())
+    if tracker is not None:
+        tracker.__enter__()
+    t0 = time.perf_counter()
+    layers = (1, min(_num_layers(spec.model_path), MAX_LAYERS))
+    try:
+        per_layers = {str(n): _measure_layers(spec, n, p, log) for n in sorted(set(layers))}
+    finally:
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+    # the slowest rank's figure: one all-reduce over every number, in a fixed order
+    flat = [
+        (n, part, k, f)
+        for n, d in per_layers.items()
+        for part in ("compute", "runtime")
+        for k, f in sorted(d[part].items())
+    ]
+    values: list[float] = []
+    for _, part, _, f in flat:
+        values += [f] if part == "compute" else [f[x] for x in sorted(f)]
+    values = dist_env.all_reduce_max(values)
+    result: dict[str, Any] = {"compute": {}, "runtime": {}}
+    i = 0
+    for n, part, k, f in flat:
+        if part == "compute":
+            result["compute"].setdefault(k, {})[n] = values[i]
+            i += 1
+        else:
+            fig = result["runtime"].setdefault(k, {})
+            for x in sorted(f):
+                fig.setdefault(x, {})[n] = values[i]
+                i += 1
+    if dist_env.rank() != 0:
+        return None
+    import deepspeed
+
+    return {
+        "format": FORMAT,
+        "measured_on": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})",
+        "host": platform.node(),
+        "world_size": dist_env.world(),
+        "threads_per_rank": torch.get_num_threads(),
+        "backend": _backend(),
+        "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
+        "layers": sorted(set(layers)),
+        "reps": spec.reps,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "compute": result["compute"],
+        "runtime": result["runtime"],
+    }
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    from memfit.train.startup import defer_torch_compile, memoize_cpu_info
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    ap = argparse.ArgumentParser(
+        prog="memfit calibrate", description="Run one calibration rank (see memfit.train.calibrate)."
+    )
+    ap.add_argument("--spec", required=True, help="calibration spec JSON (memfit.train.calibrate.Spec fields)")
+    args = ap.parse_args(argv)
+    spec = Spec.load(args.spec)
+    memoize_cpu_info()
+    defer_torch_compile()
+    dist_env.init_distributed()
+    rank = dist_env.rank()
+    result = calibrate(spec, log=lambda m: print(m, flush=True) if rank == 0 else None)
+    if result is not None:
+        write_json_atomic(Path(spec.out), result)
+    _barrier()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0

@@ -1,0 +1,66 @@
+"""The step-time calibration on 2 CPU ranks (gloo): what it measures and that the estimator prices from it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memfit.estimate import Settings, catalog, estimate
+from memfit.estimate.hf_config import arch_from_hf_config
+from memfit.space import Candidate, compute_key, engine_key
+from memfit.train.launch import launch
+
+Z0 = Candidate(zero=0, micro_batch=4, grad_accum=4, seq_len=16, precision="fp32")
+Z3 = Candidate(zero=3, micro_batch=4, grad_accum=4, seq_len=16, precision="fp32")
+DPO_Z3 = Candidate(zero=3, micro_batch=2, grad_accum=8, seq_len=16, precision="fp32", ref="model")
+
+
+@pytest.fixture(scope="module")
+def calibration(demo_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrate")
+    spec = {
+        "model_path": str(demo_model),
+        "out": str(out / "calibration.json"),
+        "work_dir": str(out / "work"),
+        "candidates": {"sft": [Z0.to_dict(), Z3.to_dict()], "dpo": [DPO_Z3.to_dict()]},
+        "dpo": {"beta": 0.1},
+        "reps": 2,
+    }
+    (out / "spec.json").write_text(json.dumps(spec))
+    rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
+    assert rc == 0, (out / "log.txt").read_text()[-3000:]
+    return out / "calibration.json"
+
+
+@pytest.mark.slow
+def test_it_measures_every_engine_and_shape_with_one_and_four_layers(calibration):
+    d = json.loads(calibration.read_text())
+    assert (d["world_size"], d["backend"], d["threads_per_rank"], d["layers"]) == (2, "gloo", 1, [1, 4])
+    assert set(d["compute"]) == {compute_key("sft", Z0), compute_key("dpo", DPO_Z3)}
+    for key, fig in d["compute"].items():
+        assert 0 < fig["1"] < fig["4"], f"{key}: four decoder layers must cost more than one: {fig}"
+    assert set(d["runtime"]) == {engine_key(Z0), engine_key(Z3)}
+    z3 = d["runtime"][engine_key(Z3)]
+    # ZeRO-3 gathers every layer's parameters before its forward and backward: a cost per micro
+    # step that grows with the layers; its sharded DPO reference gathers again in its forward
+    assert 0 < z3["micro"]["4"] and z3["micro"]["1"] < z3["micro"]["4"], z3
+    assert "ref" in z3
+    assert d["runtime"][engine_key(Z0)]["micro"] == {"1": 0.0, "4": 0.0}  # ZeRO-0 is the computation itself
+
+
+@pytest.mark.slow
+def test_the_estimator_prices_the_demo_from_it(calibration, demo_model):
+    arch = arch_from_hf_config(json.loads((demo_model / "config.json").read_text()), name="demo-tiny")
+    settings = Settings(step_time_calibration=str(calibration))
+    gpu = catalog.gpu("cpu")
+    for method, cand in (("sft", Z0), ("sft", Z3), ("dpo", DPO_Z3)):
+        est = estimate(arch, gpu, 2, 1, method, cand, budget_bytes=2**30, settings=settings)
+        assert est.time_source.startswith("measured"), est.time_source
+        assert set(est.time_breakdown) == {"compute", "deepspeed", "reference", "boundary"}
+        assert est.step_time_s > 0
+    z0 = estimate(arch, gpu, 2, 1, "sft", Z0, budget_bytes=2**30, settings=settings)
+    z3 = estimate(arch, gpu, 2, 1, "sft", Z3, budget_bytes=2**30, settings=settings)
+    # the same computation; ZeRO-3 adds its gathers
+    assert z0.time_breakdown["compute"] == z3.time_breakdown["compute"]
+    assert z3.time_breakdown["deepspeed"] > 0 == z0.time_breakdown["deepspeed"]

@@ -1,0 +1,125 @@
+"""Step time from a machine's calibration (memfit.estimate.timing) and how the estimator uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from memfit.estimate import Settings, catalog, estimate, timing
+from memfit.space import Candidate, compute_engine, compute_key, engine_key, enumerate_space
+from memfit.train.calibrate import plan
+
+CAND = Candidate(zero=3, grad_ckpt=True, micro_batch=4, grad_accum=4, seq_len=24, precision="fp32", attn="sdpa")
+
+
+def _write(tmp_path, compute, runtime, **meta):
+    d = {"format": timing.FORMAT, "measured_on": "2026-11-26T07:00:00+00:00", "device": "cpu (x86_64)", "world_size": 2}
+    d |= {"threads_per_rank": 1, "backend": "gloo", "layers": [1, 4], **meta, "compute": compute, "runtime": runtime}
+    p = tmp_path / "calibration.json"
+    p.write_text(json.dumps(d))
+    return p
+
+
+def test_terms_are_affine_in_layers_and_accumulation_repeats_the_micro_step(tmp_path):
+    # 1 layer: compute 10 ms; 4 layers: 40 ms -> 10 ms a layer, 0 elsewhere; an 8-layer model: 80 ms
+    p = _write(
+        tmp_path,
+        {compute_key("sft", CAND): {"1": 0.010, "4": 0.040}},
+        {engine_key(CAND): {"micro": {"1": 0.005, "4": 0.020}, "boundary": {"1": 0.030, "4": 0.060}}},
+    )
+    b = timing.predict(timing.load(p), CAND, "sft", num_layers=8)
+    assert b["compute"] == pytest.approx(4 * 0.080)  # grad_accum 4 micro steps
+    assert b["deepspeed"] == pytest.approx(4 * 0.040)
+    assert b["boundary"] == pytest.approx(0.030 + 7 * 0.010)  # once per optimizer step
+    assert b["reference"] == 0.0  # SFT has none
+
+
+def test_a_runtime_cost_measured_below_zero_is_priced_as_none(tmp_path):
+    p = _write(
+        tmp_path,
+        {compute_key("sft", CAND): {"1": 0.010, "4": 0.040}},
+        {engine_key(CAND): {"micro": {"1": -0.002, "4": -0.001}, "boundary": {"1": 0.01, "4": -0.05}}},
+    )
+    b = timing.predict(timing.load(p), CAND, "sft", num_layers=4)
+    assert b["deepspeed"] == 0.0 and b["boundary"] == 0.0
+
+
+def test_the_zero3_reference_counts_only_for_dpo_with_a_reference_model(tmp_path):
+    ref_model = dataclasses.replace(CAND, ref="model")
+    pre = dataclasses.replace(CAND, ref="precomputed")
+    rt = {"micro": {"1": 0.0, "4": 0.0}, "boundary": {"1": 0.0, "4": 0.0}, "ref": {"1": 0.01, "4": 0.01}}
+    compute = {compute_key("dpo", c): {"1": 0.01, "4": 0.01} for c in (ref_model, pre)}
+    cal = timing.load(_write(tmp_path, compute, {engine_key(CAND): rt}))
+    assert timing.predict(cal, ref_model, "dpo", 4)["reference"] == pytest.approx(4 * 0.01)
+    assert timing.predict(cal, pre, "dpo", 4)["reference"] == 0.0
+
+
+def test_a_missing_measurement_is_named(tmp_path):
+    cal = timing.load(_write(tmp_path, {}, {}))
+    assert timing.missing(cal, CAND, "sft") == f"no computation measured for {compute_key('sft', CAND)}"
+
+
+def test_an_old_or_broken_file_names_itself(tmp_path):
+    p = tmp_path / "calibration.json"
+    p.write_text(json.dumps({"format": 0, "compute": {}, "runtime": {}}))
+    with pytest.raises(timing.CalibrationFileError, match=f"{p}: step-time calibration format 0"):
+        timing.load(p)
+    p.write_text("{")
+    with pytest.raises(timing.CalibrationFileError, match="not valid JSON"):
+        timing.load(p)
+
+
+def test_spearman_of_known_orders():
+    assert timing.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert timing.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties take their mean rank: ranks (1.5, 1.5, 3) against (1, 2, 3) -> 0.866
+    assert timing.spearman([5, 5, 7], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+    assert math.isnan(timing.spearman([1, 1], [1, 2]))
+
+
+def test_the_estimator_prices_from_the_calibration_where_it_applies(tmp_path):
+    arch = catalog.model("llama-2-7b")
+    cand = dataclasses.replace(CAND, precision="bf16", seq_len=512)
+    compute = {compute_key("sft", cand): {"1": 0.1, "4": 0.4}}
+    runtime = {engine_key(cand): {"micro": {"1": 0.0, "4": 0.0}, "boundary": {"1": 0.2, "4": 0.2}}}
+    p = _write(tmp_path, compute, runtime)
+    gpu = catalog.gpu("a100-80gb")
+    est = estimate(arch, gpu, 2, 1, "sft", cand, settings=Settings(step_time_calibration=str(p)))
+    assert est.time_source.startswith("measured 2026-11-26 on cpu (x86_64), 2 ranks x 1 threads (gloo)")
+    assert est.step_time_s == pytest.approx(4 * 32 * 0.1 + 0.2)  # 32 layers of 0.1 s, 4 micro steps
+    # another world size than the calibration's: the assumed model, saying why
+    est8 = estimate(arch, gpu, 8, 1, "sft", cand, settings=Settings(step_time_calibration=str(p)))
+    assert est8.time_source.startswith("assumed (40% MFU") and "ran 2 ranks, not 8" in est8.time_source
+    other = dataclasses.replace(cand, micro_batch=2, grad_accum=8)
+    est_missing = estimate(arch, gpu, 2, 1, "sft", other, settings=Settings(step_time_calibration=str(p)))
+    assert "no computation measured" in est_missing.time_source
+
+
+def test_candidates_that_differ_in_zero_share_their_computation():
+    z0, z3 = dataclasses.replace(CAND, zero=0), CAND
+    assert compute_key("sft", z0) == compute_key("sft", z3)
+    assert engine_key(z0) != engine_key(z3)
+    assert compute_key("sft", CAND) != compute_key("dpo", CAND)
+    assert compute_engine(dataclasses.replace(CAND, offload_optimizer="cpu")) == compute_engine(CAND)
+
+
+def test_the_calibration_plan_of_the_demo_space_measures_each_engine_once():
+    axes = {"zero": [0, 2, 3], "grad_ckpt": [False, True], "micro_batch": [4, 8, 16], "loss_impl": ["full", "chunked"]}
+    sft = [dataclasses.replace(c, grad_accum=32 // (2 * c.micro_batch)) for c in enumerate_space(axes, {"seq_len": 24})]
+    dpo = [dataclasses.replace(c, ref=r) for c in sft for r in ("model", "precomputed")]
+    p = plan({"sft": sft, "dpo": dpo})
+    # two ZeRO-0 compute engines (checkpointing off/on) with every batch shape of both methods
+    assert len(p["compute"]) == 2
+    assert all(len(e["shapes"]) == 6 + 12 for e in p["compute"].values())
+    # the ZeRO-2 and ZeRO-3 engines, each measured once; only ZeRO-3 has a sharded reference to time
+    assert sorted((r["cand"].zero, r["cand"].grad_ckpt, r["ref"]) for r in p["runtime"].values()) == [
+        (2, False, False),
+        (2, True, False),
+        (3, False, True),
+        (3, True, True),
+    ]
+    # overheads are measured at the smallest SFT batch
+    assert all(e["shape0"][0] == "sft" and e["shape0"][1].micro_batch == 4 for e in p["compute"].values())
