@@ -51,15 +51,12 @@ def check_model(cfg: WorkflowConfig, model: str) -> None:
 
 
 def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = None) -> Any:
-    """The estimator's settings from the config's `estimate:`, with this machine's step-time
-    calibration (the calibrate stage's output) when there is one."""
+    """The config's `estimate:`, with this machine's step-time calibration (the calibrate stage) if any."""
     from memfit.estimate import Settings
 
-    est = cfg.estimate
+    est, cal = cfg.estimate, str(calibration) if calibration else None
     return Settings(
-        activations=est.get("activations", "analytic"),
-        trace_cache=est.get("trace_cache"),
-        step_time_calibration=str(calibration) if calibration else None,
+        activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"), step_time_calibration=cal
     )
 
 
@@ -89,12 +86,7 @@ def _estimate_rows(
 
 
 def estimate_candidates(
-    config: WorkflowConfig | dict[str, Any],
-    model: str,
-    gpu: str,
-    method: str,
-    out_json: Path,
-    calibration: Path | str | None = None,
+    config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path, calibration: Any = None
 ) -> dict[str, Any]:
     """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes.
     `calibration`: this machine's step-time calibration (the calibrate stage), else assumed times."""
