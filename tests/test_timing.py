@@ -123,3 +123,22 @@ def test_the_calibration_plan_of_the_demo_space_measures_each_engine_once():
     ]
     # overheads are measured at the smallest SFT batch
     assert all(e["shape0"][0] == "sft" and e["shape0"][1].micro_batch == 4 for e in p["compute"].values())
+
+
+def test_memfit_estimate_prints_where_its_step_time_comes_from(tmp_path, capsys):
+    from memfit.estimate.cli import main
+
+    cand = Candidate(zero=2, micro_batch=1, grad_accum=1, seq_len=512, precision="bf16", attn="sdpa")
+    compute = {compute_key("sft", cand): {"1": 0.1, "4": 0.4}}
+    runtime = {engine_key(cand): {"micro": {"1": 0.01, "4": 0.04}, "boundary": {"1": 0.2, "4": 0.2}}}
+    p = _write(tmp_path, compute, runtime, world_size=1)
+    argv = ["--model", "llama-2-7b", "--gpu", "a100-80gb", "--zero", "2", "--seq-len", "512", "--attn", "sdpa"]
+    main([*argv, "--no-grad-ckpt", "--step-time-calibration", str(p)])
+    out = capsys.readouterr().out
+    # 32 layers: compute 0.1 + 31 x 0.1, DeepSpeed 0.01 + 31 x 0.01, the boundary once
+    assert "step time 3.720 s" in out and "compute 3.200, deepspeed 0.320, reference 0.000, boundary 0.200" in out
+    assert "step time source: measured 2026-11-26 on cpu (x86_64), 1 ranks x 1 threads (gloo)" in out
+    main([*argv, "--no-grad-ckpt"])
+    assert "step time source: assumed (40% MFU" in capsys.readouterr().out
+    assert main([*argv, "--step-time-calibration", str(tmp_path / "nope.json")]) == 2
+    assert f"--step-time-calibration {tmp_path / 'nope.json'}: no such file" in capsys.readouterr().err

@@ -374,7 +374,7 @@ def render(
         f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s): "
         + ", ".join(f"{k} {v:.3f}" for k, v in result.time_breakdown.items()),
         f"step time source: {result.time_source}",
-        f"calibration: {result.calibration}",
+        f"GPU terms calibration: {result.calibration}",
     ]
     lines += [f"note: {note}" for note in result.notes]
     advice = _resume_advice(result, cand)
