@@ -130,6 +130,7 @@ def main() -> int:
                 rows.append(
                     {
                         "id": r["id"],
+                        "candidate": r["candidate"],
                         "measured_s": measured,
                         "predicted_s": r["step_time_s"],
                         "breakdown": r["time_breakdown"],

@@ -36,6 +36,13 @@ def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):
         "--config",
         str(tmp_path / "run.json"),
     ]
+    # the calibration's ranks (memfit.train.calibrate) start the same way, from their spec
+    assert command(tmp_path / "spec.json", 2, rank_command="calibrate")[-4:] == [
+        "memfit.cli",
+        "calibrate",
+        "--spec",
+        str(tmp_path / "spec.json"),
+    ]
 
 
 def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_set(monkeypatch):
@@ -81,7 +88,9 @@ def test_ranks_build_deepspeed_ops_with_this_environments_ninja(monkeypatch):
 def fake_ranks(monkeypatch, code: str) -> None:
     """Launch runs `python -c code` instead of torchrun (the config path is in sys.argv[1])."""
     monkeypatch.setattr(
-        launch_mod, "command", lambda config, nproc, rdzv=None: [sys.executable, "-c", code, str(config)]
+        launch_mod,
+        "command",
+        lambda config, nproc, rdzv=None, rank_command="train": [sys.executable, "-c", code, str(config)],
     )
 
 

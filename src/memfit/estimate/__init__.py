@@ -25,7 +25,10 @@ term says where it comes from:
 - `phases`: which phase of a step (forward, backward, optimizer step, resume, DPO reference
   forward) holds the peak, and its breakdown into components;
 - `costs`: fragmentation, CUDA context and workspaces (stated heuristics), host RAM per node,
-  step time;
+  the assumed step time (a fixed MFU);
+- `timing`: the step time priced from a calibration measured on the machine (memfit.train.calibrate's
+  calibration.json: the model's own micro steps under each DeepSpeed engine), used when
+  `Settings.step_time_calibration` holds the candidate; the Estimate's `time_source` says which;
 - `core`: `estimate()` (phases -> breakdown -> verdict), `estimate_space`, `fit`;
 - `cli`: `memfit estimate` and `memfit fit`.
 
@@ -33,8 +36,8 @@ The numbers are per rank (one GPU), in bytes. Host memory is per node.
 
 Owns the estimator and what it reads: the GPU and model catalogs (`catalog`, `arch`: `ModelArch`,
 `hf_config`: config.json parsing), measured calibration (`calibration`), the fake-tensor tracer
-(`trace`, `trace_step`) and the check against public measurements (`validation`,
-`validation_cases`). May import the top-level vocabulary (`memfit.space`, `memfit.units`,
+(`trace`, `trace_step`) and the checks against public measurements (`validation`,
+`validation_cases` for memory, `validation_time` for step time). May import the top-level vocabulary (`memfit.space`, `memfit.units`,
 `memfit.atomic`) and the loss math it traces (`memfit.train.losses`, `memfit.train.vocab_loss`);
 never `memfit.workflow`, `memfit.exports` or `memfit.report`.
 """

@@ -72,7 +72,7 @@ class Spec:
     dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
     loss_on: str = "response"
     loss_chunk_tokens: int | None = None
-    reps: int = 3
+    reps: int = 5  # repetitions per figure (median); 3 left single slow samples in the demo's figures
 
     @classmethod
     def load(cls, path: str | Path) -> Spec:
@@ -264,7 +264,7 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
         method0, c0 = e["shape0"]
         eng.optimizer_steps(method0, c0, WARMUP_STEPS)
         for ck, (method, c) in sorted(e["shapes"].items()):
-            eng.micro(method, c, step=False)  # warm-up of this shape (kernels, allocator)
+            # no warm-up per shape: the engine is warm, and the median drops a first slow sample
             out["compute"][ck] = _median([eng.micro(method, c, step=False) for _ in range(spec.reps)])
         eng.engine.zero_grad()
         steps = eng.optimizer_steps(method0, c0, spec.reps)

@@ -19,7 +19,7 @@ class CalibrationFailed(RuntimeError):
     """The calibration ranks did not finish: the log's tail says why."""
 
 
-def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: int = 3) -> dict[str, Any]:
+def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: int = 5) -> dict[str, Any]:
     """The calibration spec (memfit.train.calibrate.Spec) of `model`: every candidate of every
     method of the search space, the run settings that change a step (LoRA, DPO, loss)."""
     model_path = cfg.model_path(model)
