@@ -7,6 +7,8 @@ rule calibrate:
         "results/{model}/{gpu}/calibration.json",
     log:
         "logs/{model}/{gpu}/calibrate.log",
+    benchmark:
+        "benchmarks/{model}/{gpu}/calibrate.tsv"
     conda:
         CONDA_ENV
     threads: rank_threads
