@@ -39,7 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from memfit.atomic import write_json_atomic  # noqa: E402
-from memfit.estimate import Settings, calibration, catalog, estimate, fit, param_layout  # noqa: E402  # noqa: E402
+from memfit.estimate import Settings, calibration, catalog, estimate, fit  # noqa: E402
+from memfit.estimate.costs import step_flops  # noqa: E402
 from memfit.space import Candidate  # noqa: E402
 from memfit.units import GIB, MIB, fmt_bytes  # noqa: E402
 
@@ -242,18 +243,9 @@ class DevicePoller:
 
 
 def model_flops(arch, cand: Candidate, method: str) -> float:
-    """Model FLOPs of one optimizer step (the estimator's own count, memfit.estimate.step_time):
-    6 per parameter per token for full FT, 4 for LoRA (no weight gradients), +2 with
-    recomputation (Kaplan et al. 2020 sec. 2.1; Korthikanti et al. 2022 sec. 5), attention
-    2*L*s*heads*head_dim per token forward, DPO's reference forward +2."""
-    lay = param_layout(arch)
-    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
-    fwd = 2 * (lay.total - lay.embed) + 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
-    mult = (3.0 if cand.finetune == "full" else 2.0) + (1.0 if cand.grad_ckpt else 0.0)
-    flops = fwd * tokens * mult
-    if method == "dpo" and cand.ref in ("model", "adapter"):
-        flops += fwd * tokens
-    return cand.grad_accum * flops
+    """FLOPs of one optimizer step on one rank, the estimator's own count
+    (memfit.estimate.costs.step_flops, recomputation included: what the GPU executes)."""
+    return step_flops(arch, cand, method)
 
 
 def _err(measured, est) -> float | None:

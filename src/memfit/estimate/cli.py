@@ -371,7 +371,9 @@ def render(
         + " GiB",
         f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
         f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",
-        f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s): "
+        f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s"
+        + (f", MFU {result.mfu:.1%}" if result.mfu is not None else "")
+        + "): "
         + ", ".join(f"{k} {v:.3f}" for k, v in result.time_breakdown.items()),
         f"step time source: {result.time_source}",
         f"GPU terms calibration: {result.calibration}",

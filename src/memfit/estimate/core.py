@@ -17,6 +17,7 @@ from memfit.estimate.costs import (
     device_overheads,
     fragmentation,
     host_memory,
+    step_flops,
     step_time,
 )
 from memfit.estimate.params import param_layout, trainable_params
@@ -52,6 +53,7 @@ class Estimate:
     host_phases: dict[str, int] = field(default_factory=dict)
     time_breakdown: dict[str, float] = field(default_factory=dict)
     time_source: str = ""  # "measured <date> on <device> ..." (a calibration) or "assumed: ..." (why)
+    mfu: float | None = None  # model FLOPs per second / the GPU's dense peak (None on the cpu: no vendor peak)
     params_total: int = 0
     params_trainable: int = 0
     eager_attention_extra_bytes: int = 0  # eager only: device bytes over the same config with sdpa
@@ -213,6 +215,9 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     sequences = cand.micro_batch * (2 if job.method == "dpo" else 1)
     tokens = sequences * cand.seq_len * cand.grad_accum * world
     est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
+    peak = gpu.tflops(cand.precision) * 1e12
+    if gpu.name != "cpu" and peak > 0 and est.step_time_s > 0:  # the cpu entry's peak is a placeholder
+        est.mfu = step_flops(arch, cand, job.method, recompute=False) / (est.step_time_s * peak)
     return est
 
 

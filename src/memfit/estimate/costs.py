@@ -185,27 +185,35 @@ def host_memory(
     )
 
 
-def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
-    """6 FLOPs per parameter per token (Kaplan et al. 2020, sec. 2.1) plus attention 12*L*s*h per
-    token (causal: half), 8/6 with recomputation (Korthikanti et al. 2022, sec. 5); LoRA skips
-    weight gradients (4 instead of 6); DPO's reference adds a forward (2). Mixture-of-experts:
-    a token runs through its top-k routed experts only, so the parameters are the ACTIVE ones
-    (`ModelArch.num_active_params()`; Fedus et al. 2022, Switch Transformer, sec. 2: FLOPs per
-    token follow the active parameters); routing's own FLOPs (softmax, top-k) are negligible."""
+def step_flops(arch: ModelArch, cand: Candidate, method: str, recompute: bool = True) -> float:
+    """FLOPs of one optimizer step on one rank: 6 per parameter per token (Kaplan et al. 2020,
+    sec. 2.1) plus attention 12*L*s*h per token (causal: half), 8/6 with recomputation
+    (Korthikanti et al. 2022, sec. 5); LoRA skips weight gradients (4 instead of 6); DPO's
+    reference adds a forward (2). Mixture-of-experts: a token runs through its top-k routed
+    experts only, so the parameters are the ACTIVE ones (`ModelArch.num_active_params()`; Fedus
+    et al. 2022, Switch Transformer, sec. 2: FLOPs per token follow the active parameters);
+    routing's own FLOPs (softmax, top-k) are negligible. `recompute=False` leaves out what
+    checkpointing and the chunked loss compute again: the model FLOPs of MFU (Chowdhery et al.
+    2022, appendix B), not the hardware FLOPs."""
     layout = param_layout(arch)
     tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
     attention = 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
     per_token_forward = 2 * (layout.total - layout.inactive - layout.embed) + attention
     passes = 3.0 if cand.finetune == "full" else 2.0
-    if cand.grad_ckpt:
+    if cand.grad_ckpt and recompute:
         passes += 1.0
     flops = per_token_forward * tokens * passes
     if method == "dpo" and cand.ref in ("model", "adapter"):
         flops += per_token_forward * tokens
-    if cand.loss_impl == "chunked":
+    if cand.loss_impl == "chunked" and recompute:
         # the head's projection (2 h V per token) runs again in the backward: the recompute of
         # Cut Cross-Entropy (Wijmans et al. 2024) and TRL's chunked_nll
         flops += 2 * arch.hidden_size * arch.vocab_size * tokens
+    return cand.grad_accum * flops
+
+
+def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
+    """The step's FLOPs (`step_flops`, recomputation included) at a fixed share of the GPU's peak."""
     peak = gpu.tflops(cand.precision) * 1e12
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12
@@ -213,7 +221,7 @@ def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, se
     achieved = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step")
     if achieved:  # measured model-FLOP rate of the whole step (benchmarks/gpu_evidence.py) replaces peak x mfu
         peak, efficiency = achieved * 1e12, (0.7 if cand.attn == "eager" else 1.0)
-    return cand.grad_accum * flops / (peak * efficiency)
+    return step_flops(arch, cand, method) / (peak * efficiency)
 
 
 def _communication_seconds(
