@@ -120,7 +120,8 @@ def _layer_model(spec: Spec, layers: int) -> str:
         cfg.num_hidden_layers = layers
         if isinstance(getattr(cfg, "layer_types", None), list):
             cfg.layer_types = cfg.layer_types[:layers]
-        model = AutoModelForCausalLM.from_config(cfg)
+        # in the checkpoint's dtype (bf16 for most): half the bytes to write and read of fp32
+        model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(cfg, "dtype", None) or torch.float32)
         shutil.rmtree(path, ignore_errors=True)
         model.save_pretrained(path)
     _barrier()
