@@ -57,6 +57,12 @@ def calibration_input(w):
     return CFG.calibration_inputs(w.model, w.gpu)
 
 
+def prepared_data(w):
+    # calibrate waits for prepare_data of every method: its model check stops a broken model
+    # directory (a missing tokenizer, unreadable weights) before a minute of calibration
+    return [f"results/{w.model}/data/{m}/stats.json" for m in METHODS]
+
+
 def data_input(w):
     return [] if PLAN_ONLY else [f"results/{w.model}/data/{w.method}/stats.json"]
 

@@ -3,6 +3,7 @@ rule calibrate:
     # each DeepSpeed engine of the search space (memfit.train.calibrate), on the ranks probes use.
     input:
         model=model_input,
+        data=prepared_data,
     output:
         "results/{model}/{gpu}/calibration.json",
     log:

@@ -46,7 +46,10 @@ def calibrate(
     cfg: WorkflowConfig | dict[str, Any], model: str, out_json: Path, log: Path, timeout_s: float = 1800
 ) -> dict[str, Any]:
     """Run the calibration on `cfg.num_gpus` ranks of this node; write and return calibration.json."""
+    from memfit.workflow.pipeline import check_model
+
     cfg = WorkflowConfig.of(cfg)
+    check_model(cfg, model)  # a broken model directory named before the ranks start
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="calibrate-", dir=out_json.parent))
