@@ -170,12 +170,20 @@ def engine_key(c: Candidate) -> str:
     return "|".join(f"{k}={getattr(c, k)}" for k in ENGINE_LEVERS)
 
 
+# The levers of partitioning and offload, at their "none" values: what `compute_engine` resets.
+UNPARTITIONED = {
+    "zero": 0,
+    "offload_optimizer": "none",
+    "offload_param": "none",
+    "pin_memory": False,
+    "offload_ratio": 1.0,
+}
+
+
 def compute_engine(c: Candidate) -> Candidate:
     """The ZeRO-0 twin of `c` whose micro steps measure its computation alone: the same model
     (checkpointing, attention, adapters, dtype), no partitioning, no offload."""
-    return dataclasses.replace(
-        c, zero=0, offload_optimizer="none", offload_param="none", pin_memory=False, offload_ratio=1.0
-    )
+    return dataclasses.replace(c, **UNPARTITIONED)
 
 
 def compute_key(method: str, c: Candidate) -> str:

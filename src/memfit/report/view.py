@@ -9,6 +9,7 @@ candidate table (`memfit.results`: `RunOutputs.records`), not selected.json's di
 from __future__ import annotations
 
 import datetime
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -192,9 +193,7 @@ def time_check(run: RunOutputs) -> dict[str, Any] | None:
     rho = spearman([p for _, p, _ in pairs], [m for _, _, m in pairs])
     return {
         "n": len(pairs),
-        "median_error": errs[len(errs) // 2]
-        if len(errs) % 2
-        else (errs[len(errs) // 2 - 1] + errs[len(errs) // 2]) / 2,
+        "median_error": statistics.median(errs),
         "worst_error": errs[-1],
         "spearman": None if rho != rho else rho,  # nan: a constant side
     }

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from memfit.atomic import write_json_atomic
-from memfit.space import Candidate, compute_engine, compute_key, engine_key
+from memfit.space import UNPARTITIONED, Candidate, compute_engine, compute_key, engine_key
 from memfit.train import dist as dist_env
 from memfit.train import dsconfig
 from memfit.train.batches import IGNORE_INDEX
@@ -155,9 +155,8 @@ class _Engine:
             from transformers.integrations import HfDeepSpeedConfig
 
             hf_ds = HfDeepSpeedConfig(ds_cfg)  # partitioned as it loads, as training does (loop.Run.setup)
-        lora = {"alpha": spec.lora.get("alpha"), "dropout": spec.lora.get("dropout", 0.0)}
-        lora["targets"] = spec.lora.get("targets", "all-linear")
-        model = load_model(path, self.cand, trainable=True, lora=lora, quant_type=spec.qlora_quant_type)
+        # spec.lora holds RunConfig's alpha/dropout/targets; load_model applies their defaults
+        model = load_model(path, self.cand, trainable=True, lora=spec.lora, quant_type=spec.qlora_quant_type)
         self.vocab = int(model.get_input_embeddings().num_embeddings)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)[0]
@@ -247,10 +246,6 @@ def plan(candidates: dict[str, list[Candidate]]) -> dict[str, Any]:
     return {"compute": compute, "runtime": runtime}
 
 
-def _zero0_fields() -> dict[str, Any]:
-    return {"zero": 0, "offload_optimizer": "none", "offload_param": "none", "pin_memory": False, "offload_ratio": 1.0}
-
-
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
@@ -278,7 +273,7 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
         t0 = time.perf_counter()
         base = p["compute"][engine_key(compute_engine(r["cand"]))]
         method0, c0 = base["shape0"]
-        c0 = dataclasses.replace(c0, **{k: getattr(r["cand"], k) for k in _zero0_fields()})
+        c0 = dataclasses.replace(c0, **{k: getattr(r["cand"], k) for k in UNPARTITIONED})
         eng = _Engine(spec, path, r["cand"], with_ref=r["ref"])
         eng.optimizer_steps(method0, c0, WARMUP_STEPS)
         steps = eng.optimizer_steps(method0, c0, spec.reps)
