@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from memfit.estimate import catalog, hf_config
+from memfit.estimate import catalog, hf_config, inventory
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -322,28 +322,58 @@ def test_llama_config_with_hf_defaults(tmp_path):
     assert _count(_meta_model(arch.to_hf_config())) == arch.num_params()
 
 
-# Configs whose parameter count memfit cannot reproduce: refused with the field named, never
-# estimated as something else (issue 12: "refused, never guessed").
-UNSUPPORTED = [
-    ({**LLAMA_SMALL, "model_type": "my_llama"}, "'my_llama'"),
-    ({k: v for k, v in LLAMA_SMALL.items() if k != "model_type"}, "'model_type'"),
-    ({**LLAMA_SMALL, "model_type": "falcon"}, "'falcon'"),
-    ({**LLAMA_SMALL, "num_local_experts": 8}, "'num_local_experts'"),
-    ({**LLAMA_SMALL, "n_routed_experts": 64}, "'n_routed_experts'"),
-    ({**LLAMA_SMALL, "model_type": "qwen2", "moe_intermediate_size": 1408}, "'moe_intermediate_size'"),
-    ({**LLAMA_SMALL, "model_type": "mistral", "num_experts_per_tok": 2}, "'num_experts_per_tok'"),
-    ({**LLAMA_SMALL, "kv_lora_rank": 512}, "'kv_lora_rank'"),
-    ({**LLAMA_SMALL, "model_type": "qwen3_moe", "shared_expert_intermediate_size": 256},
-     "'shared_expert_intermediate_size'"),
-    ({**LLAMA_SMALL, "model_type": "mixtral", "n_shared_experts": 2}, "'n_shared_experts'"),
-    ({**LLAMA_SMALL, "n_embd": 256}, "'n_embd'"),
-    ({**LLAMA_SMALL, "model_type": "deepseek_v3", "moe_layer_freq": 2}, "'moe_layer_freq'"),
-    ({"model_type": "llava", "text_config": dict(LLAMA_SMALL)}, "'text_config'"),
+# Configs without a hand-written card (another model_type, or a field a card does not model):
+# estimated from the model transformers builds, so the count is what transformers holds
+# (issue 21: "a refusal only where transformers itself cannot build the model").
+GENERIC = [
+    {**LLAMA_SMALL, "model_type": "falcon"},
+    {**LLAMA_SMALL, "model_type": "olmo3"},
+    {**LLAMA_SMALL, "model_type": "gpt_oss", "num_local_experts": 4, "num_experts_per_tok": 2},
+    {**LLAMA_SMALL, "num_local_experts": 8},  # a field LlamaConfig keeps but its model ignores
+    {**LLAMA_SMALL, "model_type": "deepseek_v3", "moe_layer_freq": 2, "n_routed_experts": 4,
+     "num_experts_per_tok": 2, "moe_intermediate_size": 64, "first_k_dense_replace": 1,
+     "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+     "v_head_dim": 16, "n_group": 1, "topk_group": 1},
+    {**LLAMA_SMALL, "n_embd": 256},
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("cfg, field", UNSUPPORTED)
-def test_unmodelled_architectures_are_refused_naming_the_field(tmp_path, cfg, field):
+@pytest.mark.parametrize("cfg", GENERIC, ids=lambda c: c["model_type"])
+def test_configs_without_a_card_are_counted_on_transformers_model(tmp_path, cfg):
+    arch = catalog.model(_write(tmp_path, cfg), allow_moe=True)
+    assert arch.generic
+    real = _meta_model(inventory.config_from_dict(cfg))
+    assert arch.num_params() == _count(real)
+    experts = sum(p.numel() for n, p in real.named_parameters() if ".experts." in n)
+    if experts:
+        per_tok = cfg["num_experts_per_tok"] / (cfg.get("num_local_experts") or cfg["n_routed_experts"])
+        assert arch.num_active_params() == _count(real) - experts + int(experts * per_tok)
+    else:
+        assert arch.num_active_params() == arch.num_params()
+
+
+def test_multimodal_wrapper_is_estimated_on_its_text_model(tmp_path):
+    """A llava checkpoint: the text model's card, the vision tower and projector counted beside."""
+    cfg = {"model_type": "llava", "text_config": dict(LLAMA_SMALL)}
+    arch = catalog.model(_write(tmp_path, cfg))
+    text = _meta_model(inventory.config_from_dict(LLAMA_SMALL))
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        whole = AutoModelForImageTextToText.from_config(inventory.config_from_dict(cfg))
+    assert arch.model_type == "llama" and arch.num_params() == _count(text)
+    assert arch.vision_params == _count(whole) - _count(text) > 0
+
+
+REFUSED = [
+    ({**LLAMA_SMALL, "model_type": "my_llama"}, "'my_llama'"),
+    ({k: v for k, v in LLAMA_SMALL.items() if k != "model_type"}, "'model_type'"),
+    ({**LLAMA_SMALL, "model_type": "t5"}, "'t5'"),  # an encoder-decoder: no causal LM of it
+]
+
+
+@pytest.mark.parametrize("cfg, field", REFUSED)
+def test_what_transformers_cannot_build_is_refused_naming_it(tmp_path, cfg, field):
     d = _write(tmp_path, cfg)
     with pytest.raises(catalog.UnsupportedArchitecture) as err:
         catalog.model(d)
@@ -351,21 +381,38 @@ def test_unmodelled_architectures_are_refused_naming_the_field(tmp_path, cfg, fi
     assert field in str(err.value) and str(d / "config.json") in str(err.value)
 
 
-def test_gpt2_config_is_refused_clearly():
-    """GPT-2 (learned positions, LayerNorm with bias, Conv1D, non-gated MLP) is not modelled."""
-    with pytest.raises(catalog.UnsupportedArchitecture) as err:
-        catalog.model(FIXTURES / "gpt2.json")
-    msg = str(err.value)
-    assert "GPT-2-style" in msg and "'n_embd'" in msg and "gpt2.json" in msg
-
-
-def test_unsupported_config_is_exit_2_from_the_cli(capsys):
+def test_gpt2_config_is_estimated_from_transformers(capsys):
+    """GPT-2 (learned positions, LayerNorm with bias, Conv1D, non-gated MLP): no card, so its
+    parameters come from transformers' GPT2LMHeadModel (124,439,808 for the published config,
+    huggingface.co/openai-community/gpt2) and LoRA targets its Conv1D c_attn/c_proj/c_fc."""
     from memfit.estimate import main
 
-    argv = ["--model", str(FIXTURES / "gpt2.json"), "--gpu", "h100-80gb", "--num-gpus", "8"]
-    assert main(argv) == 2
+    arch = catalog.model(FIXTURES / "gpt2.json")
+    assert arch.generic and arch.num_params() == 124_439_808 and arch.tie_word_embeddings
+    argv = [
+        "--model",
+        str(FIXTURES / "gpt2.json"),
+        "--gpu",
+        "h100-80gb",
+        "--num-gpus",
+        "8",
+        "--finetune",
+        "lora",
+        "--seq-len",
+        "1024",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "activations traced" in out and "0.124 B total" in out
+
+
+def test_unbuildable_config_is_exit_2_from_the_cli(capsys, tmp_path):
+    from memfit.estimate import main
+
+    d = _write(tmp_path, {**LLAMA_SMALL, "model_type": "my_llama"})
+    assert main(["--model", str(d), "--gpu", "h100-80gb", "--num-gpus", "8"]) == 2
     err = capsys.readouterr().err
-    assert "GPT-2-style" in err and "Traceback" not in err
+    assert "'my_llama'" in err and "Traceback" not in err
 
 
 def test_non_utf8_config_names_the_file(tmp_path):

@@ -8,12 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memfit.estimate.errors import UnsupportedArchitecture
 
-class UnsupportedArchitecture(ValueError):
-    """A config.json whose parameter count memfit cannot reproduce from the architecture (an
-    unknown model_type, or a field that changes the weights and is not modelled), or a checkpoint
-    whose weights disagree with its config.json. Refused, never guessed; the message names the
-    file and the field. A ValueError, so the CLIs report it as bad input (exit 2)."""
+__all__ = ["ModelArch", "UnsupportedArchitecture"]
 
 
 @dataclass(frozen=True)
@@ -77,12 +74,32 @@ class ModelArch:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # --- read from transformers (memfit.estimate.inventory) instead of hand-modelled ---
+    # The config.json (the text model's, for a multimodal wrapper) as canonical JSON, for every
+    # model_type without a hand-written card: the parameters come from the model transformers
+    # builds from it on the meta device, the activations from a traced step of it. "" for the
+    # hand-modelled types (hf_config.SUPPORTED_MODEL_TYPES).
+    hf_config: str = ""
 
     def __post_init__(self) -> None:
         # JSON round trips (memfit.estimate.trace sends the card to a child process) give lists.
         object.__setattr__(self, "aliases", tuple(self.aliases))
 
     # ------------------------------------------------------------------ structure
+
+    @property
+    def generic(self) -> bool:
+        """Parameters read from transformers' own model, not from this card's formulas."""
+        return bool(self.hf_config)
+
+    def inventory(self) -> Any:
+        """The parameters of the model transformers builds from `hf_config` (memfit.estimate.
+        inventory.Inventory); generic cards only."""
+        from memfit.estimate import inventory
+
+        if not self.hf_config:
+            raise ValueError(f"{self.name}: a hand-modelled card has no transformers inventory")
+        return inventory.inventory(self.hf_config, self.source or self.name)
 
     @property
     def is_moe(self) -> bool:
@@ -194,6 +211,9 @@ class ModelArch:
 
     def expert_params(self) -> int:
         """Parameters of one routed expert (no biases in any supported MoE)."""
+        if self.generic:
+            inv = self.inventory()
+            return inv.expert_numel // max(1, inv.num_experts * len(self.moe_layers()))
         return sum(i * o for i, o in self.expert_linear_shapes().values())
 
     def router_shape(self) -> tuple[int, int]:
@@ -238,6 +258,8 @@ class ModelArch:
 
     def layer_params(self, layer: int = 0) -> int:
         """Parameters of decoder layer `layer` (norms and biases included)."""
+        if self.generic:
+            return self.inventory().layer_numel(layer)
         mlp = (
             self._moe_mlp_params()
             if self.is_moe and not self.dense_layer_mask >> layer & 1
@@ -257,8 +279,11 @@ class ModelArch:
         modeling_glm, modeling_phi3, modeling_mixtral, modeling_qwen2_moe, modeling_qwen3_moe and
         modeling_deepseek_v3; the test suite checks the sum against the real modules on the meta
         device for every catalog model. Buffers are not parameters (DeepSeek's router
-        e_score_correction_bias, E floats per MoE layer, is a buffer).
+        e_score_correction_bias, E floats per MoE layer, is a buffer). Generic cards: what
+        transformers builds, counted (`inventory`).
         """
+        if self.generic:
+            return self.inventory().total
         h = self.hidden_size
         embeddings = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h  # Linear(h, V, bias=False)
@@ -273,6 +298,8 @@ class ModelArch:
         (Mixtral-8x7B: 12.9B of 46.7B, mistral.ai/news/mixtral-of-experts). Use it for FLOPs
         and per-token compute; memory for weights, gradients and optimizer states needs
         num_params() (every expert is resident)."""
+        if self.generic:
+            return self.num_params() - self.inventory().inactive
         skipped = self.num_experts - self.num_experts_per_tok
         return self.num_params() - len(self.moe_layers()) * skipped * self.expert_params()
 
@@ -296,9 +323,18 @@ class ModelArch:
 
         Build the model without allocating: `with torch.device("meta"):
         AutoModelForCausalLM.from_config(arch.to_hf_config())`. Multimodal Gemma-3 cards give the
-        text-only `gemma3_text` config (Gemma3ForCausalLM).
+        text-only `gemma3_text` config (Gemma3ForCausalLM). Generic cards: their own config.json
+        with `num_layers` layers (`inventory.with_layers`).
         """
         from transformers import AutoConfig  # heavy import, only when asked
+
+        if self.generic:
+            import json
+
+            from memfit.estimate import inventory
+
+            config = inventory.config_from_dict(json.loads(self.hf_config), self.source or self.name)
+            return inventory.with_layers(config, self.num_layers)
 
         mt = self.hf_model_type
         kwargs: dict[str, Any] = dict(

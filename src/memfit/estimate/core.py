@@ -113,12 +113,17 @@ def _activation_terms(job: Job, cand: Candidate, est: Estimate) -> Activations:
     """Analytic activations, or traced ones (with what the trace could not run said in a note)."""
     settings = job.settings
     analytic = activations(job.arch, cand, job.method, settings)
-    if settings.activations == "analytic":
+    if settings.activations == "analytic" and not job.arch.generic:
         return analytic
-    if settings.activations != "traced":
+    if settings.activations not in ("traced", "analytic"):
         raise EstimateError(f"activations must be analytic or traced, got {settings.activations!r}")
     fallback = traced_fallback_reason(job.arch, cand, settings)  # MoE cases the trace misses
-    if fallback:
+    if job.arch.generic:
+        est.notes.append(
+            f"{job.arch.model_type}: parameters counted on transformers' own model, activations "
+            f"traced (memfit has no formulas for this architecture)"
+        )
+    elif fallback:
         est.notes.append(f"activations from the formulas, not traced: {fallback}")
         return analytic
     traced = traced_activations(job.arch, cand, job.method, settings, analytic)

@@ -9,6 +9,7 @@ from dataclasses import MISSING
 from typing import Any
 
 from memfit.estimate.arch import ModelArch, UnsupportedArchitecture
+from memfit.estimate.generic import generic_arch
 
 # Class defaults transformers fills in when a config.json omits a field. The published Gemma-3
 # 4b/12b/27b config.json files are sparse (google/gemma-3-4b-it's text_config lists only
@@ -186,20 +187,31 @@ def _refuse_unmodelled(cfg: dict[str, Any], model_type: str, where: str) -> None
 def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source: str = "") -> ModelArch:
     """Build a ModelArch from the fields of a HF config.json (already parsed).
 
-    Supports `SUPPORTED_MODEL_TYPES`: llama, mistral, qwen2, qwen3, gemma3 (multimodal, nested
-    `text_config`) and gemma3_text, glm (glm-4-*-hf), chatglm (original THUDM field names), phi3,
-    and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe and deepseek_v3 (with multi-head
-    latent attention). Anything else (another model_type, GPT-2-style names, expert or latent-
-    attention fields on a type that does not have them) raises UnsupportedArchitecture naming
-    the field: a parameter count memfit cannot reproduce is refused, never guessed. `where`
-    names the file in error messages.
+    Hand-written cards for `SUPPORTED_MODEL_TYPES`: llama, mistral, qwen2, qwen3, gemma3
+    (multimodal, nested `text_config`) and gemma3_text, glm (glm-4-*-hf), chatglm (original
+    THUDM field names), phi3, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe and
+    deepseek_v3 (with multi-head latent attention): their formulas price a whole 72B search
+    space without building anything. Every other model_type in transformers' causal-LM mapping
+    (and a listed type with a field its card does not model, e.g. experts on a llama config)
+    gets a generic card (memfit.estimate.generic): parameters from the model transformers
+    builds, activations traced. Refused (UnsupportedArchitecture, naming the reason): no
+    model_type, a type transformers does not build as a causal LM, or a config its constructor
+    rejects. `where` names the file in error messages.
     """
     where = where or name
     model_type = str(cfg.get("model_type", "")).lower()
     if model_type == "chatglm" or (not model_type and ("padded_vocab_size" in cfg or "multi_query_group_num" in cfg)):
         return _from_chatglm(cfg, name, where, source)
-    cfg, model_type, vision_params = _unwrap_multimodal(cfg, model_type, where)
-    _refuse_unmodelled(cfg, model_type, where)
+    raw = cfg
+    try:
+        cfg, model_type, vision_params = _unwrap_multimodal(cfg, model_type, where)
+        _refuse_unmodelled(cfg, model_type, where)
+    except UnsupportedArchitecture:
+        if not model_type:
+            raise
+        # no hand-written card for it: the parameters from transformers' own model, the
+        # activations traced (memfit.estimate.generic)
+        return generic_arch(raw, name, where, source)
     defaults = _HF_DEFAULTS.get(model_type, {})
     get = _field_getter(cfg, defaults, where)
     hidden = int(get("hidden_size"))

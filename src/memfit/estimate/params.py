@@ -27,9 +27,17 @@ class ParamLayout:
     layers: tuple[tuple[int, ...], ...] = ()
     dense_linear_shapes: tuple[tuple[str, int, int], ...] = ()
     inactive: int = 0  # num_params() - num_active_params()
+    # Generic cards (read from transformers, memfit.estimate.inventory): every parameter
+    # tensor's numel in module order, and per decoder layer its modules as ZeRO-3 gathers
+    # them, (numel, bitsandbytes-quantizable nn.Linear), and its linears (name, in, out).
+    order: tuple[int, ...] = ()
+    units: tuple[tuple[tuple[int, bool], ...], ...] = ()
+    layer_linears: tuple[tuple[tuple[str, int, int], ...], ...] = ()
 
     def layer_linear_shapes(self, arch: ModelArch, layer: int) -> tuple[tuple[str, int, int], ...]:
         """nn.Linear (name, in, out) of decoder layer `layer`: what peft's "all-linear" adapts."""
+        if self.layer_linears:
+            return self.layer_linears[layer]
         if arch.is_moe and arch.dense_layer_mask >> layer & 1:
             return self.dense_linear_shapes
         return self.linear_shapes
@@ -91,6 +99,8 @@ def _moe_layer_tensors(arch: ModelArch) -> list[int]:
 @functools.lru_cache(maxsize=256)
 def param_layout(arch: ModelArch) -> ParamLayout:
     """Parameter tensors of the HF implementation. Matches `ModelArch.num_params()`."""
+    if arch.generic:
+        return _inventory_layout(arch.inventory())
     embed = arch.vocab_size * arch.hidden_size
     lm_head = 0 if arch.tie_word_embeddings else embed
     if not arch.is_moe:
@@ -126,6 +136,33 @@ def param_layout(arch: ModelArch) -> ParamLayout:
     )
 
 
+def _inventory_layout(inv) -> ParamLayout:
+    """The layout of a model transformers built (memfit.estimate.inventory.Inventory)."""
+    layers = tuple(tuple(n for m in inv.layer_modules(i) for n in m.numels) for i in range(inv.num_layers))
+    # the leaf name peft matches target_modules against (q_proj, c_attn, experts.0.w1 -> w1)
+    linears = tuple(
+        tuple((m.name.rsplit(".", 1)[-1], *m.linear) for m in inv.layer_modules(i) if m.linear)
+        for i in range(inv.num_layers)
+    )
+    top = max(range(inv.num_layers), key=lambda i: sum(layers[i]))
+    return ParamLayout(
+        total=inv.total,
+        embed=inv.embed,
+        lm_head=inv.lm_head,
+        per_layer=sum(layers[top]),
+        layer_tensors=layers[top],
+        linear_shapes=linears[top],
+        largest_module=max(sum(m.numels) for m in inv.modules),
+        layers=layers if len(set(layers)) > 1 else (),
+        inactive=inv.inactive,
+        order=tuple(n for m in inv.modules for n in m.numels),
+        units=tuple(
+            tuple((sum(m.numels), m.linear is not None) for m in inv.layer_modules(i)) for i in range(inv.num_layers)
+        ),
+        layer_linears=linears,
+    )
+
+
 def lora_targets(arch: ModelArch, settings: Settings, layer: int | None = None) -> tuple[tuple[str, int, int], ...]:
     """(name, in, out) of each adapted linear of one decoder layer (`layer`: which one, for MoE
     models whose dense layers hold other linears; default an MoE layer / any dense-model layer).
@@ -158,7 +195,15 @@ PEFT_ADAPTS_EXPERTS = ("mixtral", "qwen3_moe", "deepseek_v3")
 def lora_adapts_experts(arch: ModelArch, settings: Settings) -> bool:
     """Whether LoRA with the default targets ("all-linear") puts adapters on the routed experts
     and the router of every MoE layer (see PEFT_ADAPTS_EXPERTS)."""
-    return arch.is_moe and settings.lora_targets is None and arch.model_type in PEFT_ADAPTS_EXPERTS
+    if not (arch.is_moe and settings.lora_targets is None):
+        return False
+    if arch.generic:  # peft added more than the linears' adapters: the experts' (target_parameters)
+        from memfit.estimate import inventory
+
+        r = 8
+        linear = sum(r * (i + o) for shapes in param_layout(arch).layer_linears for _, i, o in shapes)
+        return inventory.lora_params(arch.hf_config, r, None) > linear
+    return arch.model_type in PEFT_ADAPTS_EXPERTS
 
 
 def expert_lora_params(arch: ModelArch, rank: int) -> int:
@@ -176,6 +221,10 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
     if cand.finetune == "full":
         return param_layout(arch).total
     r = cand.lora_rank
+    if arch.generic:  # what peft adds to the meta model, counted
+        from memfit.estimate import inventory
+
+        return inventory.lora_params(arch.hf_config, r, settings.lora_targets)
     if arch.is_moe:
         experts = expert_lora_params(arch, r) if lora_adapts_experts(arch, settings) else 0
         return len(arch.moe_layers()) * experts + sum(

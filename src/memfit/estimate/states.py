@@ -67,11 +67,14 @@ def zero3_subgroups(arch: ModelArch, world: int, sub_group_size: int) -> tuple[i
     are appended in module order until the running sum reaches sub_group_size."""
     layout = param_layout(arch)
     order = [layout.embed]
-    if layout.layers:  # MoE: dense and MoE layers differ
+    if layout.order:  # read from transformers: the module order itself
+        order = list(layout.order)
+    elif layout.layers:  # MoE: dense and MoE layers differ
         order += [n for tensors in layout.layers for n in tensors]
     else:
         order += list(layout.layer_tensors) * arch.num_layers
-    order += [arch.hidden_size] + ([layout.lm_head] if layout.lm_head else [])
+    if not layout.order:
+        order += [arch.hidden_size] + ([layout.lm_head] if layout.lm_head else [])
     parts = [-(-n // world) for n in order]
     if sum(parts) <= sub_group_size:
         return (sum(parts),)
@@ -218,6 +221,8 @@ def _zero3_layer_units(arch: ModelArch, layer: int) -> list[tuple[int, bool]]:
     forward order. Norms and biases are below the persistence threshold (`ds_persist`: never
     partitioned) and are left out."""
     layout = param_layout(arch)
+    if layout.units:  # read from transformers: each module that owns parameters
+        return list(layout.units[layer])
     units = [(i * o, True) for _, i, o in layout.layer_linear_shapes(arch, layer)]
     if arch.is_moe and not arch.dense_layer_mask >> layer & 1:
         fan_in, fan_out = arch.router_shape()

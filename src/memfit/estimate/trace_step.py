@@ -198,12 +198,13 @@ def _sft_loss_module():
 
 
 def _decoder_layers(model, arch: ModelArch, num_layers: int):
-    import torch
+    from memfit.estimate.inventory import decoder_layers
 
-    layers = [m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
-    if not layers or len(layers[0]) != num_layers:
-        raise TraceError(f"model {arch.name!r}: no decoder `layers` ModuleList to trace")
-    return layers[0]
+    # peft wraps the model (base_model.model...); the list of num_layers layers is found the same
+    _, layers = decoder_layers(model, num_layers)
+    if layers is None:
+        raise TraceError(f"model {arch.name!r}: no ModuleList of {num_layers} decoder layers to trace")
+    return layers
 
 
 def _drop_gradients(model) -> None:

@@ -23,7 +23,7 @@ def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings)
       trace's per-layer terms come from its first two layers;
     - LoRA with peft's expert adapters (`states.lora_adapts_experts`): the traced run misses the
       parametrized expert weights each layer keeps (seen in a real CPU measurement)."""
-    if not arch.is_moe:
+    if not arch.is_moe or arch.generic:  # generic cards have no formulas to fall back on
         return ""
     if arch.dense_layers:
         return (

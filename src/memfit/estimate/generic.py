@@ -1,0 +1,93 @@
+"""A `ModelArch` card for any model_type transformers builds as a causal LM (`generic_arch`): the
+sizes the time and activation terms name (hidden, layers, heads, vocabulary) read from the
+transformers config object, the parameters from the model itself (memfit.estimate.inventory),
+the activations from a traced step (memfit.estimate.trace). Multimodal wrappers (a config with
+a `text_config`) are estimated on their text model; the rest of the checkpoint (vision tower,
+projector) is counted and reported as `vision_params`, as for the hand-written Gemma-3 card."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from memfit.estimate import inventory
+from memfit.estimate.arch import ModelArch, UnsupportedArchitecture
+
+# Names transformers' configs give the context length (LlamaConfig max_position_embeddings,
+# GPT2Config n_positions, BloomConfig/MPT max_seq_len ...).
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len", "seq_length")
+
+
+def _first_int(config: Any, names: tuple[str, ...], default: int = 0) -> int:
+    for n in names:
+        try:
+            v = getattr(config, n, None)
+        except Exception:  # noqa: BLE001 - Gemma-4: a per-layer-type field has no one value
+            v = None
+        if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+            v = max(v)  # per-layer widths (Gemma-3n intermediate_size): the widest
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return default
+
+
+def _causal_lm_types() -> frozenset[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = "") -> ModelArch:
+    """The card of a config.json whose model_type memfit has no hand-written card for."""
+    where = where or name
+    model_type = str(cfg.get("model_type", "") or "")
+    config = inventory.config_from_dict(cfg, where)
+    text = config.get_text_config()
+    text_dict = dict(cfg)
+    if text is not config:  # a multimodal wrapper: its text model is what the estimate prices
+        text_dict = {k: v for k, v in text.to_dict().items() if not k.startswith("_")}
+    text_type = str(text_dict.get("model_type", "") or "")
+    if text_type not in _causal_lm_types():
+        raise UnsupportedArchitecture(
+            f"{where}: model_type {text_type or 'missing'!r} is not in transformers' "
+            f"AutoModelForCausalLM mapping (transformers {inventory.transformers_version()}), so "
+            f"memfit cannot build or train it"
+        )
+    canonical = json.dumps(text_dict, sort_keys=True, default=str)
+    inv = inventory.inventory(canonical, where)
+    vision_params = 0
+    if text is not config:
+        vision_params = max(0, inventory.wrapper_params(config, where) - inv.total)
+    text = inventory.config_from_dict(json.loads(canonical), where)
+    hidden = _first_int(text, ("hidden_size", "d_model", "n_embd"))
+    heads = _first_int(text, ("num_attention_heads", "n_head", "num_heads"), default=1)
+    if not hidden:
+        raise UnsupportedArchitecture(f"{where}: the config names no hidden size (hidden_size)")
+    moe_layers = {m.layer for m in inv.modules if m.expert and m.layer is not None}
+    dense_mask = 0
+    if inv.num_experts:
+        for i in range(inv.num_layers):
+            if i not in moe_layers:
+                dense_mask |= 1 << i
+    window = getattr(text, "sliding_window", None)
+    return ModelArch(
+        name=name,
+        model_type=str(text.model_type),
+        hidden_size=hidden,
+        intermediate_size=_first_int(text, ("intermediate_size", "n_inner", "ffn_hidden_size"), default=4 * hidden),
+        num_layers=inv.num_layers,
+        num_attention_heads=heads,
+        num_kv_heads=_first_int(text, ("num_key_value_heads", "num_kv_heads"), default=heads),
+        head_dim=_first_int(text, ("head_dim",), default=max(1, hidden // heads)),
+        vocab_size=inv.embed // hidden if inv.embed else _first_int(text, ("vocab_size",)),
+        max_position_embeddings=_first_int(text, _CONTEXT_FIELDS),
+        tie_word_embeddings=inv.tied,
+        sliding_window=window if isinstance(window, int) and window > 0 else None,
+        source=source,
+        vision_params=vision_params,
+        num_experts=inv.num_experts,
+        num_experts_per_tok=inv.experts_per_token,
+        moe_intermediate_size=_first_int(text, ("moe_intermediate_size", "expert_intermediate_size")),
+        dense_layer_mask=dense_mask,
+        hf_config=canonical,
+    )

@@ -1,0 +1,271 @@
+"""Parameters read from transformers itself: the model a config.json describes, built with
+`AutoModelForCausalLM.from_config` on the meta device (shapes and dtypes, no storage), and every
+parameter's name, shape and module listed (`inventory`); the `ParamLayout` the estimator's ZeRO,
+LoRA, QLoRA, DPO-reference and host terms use, computed from that list (`layout`); and the
+parameters peft's LoRA adds, counted by applying peft to the same meta model (`lora_params`).
+
+This is how memfit estimates an architecture it has no hand-written card for (any model_type in
+transformers' causal-LM mapping, `ModelArch.hf_config` set): nothing about the weights is
+modelled, so nothing can be missed. The hand-written cards (memfit.estimate.arch) stay for the
+13 types they cover; tests/test_inventory.py holds the two equal.
+
+Decoder layers are the `nn.ModuleList` with `num_hidden_layers` entries holding the most
+parameters (every transformers decoder keeps its layers in one: `model.layers`, GPT-2's `h`,
+Falcon's `h`, Mamba's `layers`); experts are the parameters under a module named `experts`
+(transformers >= 5 fuses them into 3D parameters, `MixtralExperts`; older ports keep a
+ModuleList of MLPs: both are found by the name). Imports torch and transformers lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from memfit.estimate.errors import UnsupportedArchitecture
+
+# Config fields naming the routed experts and the experts each token runs through, across
+# transformers' MoE configs (MixtralConfig num_local_experts, Qwen2MoeConfig num_experts,
+# DeepseekV3Config n_routed_experts, GptOssConfig num_local_experts, Llama4TextConfig
+# num_local_experts, DbrxFFNConfig moe_num_experts, JambaConfig num_experts ...).
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "moe_top_k", "top_k", "moe_topk", "num_selected_experts")
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module that owns parameters (`recurse=False`): what ZeRO-3 gathers as one unit."""
+
+    name: str  # qualified name in the model
+    cls: str  # class name (Linear, Conv1D, LlamaRMSNorm, MixtralExperts ...)
+    numels: tuple[int, ...]  # its own parameters, in registration order
+    linear: tuple[int, int] | None  # (in, out) for nn.Linear / transformers Conv1D: LoRA targets
+    layer: int | None  # decoder layer index, None outside the layers
+    expert: bool  # under a module named `experts`
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """Every parameter-owning module of the model, in registration order, and what it is."""
+
+    model_type: str
+    class_name: str  # the transformers class AutoModelForCausalLM builds
+    modules: tuple[Module, ...]
+    num_layers: int
+    total: int  # every parameter once (tied embeddings once)
+    embed: int  # the input embedding (get_input_embeddings)
+    lm_head: int  # the output embedding (get_output_embeddings); 0 when tied
+    tied: bool
+    buffers: int  # bytes of the buffers (rotary tables, router biases ...)
+    num_experts: int  # routed experts per MoE layer (0: dense), from the config
+    experts_per_token: int  # top-k (== num_experts when the config names none)
+    vision_params: int = 0  # a multimodal wrapper's parameters outside its text model
+
+    def layer_modules(self, layer: int) -> tuple[Module, ...]:
+        return tuple(m for m in self.modules if m.layer == layer)
+
+    def layer_numel(self, layer: int) -> int:
+        return sum(sum(m.numels) for m in self.layer_modules(layer))
+
+    @property
+    def expert_numel(self) -> int:
+        return sum(sum(m.numels) for m in self.modules if m.expert)
+
+    @property
+    def inactive(self) -> int:
+        """Parameters of the routed experts a token skips: (E - k) / E of every expert."""
+        if not self.num_experts:
+            return 0
+        return self.expert_numel * (self.num_experts - self.experts_per_token) // self.num_experts
+
+
+def config_from_dict(cfg: dict[str, Any], where: str = "config.json") -> Any:
+    """A transformers PretrainedConfig from a parsed config.json (`AutoConfig.for_model`)."""
+    from transformers import AutoConfig
+
+    fields = dict(cfg)
+    model_type = str(fields.pop("model_type", "") or "")
+    if not model_type:
+        raise UnsupportedArchitecture(
+            f"{where}: config.json has no 'model_type': transformers cannot tell which model it is"
+        )
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UnsupportedArchitecture(
+            f"{where}: transformers cannot read this config (model_type {model_type!r}): {exc}"
+        ) from None
+
+
+def with_layers(config: Any, num_layers: int, kinds: tuple[Any, ...] | None = None) -> Any:
+    """A copy of `config` with `num_layers` decoder layers: num_hidden_layers set and every
+    per-layer list (a list with one entry per layer: layer_types, no_rope_layers, ...) cut to
+    its first `num_layers` entries, or, with `kinds`, `layer_types` set to them."""
+    import copy
+
+    layers = int(config.num_hidden_layers)
+    out = copy.deepcopy(config)
+    for key, value in list(vars(out).items()):
+        if isinstance(value, list) and len(value) == layers and layers != num_layers:
+            setattr(out, key, value[:num_layers])
+    out.num_hidden_layers = num_layers
+    if kinds is not None:
+        out.layer_types = list(kinds)
+    return out
+
+
+def build_meta(config: Any, where: str = "config.json") -> Any:
+    """`AutoModelForCausalLM.from_config(config)` on the meta device: shapes, no storage."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises is the refusal's reason
+        raise UnsupportedArchitecture(
+            f"{where}: transformers {transformers_version()} cannot build model_type {config.model_type!r} with "
+            f"AutoModelForCausalLM: {type(exc).__name__}: {str(exc)[:300]}"
+        ) from None
+
+
+def wrapper_params(config: Any, where: str = "config.json") -> int:
+    """Parameters of a whole multimodal checkpoint (vision tower, projector and text model): the
+    class transformers builds for it as a causal LM, else as image-text-to-text, else its base
+    model (AutoModel), on the meta device."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel):
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(config)
+        except (ValueError, KeyError):
+            continue
+        return int(sum(p.numel() for p in model.parameters()))
+    raise UnsupportedArchitecture(f"{where}: transformers builds no model of this {config.model_type} checkpoint")
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def decoder_layers(model: Any, num_layers: int) -> tuple[str, Any]:
+    """(qualified name, ModuleList) of the decoder layers: the ModuleList of num_hidden_layers
+    entries holding the most parameters."""
+    import torch
+
+    best: tuple[int, str, Any] | None = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers:
+            n = sum(p.numel() for p in mod.parameters())
+            if best is None or n > best[0]:
+                best = (n, name, mod)
+    if best is None:
+        return "", None
+    return best[1], best[2]
+
+
+def _linear_shape(mod: Any) -> tuple[int, int] | None:
+    """(in, out) of the modules peft's "all-linear" adapts: nn.Linear and transformers' Conv1D
+    (peft/tuners/tuners_utils.py `_maybe_include_all_linear_layers`: `(nn.Linear, Conv1D)`)."""
+    import torch
+
+    if isinstance(mod, torch.nn.Linear):
+        return (mod.in_features, mod.out_features)
+    if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf"):  # transformers.pytorch_utils.Conv1D: weight (in, out)
+        return (int(mod.weight.shape[0]), int(mod.nf))
+    return None
+
+
+def _int_field(config: Any, names: tuple[str, ...]) -> int:
+    for n in names:
+        v = getattr(config, n, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return 0
+
+
+def inventory_of(model: Any, config: Any) -> Inventory:
+    """The inventory of a built (meta) model."""
+    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    layers_name, layers = decoder_layers(model, num_layers)
+    prefix = f"{layers_name}." if layers_name else None
+    seen: set[int] = set()
+    modules = []
+    for name, mod in model.named_modules():
+        own = [p for p in mod.parameters(recurse=False) if id(p) not in seen]
+        if not own:
+            continue
+        seen.update(id(p) for p in own)
+        layer = None
+        if prefix and name.startswith(prefix):
+            layer = int(name[len(prefix) :].split(".", 1)[0])
+        parts = name.split(".")
+        modules.append(
+            Module(
+                name=name,
+                cls=type(mod).__name__,
+                numels=tuple(int(p.numel()) for p in own),
+                linear=_linear_shape(mod),
+                layer=layer,
+                expert="experts" in parts[:-1] or parts[-1] == "experts",
+            )
+        )
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    embed = int(emb.weight.numel()) if emb is not None else 0
+    tied = out is not None and emb is not None and out.weight is emb.weight
+    lm_head = int(out.weight.numel()) if (out is not None and not tied) else 0
+    experts = _int_field(config, EXPERT_FIELDS)
+    top_k = _int_field(config, TOP_K_FIELDS) or experts
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return Inventory(
+        model_type=str(config.model_type),
+        class_name=type(model).__name__,
+        modules=tuple(modules),
+        num_layers=num_layers if layers is not None else 0,
+        total=sum(sum(m.numels) for m in modules),
+        embed=embed,
+        lm_head=lm_head,
+        tied=tied,
+        buffers=int(buffers),
+        num_experts=experts if any(m.expert for m in modules) else 0,
+        experts_per_token=min(top_k, experts) if experts else 0,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def inventory(config_json: str, where: str = "config.json") -> Inventory:
+    """The inventory of the causal LM a config.json (as canonical JSON, hashable) describes."""
+    config = config_from_dict(json.loads(config_json), where)
+    inv = inventory_of(build_meta(config, where), config)
+    if inv.num_layers == 0:
+        raise UnsupportedArchitecture(
+            f"{where}: {inv.class_name} has no list of {getattr(config, 'num_hidden_layers', '?')} decoder "
+            f"layers (num_hidden_layers) memfit can find"
+        )
+    return inv
+
+
+@functools.lru_cache(maxsize=256)
+def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) -> int:
+    """Parameters peft adds with LoraConfig(r=rank, target_modules=targets or "all-linear"),
+    counted on the meta model: whatever peft adapts (attention, MLPs, shared experts, and the
+    routed experts' 3D parameters where peft maps them, `target_parameters`), exactly."""
+    from peft import LoraConfig, get_peft_model
+
+    config = config_from_dict(json.loads(config_json))
+    model = build_meta(config)
+    before = sum(p.numel() for p in model.parameters())
+    lora = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=list(targets) if targets else "all-linear", task_type="CAUSAL_LM"
+    )
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ValueError as exc:  # peft names the target it did not find
+        raise UnsupportedArchitecture(f"LoRA targets {targets or 'all-linear'} on {config.model_type}: {exc}") from None
+    return int(sum(p.numel() for p in peft_model.parameters()) - before)
