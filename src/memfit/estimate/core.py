@@ -24,9 +24,9 @@ from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import model_states
-from memfit.estimate.traced import prefetch_traces, traced_activations, traced_fallback_reason
+from memfit.estimate.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
 from memfit.estimate.trainer_terms import apply_trainer_terms
-from memfit.estimate.validity import check_arch, hardware_problems, planning_notes
+from memfit.estimate.validity import check_arch, hardware_problems, model_problems, planning_notes
 from memfit.space import Candidate
 from memfit.units import GIB
 
@@ -128,7 +128,12 @@ def _activation_terms(job: Job, cand: Candidate, est: Estimate) -> Activations:
         return analytic
     traced = traced_activations(job.arch, cand, job.method, settings, analytic)
     est.activations_source = "traced"
-    if cand.attn == "flash":
+    if cand.attn == "flash" and trace_attn(job.arch, cand.attn) == "eager":
+        est.notes.append(
+            f"activations traced with eager attention: FlashAttention-2 cannot run on the CPU and "
+            f"{job.arch.model_type} has no SDPA path; its materialised scores make this an upper bound"
+        )
+    elif cand.attn == "flash":
         est.notes.append(
             "activations traced with sdpa: FlashAttention-2 cannot run on the CPU; SDPA's CPU "
             "kernel keeps the same tensors (output and log-sum-exp)"
@@ -178,7 +183,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     budget = job.budget_bytes
     est.device_memory_bytes = int(budget if budget is not None else gpu.memory_bytes)
     est.host_memory_bytes = est.device_memory_bytes if _one_pool(job) else int(host_gb * 1e9)
-    problems = hardware_problems(gpu, cand)
+    problems = hardware_problems(gpu, cand) + model_problems(arch, cand)
     if problems:
         est.invalid, est.reason = True, "; ".join(problems)
         return est
@@ -208,7 +213,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     est.device_total_bytes = est.peak_reserved_bytes + overheads
     breakdown["overheads"] = fragmented + overheads
     est.breakdown = {k: int(v) for k, v in breakdown.items()}
-    if cand.attn == "eager":
+    if cand.attn == "eager" and not model_problems(arch, dataclasses.replace(cand, attn="sdpa")):
         _eager_attention_cost(job, cand, est)
     host = host_memory(arch, cand, gpu, states, job.num_gpus, world, settings)
     est.host_breakdown, est.host_phases, est.host_bytes = host.breakdown, host.phases, host.peak
@@ -314,7 +319,8 @@ def fit(
     or the hardware cannot run it."""
     if maximize not in ("seq_len", "micro_batch"):
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
-    hi = upper or (arch.max_position_embeddings if maximize == "seq_len" else 65536)
+    # seq_len: up to the model's context; a model that states none (Mamba) and the batch: 65,536
+    hi = upper or ((arch.max_position_embeddings or 65536) if maximize == "seq_len" else 65536)
     job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
 
     def at(value: int) -> Estimate:

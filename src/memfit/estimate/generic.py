@@ -38,8 +38,16 @@ def _causal_lm_types() -> frozenset[str]:
 
 
 def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = "") -> ModelArch:
-    """The card of a config.json whose model_type memfit has no hand-written card for."""
+    """The card of a config.json whose model_type memfit has no hand-written card for. Its
+    fields are cached with the inventory (`inventory.cached`): a cache hit imports no
+    transformers code, so the catalog's flagship entries load in milliseconds."""
     where = where or name
+    text = json.dumps(cfg, sort_keys=True, default=str)
+    fields = inventory.cached("card", text, lambda: _card_fields(cfg, where))
+    return ModelArch(name=name, source=source, **fields)
+
+
+def _card_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     model_type = str(cfg.get("model_type", "") or "")
     config = inventory.config_from_dict(cfg, where)
     text = config.get_text_config()
@@ -70,8 +78,7 @@ def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = 
             if i not in moe_layers:
                 dense_mask |= 1 << i
     window = getattr(text, "sliding_window", None)
-    return ModelArch(
-        name=name,
+    return dict(
         model_type=str(text.model_type),
         hidden_size=hidden,
         intermediate_size=_first_int(text, ("intermediate_size", "n_inner", "ffn_hidden_size"), default=4 * hidden),
@@ -83,7 +90,6 @@ def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = 
         max_position_embeddings=_first_int(text, _CONTEXT_FIELDS),
         tie_word_embeddings=inv.tied,
         sliding_window=window if isinstance(window, int) and window > 0 else None,
-        source=source,
         vision_params=vision_params,
         num_experts=inv.num_experts,
         num_experts_per_tok=inv.experts_per_token,

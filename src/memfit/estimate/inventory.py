@@ -18,9 +18,13 @@ ModuleList of MLPs: both are found by the name). Imports torch and transformers 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from memfit.estimate.errors import UnsupportedArchitecture
@@ -30,7 +34,9 @@ from memfit.estimate.errors import UnsupportedArchitecture
 # DeepseekV3Config n_routed_experts, GptOssConfig num_local_experts, Llama4TextConfig
 # num_local_experts, DbrxFFNConfig moe_num_experts, JambaConfig num_experts ...).
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
-TOP_K_FIELDS = ("num_experts_per_tok", "moe_top_k", "top_k", "moe_topk", "num_selected_experts")
+TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "top_k", "moe_topk", "num_selected_experts")
+INVENTORY_FORMAT = 1  # bump when what an inventory holds changes (old cache files are then ignored)
+ENV_CACHE = "MEMFIT_TRACE_CACHE"  # the trace cache; inventories live in its `inventory` folder
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,10 @@ class Inventory:
     buffers: int  # bytes of the buffers (rotary tables, router biases ...)
     num_experts: int  # routed experts per MoE layer (0: dense), from the config
     experts_per_token: int  # top-k (== num_experts when the config names none)
-    vision_params: int = 0  # a multimodal wrapper's parameters outside its text model
+    # memfit's attention names (eager, sdpa, flash) the class implements (transformers'
+    # PreTrainedModel `_supports_sdpa`, `_supports_flash_attn`): gpt-oss has no SDPA path,
+    # Mamba and RWKV only their own kernels ("eager")
+    attn: tuple[str, ...] = ("eager", "sdpa", "flash")
 
     def layer_modules(self, layer: int) -> tuple[Module, ...]:
         return tuple(m for m in self.modules if m.layer == layer)
@@ -235,37 +244,141 @@ def inventory_of(model: Any, config: Any) -> Inventory:
         buffers=int(buffers),
         num_experts=experts if any(m.expert for m in modules) else 0,
         experts_per_token=min(top_k, experts) if experts else 0,
+        attn=tuple(
+            a
+            for a, flag in (("eager", True), ("sdpa", "_supports_sdpa"), ("flash", "_supports_flash_attn"))
+            if flag is True or getattr(type(model), flag, False) is True
+        ),
     )
+
+
+def cache_root() -> Path:
+    """The trace cache ($MEMFIT_TRACE_CACHE, else ~/.cache/memfit/traces)."""
+    env = os.environ.get(ENV_CACHE)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "memfit" / "traces"
+
+
+def _versions() -> str:
+    from importlib.metadata import version  # no torch import for a cache hit
+
+    return ",".join(f"{p}={version(p)}" for p in ("torch", "transformers", "peft"))
+
+
+def _from_json(d: dict[str, Any]) -> Inventory:
+    mods = tuple(
+        Module(**{**m, "numels": tuple(m["numels"]), "linear": tuple(m["linear"]) if m["linear"] else None})
+        for m in d["modules"]
+    )
+    return Inventory(**{**d, "modules": mods, "attn": tuple(d["attn"])})
+
+
+def cached(kind: str, text: str, compute: Any) -> Any:
+    """`compute()`'s JSON answer for `text` (a canonical config), cached in
+    `cache_root()/inventory` under a hash of the text and the torch, transformers and peft
+    versions; written atomically (temporary file + os.replace). A read-only or broken cache
+    costs the recomputation, nothing else."""
+    key = hashlib.sha256(f"{INVENTORY_FORMAT}|{_versions()}|{kind}|{text}".encode()).hexdigest()[:24]
+    path = cache_root() / "inventory" / f"{kind}-{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    value = compute()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return value
 
 
 @functools.lru_cache(maxsize=64)
 def inventory(config_json: str, where: str = "config.json") -> Inventory:
-    """The inventory of the causal LM a config.json (as canonical JSON, hashable) describes."""
-    config = config_from_dict(json.loads(config_json), where)
-    inv = inventory_of(build_meta(config, where), config)
-    if inv.num_layers == 0:
-        raise UnsupportedArchitecture(
-            f"{where}: {inv.class_name} has no list of {getattr(config, 'num_hidden_layers', '?')} decoder "
-            f"layers (num_hidden_layers) memfit can find"
-        )
-    return inv
+    """The inventory of the causal LM a config.json (as canonical JSON, hashable) describes;
+    cached (`cached`): building a 671B model on the meta device takes about a second and
+    imports its modeling code, reading the file milliseconds."""
+
+    def build() -> dict[str, Any]:
+        config = config_from_dict(json.loads(config_json), where)
+        inv = inventory_of(build_meta(config, where), config)
+        if inv.num_layers == 0:
+            raise UnsupportedArchitecture(
+                f"{where}: {inv.class_name} has no list of {getattr(config, 'num_hidden_layers', '?')} "
+                f"decoder layers (num_hidden_layers) memfit can find"
+            )
+        return dataclasses.asdict(inv)
+
+    d = cached("inventory", config_json, build)
+    try:
+        return _from_json(d)
+    except (TypeError, KeyError):  # a file from another layout of the same format: rebuild
+        return _from_json(build())
+
+
+def _matches(name: str, targets: tuple[str, ...] | None, head: str) -> bool:
+    """peft's module matching: "all-linear" is every linear but the output embedding
+    (tuners_utils `_maybe_include_all_linear_layers`); a list matches a module whose name is a
+    target or ends with "." + target (tuners_utils `check_target_module_exists`)."""
+    if targets is None:
+        return name != head
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def _linear_lora(inv: Inventory, rank: int, targets: tuple[str, ...] | None, head: str) -> int:
+    # peft LoraLayer.update_layer: lora_A Linear(in, r), lora_B Linear(r, out), no biases
+    return sum(rank * sum(m.linear) for m in inv.modules if m.linear and _matches(m.name, targets, head))
 
 
 @functools.lru_cache(maxsize=256)
 def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) -> int:
-    """Parameters peft adds with LoraConfig(r=rank, target_modules=targets or "all-linear"),
-    counted on the meta model: whatever peft adapts (attention, MLPs, shared experts, and the
-    routed experts' 3D parameters where peft maps them, `target_parameters`), exactly."""
+    """Parameters peft adds with LoraConfig(r=rank, target_modules=targets or "all-linear").
+
+    The adapters of the nn.Linear/Conv1D modules from the inventory (r x (in + out) each); what
+    peft adds beyond them (the routed experts' 3D parameters, `target_parameters`, where peft
+    maps an MoE model's experts) is counted by applying peft to the model cut to its first MoE
+    layer on the meta device, and multiplied by the MoE layers (every MoE layer holds the same
+    experts). tests/test_inventory.py checks the sum against peft on the whole model."""
+    inv = inventory(config_json)
+    head = _head_name(config_json)
+    linear = _linear_lora(inv, rank, targets, head)
+    if targets is not None and not linear:
+        names = sorted({m.name.rsplit(".", 1)[-1] for m in inv.modules if m.linear and m.name != head})
+        raise UnsupportedArchitecture(f"LoRA targets {list(targets)} match no linear layer of {inv.model_type}: {names}")
+    moe_layers = sorted({m.layer for m in inv.modules if m.expert and m.layer is not None})
+    if not moe_layers or targets is not None:  # named targets: peft adapts those modules only
+        return linear
+    config = with_layers(config_from_dict(json.loads(config_json)), moe_layers[0] + 1)
+    small = inventory_of(build_meta(config), config)
+    extra = _peft_params(config, rank, targets) - _linear_lora(small, rank, targets, head)
+    return linear + len(moe_layers) * extra
+
+
+def _head_name(config_json: str) -> str:
+    def find() -> str:
+        model = build_meta(config_from_dict(json.loads(config_json)))
+        head = model.get_output_embeddings()
+        return next((n for n, m in model.named_modules() if m is head), "")
+
+    return str(cached("head", config_json, find))
+
+
+def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None) -> int:
+    """What peft's get_peft_model adds to the meta model of `config`."""
+    import warnings
+
     from peft import LoraConfig, get_peft_model
 
-    config = config_from_dict(json.loads(config_json))
     model = build_meta(config)
     before = sum(p.numel() for p in model.parameters())
     lora = LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=list(targets) if targets else "all-linear", task_type="CAUSAL_LM"
     )
     try:
-        peft_model = get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            peft_model = get_peft_model(model, lora)
     except ValueError as exc:  # peft names the target it did not find
         raise UnsupportedArchitecture(f"LoRA targets {targets or 'all-linear'} on {config.model_type}: {exc}") from None
     return int(sum(p.numel() for p in peft_model.parameters()) - before)

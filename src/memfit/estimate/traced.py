@@ -5,12 +5,14 @@ space's architectures ahead, in parallel (`prefetch_traces`)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.params import lora_adapts_experts
 from memfit.estimate.settings import EstimateError, Settings
-from memfit.estimate.validity import hardware_problems
+from memfit.estimate.validity import hardware_problems, model_problems
 from memfit.space import Candidate
 
 
@@ -38,6 +40,17 @@ def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings)
     return ""
 
 
+def trace_attn(arch: ModelArch, attn: str) -> str:
+    """The attention the CPU trace runs for `attn`: FlashAttention-2 as SDPA (trace.traced_attn),
+    or as eager where the class has no SDPA (gpt-oss: an upper bound, its scores materialised)."""
+    from memfit.estimate import trace
+
+    traced = trace.traced_attn(attn)
+    if traced == "sdpa" and arch.generic and "sdpa" not in arch.inventory().attn:
+        return "eager"
+    return traced
+
+
 def traced_activations(
     arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
 ) -> Activations:
@@ -59,7 +72,7 @@ def traced_activations(
         traced = trace.layer_trace(
             arch,
             cand.seq_len,
-            cand.attn,
+            trace_attn(arch, cand.attn),
             cand.precision,
             cand.grad_ckpt,
             cand.finetune,
@@ -107,12 +120,13 @@ def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -
 
     requests = {}
     for c in candidates:
-        if hardware_problems(gpu, c) or traced_fallback_reason(arch, c, settings):
+        if hardware_problems(gpu, c) or model_problems(arch, c) or traced_fallback_reason(arch, c, settings):
             continue
-        for attn in {c.attn, "sdpa"} if c.attn == "eager" else {c.attn}:
+        fused = not model_problems(arch, dataclasses.replace(c, attn="sdpa"))
+        for attn in {c.attn, "sdpa"} if (c.attn == "eager" and fused) else {c.attn}:
             r = trace.TraceRequest(
                 c.seq_len,
-                trace.traced_attn(attn),
+                trace_attn(arch, attn),
                 c.precision,
                 c.grad_ckpt,
                 trace.traced_finetune(c.finetune),

@@ -35,9 +35,30 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
     return out
 
 
+def model_problems(arch: ModelArch, cand: Candidate) -> list[str]:
+    """What the model's transformers class cannot run (generic cards: read from the class)."""
+    if not arch.generic:
+        return []
+    inv = arch.inventory()
+    if cand.attn in inv.attn:
+        return []
+    return [
+        f"{inv.class_name} implements no {cand.attn} attention in transformers "
+        f"{_transformers_version()} (attn choices for it: {', '.join(inv.attn)})"
+    ]
+
+
+def _transformers_version() -> str:
+    from importlib.metadata import version
+
+    return version("transformers")
+
+
 def unsupported_features(arch: ModelArch) -> list[str]:
     """Parts of an architecture the formulas do not model (refused, never guessed)."""
-    out = []
+    out: list[str] = []
+    if arch.generic:  # parameters from transformers' model, activations traced: nothing modelled
+        return out
     if arch.uses_mla:
         out.append(
             f"multi-head latent attention (kv_lora_rank={arch.kv_lora_rank}, "
