@@ -42,8 +42,9 @@ VOCABULARY = ("memfit", "memfit.space", "memfit.units", "memfit.atomic")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "memfit.data": (),
     "memfit.train": ("memfit.data",),
-    # the estimator traces the real loss code (memfit.estimate.trace_step, logits)
-    "memfit.estimate": ("memfit.data", "memfit.train.losses", "memfit.train.vocab_loss"),
+    # the estimator traces the real loss code (memfit.estimate.trace_step, logits) and measures
+    # tiny models' steps with the trainer's tracker (memfit.estimate.coverage)
+    "memfit.estimate": ("memfit.data", "memfit.train.losses", "memfit.train.vocab_loss", "memfit.train.memory"),
     "memfit.exports": ("memfit.train.run_config",),
     "memfit.workflow": ("memfit.data", "memfit.train", "memfit.estimate", "memfit.exports"),
     "memfit.results": ("memfit.data", "memfit.train", "memfit.estimate", "memfit.exports", "memfit.workflow"),

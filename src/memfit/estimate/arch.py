@@ -80,10 +80,15 @@ class ModelArch:
     # builds from it on the meta device, the activations from a traced step of it. "" for the
     # hand-modelled types (hf_config.SUPPORTED_MODEL_TYPES).
     hf_config: str = ""
+    # A generic card standing for one kind of its model's decoder layers (generic.layer_groups):
+    # the indices of two layers of that kind (the same index twice when there is one); the trace
+    # builds the model up to them and keeps only them. () for the whole model.
+    layer_kind: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # JSON round trips (memfit.estimate.trace sends the card to a child process) give lists.
         object.__setattr__(self, "aliases", tuple(self.aliases))
+        object.__setattr__(self, "layer_kind", tuple(self.layer_kind))
 
     # ------------------------------------------------------------------ structure
 

@@ -26,7 +26,8 @@ from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import model_states
 from memfit.estimate.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
 from memfit.estimate.trainer_terms import apply_trainer_terms
-from memfit.estimate.validity import check_arch, hardware_problems, model_problems, planning_notes
+from memfit.estimate.generic import generic_arch
+from memfit.estimate.validity import check_arch, hardware_problems, model_problems, planning_notes, unsupported_features
 from memfit.space import Candidate
 from memfit.units import GIB
 
@@ -89,6 +90,16 @@ class Job:
     @property
     def world(self) -> int:
         return self.num_gpus * self.num_nodes
+
+
+def _estimable(arch: ModelArch) -> ModelArch:
+    """A hand-written card with a feature its formulas do not model (DeepSeek's multi-head
+    latent attention, an MoE router they do not follow) is estimated as transformers builds it:
+    the generic card of the same config (parameters counted, activations traced)."""
+    if arch.generic or not unsupported_features(arch):
+        return arch
+    config = arch.to_hf_config()
+    return generic_arch({**config.to_diff_dict(), "model_type": config.model_type}, arch.name, source=arch.source)
 
 
 def _check_inputs(job: Job, cand: Candidate) -> None:
@@ -271,7 +282,7 @@ def estimate(
     Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
     `EstimateError`.
     """
-    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
+    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
     return _estimate(job, cand or Candidate())
 
 
@@ -290,7 +301,7 @@ def estimate_space(
     candidates = list(candidates)
     if settings.activations == "traced":
         prefetch_traces(arch, gpu, candidates, settings)
-    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
     rows = []
     for cand in candidates:
         row = _estimate(job, cand).to_dict()
@@ -321,7 +332,7 @@ def fit(
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
     # seq_len: up to the model's context; a model that states none (Mamba) and the batch: 65,536
     hi = upper or ((arch.max_position_embeddings or 65536) if maximize == "seq_len" else 65536)
-    job = Job(arch, gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
+    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
 
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))

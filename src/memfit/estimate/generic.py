@@ -7,6 +7,7 @@ projector) is counted and reported as `vision_params`, as for the hand-written G
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -97,3 +98,30 @@ def _card_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         dense_layer_mask=dense_mask,
         hf_config=canonical,
     )
+
+
+def layer_groups(arch: ModelArch) -> tuple[tuple[int, ModelArch, str], ...]:
+    """The kinds of decoder layer a model mixes, each as (how many, a card standing for that
+    kind, its label): layers differ when their `config.layer_types` entries differ (sliding vs
+    full attention, linear attention, Mamba vs attention ...) or their parameter-owning modules
+    do (MoE vs dense MLP, a layer without attention: the inventory). The trace measures each
+    kind on its own: the card's `layer_kind` names two layers of it, and the traced model keeps
+    only those (trace_step.build_model). `((L, arch, ""),)` when every layer is alike."""
+    if not arch.generic or arch.layer_kind:
+        return ((arch.num_layers, arch, ""),)
+    inv = arch.inventory()
+    types = getattr(inventory.config_from_dict(json.loads(arch.hf_config), arch.name), "layer_types", None)
+    types = list(types) if isinstance(types, list) and len(types) == arch.num_layers else None
+    kinds: dict[Any, list[int]] = {}
+    for i in range(arch.num_layers):
+        modules = tuple((m.cls, m.numels) for m in inv.layer_modules(i))
+        kinds.setdefault((types[i] if types else None, modules), []).append(i)
+    if len(kinds) == 1:
+        return ((arch.num_layers, arch, ""),)
+    groups = []
+    for (kind, modules), ids in kinds.items():
+        experts = any(m.expert for m in inv.layer_modules(ids[0]))
+        label = " ".join(x for x in (str(kind or ""), "MoE" if experts else "") if x) or f"like layer {ids[0]}"
+        pair = (ids[0], ids[1] if len(ids) > 1 else ids[0])
+        groups.append((len(ids), dataclasses.replace(arch, layer_kind=pair), label))
+    return tuple(groups)

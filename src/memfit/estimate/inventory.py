@@ -101,7 +101,7 @@ def config_from_dict(cfg: dict[str, Any], where: str = "config.json") -> Any:
         )
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the config class's own validation, named below
         raise UnsupportedArchitecture(
             f"{where}: transformers cannot read this config (model_type {model_type!r}): {exc}"
         ) from None
@@ -164,18 +164,19 @@ def transformers_version() -> str:
 
 def decoder_layers(model: Any, num_layers: int) -> tuple[str, Any]:
     """(qualified name, ModuleList) of the decoder layers: the ModuleList of num_hidden_layers
-    entries holding the most parameters."""
+    entries holding the most parameters, else (a config whose num_hidden_layers names another
+    stack: BigBird-Pegasus' encoder) the ModuleList holding the most parameters."""
     import torch
 
-    best: tuple[int, str, Any] | None = None
+    best: tuple[bool, int, str, Any] | None = None
     for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers:
-            n = sum(p.numel() for p in mod.parameters())
-            if best is None or n > best[0]:
-                best = (n, name, mod)
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
+            rank = (len(mod) == num_layers, sum(p.numel() for p in mod.parameters()), name, mod)
+            if best is None or rank[:2] > best[:2]:
+                best = rank
     if best is None:
         return "", None
-    return best[1], best[2]
+    return best[2], best[3]
 
 
 def _linear_shape(mod: Any) -> tuple[int, int] | None:
@@ -202,6 +203,7 @@ def inventory_of(model: Any, config: Any) -> Inventory:
     """The inventory of a built (meta) model."""
     num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     layers_name, layers = decoder_layers(model, num_layers)
+    num_layers = len(layers) if layers is not None else 0
     prefix = f"{layers_name}." if layers_name else None
     seen: set[int] = set()
     modules = []
@@ -317,55 +319,42 @@ def inventory(config_json: str, where: str = "config.json") -> Inventory:
         return _from_json(build())
 
 
-def _matches(name: str, targets: tuple[str, ...] | None, head: str) -> bool:
-    """peft's module matching: "all-linear" is every linear but the output embedding
-    (tuners_utils `_maybe_include_all_linear_layers`); a list matches a module whose name is a
-    target or ends with "." + target (tuners_utils `check_target_module_exists`)."""
-    if targets is None:
-        return name != head
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
-def _linear_lora(inv: Inventory, rank: int, targets: tuple[str, ...] | None, head: str) -> int:
-    # peft LoraLayer.update_layer: lora_A Linear(in, r), lora_B Linear(r, out), no biases
-    return sum(rank * sum(m.linear) for m in inv.modules if m.linear and _matches(m.name, targets, head))
-
-
 @functools.lru_cache(maxsize=256)
 def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) -> int:
     """Parameters peft adds with LoraConfig(r=rank, target_modules=targets or "all-linear").
 
-    The adapters of the nn.Linear/Conv1D modules from the inventory (r x (in + out) each); what
-    peft adds beyond them (the routed experts' 3D parameters, `target_parameters`, where peft
-    maps an MoE model's experts) is counted by applying peft to the model cut to its first MoE
-    layer on the meta device, and multiplied by the MoE layers (every MoE layer holds the same
-    experts). tests/test_inventory.py checks the sum against peft on the whole model."""
+    Counted by applying peft to the meta model cut to the first layer of each kind (layers
+    whose parameter-owning modules differ: dense vs MoE, attention vs linear attention ...),
+    per layer, then multiplied out: peft decides per module from its name and class, so every
+    layer of a kind gets the same adapters, and what it does on an MoE model is its own rule
+    (peft >= 0.18 maps "all-linear" onto the routed experts' 3D parameters and leaves, e.g.,
+    DeepSeek's dense gate/up/down_proj alone). tests/test_inventory.py checks the count against
+    peft on the whole model."""
     inv = inventory(config_json)
-    head = _head_name(config_json)
-    linear = _linear_lora(inv, rank, targets, head)
-    if targets is not None and not linear:
-        names = sorted({m.name.rsplit(".", 1)[-1] for m in inv.modules if m.linear and m.name != head})
-        raise UnsupportedArchitecture(f"LoRA targets {list(targets)} match no linear layer of {inv.model_type}: {names}")
-    moe_layers = sorted({m.layer for m in inv.modules if m.expert and m.layer is not None})
-    if not moe_layers or targets is not None:  # named targets: peft adapts those modules only
-        return linear
-    config = with_layers(config_from_dict(json.loads(config_json)), moe_layers[0] + 1)
-    small = inventory_of(build_meta(config), config)
-    extra = _peft_params(config, rank, targets) - _linear_lora(small, rank, targets, head)
-    return linear + len(moe_layers) * extra
+    kinds: dict[tuple[Any, ...], list[int]] = {}
+    for i in range(inv.num_layers):
+        kinds.setdefault(tuple((m.cls, m.numels) for m in inv.layer_modules(i)), []).append(i)
+    upto = max(ids[0] for ids in kinds.values()) + 1
+    config = with_layers(config_from_dict(json.loads(config_json)), upto)
+    per_layer, outside, _ = _peft_params(config, rank, targets, upto)
+    return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds.values())
 
 
-def _head_name(config_json: str) -> str:
-    def find() -> str:
-        model = build_meta(config_from_dict(json.loads(config_json)))
-        head = model.get_output_embeddings()
-        return next((n for n, m in model.named_modules() if m is head), "")
+@functools.lru_cache(maxsize=64)
+def lora_adapts_experts(config_json: str) -> bool:
+    """Whether peft's "all-linear" puts adapters on the routed experts of this model (peft maps
+    them for the types transformers' weight conversion knows: `target_parameters`)."""
+    inv = inventory(config_json)
+    moe = sorted({m.layer for m in inv.modules if m.expert and m.layer is not None})
+    if not moe:
+        return False
+    config = with_layers(config_from_dict(json.loads(config_json)), moe[0] + 1)
+    return _peft_params(config, 8, None, moe[0] + 1)[2]
 
-    return str(cached("head", config_json, find))
 
-
-def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None) -> int:
-    """What peft's get_peft_model adds to the meta model of `config`."""
+def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers: int) -> tuple[list[int], int, bool]:
+    """What peft's get_peft_model adds to the meta model of `config`: per decoder layer, outside
+    the layers, and whether any adapter sits on a module named `experts`."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
@@ -381,4 +370,8 @@ def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None) -> int
             peft_model = get_peft_model(model, lora)
     except ValueError as exc:  # peft names the target it did not find
         raise UnsupportedArchitecture(f"LoRA targets {targets or 'all-linear'} on {config.model_type}: {exc}") from None
-    return int(sum(p.numel() for p in peft_model.parameters()) - before)
+    added = sum(p.numel() for p in peft_model.parameters()) - before
+    _, decoder = decoder_layers(peft_model, layers)
+    per_layer = [sum(p.numel() for n, p in layer.named_parameters() if "lora_" in n) for layer in decoder]
+    experts = any("lora_" in n and ".experts." in f".{n}" for n, _ in peft_model.named_parameters())
+    return per_layer, int(added - sum(per_layer)), experts

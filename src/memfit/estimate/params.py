@@ -197,12 +197,10 @@ def lora_adapts_experts(arch: ModelArch, settings: Settings) -> bool:
     and the router of every MoE layer (see PEFT_ADAPTS_EXPERTS)."""
     if not (arch.is_moe and settings.lora_targets is None):
         return False
-    if arch.generic:  # peft added more than the linears' adapters: the experts' (target_parameters)
+    if arch.generic:  # what peft does on the model itself
         from memfit.estimate import inventory
 
-        r = 8
-        linear = sum(r * (i + o) for shapes in param_layout(arch).layer_linears for _, i, o in shapes)
-        return inventory.lora_params(arch.hf_config, r, None) > linear
+        return inventory.lora_adapts_experts(arch.hf_config)
     return arch.model_type in PEFT_ADAPTS_EXPERTS
 
 

@@ -150,6 +150,35 @@ class LayerTrace:
         }
 
 
+@dataclass(frozen=True)
+class MixedTrace:
+    """A model whose decoder layers differ (memfit.estimate.generic.layer_groups): one LayerTrace
+    per kind of layer and how many of it, read as LayerTrace is. A measure at L layers puts each
+    kind on top in turn, every other layer below it adding its own kind's per-layer increment,
+    and keeps the largest; per-layer and per-sequence terms are the largest kind's."""
+
+    groups: tuple[tuple[int, LayerTrace], ...]
+
+    def seq(self, name: str, layers: int) -> int:
+        return max(t.seq(name, layers) for _, t in self.groups)
+
+    def per_layer(self, name: str, batch: int = 1) -> int:
+        return max(t.per_layer(name, batch) for _, t in self.groups)
+
+    def at(self, name: str, num_layers: int, batch: int = 1) -> int:
+        if num_layers != sum(n for n, _ in self.groups):
+            raise ValueError(f"a mixed trace of {sum(n for n, _ in self.groups)} layers asked for {num_layers}")
+
+        def on_top(k: int) -> int:
+            below = sum((n - (j == k)) * t.per_layer(name) for j, (n, t) in enumerate(self.groups))
+            return self.groups[k][1].seq(name, 1) + below
+
+        return batch * max(on_top(k) for k in range(len(self.groups)))
+
+    def saved(self, num_layers: int, batch: int = 1) -> int:
+        return self.at("saved", num_layers, batch)
+
+
 def trace_key(
     arch: ModelArch,
     seq_len: int,

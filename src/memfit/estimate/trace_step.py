@@ -55,12 +55,15 @@ def build_model(
     from transformers import AutoModelForCausalLM
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    built = max(arch.layer_kind) + 1 if arch.layer_kind else num_layers
     try:
-        cfg = dataclasses.replace(arch, num_layers=num_layers).to_hf_config()
+        cfg = dataclasses.replace(arch, num_layers=built, layer_kind=()).to_hf_config()
     except (ValueError, KeyError) as exc:
         raise TraceError(f"model {arch.name!r}: transformers cannot build it: {exc}") from None
     cfg.use_cache = False
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
+    if arch.layer_kind:
+        _keep_layers(model, arch, arch.layer_kind[:num_layers], built)
     model.train()
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -96,6 +99,39 @@ def build_model(
         if grad_ckpt:
             model.enable_input_require_grads()
     return model
+
+
+def _copy(layer):
+    """A copy of `layer` with new parameters and buffers made in the active (fake) mode: a plain
+    deepcopy of fake tensors would give them a fake mode of their own."""
+    import copy
+
+    import torch
+
+    memo = {id(p): torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad) for p in layer.parameters()}
+    memo.update({id(b): torch.empty_like(b) for b in layer.buffers()})
+    return copy.deepcopy(layer, memo)
+
+
+def _keep_layers(model, arch: ModelArch, ids: tuple[int, ...], built: int) -> None:
+    """Keep only decoder layers `ids` of a model built with `built` layers (one kind of layer of
+    a model that mixes kinds: generic.layer_groups); an index given twice keeps a copy of that
+    layer. The configs' per-layer lists follow, so the model's forward sees `len(ids)` layers."""
+    import torch
+
+    from memfit.estimate.inventory import decoder_layers
+
+    name, layers = decoder_layers(model, built)
+    if layers is None or len(layers) != built:
+        raise TraceError(f"model {arch.name!r}: no ModuleList of {built} decoder layers to trace")
+    keep = [layers[i] if n == 0 or i != ids[n - 1] else _copy(layers[i]) for n, i in enumerate(ids)]
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    setattr(parent, name.rsplit(".", 1)[-1], torch.nn.ModuleList(keep))
+    for cfg in {id(c): c for c in (model.config, getattr(parent, "config", model.config))}.values():
+        for key, value in list(vars(cfg).items()):
+            if isinstance(value, list) and len(value) == built and built != len(ids):
+                setattr(cfg, key, [value[i] for i in ids])
+        cfg.num_hidden_layers = len(ids)
 
 
 def _series_tracker_class():
@@ -202,8 +238,11 @@ def _decoder_layers(model, arch: ModelArch, num_layers: int):
 
     # peft wraps the model (base_model.model...); the list of num_layers layers is found the same
     _, layers = decoder_layers(model, num_layers)
-    if layers is None:
-        raise TraceError(f"model {arch.name!r}: no ModuleList of {num_layers} decoder layers to trace")
+    if layers is None or len(layers) != num_layers:
+        raise TraceError(
+            f"model {arch.name!r}: no ModuleList of {num_layers} decoder layers to trace (its config's "
+            f"num_hidden_layers does not set the depth of its largest stack of layers)"
+        )
     return layers
 
 
@@ -294,6 +333,27 @@ def _backward_windows(model, tracker, layers, bw_start: int) -> dict[str, tuple[
     }
 
 
+def _grouped_mm_for_fake(fake: bool):
+    """transformers' MoE experts call torch._grouped_mm, whose fake (meta) kernel accepts bf16
+    only, while the CPU kernel also runs fp16/fp32 (torch 2.13). On fake tensors of another
+    dtype the experts take transformers' own fallback op (integrations/moe.py
+    `_grouped_mm_fallback`, a custom op with a registered fake and the same saved tensors: the
+    input and the weight), as transformers does under torch.compile for non-bf16 dtypes."""
+    import contextlib
+    from unittest import mock
+
+    import torch
+
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return contextlib.nullcontext()
+    if not fake or not hasattr(moe, "_can_use_grouped_mm"):
+        return contextlib.nullcontext()
+    real = moe._can_use_grouped_mm
+    return mock.patch.object(moe, "_can_use_grouped_mm", lambda i, w, o: w.dtype == torch.bfloat16 and real(i, w, o))
+
+
 def _run(
     arch: ModelArch,
     num_layers: int,
@@ -315,7 +375,7 @@ def _run(
     from torch.distributed._tools.mem_tracker import _ModState
 
     # fake=False runs the same step on real tensors (small models only): a check of the fake run
-    with FakeTensorMode() if fake else contextlib.nullcontext():
+    with FakeTensorMode() if fake else contextlib.nullcontext(), _grouped_mm_for_fake(fake):
         model = build_model(arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets)
         layers = _decoder_layers(model, arch, num_layers)
         loss_module = _sft_loss_module()

@@ -10,6 +10,7 @@ import dataclasses
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
+from memfit.estimate.generic import layer_groups
 from memfit.estimate.params import lora_adapts_experts
 from memfit.estimate.settings import EstimateError, Settings
 from memfit.estimate.validity import hardware_problems, model_problems
@@ -69,19 +70,26 @@ def traced_activations(
     seqs = cand.micro_batch * (2 if method == "dpo" else 1)
     L = arch.num_layers
     try:
-        traced = trace.layer_trace(
-            arch,
-            cand.seq_len,
-            trace_attn(arch, cand.attn),
-            cand.precision,
-            cand.grad_ckpt,
-            cand.finetune,
-            cand.lora_rank,
-            settings.lora_targets,
-            cache_dir=settings.trace_cache,
-        )
+        runs = [
+            (
+                n,
+                trace.layer_trace(
+                    card,
+                    cand.seq_len,
+                    trace_attn(arch, cand.attn),
+                    cand.precision,
+                    cand.grad_ckpt,
+                    cand.finetune,
+                    cand.lora_rank,
+                    settings.lora_targets,
+                    cache_dir=settings.trace_cache,
+                ),
+            )
+            for n, card, _ in layer_groups(arch)
+        ]
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None
+    traced = runs[0][1] if len(runs) == 1 else trace.MixedTrace(tuple(runs))
     # the int64 input ids, attention mask and labels the trainer's collate makes (created
     # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
     # the per-sequence measures): counted as `activations` counts them
@@ -135,6 +143,7 @@ def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -
             )
             requests[r] = None
     try:
-        trace.layer_traces(arch, list(requests), cache_dir=settings.trace_cache)
+        for _, card, _ in layer_groups(arch):
+            trace.layer_traces(card, list(requests), cache_dir=settings.trace_cache)
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None

@@ -24,7 +24,9 @@ its own (numbers are never merged, so arithmetic is learnable digit by digit), t
 bundled data; special tokens `<|pad|> <|bos|> <|eos|> <|system|> <|user|> <|assistant|>`
 and a Jinja chat template where an assistant turn ends with EOS.
 
-Model: `config/models/demo-tiny.json` is a HF LlamaConfig. Its `vocab_size`, `bos_token_id`,
+Model: `config/models/demo-tiny.json` is a HF LlamaConfig; any config.json of a model_type in
+transformers' causal-LM mapping builds the same way (AutoModelForCausalLM.from_config:
+config/models/tiny-*.json are tiny flagship architectures). Its `vocab_size`, `bos_token_id`,
 `eos_token_id` and `pad_token_id` are overwritten at build time from the trained tokenizer
 (the committed values are what the bundled data produce, so the JSON is also usable as a
 plain `config.json` by the estimator). Keys starting with `_` are comments and are dropped.
@@ -258,14 +260,13 @@ def build_demo_model(
     written to a temporary sibling and renamed at the end, so `out_dir` is never half-written.
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(data_dir)
     cfg = load_model_config(config_json)
-    if cfg.get("model_type", "llama") != "llama":
-        raise ValueError(f"{config_json}: model_type must be 'llama', got {cfg['model_type']!r}")
+    model_type = str(cfg.pop("model_type", "llama"))
     cfg.update(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -273,14 +274,17 @@ def build_demo_model(
         pad_token_id=tokenizer.pad_token_id,
     )
     tokenizer.model_max_length = cfg.get("max_position_embeddings", tokenizer.model_max_length)
-    config = LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except Exception as exc:  # noqa: BLE001 - the config class's validation names the field
+        raise ValueError(f"{config_json}: transformers cannot read it as model_type {model_type!r}: {exc}") from None
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         # init happens on the CPU: fork only the CPU generator, leave the caller's RNG untouched
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config)
         model.generation_config.bos_token_id = tokenizer.bos_token_id
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
