@@ -48,7 +48,9 @@ def test_hand_written_cards_equal_what_transformers_builds(name):
     assert twin.num_active_params() == arch.num_active_params()
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b", "glm-4-9b", "phi-3.5-mini", "gemma-3-4b", "mixtral-8x7b"])
+@pytest.mark.parametrize(
+    "name", ["llama-3.1-8b", "qwen2.5-7b", "glm-4-9b", "phi-3.5-mini", "gemma-3-4b", "mixtral-8x7b"]
+)
 def test_lora_counts_equal_the_formulas(name):
     """peft on the meta model (the generic path) and the card's r x (in + out) per linear."""
     arch = catalog.model(name, allow_moe=True)

@@ -323,6 +323,14 @@ class ModelArch:
             return "qwen2"
         return "llama"
 
+    def _generic_hf_config(self) -> Any:
+        import json
+
+        from memfit.estimate import inventory
+
+        config = inventory.config_from_dict(json.loads(self.hf_config), self.source or self.name)
+        return inventory.with_layers(config, self.num_layers)
+
     def to_hf_config(self) -> Any:
         """A `transformers.PretrainedConfig` for this architecture (AutoConfig.for_model).
 
@@ -334,12 +342,7 @@ class ModelArch:
         from transformers import AutoConfig  # heavy import, only when asked
 
         if self.generic:
-            import json
-
-            from memfit.estimate import inventory
-
-            config = inventory.config_from_dict(json.loads(self.hf_config), self.source or self.name)
-            return inventory.with_layers(config, self.num_layers)
+            return self._generic_hf_config()
 
         mt = self.hf_model_type
         kwargs: dict[str, Any] = dict(

@@ -20,13 +20,13 @@ from memfit.estimate.costs import (
     step_flops,
     step_time,
 )
+from memfit.estimate.generic import generic_arch
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.states import model_states
 from memfit.estimate.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
 from memfit.estimate.trainer_terms import apply_trainer_terms
-from memfit.estimate.generic import generic_arch
 from memfit.estimate.validity import check_arch, hardware_problems, model_problems, planning_notes, unsupported_features
 from memfit.space import Candidate
 from memfit.units import GIB

@@ -49,7 +49,6 @@ def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = 
 
 
 def _card_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    model_type = str(cfg.get("model_type", "") or "")
     config = inventory.config_from_dict(cfg, where)
     text = config.get_text_config()
     text_dict = dict(cfg)
@@ -119,7 +118,7 @@ def layer_groups(arch: ModelArch) -> tuple[tuple[int, ModelArch, str], ...]:
     if len(kinds) == 1:
         return ((arch.num_layers, arch, ""),)
     groups = []
-    for (kind, modules), ids in kinds.items():
+    for (kind, _modules), ids in kinds.items():
         experts = any(m.expert for m in inv.layer_modules(ids[0]))
         label = " ".join(x for x in (str(kind or ""), "MoE" if experts else "") if x) or f"like layer {ids[0]}"
         pair = (ids[0], ids[1] if len(ids) > 1 else ids[0])

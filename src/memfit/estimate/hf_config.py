@@ -192,11 +192,10 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source:
     THUDM field names), phi3, and the mixture-of-experts mixtral, qwen2_moe, qwen3_moe and
     deepseek_v3 (with multi-head latent attention): their formulas price a whole 72B search
     space without building anything. Every other model_type in transformers' causal-LM mapping
-    (and a listed type with a field its card does not model, e.g. experts on a llama config)
-    gets a generic card (memfit.estimate.generic): parameters from the model transformers
-    builds, activations traced. Refused (UnsupportedArchitecture, naming the reason): no
-    model_type, a type transformers does not build as a causal LM, or a config its constructor
-    rejects. `where` names the file in error messages.
+    (and a listed type with a field its card does not model) gets a generic card
+    (memfit.estimate.generic): parameters from the model transformers builds, activations
+    traced. Refused (UnsupportedArchitecture, naming the reason): no model_type, a type
+    transformers does not build as a causal LM, a config its constructor rejects.
     """
     where = where or name
     model_type = str(cfg.get("model_type", "")).lower()

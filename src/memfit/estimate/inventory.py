@@ -34,8 +34,16 @@ from memfit.estimate.errors import UnsupportedArchitecture
 # DeepseekV3Config n_routed_experts, GptOssConfig num_local_experts, Llama4TextConfig
 # num_local_experts, DbrxFFNConfig moe_num_experts, JambaConfig num_experts ...).
 EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts")
-TOP_K_FIELDS = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "top_k", "moe_topk", "num_selected_experts")
-INVENTORY_FORMAT = 1  # bump when what an inventory holds changes (old cache files are then ignored)
+TOP_K_FIELDS = (
+    "num_experts_per_tok",
+    "top_k_experts",
+    "moe_top_k",
+    "moe_k",
+    "top_k",
+    "moe_topk",
+    "num_selected_experts",
+)
+INVENTORY_FORMAT = 2  # bump when what an inventory holds changes (old cache files are then ignored)
 ENV_CACHE = "MEMFIT_TRACE_CACHE"  # the trace cache; inventories live in its `inventory` folder
 
 
@@ -119,6 +127,8 @@ def with_layers(config: Any, num_layers: int, kinds: tuple[Any, ...] | None = No
         if isinstance(value, list) and len(value) == layers and layers != num_layers:
             setattr(out, key, value[:num_layers])
     out.num_hidden_layers = num_layers
+    if isinstance(getattr(out, "decoder_layers", None), int):
+        out.decoder_layers = num_layers  # BART-style configs: num_hidden_layers names the encoder
     if kinds is not None:
         out.layer_types = list(kinds)
     return out
@@ -141,12 +151,13 @@ def build_meta(config: Any, where: str = "config.json") -> Any:
 
 def wrapper_params(config: Any, where: str = "config.json") -> int:
     """Parameters of a whole multimodal checkpoint (vision tower, projector and text model): the
-    class transformers builds for it as a causal LM, else as image-text-to-text, else its base
-    model (AutoModel), on the meta device."""
+    class transformers builds for it as image-text-to-text, else as a causal LM, else its base
+    model (AutoModel), on the meta device. Image-text-to-text first: for Qwen3.5 and Llama-4,
+    AutoModelForCausalLM builds the text model alone."""
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel):
+    for auto in (AutoModelForImageTextToText, AutoModelForCausalLM, AutoModel):
         try:
             with torch.device("meta"):
                 model = auto.from_config(config)
