@@ -46,6 +46,7 @@ def build_model(
     finetune: str,
     lora_rank: int = 16,
     lora_targets: tuple[str, ...] | None = None,
+    shrink_config: bool = False,
 ):
     """The model as memfit's trainer builds it (train.py `load_model`): the HF class for the
     card with `num_layers` layers, dtype, attention, non-reentrant checkpointing and peft LoRA on
@@ -63,7 +64,7 @@ def build_model(
     cfg.use_cache = False
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     if arch.layer_kind:
-        _keep_layers(model, arch, arch.layer_kind[:num_layers], built)
+        _keep_layers(model, arch, arch.layer_kind[:num_layers], built, shrink_config)
     model.train()
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -113,10 +114,14 @@ def _copy(layer):
     return copy.deepcopy(layer, memo)
 
 
-def _keep_layers(model, arch: ModelArch, ids: tuple[int, ...], built: int) -> None:
+def _keep_layers(model, arch: ModelArch, ids: tuple[int, ...], built: int, shrink_config: bool) -> None:
     """Keep only decoder layers `ids` of a model built with `built` layers (one kind of layer of
     a model that mixes kinds: generic.layer_groups); an index given twice keeps a copy of that
-    layer. The configs' per-layer lists follow, so the model's forward sees `len(ids)` layers."""
+    layer. The config stays as built: each kept layer keeps what it was built with (its
+    attention type, its slice of Gemma-4's per-layer inputs), and the decoders iterate
+    `self.layers[: config.num_hidden_layers]`, which now holds `len(ids)` layers. A decoder
+    that indexes its layers by `range(num_hidden_layers)` (AFMoE) needs the config cut too
+    (`shrink_config`: num_hidden_layers and every per-layer list follow `ids`)."""
     import torch
 
     from memfit.estimate.inventory import decoder_layers
@@ -127,6 +132,8 @@ def _keep_layers(model, arch: ModelArch, ids: tuple[int, ...], built: int) -> No
     keep = [layers[i] if n == 0 or i != ids[n - 1] else _copy(layers[i]) for n, i in enumerate(ids)]
     parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     setattr(parent, name.rsplit(".", 1)[-1], torch.nn.ModuleList(keep))
+    if not shrink_config:
+        return
     for cfg in {id(c): c for c in (model.config, getattr(parent, "config", model.config))}.values():
         for key, value in list(vars(cfg).items()):
             if isinstance(value, list) and len(value) == built and built != len(ids):
@@ -201,8 +208,14 @@ def per_sequence(arch: ModelArch, **shape: Any) -> dict[str, int]:
     gradients and the rotary table in its own terms."""
     # 2 and 3 sequences: a batch of one runs a slightly different op sequence (a couple of ops
     # fewer in transformers' Llama/Qwen2), which would misalign the moment-by-moment difference
-    m1, s1, w1 = _run(arch, micro_batch=2, **shape)
-    m2, s2, w2 = _run(arch, micro_batch=3, **shape)
+    for shrink in (False, True):  # one kind of layer of a mixed model: see _keep_layers
+        try:
+            m1, s1, w1 = _run(arch, micro_batch=2, shrink_config=shrink, **shape)
+            m2, s2, w2 = _run(arch, micro_batch=3, shrink_config=shrink, **shape)
+            break
+        except (IndexError, RuntimeError):
+            if shrink or not arch.layer_kind:
+                raise
     if len(s1) != len(s2) or w1 != w2:
         raise TraceError(
             f"model {arch.name!r}: the traced step runs different ops for 2 and 3 sequences "
@@ -366,6 +379,7 @@ def _run(
     lora_targets: tuple[str, ...] | None = None,
     micro_batch: int = 1,
     fake: bool = True,
+    shrink_config: bool = False,
 ) -> tuple[dict[str, int], list[int], dict[str, tuple[int, int]]]:
     """run_trace's measures, the activation-side total after every op, and the windows."""
     import contextlib
@@ -376,7 +390,7 @@ def _run(
 
     # fake=False runs the same step on real tensors (small models only): a check of the fake run
     with FakeTensorMode() if fake else contextlib.nullcontext(), _grouped_mm_for_fake(fake):
-        model = build_model(arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets)
+        model = build_model(arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets, shrink_config)
         layers = _decoder_layers(model, arch, num_layers)
         loss_module = _sft_loss_module()
         _drop_gradients(model)
