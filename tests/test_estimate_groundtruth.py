@@ -20,6 +20,12 @@ import statistics
 import pytest
 import torch
 
+# At import, not inside `measure`: importing peft imports bitsandbytes, whose CPU backend logs a
+# warning carrying the ImportError of its optional `kernels` package; the exception's traceback
+# keeps every frame of the stack alive, and pytest's log capture keeps the record for the whole
+# test, so an import inside `measure` kept that measure's models alive into the next one.
+from peft import LoraConfig, get_peft_model
+
 from memfit.estimate import Settings, estimate
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
@@ -112,8 +118,6 @@ class _Engine:
 
 def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int | None = None) -> int:
     """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
-    from peft import LoraConfig, get_peft_model
-
     model = build_model(kind, cand.attn)
     ref = (
         build_model(kind, cand.attn).eval().requires_grad_(False) if (method == "dpo" and cand.ref == "model") else None

@@ -114,3 +114,20 @@ def test_inventory_is_cached_on_disk(tmp_path, monkeypatch):
     assert files == ["card", "inventory"]
     inventory.inventory.cache_clear()
     assert dataclasses.replace(arch).inventory().total == arch.num_params()
+
+
+@pytest.mark.parametrize("finetune, grad_ckpt", [("full", False), ("lora", True)])
+def test_traced_flops_agree_with_the_formula_on_a_dense_model(tmp_path, finetune, grad_ckpt):
+    """FlopCounterMode on the traced step of the generic twin against 6 (LoRA: 4) FLOPs per
+    parameter per token plus attention (Kaplan et al. 2020; costs.step_flops), with and
+    without the recomputation checkpointing adds."""
+    from memfit.estimate.costs import step_flops
+
+    arch = catalog.model("llama-3.2-1b")
+    twin = _generic_twin(arch)
+    cand = Candidate(seq_len=256, micro_batch=1, finetune=finetune, lora_rank=8, grad_ckpt=grad_ckpt, attn="sdpa")
+    settings = Settings(trace_cache=str(tmp_path))
+    for recompute in (True, False):
+        traced = step_flops(twin, cand, "sft", recompute=recompute, settings=settings)
+        formula = step_flops(arch, cand, "sft", recompute=recompute)
+        assert traced == pytest.approx(formula, rel=0.05), (recompute, traced / formula)

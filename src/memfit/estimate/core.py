@@ -238,7 +238,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
     peak = gpu.tflops(cand.precision) * 1e12
     if gpu.name != "cpu" and peak > 0 and est.step_time_s > 0:  # the cpu entry's peak is a placeholder
-        est.mfu = step_flops(arch, cand, job.method, recompute=False) / (est.step_time_s * peak)
+        est.mfu = step_flops(arch, cand, job.method, recompute=False, settings=job.settings) / (est.step_time_s * peak)
     return est
 
 

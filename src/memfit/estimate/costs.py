@@ -185,26 +185,44 @@ def host_memory(
     )
 
 
-def step_flops(arch: ModelArch, cand: Candidate, method: str, recompute: bool = True) -> float:
+def step_flops(
+    arch: ModelArch, cand: Candidate, method: str, recompute: bool = True, settings: Settings | None = None
+) -> float:
     """FLOPs of one optimizer step on one rank: 6 per parameter per token (Kaplan et al. 2020,
-    sec. 2.1) plus attention 12*L*s*h per token (causal: half), 8/6 with recomputation
-    (Korthikanti et al. 2022, sec. 5); LoRA skips weight gradients (4 instead of 6); DPO's
-    reference adds a forward (2). Mixture-of-experts: a token runs through its top-k routed
+    sec. 2.1) plus attention 12*L*s*h per token (causal: half), 8/6 with recomputation of the
+    layers (Korthikanti et al. 2022, sec. 5; the head is not recomputed, and counts as a matmul
+    when tied to the embedding); LoRA skips weight gradients (4 instead of 6); DPO's reference
+    adds a forward (2). tests/test_inventory.py checks this against FlopCounterMode on the traced
+    step of the same model. Mixture-of-experts: a token runs through its top-k routed
     experts only, so the parameters are the ACTIVE ones (`ModelArch.num_active_params()`; Fedus
     et al. 2022, Switch Transformer, sec. 2: FLOPs per token follow the active parameters);
     routing's own FLOPs (softmax, top-k) are negligible. `recompute=False` leaves out what
     checkpointing and the chunked loss compute again: the model FLOPs of MFU (Chowdhery et al.
-    2022, appendix B), not the hardware FLOPs."""
+    2022, appendix B), not the hardware FLOPs.
+
+    Generic cards (no formulas: memfit.estimate.generic), given `settings`: counted on the
+    traced step instead (`traced.traced_step_flops`), so linear attention, sliding windows,
+    latent attention and MoE routing cost what the model's code computes."""
+    if arch.generic and settings is not None:
+        from memfit.estimate.traced import traced_step_flops
+
+        flops = traced_step_flops(arch, cand, method, settings, recompute)
+        if cand.loss_impl == "chunked" and recompute:
+            flops += cand.grad_accum * 2 * arch.hidden_size * arch.vocab_size * cand.micro_batch * cand.seq_len
+        return flops
     layout = param_layout(arch)
     tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
     attention = 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
-    per_token_forward = 2 * (layout.total - layout.inactive - layout.embed) + attention
+    # the embedding is a lookup, not a matmul; the head is one (h x V) even when it shares the
+    # embedding's weight (tied: `layout.lm_head` is 0, the matrix counted once in `total`), and
+    # checkpointing recomputes the layers, not the head
+    layers_forward = 2 * (layout.total - layout.inactive - layout.embed - layout.lm_head) + attention
+    head_forward = 2 * (layout.lm_head or layout.embed)
     passes = 3.0 if cand.finetune == "full" else 2.0
-    if cand.grad_ckpt and recompute:
-        passes += 1.0
-    flops = per_token_forward * tokens * passes
+    recomputed = 1.0 if (cand.grad_ckpt and recompute) else 0.0
+    flops = (layers_forward * (passes + recomputed) + head_forward * passes) * tokens
     if method == "dpo" and cand.ref in ("model", "adapter"):
-        flops += per_token_forward * tokens
+        flops += (layers_forward + head_forward) * tokens
     if cand.loss_impl == "chunked" and recompute:
         # the head's projection (2 h V per token) runs again in the backward: the recompute of
         # Cut Cross-Entropy (Wijmans et al. 2024) and TRL's chunked_nll
@@ -221,7 +239,7 @@ def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, se
     achieved = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step")
     if achieved:  # measured model-FLOP rate of the whole step (benchmarks/gpu_evidence.py) replaces peak x mfu
         peak, efficiency = achieved * 1e12, (0.7 if cand.attn == "eager" else 1.0)
-    return step_flops(arch, cand, method) / (peak * efficiency)
+    return step_flops(arch, cand, method, settings=settings) / (peak * efficiency)
 
 
 def _communication_seconds(

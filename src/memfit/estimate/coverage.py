@@ -16,6 +16,12 @@ import json
 import time
 from typing import Any
 
+# Imported with this module, not inside `measure_step_peak`: importing peft imports
+# bitsandbytes, whose CPU backend logs a warning carrying the ImportError of its optional
+# `kernels` package; that traceback keeps every frame of the stack alive as long as a log
+# handler keeps the record (pytest's log capture does), and with them a measurement's models.
+import peft  # noqa: F401
+
 from memfit.estimate import inventory
 from memfit.estimate.arch import ModelArch
 from memfit.space import Candidate
@@ -165,6 +171,7 @@ def measure_step_peak(arch: ModelArch, cand: Candidate, steps: int = 2) -> int:
     """Peak live CPU bytes of `steps` training steps of `arch` (random weights, fp32) as the
     estimator's cpu/ZeRO-0 setting prices them (module docstring)."""
     import torch
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from memfit.train.losses import sft_loss
@@ -176,8 +183,6 @@ def measure_step_peak(arch: ModelArch, cand: Candidate, steps: int = 2) -> int:
     attn = {"flash": "flash_attention_2"}.get(cand.attn, cand.attn)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
     if cand.finetune == "lora":
-        from peft import LoraConfig, get_peft_model
-
         lora = LoraConfig(
             r=cand.lora_rank, lora_alpha=2 * cand.lora_rank, target_modules="all-linear", lora_dropout=0.0
         )

@@ -71,7 +71,7 @@ from memfit.estimate.trace_step import (  # defined with the step that measures 
     TraceError,
 )
 
-TRACE_FORMAT = 4  # bump when what a trace measures changes (old cache files are then ignored)
+TRACE_FORMAT = 5  # bump when what a trace measures changes (old cache files are then ignored)
 TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
 # ModelArch fields that do not change one sequence's activations (names, provenance, the layer
@@ -196,7 +196,8 @@ def trace_key(
     if seq_len < 2:
         raise TraceError(f"seq_len must be >= 2 (next-token loss), got {seq_len}")
     ft = traced_finetune(finetune)
-    arch_fields = {k: v for k, v in dataclasses.asdict(arch).items() if k not in _NOT_IN_KEY}
+    # as JSON gives it back (tuples as lists), so a cache file's key compares equal
+    arch_fields = json.loads(json.dumps({k: v for k, v in dataclasses.asdict(arch).items() if k not in _NOT_IN_KEY}))
     return {
         "format": TRACE_FORMAT,
         "arch": arch_fields,

@@ -25,6 +25,10 @@ MEASURES = (
     "top_mlp_peak_bw",
     "top_attn_peak_bw",
     "bottom_peak_bw",
+    # FLOPs (memfit.estimate.trace_flops), not bytes: the model forward, and the whole step
+    # (forward, loss, backward; with checkpointing the recomputed forward too)
+    "fwd_flops",
+    "flops",
 )
 
 
@@ -316,6 +320,25 @@ def _step(model, tracker, ids, labels, loss_module) -> dict[str, int]:
     }
 
 
+def _count_flops(model, ids, labels, loss_module) -> dict[str, int]:
+    """The FLOPs of the same step (trace_flops), in a run of its own: a second dispatch mode
+    inside MemTracker's would change what MemTracker attributes."""
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    from memfit.estimate.trace_flops import counter
+
+    flops = counter()
+    with flops, mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed):
+        logits = model(input_ids=ids, use_cache=False).logits
+        fwd = flops.get_total_flops()
+        loss = loss_module(logits, labels)
+        del logits
+        loss.backward()
+    return {"fwd_flops": int(fwd), "flops": int(flops.get_total_flops())}
+
+
 def _backward_windows(model, tracker, layers, bw_start: int) -> dict[str, tuple[int, int]]:
     """Windows of the backward's op sequence, cut where a module's backward starts
     (MemTracker's per-module PEAK_BW needs the module's post-backward hook, which under
@@ -390,7 +413,9 @@ def _run(
 
     # fake=False runs the same step on real tensors (small models only): a check of the fake run
     with FakeTensorMode() if fake else contextlib.nullcontext(), _grouped_mm_for_fake(fake):
-        model = build_model(arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets, shrink_config)
+        model = build_model(
+            arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets, shrink_config
+        )
         layers = _decoder_layers(model, arch, num_layers)
         loss_module = _sft_loss_module()
         _drop_gradients(model)
@@ -411,5 +436,6 @@ def _run(
             "top_mlp_peak_bw": tracker.peak(*windows["mlp"]),
             "top_attn_peak_bw": tracker.peak(*windows["attn"]),
             "bottom_peak_bw": tracker.peak(*windows["bottom"]),
+            **_count_flops(model, ids, labels, loss_module),
         }
     return out, tracker.series, windows

@@ -52,23 +52,11 @@ def trace_attn(arch: ModelArch, attn: str) -> str:
     return traced
 
 
-def traced_activations(
-    arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
-) -> Activations:
-    """The activation terms from a traced run (memfit.estimate.trace): the model's own code on fake
-    tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
-
-    Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
-    minus one layer (trace.LayerTrace.at); everything is multiplied by the sequences of the
-    micro step (DPO: chosen + rejected). The fields mean what `activations` documents, with
-    recomputation folded into `layer_bwd` (the top layer's backward peak over what is kept when
-    it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
-    follows one forward of a root module) and the eager probabilities' share for the note.
-    """
+def traced_run(arch: ModelArch, cand: Candidate, settings: Settings):
+    """The cached trace of this candidate's shape (trace.LayerTrace; trace.MixedTrace for a
+    model whose layers differ, each kind traced on its own: generic.layer_groups)."""
     from memfit.estimate import trace
 
-    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
-    L = arch.num_layers
     try:
         runs = [
             (
@@ -89,7 +77,42 @@ def traced_activations(
         ]
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None
-    traced = runs[0][1] if len(runs) == 1 else trace.MixedTrace(tuple(runs))
+    return runs[0][1] if len(runs) == 1 else trace.MixedTrace(tuple(runs))
+
+
+def traced_step_flops(arch: ModelArch, cand: Candidate, method: str, settings: Settings, recompute: bool) -> float:
+    """FLOPs of one optimizer step on one rank from the traced step (trace_flops: torch's
+    FlopCounterMode on the model's own code): per sequence, 1 and 2 layers, scaled to the
+    candidate as the memory is; DPO's reference adds a forward; `recompute=False` takes the
+    checkpointed layers' recomputed forward out (MFU's model FLOPs)."""
+    traced = traced_run(arch, cand, settings)
+    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    L = arch.num_layers
+    flops = traced.at("flops", L, seqs)
+    if cand.grad_ckpt and not recompute:
+        flops -= L * traced.per_layer("fwd_flops", seqs)
+    if method == "dpo" and cand.ref in ("model", "adapter"):
+        flops += traced.at("fwd_flops", L, seqs)
+    return float(cand.grad_accum * flops)
+
+
+def traced_activations(
+    arch: ModelArch, cand: Candidate, method: str, settings: Settings, analytic: Activations
+) -> Activations:
+    """The activation terms from a traced run (memfit.estimate.trace): the model's own code on fake
+    tensors, 1 and 2 layers, per sequence, measured with torch's MemTracker and cached.
+
+    Every per-layer quantity is the 2-layer minus the 1-layer run, the rest the 1-layer run
+    minus one layer (trace.LayerTrace.at); everything is multiplied by the sequences of the
+    micro step (DPO: chosen + rejected). The fields mean what `activations` documents, with
+    recomputation folded into `layer_bwd` (the top layer's backward peak over what is kept when
+    it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
+    follows one forward of a root module) and the eager probabilities' share for the note.
+    """
+
+    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    L = arch.num_layers
+    traced = traced_run(arch, cand, settings)
     # the int64 input ids, attention mask and labels the trainer's collate makes (created
     # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
     # the per-sequence measures): counted as `activations` counts them
