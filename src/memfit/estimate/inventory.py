@@ -355,17 +355,27 @@ def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) ->
 def lora_adapts_experts(config_json: str) -> bool:
     """Whether peft's "all-linear" puts adapters on the routed experts of this model (peft maps
     them for the types transformers' weight conversion knows: `target_parameters`)."""
+    return lora_parametrized_numel(config_json) > 0
+
+
+@functools.lru_cache(maxsize=64)
+def lora_parametrized_numel(config_json: str) -> int:
+    """Elements of the parameters peft's "all-linear" parametrizes in one MoE layer (peft
+    ParamWrapper, `target_parameters`: the experts' 3D weights, the router's): each forward
+    builds W + BA as a new tensor of that size, which the layer keeps for its backward. 0 where
+    peft adapts nn.Linear modules only."""
     inv = inventory(config_json)
     moe = sorted({m.layer for m in inv.modules if m.expert and m.layer is not None})
     if not moe:
-        return False
+        return 0
     config = with_layers(config_from_dict(json.loads(config_json)), moe[0] + 1)
     return _peft_params(config, 8, None, moe[0] + 1)[2]
 
 
-def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers: int) -> tuple[list[int], int, bool]:
+def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers: int) -> tuple[list[int], int, int]:
     """What peft's get_peft_model adds to the meta model of `config`: per decoder layer, outside
-    the layers, and whether any adapter sits on a module named `experts`."""
+    the layers, and the elements of the parameters it parametrizes (ParamWrapper) in the last
+    layer."""
     import warnings
 
     from peft import LoraConfig, get_peft_model
@@ -384,5 +394,7 @@ def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers
     added = sum(p.numel() for p in peft_model.parameters()) - before
     _, decoder = decoder_layers(peft_model, layers)
     per_layer = [sum(p.numel() for n, p in layer.named_parameters() if "lora_" in n) for layer in decoder]
-    experts = any("lora_" in n and ".experts." in f".{n}" for n, _ in peft_model.named_parameters())
-    return per_layer, int(added - sum(per_layer)), experts
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrapped = sum(m.get_param().numel() for m in decoder[-1].modules() if isinstance(m, ParamWrapper))
+    return per_layer, int(added - sum(per_layer)), int(wrapped)

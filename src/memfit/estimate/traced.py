@@ -12,7 +12,7 @@ from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.generic import layer_groups
 from memfit.estimate.params import lora_adapts_experts
-from memfit.estimate.settings import EstimateError, Settings
+from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
 from memfit.estimate.validity import hardware_problems, model_problems
 from memfit.space import Candidate
 
@@ -132,6 +132,18 @@ def traced_activations(
     acts.mlp_bwd = traced.at("top_mlp_peak_bw", L, seqs) + ids - kept
     acts.attn_bwd = traced.at("top_attn_peak_bw", L, seqs) + ids - kept
     acts.forward = traced.at("fwd_peak", L, seqs) + ids
+    if arch.generic and cand.finetune != "full" and lora_adapts_experts(arch, settings):
+        # peft's ParamWrapper builds W + BA for the experts (and router) it parametrizes in every
+        # MoE layer's forward and the grouped matmul keeps it for the backward; the traced run
+        # does not see it (it is made outside the module MemTracker follows): counted here as
+        # activation_memory.moe_mlp_saved counts it for the hand-written cards
+        from memfit.estimate.inventory import lora_parametrized_numel
+
+        kept = dtype_bytes(cand.precision) * lora_parametrized_numel(arch.hf_config)
+        acts.saved += len(arch.moe_layers()) * kept
+        acts.per_layer += kept
+        acts.kept_per_layer += kept
+        acts.forward += len(arch.moe_layers()) * kept
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
     if cand.loss_impl == "chunked":
