@@ -43,6 +43,9 @@ class Activations:
     loss_forward_extra: int = 0  # the loss forward's [t, V] tensors beyond the loss backward's
     held_logits: int = 0  # logits the caller keeps referenced through backward and optimizer step
     dequant: int = 0  # QLoRA: one linear's weight dequantized to 16 bits (in forward/backward)
+    # traced, generic cards: the bottom layer's backward peak, activation side (0: built from the
+    # top layer's terms, as for the hand-written cards)
+    bottom_bwd: int = 0
 
 
 @dataclass(frozen=True)

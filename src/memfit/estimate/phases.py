@@ -110,6 +110,9 @@ def _forward_backward(
     top = layers_kept + acts.recompute + in_layer + grads.head + grads.tied_pending
     bottom_kept = layers_kept - (arch.num_layers - 1) * acts.kept_per_layer
     bottom = bottom_kept + acts.recompute + in_layer + grads.below_bottom + grads.tied_pending
+    # a traced bottom layer that costs more than the top one's terms say (Gemma-4 with
+    # checkpointing: the gradients of every layer's per-layer inputs meet there)
+    bottom = max(bottom, acts.bottom_bwd + grads.below_bottom + grads.tied_pending)
     if cand.finetune == "full" and cand.zero < 2:
         # embedding_dense_backward's [V, h] gradient arrives last (twice when tied: accumulated)
         embedding = d * param_layout(arch).embed if arch.tie_word_embeddings else 0

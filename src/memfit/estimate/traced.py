@@ -132,6 +132,8 @@ def traced_activations(
     acts.mlp_bwd = traced.at("top_mlp_peak_bw", L, seqs) + ids - kept
     acts.attn_bwd = traced.at("top_attn_peak_bw", L, seqs) + ids - kept
     acts.forward = traced.at("fwd_peak", L, seqs) + ids
+    if arch.generic:
+        acts.bottom_bwd = traced.at("bottom_peak_bw", L, seqs) + ids
     if arch.generic and cand.finetune != "full" and lora_adapts_experts(arch, settings):
         # peft's ParamWrapper builds W + BA for the experts (and router) it parametrizes in every
         # MoE layer's forward and the grouped matmul keeps it for the backward; the traced run
@@ -151,7 +153,8 @@ def traced_activations(
         # (memfit.train.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
         acts.saved += analytic.logits_saved - acts.logits_saved
         acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
-        acts.forward = min(acts.forward, analytic.forward)
+        if not arch.generic:  # no formulas to take the forward's logits out with: kept whole
+            acts.forward = min(acts.forward, analytic.forward)
     return acts
 
 
