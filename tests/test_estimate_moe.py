@@ -30,6 +30,7 @@ from memfit.estimate import (
     trainable_params,
     zero3_gathered_bytes,
 )
+from memfit.estimate.coverage import measure_step_peak
 from memfit.space import Candidate
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
@@ -205,45 +206,6 @@ def test_moe_layer_activations_match_a_cpu_measurement(kind, finetune):
     assert trainable_params(arch, cand, Settings()) == trainable
 
 
-def _measure_training_peak(arch: catalog.ModelArch, cand: Candidate) -> int:
-    """Peak live bytes of two optimizer steps of a tiny MoE model on the CPU as memfit's trainer
-    runs them (fp32, plain single-tensor AdamW, SFT loss; as tests/test_estimate_groundtruth.py
-    does for dense models)."""
-    from transformers import AutoModelForCausalLM
-
-    from memfit.train.losses import sft_loss
-    from memfit.train.memory import AllocationTracker
-
-    cfg = arch.to_hf_config()
-    cfg.use_cache = False
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    if cand.finetune == "lora":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cand.lora_rank, lora_alpha=2 * cand.lora_rank,
-                                                 target_modules="all-linear", lora_dropout=0.0))  # fmt: skip
-    model.train()
-    if cand.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if cand.finetune == "lora":
-            model.enable_input_require_grads()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                            foreach=False)  # fmt: skip
-    g = torch.Generator().manual_seed(1)
-    with AllocationTracker() as tracker:
-        for _ in range(2):
-            ids = torch.randint(0, arch.vocab_size, (cand.micro_batch, cand.seq_len), generator=g)
-            out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-            loss = sft_loss(out.logits, ids.clone())[0]
-            del out
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return tracker.peak_bytes
-
-
 @pytest.mark.parametrize("grad_ckpt", [False, True])
 @pytest.mark.parametrize("finetune", ["full", "lora"])
 @pytest.mark.parametrize("kind", sorted(TINY))
@@ -258,7 +220,7 @@ def test_moe_training_step_peak_matches_a_cpu_measurement(kind, finetune, grad_c
                                        name=f"tiny-{kind}")  # fmt: skip
     cand = Candidate(zero=0, precision="fp32", attn="sdpa", micro_batch=2, seq_len=128,
                      finetune=finetune, lora_rank=8, grad_ckpt=grad_ckpt, ref="precomputed")  # fmt: skip
-    measured = _measure_training_peak(arch, cand)
+    measured = measure_step_peak(arch, cand)
     predicted = estimate(arch, CPU, 1, 1, "sft", cand,
                          settings=Settings(optimizer_impl="single")).peak_allocated_bytes  # fmt: skip
     lower, upper = (0.97, 1.08) if grad_ckpt else (0.995, 1.005)
