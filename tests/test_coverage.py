@@ -24,6 +24,12 @@ def cache(tmp_path_factory):
     return str(tmp_path_factory.mktemp("traces"))
 
 
+@pytest.fixture(autouse=True)
+def _trace_here(monkeypatch):
+    # a tiny model's trace takes less than a child process's start-up (trace._trace_in_children)
+    monkeypatch.setenv("MEMFIT_TRACE_IN_PROCESS", "1")
+
+
 @pytest.mark.parametrize(
     "model_type, finetune", [(t, "full") for t in FULL] + [(t, "lora") for t in LORA], ids=lambda x: x
 )

@@ -74,6 +74,7 @@ from memfit.estimate.trace_step import (  # defined with the step that measures 
 TRACE_FORMAT = 5  # bump when what a trace measures changes (old cache files are then ignored)
 TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
+ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
 # ModelArch fields that do not change one sequence's activations (names, provenance, the layer
 # count the trace replaces, position limit: rotary tables are built per forward for the actual
 # positions, modeling_rope_utils; the vision tower is not in the text model).
@@ -346,7 +347,14 @@ def trace_workers() -> int:
 
 
 def _trace_in_children(arch: ModelArch, keys: list[dict[str, Any]]) -> list[tuple[dict[str, dict[str, int]], float]]:
-    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order."""
+    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order;
+    in this process with $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's
+    trace takes less than a child's start-up)."""
+    if os.environ.get(ENV_IN_PROCESS) == "1":
+        try:
+            return [(r["runs"], float(r["seconds"])) for r in _trace_keys(arch, keys)]
+        except Exception as exc:  # noqa: BLE001 - as a child's failure reads
+            raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
     n = min(trace_workers(), len(keys))
     chunks = [list(range(len(keys)))[i::n] for i in range(n)]
     env = dict(os.environ)
@@ -382,22 +390,12 @@ def _trace_in_children(arch: ModelArch, keys: list[dict[str, Any]]) -> list[tupl
     return [r for r in out if r is not None]
 
 
-def _child_main() -> int:
-    """`python -m memfit.estimate.trace`: JSON {"arch": ..., "keys": [...]} on stdin, one JSON list of
-    {"runs": {layers: MEASURES}, "seconds": s} on the last line of stdout."""
-    import warnings
+def _trace_keys(arch: ModelArch, keys: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trace each key (1 and 2 layers): [{"runs": {layers: MEASURES}, "seconds": s}, ...]."""
+    from memfit.estimate.trace_step import per_sequence  # torch and transformers load here
 
-    from memfit.estimate.trace_step import (  # torch and transformers load here, in the child
-        per_sequence,
-    )
-
-    warnings.filterwarnings("ignore")
-    payload = json.loads(sys.stdin.read())
-    a = dict(payload["arch"])
-    a["aliases"] = tuple(a.get("aliases", ()))
-    arch = ModelArch(**a)
     res = []
-    for key in payload["keys"]:
+    for key in keys:
         t0 = time.perf_counter()
         runs = {
             str(n): per_sequence(
@@ -414,7 +412,19 @@ def _child_main() -> int:
             for n in TRACE_LAYERS
         }
         res.append({"runs": runs, "seconds": time.perf_counter() - t0})
-    print(json.dumps(res))
+    return res
+
+
+def _child_main() -> int:
+    """`python -m memfit.estimate.trace`: JSON {"arch": ..., "keys": [...]} on stdin, one JSON list of
+    {"runs": {layers: MEASURES}, "seconds": s} on the last line of stdout."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    payload = json.loads(sys.stdin.read())
+    a = dict(payload["arch"])
+    a["aliases"] = tuple(a.get("aliases", ()))
+    print(json.dumps(_trace_keys(ModelArch(**a), payload["keys"])))
     return 0
 
 

@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -66,8 +67,8 @@ class AllocationTracker(TorchDispatchMode):
 
     # -- bookkeeping ---------------------------------------------------------
     def _track(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type or t.is_meta:
-            return
+        if t.device.type != self.device_type or t.is_meta or isinstance(t, FakeTensor):
+            return  # meta and fake tensors (a trace's leftovers in this process) hold no memory
         try:
             st = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
