@@ -352,6 +352,26 @@ def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) ->
 
 
 @functools.lru_cache(maxsize=64)
+def ungraded_params(config_json: str) -> int:
+    """Parameters that get no gradient in a training step (trace_step.ungraded_numel), measured
+    on the model cut to the first layer of each kind and multiplied out as `lora_params` is;
+    cached with the inventory. Full fine-tuning keeps gradients and AdamW states for the rest."""
+
+    def measure() -> int:
+        from memfit.estimate.trace_step import ungraded_numel
+
+        inv = inventory(config_json)
+        kinds: dict[tuple[Any, ...], list[int]] = {}
+        for i in range(inv.num_layers):
+            kinds.setdefault(tuple((m.cls, m.numels) for m in inv.layer_modules(i)), []).append(i)
+        upto = max(ids[0] for ids in kinds.values()) + 1
+        per_layer, outside = ungraded_numel(with_layers(config_from_dict(json.loads(config_json)), upto), upto)
+        return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds.values())
+
+    return int(cached("ungraded", config_json, measure))
+
+
+@functools.lru_cache(maxsize=64)
 def lora_adapts_experts(config_json: str) -> bool:
     """Whether peft's "all-linear" puts adapters on the routed experts of this model (peft maps
     them for the types transformers' weight conversion knows: `target_parameters`)."""

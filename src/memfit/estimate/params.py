@@ -217,6 +217,10 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
     """Full: every parameter. LoRA/QLoRA: A (r x in) and B (out x r) per targeted linear
     (Hu et al. 2021, sec. 4; peft LoraLayer.update_layer)."""
     if cand.finetune == "full":
+        if arch.generic:  # what the step gives a gradient (not a BART-style decoder's cross-attention)
+            from memfit.estimate import inventory
+
+            return param_layout(arch).total - inventory.ungraded_params(arch.hf_config)
         return param_layout(arch).total
     r = cand.lora_rank
     if arch.generic:  # what peft adds to the meta model, counted

@@ -439,3 +439,35 @@ def _run(
             **_count_flops(model, ids, labels, loss_module),
         }
     return out, tracker.series, windows
+
+
+def ungraded_numel(config: Any, layers: int) -> tuple[list[int], int]:
+    """Elements of the parameters that get no gradient in a causal-LM training step (forward on
+    input ids, loss, backward), measured on fake tensors for `config` with `layers` layers: per
+    decoder layer, and outside the layers. A decoder built for cross-attention (BART-style
+    ForCausalLM) never runs its cross-attention without encoder states, so its weights get no
+    gradient and AdamW keeps no state for them."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from memfit.estimate.inventory import decoder_layers
+
+    config = copy_config(config)
+    config.use_cache = False
+    with FakeTensorMode(), _grouped_mm_for_fake(True):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.train()
+        vocab = model.get_input_embeddings().weight.shape[0]
+        ids = torch.randint(0, vocab, (2, 16))
+        model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+        _, stack = decoder_layers(model, layers)
+        per_layer = [sum(p.numel() for p in layer.parameters() if p.grad is None) for layer in stack]
+        total = sum(p.numel() for p in model.parameters() if p.grad is None)
+    return per_layer, int(total - sum(per_layer))
+
+
+def copy_config(config: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(config)
