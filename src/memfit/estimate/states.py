@@ -138,7 +138,10 @@ def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, met
     # wraps it in an inference engine with the same ZeRO stage), the same weights with adapters
     # disabled for ref=adapter, nothing for precomputed log-probs.
     reference_bytes = weight_bytes if (method == "dpo" and cand.ref == "model") else 0
-    return weight_bytes + adapter_bytes + reference_bytes
+    # buffers, generic cards (the inventory has them): GPT-Neo's and GPT-1's causal-mask buffers
+    # (max_positions^2 bools per layer) outweigh a small model's weights; rotary tables
+    buffers = arch.inventory().buffers if arch.generic else 0
+    return weight_bytes + adapter_bytes + reference_bytes + buffers * (2 if reference_bytes else 1)
 
 
 def _stage0(cand: Candidate, sizes: _Sizes) -> ModelStates:
