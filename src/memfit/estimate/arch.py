@@ -355,6 +355,7 @@ class ModelArch:
             vocab_size=self.vocab_size,
             max_position_embeddings=self.max_position_embeddings,
             tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=None,  # class defaults (GLM's 151329) can exceed a small vocabulary
         )
         if mt in ("llama", "qwen3", "glm", "gemma3_text", "qwen3_moe", "deepseek_v3"):
             kwargs["attention_bias"] = self.attention_bias
