@@ -341,14 +341,19 @@ def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) ->
     (peft >= 0.18 maps "all-linear" onto the routed experts' 3D parameters and leaves, e.g.,
     DeepSeek's dense gate/up/down_proj alone). tests/test_inventory.py checks the count against
     peft on the whole model."""
-    inv = inventory(config_json)
-    kinds: dict[tuple[Any, ...], list[int]] = {}
-    for i in range(inv.num_layers):
-        kinds.setdefault(tuple((m.cls, m.numels) for m in inv.layer_modules(i)), []).append(i)
-    upto = max(ids[0] for ids in kinds.values()) + 1
-    config = with_layers(config_from_dict(json.loads(config_json)), upto)
-    per_layer, outside, _ = _peft_params(config, rank, targets, upto)
-    return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds.values())
+
+    def count() -> int:
+        inv = inventory(config_json)
+        kinds: dict[tuple[Any, ...], list[int]] = {}
+        for i in range(inv.num_layers):
+            kinds.setdefault(tuple((m.cls, m.numels) for m in inv.layer_modules(i)), []).append(i)
+        upto = max(ids[0] for ids in kinds.values()) + 1
+        config = with_layers(config_from_dict(json.loads(config_json)), upto)
+        per_layer, outside, _ = _peft_params(config, rank, targets, upto)
+        return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds.values())
+
+    # cached with the inventory: peft's import and a meta build cost seconds per process
+    return int(cached("lora", f"{rank}|{list(targets) if targets else None}|{config_json}", count))
 
 
 @functools.lru_cache(maxsize=64)
@@ -391,12 +396,16 @@ def lora_parametrized_numel(config_json: str) -> int:
     ParamWrapper, `target_parameters`: the experts' 3D weights, the router's): each forward
     builds W + BA as a new tensor of that size, which the layer keeps for its backward. 0 where
     peft adapts nn.Linear modules only."""
-    inv = inventory(config_json)
-    moe = sorted({m.layer for m in inv.modules if m.expert and m.layer is not None})
-    if not moe:
-        return 0
-    config = with_layers(config_from_dict(json.loads(config_json)), moe[0] + 1)
-    return _peft_params(config, 8, None, moe[0] + 1)[2]
+
+    def count() -> int:
+        inv = inventory(config_json)
+        moe = sorted({m.layer for m in inv.modules if m.expert and m.layer is not None})
+        if not moe:
+            return 0
+        config = with_layers(config_from_dict(json.loads(config_json)), moe[0] + 1)
+        return _peft_params(config, 8, None, moe[0] + 1)[2]
+
+    return int(cached("wrapped", config_json, count))
 
 
 def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers: int) -> tuple[list[int], int, int]:
