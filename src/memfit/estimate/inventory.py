@@ -18,6 +18,7 @@ ModuleList of MLPs: both are found by the name). Imports torch and transformers 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -358,7 +359,7 @@ def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) ->
 
 @functools.lru_cache(maxsize=64)
 def ungraded_params(config_json: str) -> int:
-    """Parameters that get no gradient in a training step (trace_step.ungraded_numel), measured
+    """Parameters that get no gradient in a training step (`ungraded_numel`), measured
     on the model cut to the first layer of each kind and multiplied out as `lora_params` is;
     cached with the inventory. Full fine-tuning keeps gradients and AdamW states for the rest."""
 
@@ -370,7 +371,6 @@ def ungraded_params(config_json: str) -> int:
             return 0  # every parameter counted as trained (the larger estimate)
 
     def count() -> int:
-        from memfit.estimate.trace_step import ungraded_numel
 
         inv = inventory(config_json)
         kinds: dict[tuple[Any, ...], list[int]] = {}
@@ -434,3 +434,29 @@ def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers
 
     wrapped = sum(m.get_param().numel() for m in decoder[-1].modules() if isinstance(m, ParamWrapper))
     return per_layer, int(added - sum(per_layer)), int(wrapped)
+
+
+def ungraded_numel(config: Any, layers: int) -> tuple[list[int], int]:
+    """Elements of the parameters that get no gradient in a causal-LM training step (forward on
+    input ids, loss, backward), measured on fake tensors for `config` with `layers` layers: per
+    decoder layer, and outside the layers. A decoder built for cross-attention (BART-style
+    ForCausalLM) never runs its cross-attention without encoder states, so its weights get no
+    gradient and AdamW keeps no state for them."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from memfit.estimate.fake_mode import grouped_mm_for_fake
+
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    with FakeTensorMode(), grouped_mm_for_fake(True):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.train()
+        vocab = model.get_input_embeddings().weight.shape[0]
+        ids = torch.randint(0, vocab, (2, 16))
+        model(input_ids=ids, use_cache=False).logits.float().sum().backward()
+        _, stack = decoder_layers(model, layers)
+        per_layer = [sum(p.numel() for p in layer.parameters() if p.grad is None) for layer in stack]
+        total = sum(p.numel() for p in model.parameters() if p.grad is None)
+    return per_layer, int(total - sum(per_layer))

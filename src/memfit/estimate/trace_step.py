@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.fake_mode import grouped_mm_for_fake
 
 # What one traced step records, per sequence, in bytes (memfit.estimate.trace's docstring says what each is).
 MEASURES = (
@@ -369,27 +370,6 @@ def _backward_windows(model, tracker, layers, bw_start: int) -> dict[str, tuple[
     }
 
 
-def _grouped_mm_for_fake(fake: bool):
-    """transformers' MoE experts call torch._grouped_mm, whose fake (meta) kernel accepts bf16
-    only, while the CPU kernel also runs fp16/fp32 (torch 2.13). On fake tensors of another
-    dtype the experts take transformers' own fallback op (integrations/moe.py
-    `_grouped_mm_fallback`, a custom op with a registered fake and the same saved tensors: the
-    input and the weight), as transformers does under torch.compile for non-bf16 dtypes."""
-    import contextlib
-    from unittest import mock
-
-    import torch
-
-    try:
-        from transformers.integrations import moe
-    except ImportError:
-        return contextlib.nullcontext()
-    if not fake or not hasattr(moe, "_can_use_grouped_mm"):
-        return contextlib.nullcontext()
-    real = moe._can_use_grouped_mm
-    return mock.patch.object(moe, "_can_use_grouped_mm", lambda i, w, o: w.dtype == torch.bfloat16 and real(i, w, o))
-
-
 def _run(
     arch: ModelArch,
     num_layers: int,
@@ -412,7 +392,7 @@ def _run(
     from torch.distributed._tools.mem_tracker import _ModState
 
     # fake=False runs the same step on real tensors (small models only): a check of the fake run
-    with FakeTensorMode() if fake else contextlib.nullcontext(), _grouped_mm_for_fake(fake):
+    with FakeTensorMode() if fake else contextlib.nullcontext(), grouped_mm_for_fake(fake):
         model = build_model(
             arch, num_layers, attn, precision, grad_ckpt, finetune, lora_rank, lora_targets, shrink_config
         )
@@ -439,35 +419,3 @@ def _run(
             **_count_flops(model, ids, labels, loss_module),
         }
     return out, tracker.series, windows
-
-
-def ungraded_numel(config: Any, layers: int) -> tuple[list[int], int]:
-    """Elements of the parameters that get no gradient in a causal-LM training step (forward on
-    input ids, loss, backward), measured on fake tensors for `config` with `layers` layers: per
-    decoder layer, and outside the layers. A decoder built for cross-attention (BART-style
-    ForCausalLM) never runs its cross-attention without encoder states, so its weights get no
-    gradient and AdamW keeps no state for them."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
-
-    from memfit.estimate.inventory import decoder_layers
-
-    config = copy_config(config)
-    config.use_cache = False
-    with FakeTensorMode(), _grouped_mm_for_fake(True):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.train()
-        vocab = model.get_input_embeddings().weight.shape[0]
-        ids = torch.randint(0, vocab, (2, 16))
-        model(input_ids=ids, use_cache=False).logits.float().sum().backward()
-        _, stack = decoder_layers(model, layers)
-        per_layer = [sum(p.numel() for p in layer.parameters() if p.grad is None) for layer in stack]
-        total = sum(p.numel() for p in model.parameters() if p.grad is None)
-    return per_layer, int(total - sum(per_layer))
-
-
-def copy_config(config: Any) -> Any:
-    import copy
-
-    return copy.deepcopy(config)
