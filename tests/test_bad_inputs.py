@@ -65,7 +65,7 @@ CLI_CASES = [
     (["estimate", "--model", "{tmp}/empty", "--gpu", "a100-80gb"], "has no config.json"),
     (
         ["estimate", "--model", "{tmp}/weird", "--gpu", "a100-80gb"],
-        "model_type 'weirdnet' is not supported",
+        "model_type 'weirdnet' is not in transformers' AutoModelForCausalLM mapping",
     ),
     (["estimate", "--model", "no-such-model", "--gpu", "a100-80gb"], "no-such-model"),
     (["estimate", "--model", "llama-3.1-8b", "--gpu", "no-such-gpu"], "no-such-gpu"),
@@ -241,7 +241,7 @@ CONFIG_CASES = [
     (_with_model(cfg_file=False), "config.json is missing"),
     (_with_model(tokenizer=False), "models.mymodel.path: no tokenizer"),
     (_with_model(weights=False), "models.mymodel.path: no weights"),
-    (_with_model(config=WEIRD), "model_type 'weirdnet' is not supported"),
+    (_with_model(config=WEIRD), "model_type 'weirdnet' is not in transformers' AutoModelForCausalLM mapping"),
 ]
 
 

@@ -43,6 +43,13 @@ def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = 
     fields are cached with the inventory (`inventory.cached`): a cache hit imports no
     transformers code, so the catalog's flagship entries load in milliseconds."""
     where = where or name
+    raw_type = str(cfg.get("model_type", "") or "")
+    if raw_type not in _causal_lm_types() and not isinstance(cfg.get("text_config"), dict):
+        raise UnsupportedArchitecture(
+            f"{where}: model_type {raw_type or 'missing'!r} is not in transformers' "
+            f"AutoModelForCausalLM mapping (transformers {inventory.transformers_version()}), so "
+            f"memfit cannot build or train it"
+        )
     text = json.dumps(cfg, sort_keys=True, default=str)
     fields = inventory.cached("card", text, lambda: _card_fields(cfg, where))
     return ModelArch(name=name, source=source, **fields)
