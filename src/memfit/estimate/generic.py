@@ -8,6 +8,7 @@ projector) is counted and reported as `vision_params`, as for the hand-written G
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -38,18 +39,22 @@ def _causal_lm_types() -> frozenset[str]:
     return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def _check_causal_lm(model_type: str, where: str) -> None:
+    if model_type not in _causal_lm_types():
+        raise UnsupportedArchitecture(
+            f"{where}: model_type {model_type or 'missing'!r} is not in transformers' "
+            f"AutoModelForCausalLM mapping (transformers {inventory.transformers_version()}), so "
+            f"memfit cannot build or train it"
+        )
+
+
 def generic_arch(cfg: dict[str, Any], name: str, where: str = "", source: str = "") -> ModelArch:
     """The card of a config.json whose model_type memfit has no hand-written card for. Its
     fields are cached with the inventory (`inventory.cached`): a cache hit imports no
     transformers code, so the catalog's flagship entries load in milliseconds."""
     where = where or name
-    raw_type = str(cfg.get("model_type", "") or "")
-    if raw_type not in _causal_lm_types() and not isinstance(cfg.get("text_config"), dict):
-        raise UnsupportedArchitecture(
-            f"{where}: model_type {raw_type or 'missing'!r} is not in transformers' "
-            f"AutoModelForCausalLM mapping (transformers {inventory.transformers_version()}), so "
-            f"memfit cannot build or train it"
-        )
+    if not isinstance(cfg.get("text_config"), dict):
+        _check_causal_lm(str(cfg.get("model_type", "") or ""), where)
     text = json.dumps(cfg, sort_keys=True, default=str)
     fields = inventory.cached("card", text, lambda: _card_fields(cfg, where))
     return ModelArch(name=name, source=source, **fields)
@@ -61,13 +66,7 @@ def _card_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     text_dict = dict(cfg)
     if text is not config:  # a multimodal wrapper: its text model is what the estimate prices
         text_dict = {k: v for k, v in text.to_dict().items() if not k.startswith("_")}
-    text_type = str(text_dict.get("model_type", "") or "")
-    if text_type not in _causal_lm_types():
-        raise UnsupportedArchitecture(
-            f"{where}: model_type {text_type or 'missing'!r} is not in transformers' "
-            f"AutoModelForCausalLM mapping (transformers {inventory.transformers_version()}), so "
-            f"memfit cannot build or train it"
-        )
+    _check_causal_lm(str(text_dict.get("model_type", "") or ""), where)
     canonical = json.dumps(text_dict, sort_keys=True, default=str)
     inv = inventory.inventory(canonical, where)
     vision_params = 0
@@ -106,6 +105,7 @@ def _card_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
+@functools.lru_cache(maxsize=256)
 def layer_groups(arch: ModelArch) -> tuple[tuple[int, ModelArch, str], ...]:
     """The kinds of decoder layer a model mixes, each as (how many, a card standing for that
     kind, its label): layers differ when their `config.layer_types` entries differ (sliding vs
@@ -118,16 +118,14 @@ def layer_groups(arch: ModelArch) -> tuple[tuple[int, ModelArch, str], ...]:
     inv = arch.inventory()
     types = getattr(inventory.config_from_dict(json.loads(arch.hf_config), arch.name), "layer_types", None)
     types = list(types) if isinstance(types, list) and len(types) == arch.num_layers else None
-    kinds: dict[Any, list[int]] = {}
-    for i in range(arch.num_layers):
-        modules = tuple((m.cls, m.numels) for m in inv.layer_modules(i))
-        kinds.setdefault((types[i] if types else None, modules), []).append(i)
+    kinds = inv.layer_kinds(types)
     if len(kinds) == 1:
         return ((arch.num_layers, arch, ""),)
     groups = []
-    for (kind, _modules), ids in kinds.items():
+    for ids in kinds:
         experts = any(m.expert for m in inv.layer_modules(ids[0]))
-        label = " ".join(x for x in (str(kind or ""), "MoE" if experts else "") if x) or f"like layer {ids[0]}"
+        kind = types[ids[0]] if types else ""
+        label = " ".join(x for x in (str(kind), "MoE" if experts else "") if x) or f"like layer {ids[0]}"
         pair = (ids[0], ids[1] if len(ids) > 1 else ids[0])
         groups.append((len(ids), dataclasses.replace(arch, layer_kind=pair), label))
     return tuple(groups)

@@ -83,6 +83,16 @@ class Inventory:
     def layer_modules(self, layer: int) -> tuple[Module, ...]:
         return tuple(m for m in self.modules if m.layer == layer)
 
+    def layer_kinds(self, types: list[Any] | None = None) -> list[list[int]]:
+        """The decoder layers grouped by kind, in order of first appearance: layers whose
+        parameter-owning modules (class and sizes) differ, and, given `types` (a config's
+        layer_types), whose entries there differ."""
+        kinds: dict[tuple[Any, ...], list[int]] = {}
+        for i in range(self.num_layers):
+            modules = tuple((m.cls, m.numels) for m in self.layer_modules(i))
+            kinds.setdefault((types[i] if types else None, modules), []).append(i)
+        return list(kinds.values())
+
     def layer_numel(self, layer: int) -> int:
         return sum(sum(m.numels) for m in self.layer_modules(layer))
 
@@ -344,14 +354,7 @@ def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) ->
     peft on the whole model."""
 
     def count() -> int:
-        inv = inventory(config_json)
-        kinds: dict[tuple[Any, ...], list[int]] = {}
-        for i in range(inv.num_layers):
-            kinds.setdefault(tuple((m.cls, m.numels) for m in inv.layer_modules(i)), []).append(i)
-        upto = max(ids[0] for ids in kinds.values()) + 1
-        config = with_layers(config_from_dict(json.loads(config_json)), upto)
-        per_layer, outside, _ = _peft_params(config, rank, targets, upto)
-        return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds.values())
+        return _per_kind(config_json, lambda config, upto: _peft_params(config, rank, targets, upto)[:2])
 
     # cached with the inventory: peft's import and a meta build cost seconds per process
     return int(cached("lora", f"{rank}|{list(targets) if targets else None}|{config_json}", count))
@@ -364,23 +367,21 @@ def ungraded_params(config_json: str) -> int:
     cached with the inventory. Full fine-tuning keeps gradients and AdamW states for the rest."""
 
     def measure() -> int:
-
         try:
-            return count()
+            return _per_kind(config_json, ungraded_numel)
         except Exception:  # noqa: BLE001 - a model whose step does not run on fake tensors:
             return 0  # every parameter counted as trained (the larger estimate)
 
-    def count() -> int:
-
-        inv = inventory(config_json)
-        kinds: dict[tuple[Any, ...], list[int]] = {}
-        for i in range(inv.num_layers):
-            kinds.setdefault(tuple((m.cls, m.numels) for m in inv.layer_modules(i)), []).append(i)
-        upto = max(ids[0] for ids in kinds.values()) + 1
-        per_layer, outside = ungraded_numel(with_layers(config_from_dict(json.loads(config_json)), upto), upto)
-        return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds.values())
-
     return int(cached("ungraded", config_json, measure))
+
+
+def _per_kind(config_json: str, measure: Any) -> int:
+    """`measure(config, layers) -> (per decoder layer, outside the layers)` on the model cut to
+    the first layer of each kind (`Inventory.layer_kinds`), multiplied out over every layer."""
+    kinds = inventory(config_json).layer_kinds()
+    upto = max(ids[0] for ids in kinds) + 1
+    per_layer, outside = measure(with_layers(config_from_dict(json.loads(config_json)), upto), upto)
+    return outside + sum(len(ids) * per_layer[ids[0]] for ids in kinds)
 
 
 @functools.lru_cache(maxsize=64)

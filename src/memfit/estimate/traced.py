@@ -109,7 +109,6 @@ def traced_activations(
     it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
     follows one forward of a root module) and the eager probabilities' share for the note.
     """
-
     seqs = cand.micro_batch * (2 if method == "dpo" else 1)
     L = arch.num_layers
     traced = traced_run(arch, cand, settings)
