@@ -57,12 +57,16 @@ ops:
 demo: $(STAMP)
 	$(BIN)/snakemake --cores all
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q
+# Two passes: the single-process tests (estimates, traces, reports) spread over one pytest-xdist
+# worker per core, then the multi-process DeepSpeed runs (pytest marker `slow`) one at a time:
+# their ranks take every core, and beside another worker's test they ran 1.45x slower
+# (docs/development.md).
+test: test-fast
+	$(BIN)/python -m pytest -q -m slow
 
 # Skips the multi-process DeepSpeed runs (pytest marker `slow`); `gpu` tests skip themselves without CUDA.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,4 +1,5 @@
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,24 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Traces and inventories go to a cache of this test process (and the commands it starts), not the
+# user's ~/.cache/memfit/traces: every run starts cold, as on a fresh CI machine.
+_TRACE_CACHE = tempfile.TemporaryDirectory(prefix="memfit-test-traces-")
+os.environ["MEMFIT_TRACE_CACHE"] = _TRACE_CACHE.name
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test-fast`: a worker per core), each worker gets its share of the
+    cores, for torch's threads and for the estimator's trace children (memfit.estimate.trace
+    `trace_workers`), instead of all of them each."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("MEMFIT_TRACE_WORKERS", str(share))
+
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,23 +18,27 @@ import pytest
 import torch
 
 from memfit.train import launch as launch_mod
-from memfit.train.launch import command, launch, launch_env
+from memfit.train import local_ranks
+from memfit.train.launch import Rendezvous, command, launch, launch_env
+from memfit.train.local_ranks import LocalRanks, free_port
 from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
 
 
-def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):
-    cmd = command(tmp_path / "run.json", 3)
-    assert cmd == [
+def test_one_node_starts_the_ranks_itself_several_meet_under_torchrun(tmp_path):
+    rank = [sys.executable, "-m", "memfit.cli", "train", "--config", str(tmp_path / "run.json")]
+    assert command(tmp_path / "run.json", 3) == rank  # started 3 times (LocalRanks)
+    rdzv = Rendezvous(nnodes=2, node_rank=1, host="gpu01", port=29500, run_id="42")
+    assert command(tmp_path / "run.json", 3, rdzv) == [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu01:29500",
+        "--rdzv-id=42",
         "--nproc-per-node=3",
-        "-m",
-        "memfit.cli",
-        "train",
-        "--config",
-        str(tmp_path / "run.json"),
+        *rank[1:],
     ]
     # the calibration's ranks (memfit.train.calibrate) start the same way, from their spec
     assert command(tmp_path / "spec.json", 2, rank_command="calibrate")[-4:] == [
@@ -43,6 +47,40 @@ def test_command_runs_memfit_train_under_torchrun_standalone(tmp_path):
         "--spec",
         str(tmp_path / "spec.json"),
     ]
+
+
+def test_each_rank_gets_torchruns_environment_and_a_rendezvous_port_of_its_run(tmp_path):
+    """What torch.distributed's env:// rendezvous and memfit's resume read, per rank."""
+    dump = "import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1] + os.environ['RANK'], 'w'))"
+    port = free_port()
+    ranks = LocalRanks([sys.executable, "-c", dump, str(tmp_path / "env")], 3, dict(os.environ), port)
+    assert ranks.wait(timeout=30) == 0
+    envs = [json.loads((tmp_path / f"env{r}").read_text()) for r in range(3)]
+    for r, env in enumerate(envs):
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+            str(r),
+            str(r),
+            "3",
+            "3",
+        )
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", str(port))
+
+
+def test_a_failing_rank_stops_the_others_and_its_exit_code_is_the_runs(tmp_path, monkeypatch):
+    """Rank 1 runs out of memory (exit 3) while rank 0 would wait for it in a collective forever:
+    rank 0 gets SIGTERM (and SIGKILL if it ignores that) and the run's code is rank 1's."""
+    monkeypatch.setattr(local_ranks, "STOP_GRACE_S", 1.0)
+    code = (
+        "import os, signal, sys, time\n"
+        "if os.environ['RANK'] == '1': time.sleep(0.5); sys.exit(3)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"  # a rank stuck in a collective
+        "time.sleep(60)\n"
+    )
+    start = time.monotonic()
+    ranks = LocalRanks([sys.executable, "-c", code], 2, dict(os.environ), free_port())
+    assert ranks.wait(timeout=30) == 3
+    assert time.monotonic() - start < 20
+    assert all(p.poll() is not None for p in ranks.procs)
 
 
 def test_env_selects_the_cpu_accelerator_without_cuda_and_keeps_what_the_user_set(monkeypatch):
@@ -86,7 +124,7 @@ def test_ranks_build_deepspeed_ops_with_this_environments_ninja(monkeypatch):
 
 
 def fake_ranks(monkeypatch, code: str) -> None:
-    """Launch runs `python -c code` instead of torchrun (the config path is in sys.argv[1])."""
+    """Launch starts `python -c code` as each rank (the config path is in sys.argv[1])."""
     monkeypatch.setattr(
         launch_mod,
         "command",
@@ -122,7 +160,7 @@ def test_a_run_that_outlives_its_timeout_is_killed_and_raises(tmp_path, monkeypa
 
 
 def test_preempted_ranks_report_the_preempted_exit_code(tmp_path, monkeypatch):
-    # torchrun exits 1 after forwarding SIGTERM; the marker rank 0 wrote says the ranks saved
+    # stopped ranks exit 1 (torchrun too, across nodes); the marker rank 0 wrote says the ranks saved
     code = (
         "import json, sys, pathlib; out = pathlib.Path(json.load(open(sys.argv[1]))['out_dir']);"
         f"out.mkdir(); (out / {PREEMPTED_MARKER!r}).write_text('{{}}'); sys.exit(1)"
@@ -150,8 +188,8 @@ def test_sigterm_to_the_launcher_reaches_the_ranks(tmp_path, monkeypatch):
         deadline = time.monotonic() + 30
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        # SIGTERM goes to torchrun (here the rank itself), which passes it on; SIGUSR1 goes to
-        # torchrun's children, the ranks (tests/test_slurm_launch.py)
+        # SIGTERM goes to every rank of this node (across nodes to torchrun, which passes it
+        # on; SIGUSR1 to torchrun's children, the ranks: tests/test_slurm_launch.py)
         os.kill(os.getpid(), signal.SIGTERM)
 
     before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)

@@ -35,10 +35,10 @@ def test_expand_nodelist_refuses_what_it_cannot_parse(bad):
         expand_nodelist(bad)
 
 
-def test_single_node_needs_no_rendezvous_and_runs_standalone():
+def test_single_node_needs_no_rendezvous_and_starts_its_ranks_itself():
     assert rendezvous_from_env({}, 1) is None
     cmd = command(Path("run.json"), 8)
-    assert "--standalone" in cmd and "--nproc-per-node=8" in cmd
+    assert "torch.distributed.run" not in cmd and cmd[-4:] == ["memfit.cli", "train", "--config", "run.json"]
 
 
 def test_multi_node_outside_slurm_is_an_error_not_a_single_node_run():

@@ -44,7 +44,14 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "memfit.train": ("memfit.data",),
     # the estimator traces the real loss code (memfit.estimate.trace_step, logits) and measures
     # tiny models' steps with the trainer's tracker (memfit.estimate.coverage)
-    "memfit.estimate": ("memfit.data", "memfit.train.losses", "memfit.train.vocab_loss", "memfit.train.memory"),
+    # and adapts models with the trainer's LoRA configuration (memfit.train.lora)
+    "memfit.estimate": (
+        "memfit.data",
+        "memfit.train.losses",
+        "memfit.train.vocab_loss",
+        "memfit.train.memory",
+        "memfit.train.lora",
+    ),
     "memfit.exports": ("memfit.train.run_config",),
     "memfit.workflow": ("memfit.data", "memfit.train", "memfit.estimate", "memfit.exports"),
     "memfit.results": ("memfit.data", "memfit.train", "memfit.estimate", "memfit.exports", "memfit.workflow"),

@@ -171,9 +171,10 @@ def measure_step_peak(arch: ModelArch, cand: Candidate, steps: int = 2) -> int:
     """Peak live CPU bytes of `steps` training steps of `arch` (random weights, fp32) as the
     estimator's cpu/ZeRO-0 setting prices them (module docstring)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from memfit.train.lora import lora_config
     from memfit.train.losses import sft_loss
     from memfit.train.memory import AllocationTracker
 
@@ -183,10 +184,7 @@ def measure_step_peak(arch: ModelArch, cand: Candidate, steps: int = 2) -> int:
     attn = {"flash": "flash_attention_2"}.get(cand.attn, cand.attn)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn)
     if cand.finetune == "lora":
-        lora = LoraConfig(
-            r=cand.lora_rank, lora_alpha=2 * cand.lora_rank, target_modules="all-linear", lora_dropout=0.0
-        )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora_config(model, cand.lora_rank))
     model.train()
     if cand.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

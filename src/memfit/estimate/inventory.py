@@ -343,7 +343,8 @@ def inventory(config_json: str, where: str = "config.json") -> Inventory:
 
 @functools.lru_cache(maxsize=256)
 def lora_params(config_json: str, rank: int, targets: tuple[str, ...] | None) -> int:
-    """Parameters peft adds with LoraConfig(r=rank, target_modules=targets or "all-linear").
+    """Parameters peft adds with LoraConfig(r=rank, target_modules=targets or "all-linear" less the
+    linears it cannot adapt: memfit.train.lora).
 
     Counted by applying peft to the meta model cut to the first layer of each kind (layers
     whose parameter-owning modules differ: dense vs MoE, attention vs linear attention ...),
@@ -415,13 +416,13 @@ def _peft_params(config: Any, rank: int, targets: tuple[str, ...] | None, layers
     layer."""
     import warnings
 
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
+
+    from memfit.train.lora import lora_config
 
     model = build_meta(config)
     before = sum(p.numel() for p in model.parameters())
-    lora = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=list(targets) if targets else "all-linear", task_type="CAUSAL_LM"
-    )
+    lora = lora_config(model, rank, targets=targets)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

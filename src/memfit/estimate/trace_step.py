@@ -76,7 +76,9 @@ def build_model(
     if finetune == "lora":
         from unittest import mock
 
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
+
+        from memfit.train.lora import lora_config
 
         # The adapters in the training dtype, as DeepSpeed leaves them: its engine casts every
         # parameter to bf16/fp16 (runtime/engine.py `_configure_distributed_model` ->
@@ -90,15 +92,7 @@ def build_model(
         try:
             with mock.patch.object(torch.nn.Module, "to", lambda self, *a, **k: self):
                 model = get_peft_model(
-                    model,
-                    LoraConfig(
-                        r=lora_rank,
-                        lora_alpha=2 * lora_rank,
-                        lora_dropout=0.0,
-                        target_modules=list(lora_targets) if lora_targets else "all-linear",
-                        task_type="CAUSAL_LM",
-                    ),
-                    autocast_adapter_dtype=False,
+                    model, lora_config(model, lora_rank, targets=lora_targets), autocast_adapter_dtype=False
                 )
         finally:
             torch.set_default_dtype(prev)

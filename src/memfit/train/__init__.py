@@ -2,7 +2,7 @@
 
 Owns the run's configuration (`run_config`: `RunConfig`, run.json, exit codes), the loop
 (`loop`: `Run.setup`, `Run.fit`, `Run.probe`), one rank's entry point (`rank`) and what it does
-first to start in seconds (`startup`), starting all ranks (`launch`: torchrun, srun, signals,
+first to start in seconds (`startup`), starting all ranks (`launch`: the ranks of one node, torchrun across nodes, srun, signals,
 threads per rank), the step of each method (`steps`, `losses`,
 `vocab_loss`, `reference` for DPO), batches (`batches`), the model (`modeling`: load, LoRA,
 export, QLoRA), the DeepSpeed JSON (`dsconfig`), checkpoints (`checkpoint`, `checkpoint_compat`,

@@ -1,5 +1,6 @@
 """The rank's place in the run: rank, world size, process group, all-reduce and device helpers
-(moved out of train.py; torchrun sets RANK, WORLD_SIZE and LOCAL_RANK)."""
+(moved out of train.py; the launcher, memfit.train.local_ranks or torchrun, sets RANK, WORLD_SIZE
+and LOCAL_RANK)."""
 
 from __future__ import annotations
 

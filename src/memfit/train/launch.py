@@ -1,8 +1,9 @@
 """Start every rank of a run on this node and report how it ended.
 
-`torch.distributed.run --standalone` picks a free rendezvous port, so several runs
-(probes) can share a machine. DeepSpeed on the CPU needs `DS_ACCELERATOR=cpu`, set
-here when no CUDA device is visible.
+One node: the ranks are started directly (memfit.train.local_ranks), each run on a free
+rendezvous port of its own, so several runs (probes) can share a machine. Several nodes: one
+torchrun per node, meeting through its c10d rendezvous. DeepSpeed on the CPU needs
+`DS_ACCELERATOR=cpu`, set here when no CUDA device is visible.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from memfit.train.local_ranks import LocalRanks, free_port
 
 # What a nested srun may inherit: the job's identity and where the config is. Anything else was
 # set for the step this process runs in (a one-node step under the plugin: SLURM_JOB_NODELIST,
@@ -188,30 +191,30 @@ def rendezvous_from_env(env: Mapping[str, str], nnodes: int) -> Rendezvous | Non
     return Rendezvous(nnodes=nnodes, node_rank=rank, host=host, port=port, run_id=run_id)
 
 
+def rank_argv(config: Path, rank_command: str = "train") -> list[str]:
+    """One rank's command line: `memfit train --config run.json` or `memfit calibrate --spec spec.json`."""
+    flag = "--config" if rank_command == "train" else "--spec"
+    return [sys.executable, "-m", "memfit.cli", rank_command, flag, str(config)]
+
+
 def command(config: Path, nproc: int, rdzv: Rendezvous | None = None, rank_command: str = "train") -> list[str]:
-    """torchrun for this node: `--standalone` on one node, c10d rendezvous across nodes; each rank
-    runs `memfit <rank_command>`: train (`--config run.json`) or calibrate (`--spec spec.json`)."""
+    """What this node starts: on one node the rank's own command line, started `nproc` times
+    (local_ranks.LocalRanks); across nodes torchrun with a c10d rendezvous, which starts `nproc`.
+    Each rank runs `memfit <rank_command>`: train (`--config run.json`) or calibrate (`--spec spec.json`)."""
+    ranks = rank_argv(config, rank_command)
     if rdzv is None:
-        dist = ["--standalone"]
-    else:
-        dist = [
-            f"--nnodes={rdzv.nnodes}",
-            f"--node-rank={rdzv.node_rank}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
-            f"--rdzv-id={rdzv.run_id}",
-        ]
+        return ranks
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        *dist,
+        f"--nnodes={rdzv.nnodes}",
+        f"--node-rank={rdzv.node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={rdzv.host}:{rdzv.port}",
+        f"--rdzv-id={rdzv.run_id}",
         f"--nproc-per-node={nproc}",
-        "-m",
-        "memfit.cli",
-        rank_command,
-        "--config" if rank_command == "train" else "--spec",
-        str(config),
+        *ranks[1:],
     ]
 
 
@@ -233,13 +236,15 @@ def launch(
 
     SIGUSR1 (SLURM's `--signal=USR1@secs` before the wall-time kill, or `scancel --signal=USR1`)
     and SIGTERM sent to this process are forwarded: SIGUSR1 to the ranks themselves (they
-    checkpoint at the end of the current step and exit), SIGTERM to torchrun, which passes it on
-    to the ranks and SIGKILLs them 30 s later. torchrun ignores SIGUSR1: SLURM signals every
-    process of a step, and torchrun has no handler for it (its default would kill torchrun, and
-    with it every rank: train._die_with_parent).
+    checkpoint at the end of the current step and exit), SIGTERM to the ranks (on one node) or to
+    torchrun (several nodes), which passes it on; ranks still running 30 s later are SIGKILLed.
+    Ranks and torchrun ignore SIGUSR1 until a rank sets its handler: SLURM signals every process
+    of a step, and the default action would kill them (and with torchrun every rank:
+    rank._die_with_parent).
     """
 
     srun = per_node_srun(nnodes, os.environ) if rank_command == "train" else None
+    rdzv = None
     if srun is not None:
         cmd = [*srun, sys.executable, "-m", "memfit.cli", "launch", "--config", str(config)]
         cmd += ["--nproc", str(nproc), "--nnodes", str(nnodes)]
@@ -249,21 +254,27 @@ def launch(
         if rdzv is not None and log is None:  # one of several nodes: say where it meets the others
             host = os.environ.get("SLURMD_NODENAME", "")
             print(f"[node {rdzv.node_rank} {host}] $ " + " ".join(cmd), file=sys.stderr, flush=True)
+    port = free_port() if srun is None and rdzv is None else None  # one node: memfit starts the ranks
     threads = threads_per_rank(nproc)
     out = None
     if log is not None:
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         out = open(log, "a")  # noqa: SIM115 - closed below
-        out.write("$ " + " ".join(cmd) + "\n")
+        ranks = f"[{nproc} rank(s), MASTER_PORT={port}] " if port is not None else ""
+        out.write("$ " + ranks + " ".join(cmd) + "\n")
         out.flush()
     env = launch_env(threads)
-    proc = subprocess.Popen(
-        cmd,
-        env=env if srun is None else srun_env(env),
-        stdout=out,
-        stderr=subprocess.STDOUT if out else None,
-        preexec_fn=None if srun is not None else _ignore_sigusr1,
-    )
+    proc: subprocess.Popen | LocalRanks
+    if port is not None:
+        proc = LocalRanks(cmd, nproc, env, port, stdout=out, preexec_fn=_ignore_sigusr1)
+    else:
+        proc = subprocess.Popen(
+            cmd,
+            env=env if srun is None else srun_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT if out else None,
+            preexec_fn=None if srun is not None else _ignore_sigusr1,
+        )
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -273,7 +284,7 @@ def launch(
         if rc != 0 and _preempted(config):
             from memfit.train.run_config import PREEMPTED_EXIT_CODE
 
-            return PREEMPTED_EXIT_CODE  # torchrun exits 1 after forwarding the signal; the ranks saved
+            return PREEMPTED_EXIT_CODE  # stopped by the signal (torchrun exits 1); the ranks saved
         return rc
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -287,13 +298,18 @@ def launch(
 
 
 def _ignore_sigusr1() -> None:
-    """torchrun's preexec: SIGUSR1 ignored (inherited through exec; the ranks set their own handler)."""
+    """The ranks' (or torchrun's) preexec: SIGUSR1 ignored (inherited through exec and by torchrun's
+    ranks; a training rank sets its own handler)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-def _forward(proc: subprocess.Popen, signum: int, to_ranks: bool) -> None:
-    """Pass a stop signal on: SIGUSR1 to torchrun's children (the ranks), everything else (and
-    anything to srun, which forwards it to every node's launcher) to the child itself."""
+def _forward(proc: subprocess.Popen | LocalRanks, signum: int, to_ranks: bool) -> None:
+    """Pass a stop signal on: to every rank of this node's LocalRanks; SIGUSR1 to torchrun's
+    children (the ranks), everything else (and anything to srun, which forwards it to every
+    node's launcher) to the child itself."""
+    if isinstance(proc, LocalRanks):
+        proc.send_signal(signum)
+        return
     if to_ranks and signum == signal.SIGUSR1:
         for pid in _children(proc.pid):
             try:

@@ -4,8 +4,8 @@ Launch all ranks of a run on one node (what the `train` and `probe_candidate` ru
 
     memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
 
-which runs `python -m torch.distributed.run --standalone --nproc-per-node 2 -m memfit.cli
-train --config ...` (memfit.train.rank.main, once per rank). On a GPU node `--nproc` is the number
+which starts `python -m memfit.cli train --config ...` once per rank (memfit.train.rank.main;
+memfit.train.local_ranks sets what torchrun would: RANK, WORLD_SIZE, MASTER_PORT, ...). On a GPU node `--nproc` is the number
 of GPUs; under SLURM the same entry point runs once per task.
 
 The loop reads top to bottom: strategy -> model -> reference -> data -> DeepSpeed ->

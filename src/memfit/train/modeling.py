@@ -179,19 +179,13 @@ def load_model(
         # Non-reentrant checkpointing works with frozen inputs (LoRA) and ZeRO-3 hooks.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cand.finetune in ("lora", "qlora"):
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
+
+        from memfit.train.lora import lora_config
 
         lora = lora or {}
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=cand.lora_rank,
-                lora_alpha=lora.get("alpha") or 2 * cand.lora_rank,
-                lora_dropout=lora.get("dropout", 0.0),
-                target_modules=lora.get("targets", "all-linear"),
-                task_type="CAUSAL_LM",
-            ),
-        )
+        config = lora_config(model, cand.lora_rank, lora.get("alpha"), lora.get("dropout", 0.0), lora.get("targets"))
+        model = get_peft_model(model, config)
         if cand.grad_ckpt and cand.finetune == "lora":
             model.enable_input_require_grads()
     return model

@@ -14,7 +14,7 @@ from memfit.space import Candidate
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
 PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
-PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; torchrun itself exits 1
+PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; the stopped ranks exit 1
 
 
 @dataclass

@@ -78,7 +78,7 @@ class ProbeFailed(RuntimeError):
 def error_excerpt(log: Path | None, n: int = 25) -> str:
     """The first error in a probe's log: its first Python traceback (the first rank's, up to its
     exception line), else the first line that names an error, with what follows; at most `n` lines.
-    The ranks' tracebacks come before torchrun's summary of them, so the first is the cause."""
+    The ranks' tracebacks come before anything the launcher adds, so the first is the cause."""
     if log is None or not Path(log).exists():
         return ""
     lines = Path(log).read_text(errors="replace").splitlines()
@@ -90,7 +90,8 @@ def error_excerpt(log: Path | None, n: int = 25) -> str:
         start = next((i for i, line in enumerate(lines) if "error" in line.lower()), max(0, len(lines) - n))
         return "\n".join(lines[start : start + n])
     # A traceback ends at its first unindented line after the header (the exception). Ranks
-    # write at once: with torchrun's "[rank0]: " prefix, only that rank's lines are followed.
+    # write at once: with torch.distributed's "[rank0]: " prefix (its excepthook), only that rank's
+    # lines are followed.
     prefix = lines[start][: lines[start].index("Traceback")]
     block = [lines[start]]
     for line in lines[start + 1 :]:
