@@ -16,7 +16,11 @@ from memfit.estimate.coverage import coverage_row, tiny_config
 # per-layer inputs (gemma4_text).
 FULL = ["llama", "gpt2", "olmo3", "gpt_oss", "qwen3_next", "deepseek_v3", "falcon_h1", "mamba", "gemma3", "glm4_moe",
         "smollm3", "gemma4_text"]  # fmt: skip
-LORA = ["gpt2", "qwen3_next", "glm4_moe"]
+# LoRA: Conv1D linears (gpt2), linear attention (qwen3_next), frozen experts traced in fp32
+# (granitemoe: torch._grouped_mm's autograd, memfit.estimate.fake_mode), and the default targets
+# where plain all-linear fails (falcon_h1: peft refuses Mamba's out_proj; llama4_text: its router
+# returns a tuple; memfit.train.lora).
+LORA = ["gpt2", "qwen3_next", "granitemoe", "falcon_h1", "llama4_text"]
 
 
 @pytest.fixture(scope="module")
