@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -121,22 +122,54 @@ def gpu(name: str, path: Path = GPUS_YAML) -> GPU:
 # ----------------------------------------------------------------------------- models
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """A model catalog entry's names, read without building its card."""
+
+    name: str
+    aliases: tuple[str, ...]
+    hf_repo: str
+
+
+class _Cards(Mapping[str, ModelArch]):
+    """The model catalog by lowercase name, each card built at its first lookup: a card without a
+    hand-written one builds its model on the meta device (memfit.estimate.generic), about 0.3 s
+    each with an empty cache, so finding one model in a catalog of 15 such entries took 4.3 s
+    when every card was built up front (2026-11-26, 2 cores). Names, aliases and hub ids are read
+    from `entries` without building anything."""
+
+    def __init__(self, path: Path, raw: dict[str, Any]) -> None:
+        self.path, self.raw = path, raw
+        self.entries: dict[str, _Entry] = {}
+        for name, entry in raw.items():
+            if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+                raise ValueError(f"{path}: model {name!r} needs a `config:` mapping of config.json")
+            aliases = tuple(str(a).lower() for a in entry.get("aliases", ()))
+            self.entries[name] = _Entry(name, aliases, str(entry.get("hf_repo", "")))
+        self._built: dict[str, ModelArch] = {}
+
+    def __getitem__(self, name: str) -> ModelArch:
+        if name not in self._built:
+            entry = self.raw[name]
+            arch = arch_from_hf_config(entry["config"], name=name, where=f"{self.path} [{name}]")
+            self._built[name] = replace(
+                arch,
+                source=str(entry.get("source", "")),
+                hf_repo=self.entries[name].hf_repo,
+                aliases=self.entries[name].aliases,
+            )
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
 @lru_cache(maxsize=8)
-def _load_models_cached(path: Path) -> dict[str, ModelArch]:
-    raw = _read_yaml(path)
-    out: dict[str, ModelArch] = {}
-    for name, entry in raw.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
-            raise ValueError(f"{path}: model {name!r} needs a `config:` mapping of config.json")
-        where = f"{path} [{name}]"
-        arch = arch_from_hf_config(entry["config"], name=name, where=where)
-        out[name] = replace(
-            arch,
-            source=str(entry.get("source", "")),
-            hf_repo=str(entry.get("hf_repo", "")),
-            aliases=tuple(str(a).lower() for a in entry.get("aliases", ())),
-        )
-    return out
+def _load_models_cached(path: Path) -> _Cards:
+    return _Cards(path, _read_yaml(path))
 
 
 def load_models(path: Path = MODELS_YAML) -> dict[str, ModelArch]:
@@ -214,7 +247,7 @@ def _strip_variant(repo_name: str) -> str:
     return name
 
 
-def hub_id_card(hub_id: str, models: dict[str, ModelArch] | None = None) -> ModelArch | None:
+def hub_id_card(hub_id: str, models: Mapping[str, ModelArch] | None = None) -> ModelArch | None:
     """The catalog card of a HF hub id ("Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B-Instruct"),
     case-insensitive, or None. -Instruct/-Chat/-it/-hf/-Base variants map to the card of the
     same architecture (their weights have the same shapes). Only ids under the organisation of
@@ -224,17 +257,18 @@ def hub_id_card(hub_id: str, models: dict[str, ModelArch] | None = None) -> Mode
     org, sep, repo = hub_id.strip().lower().partition("/")
     if not sep or not org or not repo or "/" in repo:
         return None
-    for card in models.values():
-        if card.hf_repo and card.hf_repo.lower() == f"{org}/{repo}":
-            return card
+    entries = _names(models)
+    for key, entry in entries.items():
+        if entry.hf_repo and entry.hf_repo.lower() == f"{org}/{repo}":
+            return models[key]
     base = _strip_variant(repo)
-    for card in models.values():
-        card_org, _, card_repo = card.hf_repo.lower().partition("/")
+    for key, entry in entries.items():
+        card_org, _, card_repo = entry.hf_repo.lower().partition("/")
         if card_org != org:
             continue
-        names = {_strip_variant(card_repo), card.name, *card.aliases}
+        names = {_strip_variant(card_repo), entry.name, *entry.aliases}
         if base in names or repo in names or base in {_strip_variant(n) for n in names}:
-            return card
+            return models[key]
     return None
 
 
@@ -362,22 +396,27 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return {str(k).lower(): v for k, v in data.items()}
 
 
-def _resolve(catalog: dict[str, Any], name: str) -> str | None:
+def _names(catalog: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Each entry's names (`.name`, `.aliases`, `.hf_repo`), without building a model card."""
+    return catalog.entries if isinstance(catalog, _Cards) else catalog
+
+
+def _resolve(catalog: Mapping[str, Any], name: str) -> str | None:
     key = name.strip().lower()
     if key in catalog:
         return key
-    for canonical, entry in catalog.items():
+    for canonical, entry in _names(catalog).items():
         if key in entry.aliases:
             return canonical
     return None
 
 
-def _lookup(catalog: dict[str, Any], name: str, what: str, path: Path) -> Any:
+def _lookup(catalog: Mapping[str, Any], name: str, what: str, path: Path) -> Any:
     key = _resolve(catalog, name)
     if key is not None:
         return catalog[key]
     allowed = sorted(catalog)
-    candidates = allowed + [a for e in catalog.values() for a in e.aliases]
+    candidates = allowed + [a for e in _names(catalog).values() for a in e.aliases]
     close = difflib.get_close_matches(name.strip().lower(), candidates, n=1, cutoff=0.5)
     hint = f" Did you mean {_resolve(catalog, close[0])!r}?" if close else ""
     raise ValueError(f"unknown {what} {name!r}.{hint} Allowed ({path.name}): {', '.join(allowed)}")

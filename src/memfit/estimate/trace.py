@@ -71,7 +71,7 @@ from memfit.estimate.trace_step import (  # defined with the step that measures 
     TraceError,
 )
 
-TRACE_FORMAT = 6  # bump when what a trace measures changes (old cache files are then ignored)
+TRACE_FORMAT = 7  # bump when what a trace measures changes (old cache files are then ignored)
 TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
 ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"

@@ -102,9 +102,12 @@ def _exit_now() -> NoReturn:
     `base_run`; 0.04 s with this exit), and it is where gloo's worker threads were once torn down
     still holding work ("terminate called without an active exception", SIGABRT after a run that
     had finished: pytorch/pytorch#190489)."""
+    import ctypes
     import logging
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).fflush(None)  # C/C++ stdio buffers too (DeepSpeed's and gloo's messages)
     os._exit(0)
