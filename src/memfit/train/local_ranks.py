@@ -127,7 +127,3 @@ class LocalRanks:
                 p.kill()
         for p in self.procs:
             p.wait()
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]

@@ -22,9 +22,10 @@ from memfit.train.startup import defer_torch_compile, memoize_cpu_info
 
 
 def _die_with_parent() -> None:
-    """If the launcher (or, across nodes, torchrun, which starts every rank in a session of its own)
-    is SIGKILLed, the ranks would train on as orphans and race a resumed run for the checkpoint directory. PR_SET_PDEATHSIG makes
-    the kernel SIGKILL this rank when its parent dies (prctl(2), Linux only)."""
+    """If the launcher (or, across nodes, torchrun, which starts every rank in a session of its
+    own) is SIGKILLed, the ranks would train on as orphans and race a resumed run for the
+    checkpoint directory. PR_SET_PDEATHSIG makes the kernel SIGKILL this rank when its parent
+    dies (prctl(2), Linux only)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
