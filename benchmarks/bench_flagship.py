@@ -1,7 +1,8 @@
 """Today's flagship models (config/models.yaml entries without a hand-written card): the issue's
 command, `memfit estimate --gpu h100-80gb --num-gpus 8 --finetune lora --seq-len 4096 --zero 3
---attn flash` (sdpa or eager where the class has no FlashAttention-2 path), timed cold (a fresh process, empty trace and inventory caches) and warm (a fresh
-process, caches filled), with the parameter count transformers gives and the peak per GPU.
+--attn flash` (sdpa or eager where the class has no FlashAttention-2 path), timed cold (a fresh
+process, empty trace and inventory caches) and warm (a fresh process, caches filled), with the
+parameter count transformers gives and the peak per GPU.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_flagship.py [--only gpt-oss-20b ...]
         [--json benchmarks/results/flagship.json]

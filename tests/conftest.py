@@ -22,7 +22,9 @@ def pytest_configure(config):
     if workers > 1:
         import torch
 
-        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        from memfit.train.launch import threads_per_rank  # the same even share memfit gives ranks
+
+        share = threads_per_rank(workers)
         torch.set_num_threads(share)
         os.environ.setdefault("MEMFIT_TRACE_WORKERS", str(share))
 

@@ -9,7 +9,7 @@ import functools
 def grouped_mm_for_fake(fake: bool):
     """transformers' MoE experts call torch._grouped_mm, whose fake (meta) kernel accepts bf16
     only, while the CPU kernel also runs fp16/fp32 (torch 2.13). On fake tensors of another
-    dtype the experts' grouped matmul runs `_FakeGroupedMM`: torch._grouped_mm's autograd, with
+    dtype the experts' grouped matmul runs `_fake_grouped_mm()`: torch._grouped_mm's autograd, with
     transformers' own fallback op (integrations/moe.py `_grouped_mm_fallback`, which has a
     registered fake) doing the arithmetic."""
     import contextlib
