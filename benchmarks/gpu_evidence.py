@@ -131,7 +131,17 @@ STAGES: dict[str, list[Row]] = {
         Row("sft-full-z2-expandable-on", "sft", dict(zero=2), expandable_segments=True, needs=("cuda",)),
     ],
     "long_context": [],  # rows made at run time from memfit.estimate.fit (~3 min)
+    # memfit's step-time calibration (memfit.train.calibrate, the workflow's calibrate rule) of the
+    # candidates the stages above probed, then each probe's step time predicted from it
+    "step_time": [],
 }
+# rows per stage made at run time (no fixed Row list)
+RUNTIME_STAGES = {
+    "context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s, GEMM shapes, copies (~30 s)",
+    "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)",
+    "step_time": "memfit's step-time calibration of the probed candidates vs their measured step times (~2 min)",
+}
+PROBE_S = 60  # a probe's seconds before one has been timed in this run (--deadline)
 LONG_CONTEXT = dict(zero=2, finetune="lora", grad_ckpt=True)
 
 
@@ -254,6 +264,68 @@ def _err(measured, est) -> float | None:
     return round(measured / est - 1, 4)
 
 
+def estimate_row(
+    profile: Profile,
+    method: str,
+    cand: Candidate,
+    expandable_segments: bool,
+    settings_kw: dict | None = None,
+    budget: int | None = None,
+) -> dict[str, Any]:
+    """The estimator's answer for one row. A probe trains without resuming, so its memory is
+    compared with the peak of the training phases; the resume phase (DeepSpeed's optimizer-state
+    load, memfit.estimate.phases) is reported beside it (`peak_allocated_bytes_with_resume`).
+    Reserved and nvidia-smi totals move with the allocated peak: the estimator adds its
+    fragmentation and overheads to the peak (memfit.estimate.core)."""
+    arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
+    settings = Settings(expandable_segments=expandable_segments, variable_length=False, **(settings_kw or {}))
+    est = estimate(arch, gpu, 1, 1, method, cand, budget_bytes=budget, settings=settings)
+    training = {k: v for k, v in est.phases.items() if k != "resume"}
+    train_phase = max(training, key=training.get)
+    shift = training[train_phase] - est.peak_allocated_bytes  # <= 0: the resume phase is left out
+    return {
+        "peak_allocated_bytes": training[train_phase],
+        "peak_reserved_bytes": est.peak_reserved_bytes + shift,
+        "device_total_bytes": est.device_total_bytes + shift,
+        "peak_phase": train_phase,
+        "peak_allocated_bytes_with_resume": est.peak_allocated_bytes,
+        "peak_phase_with_resume": est.peak_phase,
+        "step_time_s": est.step_time_s,
+        "tokens_per_s": est.tokens_per_s,
+        "fits": est.fits,
+        "margin_bytes": est.margin_bytes,
+        "calibration": est.calibration,
+        "budget_bytes": budget,
+        "mfu": round(model_flops(arch, cand, method) / est.step_time_s / (gpu.tflops(cand.precision) * 1e12), 4),
+    }
+
+
+ERROR_KEYS = ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "step_time_s", "tokens_per_s", "mfu")
+
+
+def errors(measured: dict[str, Any], est: dict[str, Any]) -> dict[str, float | None]:
+    return {k: _err(measured.get(k), est.get(k)) for k in ERROR_KEYS}
+
+
+def reestimate(doc: dict[str, Any], profile: Profile) -> int:
+    """Every measured row of `doc` estimated again with the estimator as it is now (the GPU's
+    measurements are kept; the estimates and errors are replaced). Returns the rows redone."""
+    n = 0
+    for name, st in doc.get("stages", {}).items():
+        if name == "step_time":
+            continue
+        for r in st["rows"]:
+            if r.get("status") != "ok" or "measured" not in r or "candidate" not in r:
+                continue
+            cand = Candidate.from_dict(r["candidate"])
+            budget = r["estimate"].get("budget_bytes")
+            r["estimate"] = estimate_row(profile, r["method"], cand, r["expandable_segments"], budget=budget)
+            r["error_rel"] = errors(r["measured"], r["estimate"])
+            n += 1
+    doc["summary"] = summary(doc)
+    return n
+
+
 def run_row(
     row: Row,
     profile: Profile,
@@ -263,6 +335,7 @@ def run_row(
     cuda: bool,
     settings_kw: dict | None = None,
     budget: int | None = None,
+    timeout_s: float = 420,
 ) -> dict[str, Any]:
     from memfit.train.run_config import RunConfig
     from memfit.workflow.probe import run_probe
@@ -273,26 +346,7 @@ def run_row(
     reason = _missing(row.needs, cuda)
     if reason:
         return out | {"status": f"skipped: {reason}"}
-    arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
-    settings = Settings(expandable_segments=row.expandable_segments, variable_length=False, **(settings_kw or {}))
-    est = estimate(arch, gpu, 1, 1, row.method, cand, budget_bytes=budget, settings=settings)
-    out["estimate"] = {
-        k: getattr(est, k)
-        for k in (
-            "peak_allocated_bytes",
-            "peak_reserved_bytes",
-            "device_total_bytes",
-            "step_time_s",
-            "tokens_per_s",
-            "fits",
-            "margin_bytes",
-            "peak_phase",
-            "calibration",
-        )
-    }
-    out["estimate"]["mfu"] = round(
-        model_flops(arch, cand, row.method) / est.step_time_s / (gpu.tflops(cand.precision) * 1e12), 4
-    )
+    out["estimate"] = estimate_row(profile, row.method, cand, row.expandable_segments, settings_kw, budget)
     run = RunConfig(
         method=row.method,
         model_path=str(model_dir),
@@ -312,7 +366,7 @@ def run_row(
                 out_json=work / "probe" / f"{row.id}.json",
                 log=work / "probe" / f"{row.id}.log",
                 steps=STEPS,
-                timeout_s=420,
+                timeout_s=timeout_s,
             )
     finally:
         if env_before is not None:
@@ -323,6 +377,7 @@ def run_row(
         out["error"] = str(res.get("error", ""))[:2000]
         out["log_tail"] = res.get("log_tail", "")[-2000:]
         return out
+    arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
     dev_total, dev_src = poll.result() if cuda else (None, "skipped: needs CUDA (this run has no GPU)")
     step = res.get("step_time_s")
     tokens = cand.micro_batch * cand.seq_len * cand.grad_accum * (2 if row.method == "dpo" else 1)
@@ -332,6 +387,7 @@ def run_row(
         "device_total_bytes": dev_total,
         "device_total_source": dev_src,
         "memory_source": res.get("memory_source"),
+        "peak_phase": res.get("peak_phase"),  # rank 0's: forward, backward, optimizer step
         "step_time_s": step,
         "first_step_time_s": res.get("first_step_time_s"),
         "tokens_per_s": tokens / step if step else None,  # padded tokens, as the estimate counts
@@ -342,17 +398,7 @@ def run_row(
         "device": res.get("device"),
     }
     out["measured"] = meas
-    out["error_rel"] = {
-        k: _err(meas[k], out["estimate"][k])
-        for k in (
-            "peak_allocated_bytes",
-            "peak_reserved_bytes",
-            "device_total_bytes",
-            "step_time_s",
-            "tokens_per_s",
-            "mfu",
-        )
-    }
+    out["error_rel"] = errors(meas, out["estimate"])
     return out
 
 
@@ -376,8 +422,27 @@ def rate(fn, flops, n=20):
 mm = rate(lambda: a @ b, 2 * 8192**3)
 q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
 att = rate(lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True), 4 * 32 * 8192**2 * 128 / 2)
+# the GEMMs of a Llama-3.1-8B step (hidden 4096, intermediate 14336, vocab 128256) at 1-8 rows
+# of 1,024-8,192 tokens: how far below the 8192^3 figure a training step's own shapes run
+shapes = []
+for m in (1024, 2048, 4096, 8192):
+    for n, k in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16); w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        shapes.append({"m": m, "n": n, "k": k, "tflops": round(rate(lambda: x @ w.T, 2 * m * n * k), 1)})
+        del x, w
+# host <-> device copies of 1 GiB, pinned and pageable host memory (offload transfers)
+copies = {}
+dev = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+for pinned in (True, False):
+    host = torch.empty(2**30, dtype=torch.uint8, pin_memory=pinned)
+    for d, fn in (("h2d", lambda: dev.copy_(host, non_blocking=pinned)), ("d2h", lambda: host.copy_(dev, non_blocking=pinned))):
+        fn(); torch.cuda.synchronize(); t = time.perf_counter()
+        for _ in range(5): fn()
+        torch.cuda.synchronize()
+        copies[f"{d}_{'pinned' if pinned else 'pageable'}_gb_s"] = round(5 * 2**30 / (time.perf_counter() - t) / 1e9, 1)
 print(json.dumps({"cuda_context_bytes": base, "cublas_workspace_bytes": cublas, "matmul_tflops": mm,
-                  "attention_tflops": att, "device": torch.cuda.get_device_name()}))
+                  "attention_tflops": att, "gemm_shapes": shapes, "copies": copies,
+                  "device": torch.cuda.get_device_name()}))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
@@ -438,28 +503,149 @@ def stage_long_context(profile: Profile, model_dir, data, work, cuda: bool) -> l
 # Driver
 
 
-def run_stage(name: str, profile: Profile, work: Path, cuda: bool, dry: bool) -> dict[str, Any]:
+def run_stage(
+    name: str,
+    profile: Profile,
+    work: Path,
+    cuda: bool,
+    dry: bool,
+    done: dict[str, dict[str, Any]] | None = None,
+    on_row=None,
+    deadline: float | None = None,
+    doc_path: Path | None = None,
+) -> dict[str, Any]:
+    """One stage's part of the JSON. `done`: rows of an earlier partial run of this stage, kept
+    where they finished; `on_row(rows)` after each row (a stage cut off keeps its finished rows);
+    no probe starts after `deadline` (time.time()) less the longest probe seen so far."""
     t0 = time.time()
+    done = done or {}
     if name == "context":
         rows = stage_context(cuda)
     else:
         model_dir, data = build(profile, work)
         if name == "long_context":
             rows = stage_long_context(profile, model_dir, data, work, cuda)
+        elif name == "step_time":
+            rows = stage_step_time(profile, model_dir, work, cuda, doc_path, deadline)
         else:
-            rows, ran = [], 0
+            rows, ran, longest = [], 0, PROBE_S
             for r in STAGES[name]:
+                if done.get(r.id, {}).get("status") == "ok":
+                    rows.append(done[r.id])
+                    continue
                 if dry and (ran >= 1 or _missing(r.needs, cuda)):
                     reason = _missing(r.needs, cuda) or "dry run: one probe per stage"
                     rows.append({"id": r.id, "method": r.method, "status": f"skipped: {reason}"})
                     continue
-                rows.append(run_row(r, profile, model_dir, data, work, cuda))
+                if deadline is not None and time.time() + longest > deadline:
+                    rows.append({"id": r.id, "method": r.method, "status": "skipped: deadline (--deadline)"})
+                    continue
+                # a probe may overrun the deadline by a minute, no more (a hung one would take the rest)
+                timeout = 420 if deadline is None else min(420, max(60, deadline + 60 - time.time()))
+                rows.append(run_row(r, profile, model_dir, data, work, cuda, timeout_s=timeout))
+                longest = max(longest, rows[-1].get("wall_s", 0))
                 ran += 1
-    return {
+                if on_row is not None:
+                    on_row({"rows": rows, "partial": True, "wall_s": round(time.time() - t0, 1)})
+    part = {
         "rows": rows,
         "wall_s": round(time.time() - t0, 1),
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(),
     }
+    if any(r.get("status") == "skipped: deadline (--deadline)" for r in rows):
+        part["partial"] = True  # run the stage again to finish it
+    return part
+
+
+def stage_step_time(
+    profile: Profile, model_dir: Path, work: Path, cuda: bool, doc_path: Path | None, deadline: float | None
+) -> list[dict[str, Any]]:
+    """memfit's step-time calibration (memfit.train.calibrate on one rank, as the workflow's
+    calibrate rule runs it) of every candidate the probe stages measured, then each probe's step
+    time predicted from it (memfit.estimate.timing) against the probe's measured step time."""
+    from memfit.estimate import timing
+    from memfit.train.launch import launch
+
+    doc = json.loads(doc_path.read_text()) if doc_path and doc_path.exists() else {}
+    probed = [
+        r
+        for st, part in doc.get("stages", {}).items()
+        if st != "step_time"
+        for r in part["rows"]
+        if r.get("status") == "ok" and (r.get("measured") or {}).get("step_time_s") and "candidate" in r
+    ]
+    if not probed:
+        return [
+            {"id": "step-time", "status": "skipped: no probe has measured a step time yet (run probe stages first)"}
+        ]
+    if deadline is not None and time.time() + 3 * PROBE_S > deadline:
+        return [{"id": "step-time", "status": "skipped: deadline (--deadline)"}]
+    cands: dict[str, list[dict[str, Any]]] = {}
+    for r in probed:
+        if r["candidate"] not in cands.setdefault(r["method"], []):
+            cands[r["method"]].append(r["candidate"])
+    cal_path, log = work / "step_time_calibration.json", work / "probe" / "step_time_calibration.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    spec = {
+        "model_path": str(model_dir),
+        "out": str(cal_path),
+        "work_dir": str(work / "calibration-models"),
+        "candidates": cands,
+        "dpo": {"beta": 0.1},  # run_row's DPO setting
+        "reps": 3,
+    }
+    spec_path = work / "step_time_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=1))
+    cal_path.unlink(missing_ok=True)
+    t0 = time.time()
+    left = None if deadline is None else max(deadline - time.time(), 60)
+    try:
+        rc = launch(spec_path, 1, log=log, timeout_s=left, rank_command="calibrate")
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    wall = round(time.time() - t0, 1)
+    if rc != 0 or not cal_path.exists():
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        return [{"id": "step-time", "status": f"error: calibration exit {rc}", "wall_s": wall, "log_tail": tail}]
+    cal = timing.load(cal_path)
+    arch = model_arch(profile)
+    rows: list[dict[str, Any]] = [
+        {"id": "step-time-calibration", "status": "ok", "wall_s": wall, "calibration": json.loads(cal_path.read_text())}
+    ]
+    pred, meas = [], []
+    for r in probed:
+        cand = Candidate.from_dict(r["candidate"])
+        why = timing.missing(cal, cand, r["method"])
+        if why:
+            rows.append({"id": f"step-time:{r['id']}", "status": f"skipped: {why}"})
+            continue
+        terms = timing.predict(cal, cand, r["method"], arch.num_layers)
+        p, m = sum(terms.values()), r["measured"]["step_time_s"]
+        pred.append(p)
+        meas.append(m)
+        rows.append(
+            {
+                "id": f"step-time:{r['id']}",
+                "status": "ok",
+                "predicted_step_time_s": round(p, 5),
+                "measured_step_time_s": m,
+                "terms_s": {k: round(v, 5) for k, v in terms.items()},
+                "step_time_error_rel": round(m / p - 1, 4),
+                "mfu_model_step_time_s": r["estimate"]["step_time_s"],
+            }
+        )
+    if pred:
+        errs = [abs(m / p - 1) for p, m in zip(pred, meas, strict=True)]
+        ids = [r["id"] for r in rows[1:] if r["status"] == "ok"]
+        rows[0]["summary"] = {
+            "n": len(pred),
+            "median_abs_error": round(statistics.median(errs), 4),
+            "worst_abs_error": round(max(errs), 4),
+            "spearman": round(timing.spearman(pred, meas), 4) if len(pred) > 2 else None,
+            "fastest_measured": ids[meas.index(min(meas))],
+            "fastest_predicted": ids[pred.index(min(pred))],
+        }
+    return rows
 
 
 def header(profile: Profile, cuda: bool) -> dict[str, Any]:
@@ -524,7 +710,7 @@ def table(doc: dict[str, Any]) -> str:
         f"{'total err':>9} {'step s est/meas':>17} {'MFU':>5}"
     ]
     stages = doc.get("stages", {})
-    for st in [stages[k] for k in STAGES if k in stages]:
+    for st in [stages[k] for k in STAGES if k in stages and k != "step_time"]:
         for r in st["rows"]:
             if r.get("status") != "ok" or "estimate" not in r:
                 lines.append(f"{r['id']:34} {r.get('status', '')[:60]}")
@@ -539,6 +725,16 @@ def table(doc: dict[str, Any]) -> str:
                 f"{pct(er['peak_allocated_bytes']):>6} {pct(er['peak_reserved_bytes']):>12} {pct(er['device_total_bytes']):>9} "
                 f"{e['step_time_s']:8.3f}/{m['step_time_s']:7.3f} {m['mfu'] or 0:5.2f}"
             )
+    for r in stages.get("step_time", {}).get("rows", []):
+        if "predicted_step_time_s" in r:
+            lines.append(
+                f"{r['id']:34} step time calibrated {r['predicted_step_time_s']:.4f} s, measured "
+                f"{r['measured_step_time_s']:.4f} s ({100 * r['step_time_error_rel']:+.0f}%)"
+            )
+        elif r.get("summary"):
+            lines.append(f"step-time calibration ({r['wall_s']:.0f} s): {r['summary']}")
+        else:
+            lines.append(f"{r['id']:34} {r.get('status', '')[:60]}")
     s = summary(doc)
     if s["n"]:
         lines.append(
@@ -550,7 +746,8 @@ def table(doc: dict[str, Any]) -> str:
 def summary(doc: dict[str, Any]) -> dict[str, Any]:
     errs = [
         r["error_rel"]["peak_allocated_bytes"]
-        for st in doc.get("stages", {}).values()
+        for name, st in doc.get("stages", {}).items()
+        if name != "step_time"
         for r in st["rows"]
         if r.get("status") == "ok" and r.get("error_rel", {}).get("peak_allocated_bytes") is not None
     ]
@@ -561,7 +758,7 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
 
 def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
     """config/calibration/<gpu>.json from a finished evidence JSON; each value names its source."""
-    rows = {r["id"]: r for st in doc["stages"].values() for r in st["rows"]}
+    rows = {r["id"]: r for name, st in doc["stages"].items() if name != "step_time" for r in st["rows"]}
     ctx = rows.get("context", {})
     if ctx.get("status") != "ok":
         raise SystemExit("the context stage has no measurement: run --stage context on the GPU first")
@@ -575,6 +772,15 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
     if not frag_rows or not step_rows:
         raise SystemExit("no finished probe rows with reserved memory and step time: run the probe stages first")
     m = ctx["measured"]
+    # nvidia-smi's total beyond reserved, context and cuBLAS in the probes' one-rank processes
+    extra_rows = [r for r in ok if r["measured"].get("device_total_bytes")]
+    extra = [
+        r["measured"]["device_total_bytes"]
+        - r["measured"]["peak_reserved_bytes"]
+        - m["cuda_context_bytes"]
+        - max(m["cublas_workspace_bytes"], 0)
+        for r in extra_rows
+    ]
     return {
         "_comment": "written by benchmarks/gpu_evidence.py --write-calibration; values from the named measurements",
         "device": doc["gpu"],
@@ -583,22 +789,31 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
         "source": f"benchmarks/results/gpu_evidence_{doc['gpu']}.json",
         "cuda_context_bytes": int(m["cuda_context_bytes"]),
         "cublas_workspace_bytes": int(max(m["cublas_workspace_bytes"], 0)),
+        "single_rank_extra_bytes": int(max(statistics.median(extra), 0)) if extra else None,
         "fragmentation": round(
             statistics.median(
                 r["measured"]["peak_reserved_bytes"] / r["measured"]["peak_allocated_bytes"] - 1 for r in frag_rows
             ),
             4,
         ),
+        # no "step" rate: the probes' model (4 of Llama-3.1-8B's 32 layers, micro batch 1) spends
+        # half its FLOPs on the embedding and head and reaches about 0.2 MFU; as the rate of every
+        # H100 step it put the public throughput table's median error at 36% (24.7% with the
+        # assumed 40% MFU, benchmarks/bench_public_time.py, 2026-11-26). Its median stays in
+        # `step_tflops_of_probes` for the record.
         "tflops": {
-            "step": round(statistics.median(r["measured"]["achieved_tflops"] for r in step_rows), 1),
             "matmul": round(m["matmul_tflops"], 1),
             "attention": round(m["attention_tflops"], 1),
         },
         "measurements": {
             "cuda_context_bytes": "stage context: mem_get_info used - memory_reserved after torch.zeros(1)",
             "cublas_workspace_bytes": "stage context: the same after the first bf16 GEMM",
+            "single_rank_extra_bytes": "median nvidia-smi total - reserved - context - cuBLAS of "
+            f"{[r['id'] for r in extra_rows]} (one rank: its NCCL communicator and other non-torch memory)",
             "fragmentation": f"median reserved/allocated - 1 of {[r['id'] for r in frag_rows]}",
-            "tflops.step": f"median model FLOPs / step time of {[r['id'] for r in step_rows]}",
+            "step_tflops_of_probes": f"{statistics.median(r['measured']['achieved_tflops'] for r in step_rows):.1f} "
+            f"TFLOP/s, median model FLOPs / step time of {[r['id'] for r in step_rows]}; not used as "
+            "tflops.step (a reduced model at micro batch 1 is no whole model's step)",
             "tflops.matmul": "stage context: 8192^3 bf16 GEMM",
             "tflops.attention": "stage context: causal SDPA 32x8192x128 bf16",
         },
@@ -617,13 +832,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry", action="store_true", help="CPU, demo model, tiny shapes, one probe per stage")
     ap.add_argument("--jobs", type=int, help="stages run side by side (--dry only; default 2 with --dry, else 1)")
     ap.add_argument("--write-calibration", type=Path, metavar="EVIDENCE_JSON")
+    ap.add_argument(
+        "--reestimate",
+        type=Path,
+        metavar="EVIDENCE_JSON",
+        help="estimate every measured row of a finished evidence JSON again with the estimator as it is now "
+        "(measurements kept; estimates and errors replaced) and print the table",
+    )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="start no probe that would end after SECONDS from now (the longest probe so far as its length); "
+        "rows left are recorded 'skipped: deadline' and the stage runs again next time",
+    )
     a = ap.parse_args(argv)
     if a.list_stages:
         for k, rows in STAGES.items():
-            what = {
-                "context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s (~20 s)",
-                "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)",
-            }.get(k)
+            what = RUNTIME_STAGES.get(k)
             print(f"{k:14} {what or ', '.join(r.id for r in rows)}")
         return 0
     if a.list_wheels:
@@ -638,6 +864,14 @@ def main(argv: list[str] | None = None) -> int:
         dest = calibration.CALIBRATION_DIR / f"{doc['gpu']}.json"
         write_json_atomic(dest, cal)
         print(f"wrote {dest}")
+        return 0
+    if a.reestimate:
+        doc = json.loads(a.reestimate.read_text())
+        profile = dry_profile() if doc.get("profile") == "dry" else gpu_profile(doc["gpu"])
+        n = reestimate(doc, profile)
+        write_json_atomic(a.reestimate, doc)
+        print(f"{n} rows estimated again, written to {a.reestimate}")
+        print(table(doc))
         return 0
     import torch
 
@@ -660,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
     pending = []
     for s in stages:
         doc = json.loads(out.read_text()) if out.exists() else {}
-        if s in doc.get("stages", {}) and not a.force:
+        if s in doc.get("stages", {}) and not doc["stages"][s].get("partial") and not a.force:
             print(f"stage {s}: already in {out}, skipped (--force to re-run)")
             continue
         pending.append(s)
@@ -674,24 +908,43 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(out, doc)
         print(f"stage {s}: {part['wall_s']:.0f} s, written to {out}", flush=True)
 
+    deadline = None if a.deadline is None else time.time() + a.deadline
     if jobs == 1:
         for s in pending:
             print(f"stage {s}: running", flush=True)
-            record(s, run_stage(s, profile, a.work, cuda, a.dry))
+            before = {} if a.force else json.loads(out.read_text()).get("stages", {}).get(s, {}) if out.exists() else {}
+            done = {r["id"]: r for r in before.get("rows", [])}
+            record(
+                s,
+                run_stage(
+                    s,
+                    profile,
+                    a.work,
+                    cuda,
+                    a.dry,
+                    done=done,
+                    on_row=lambda part, s=s: record(s, part),
+                    deadline=deadline,
+                    doc_path=out,
+                ),
+            )
     elif pending:
         # dry run, stages side by side: the model and data built once first (each stage reuses
         # them), the two-probe long_context stage started first; each finished stage is written
         # (from this thread only) as it finishes
         if any(s != "context" for s in pending):
             build(profile, a.work)
-        pending.sort(key=lambda s: s != "long_context")
+        side_by_side = sorted((s for s in pending if s != "step_time"), key=lambda s: s != "long_context")
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             running = {}
-            for s in pending:
+            for s in side_by_side:
                 print(f"stage {s}: running", flush=True)
-                running[pool.submit(run_stage, s, profile, a.work, cuda, a.dry)] = s
+                running[pool.submit(run_stage, s, profile, a.work, cuda, a.dry, doc_path=out)] = s
             for f in as_completed(running):
                 record(running[f], f.result())
+        if "step_time" in pending:  # after the probes it prices
+            print("stage step_time: running", flush=True)
+            record("step_time", run_stage("step_time", profile, a.work, cuda, a.dry, doc_path=out))
     doc = json.loads(out.read_text()) if out.exists() else {}
     print(table(doc))
     return 0

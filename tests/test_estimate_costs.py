@@ -7,6 +7,7 @@ import pytest
 from memfit.estimate import (
     Settings,
     cached_logits_block,
+    calibration,
     catalog,
     device_overheads,
     fragmentation,
@@ -22,9 +23,14 @@ from memfit.units import GIB, MIB
 
 def test_device_overheads_by_gpu_and_world():
     assert sum(device_overheads(catalog.gpu("cpu"), 8).values()) == 0
-    a100, h100 = catalog.gpu("a100-80gb"), catalog.gpu("h100-80gb")
+    a100, h200 = catalog.gpu("a100-80gb"), catalog.gpu("h200")
     assert device_overheads(a100, 1) == {"cuda_context": 500 * MIB, "cublas": 9 * MIB, "nccl": 0}
-    assert device_overheads(h100, 2)["cublas"] == 32 * MIB
+    assert device_overheads(h200, 2)["cublas"] == 32 * MIB  # Hopper's heuristic (no calibration file)
+    # the H100 is calibrated (config/calibration/h100-80gb.json, measured by benchmarks/gpu_evidence.py)
+    h100_cal = calibration.for_gpu("h100-80gb", "9.0")
+    assert (
+        h100_cal.measured and device_overheads(catalog.gpu("h100-80gb"), 2)["cublas"] == h100_cal.cublas_workspace_bytes
+    )
     # NCCL >= 2.19 cuMem communicator: vLLM's measured 1.79 GiB per process, any world > 1
     assert device_overheads(a100, 2)["nccl"] == device_overheads(a100, 64)["nccl"] == NCCL_CUMEM_BYTES
     assert 1.7 * GIB < NCCL_CUMEM_BYTES < 1.8 * GIB
@@ -55,6 +61,26 @@ def test_measured_calibration_keeps_its_nccl_figure(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
     assert device_overheads(a100, 2)["nccl"] == 64 * MIB
     assert device_overheads(a100, 16)["nccl"] == 512 * MIB
+
+
+def test_a_one_gpu_calibration_leaves_the_nccl_figure_alone(tmp_path, monkeypatch):
+    """benchmarks/gpu_evidence.py measures on one GPU: no NCCL communicator, so its calibration
+    states no NCCL figure and a multi-GPU estimate keeps the measured communicator size
+    (NCCL_CUMEM_BYTES plus NVLS) instead of a per-peer guess."""
+    import json
+
+    from memfit.estimate import calibration
+
+    h100 = catalog.gpu("h100-80gb")
+    before = device_overheads(h100, 8)["nccl"]
+    d = {"device": "h100-80gb", "cuda_context_bytes": 600 * MIB, "cublas_workspace_bytes": 64 * MIB}
+    (tmp_path / "h100-80gb.json").write_text(json.dumps(d | {"measured_on": "2026-11-26"}))
+    monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
+    assert device_overheads(h100, 8) == {"cuda_context": 600 * MIB, "cublas": 64 * MIB, "nccl": before}
+    (tmp_path / "h100-80gb.json").write_text(json.dumps(d | {"measured_on": "2026-11-26", "nccl_max_bytes": 1}))
+    calibration._load_cached.cache_clear()
+    with pytest.raises(calibration.CalibrationError, match="go together"):
+        device_overheads(h100, 8)
 
 
 def test_cached_logits_block_only_with_a_caching_allocator():

@@ -173,7 +173,13 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
 
 def predict(kind: str, method: str, cand: Candidate, chunk: int | None = None) -> int:
     e = estimate(
-        make_arch(kind), CPU, 1, 1, method, cand, settings=Settings(optimizer_impl="single", loss_chunk_tokens=chunk)
+        make_arch(kind),
+        CPU,
+        1,
+        1,
+        method,
+        cand,
+        settings=Settings(optimizer_impl="single", zero0_engine="torch", loss_chunk_tokens=chunk),
     )
     return e.peak_allocated_bytes
 

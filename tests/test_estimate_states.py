@@ -41,7 +41,14 @@ def test_zero2_equals_deepspeed(name, world):
     _, gpu_mem = estimate_zero2_model_states_mem_needs(
         P, num_gpus_per_node=world // nodes, num_nodes=nodes, cpu_offload=False
     )
-    assert abs(states_on_device(arch, cand, world) - gpu_mem) <= 16  # integer division only
+    # DeepSpeed's 2P + 18P/N counts the fp32 gradient partition (4P/N) as resident; its runtime
+    # makes it inside the step from a flat 16-bit copy (stage_1_and_2.py `step`), so memfit holds
+    # 2P + 14P/N between steps and 6P/N more inside the step (measured: 22.03 bytes per
+    # parameter at N = 1 on an H100, benchmarks/results/gpu_evidence_h100-80gb.json)
+    s = model_states(arch, cand, world, Settings())
+    assert abs(s.params + s.grads + s.optimizer + s.buckets + 4 * P // world - gpu_mem - s.buckets) <= 16
+    assert s.step_grads == 6 * P // world and s.update_grads == 4 * P // world
+    assert abs(states_on_device(arch, cand, world) + 4 * P // world - gpu_mem) <= 16
     off = dataclasses.replace(cand, offload_optimizer="cpu")
     cpu_mem, gpu_mem = estimate_zero2_model_states_mem_needs(
         P,
@@ -85,10 +92,18 @@ def test_zero3_equals_deepspeed(name, world, offload):
     s = model_states(arch, cand, world, Settings())
     # DeepSpeed's static estimate counts the largest module gathered with its gradient
     # (largest_layer_memory = 4 * largest); its runtime keeps more (zero3_gathered_bytes: reuse
-    # and prefetch), never less than the module in use
+    # and prefetch), never less than the module in use, except on one rank, where each partition
+    # is the whole parameter and gathering is a view of it (NoGatherHandle)
     gathered = zero3_gathered_bytes(arch, cand, Settings())
-    assert s.gathered == gathered + largest // 2 and gathered >= largest // 2
-    assert abs(s.params + s.grads + s.optimizer + largest - gpu_mem) <= 64
+    if world == 1:
+        assert s.gathered == largest // 2
+    else:
+        assert s.gathered == gathered + largest // 2 and gathered >= largest // 2
+    # its 18P/N counts an fp32 gradient partition; the runtime accumulates in bf16 (the model's
+    # dtype) and makes the fp32 gradient one optimizer sub-group at a time inside the step
+    fp32_grad = 4 * lay.total // world if offload == "none" else 0
+    bf16_grad = 2 * lay.total // world if offload == "none" else 0
+    assert abs(s.params + s.grads - bf16_grad + fp32_grad + s.optimizer + largest - gpu_mem) <= 64
     if offload != "none":
         host = (s.host_optimizer + s.host_params) * per_node
         assert abs(host - cpu_mem) <= 64 * per_node

@@ -70,12 +70,12 @@ def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
         calibration.for_gpu("h100-80gb", "9.0", directory=tmp_path)
 
 
-# The dry run's 8 stages in two halves, one test each (together about 60 s on 2 cores; one test
+# The dry run's 9 stages in two halves, one test each (together about 60 s on 2 cores; one test
 # may take at most 60 s): each half runs a stage of every kind of row (CUDA-only skips, probes,
 # the long-context fit).
 HALVES = {
     "a": ["context", "sft_zero", "dpo_ref", "qlora"],
-    "b": ["sft_gc_lora", "attention", "allocator", "long_context"],
+    "b": ["sft_gc_lora", "attention", "allocator", "long_context", "step_time"],
 }
 CUDA_ONLY = {"sft-full-z2-flash": "b", "sft-full-z2-expandable-on": "b"}
 
@@ -85,7 +85,7 @@ def test_the_halves_cover_every_stage_once(repo):
         [sys.executable, str(repo / "benchmarks/gpu_evidence.py"), "--list-stages"], capture_output=True, text=True
     ).stdout
     stages = [line.split()[0] for line in listed.splitlines()]
-    assert len(stages) == 8 and sorted(stages) == sorted(HALVES["a"] + HALVES["b"])
+    assert len(stages) == 9 and sorted(stages) == sorted(HALVES["a"] + HALVES["b"])
 
 
 @pytest.mark.slow
@@ -101,7 +101,7 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
     assert set(doc["stages"]) == set(HALVES[half])
     if "context" in doc["stages"]:
         assert doc["stages"]["context"]["rows"][0]["status"].startswith("skipped: needs CUDA")
-    for name in set(HALVES[half]) - {"context"}:
+    for name in set(HALVES[half]) - {"context", "step_time"}:
         ok = [r for r in doc["stages"][name]["rows"] if r["status"] == "ok"]
         assert ok, (name, doc["stages"][name])
         for r in ok:
@@ -112,7 +112,8 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
             assert err["step_time_s"] == round(m["step_time_s"] / e["step_time_s"] - 1, 4)
             assert m["device_total_bytes"] is None and m["device_total_source"].startswith("skipped: needs CUDA")
             assert e["calibration"] == "uncalibrated (stated heuristics)"
-    assert doc["summary"]["n"] == sum(1 for st in doc["stages"].values() for r in st["rows"] if r["status"] == "ok")
+    probes = [r for name, st in doc["stages"].items() if name != "step_time" for r in st["rows"]]
+    assert doc["summary"]["n"] == sum(1 for r in probes if r["status"] == "ok")
     skipped = {r["id"]: r["status"] for st in doc["stages"].values() for r in st["rows"]}
     for cuda_only in (row for row, h in CUDA_ONLY.items() if h == half):
         assert skipped[cuda_only].startswith("skipped: needs CUDA"), skipped[cuda_only]
@@ -121,6 +122,7 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
     else:
         fit_row, over = doc["stages"]["long_context"]["rows"]
         assert fit_row["verdict"] == "ok: fits" and over["candidate"]["seq_len"] == int(fit_row["fit_seq_len"] * 1.1)
+        _step_time_prices_every_probe(doc, probes)
 
 
 def _calibration_refused_and_stages_resumable(repo, script, cmd, out, doc):
@@ -133,3 +135,18 @@ def _calibration_refused_and_stages_resumable(repo, script, cmd, out, doc):
     assert (
         "already in" in again.stdout and json.loads(out.read_text())["stages"]["sft_zero"] == doc["stages"]["sft_zero"]
     )
+
+
+def _step_time_prices_every_probe(doc, probes):
+    # memfit's step-time calibration ran once over the probed candidates and priced every probe
+    cal, *priced = doc["stages"]["step_time"]["rows"]
+    assert cal["status"] == "ok", cal
+    measured = {r["id"]: r["measured"]["step_time_s"] for r in probes if r["status"] == "ok"}
+    assert {r["id"] for r in priced} == {f"step-time:{i}" for i in measured}
+    for r in priced:
+        assert r["status"] == "ok" and r["measured_step_time_s"] == measured[r["id"].split(":", 1)[1]]
+        assert r["predicted_step_time_s"] == pytest.approx(sum(r["terms_s"].values()), abs=1e-4)
+        assert r["step_time_error_rel"] == pytest.approx(
+            r["measured_step_time_s"] / r["predicted_step_time_s"] - 1, abs=2e-3
+        )
+    assert cal["summary"]["n"] == len(priced) and cal["summary"]["fastest_measured"] in {r["id"] for r in priced}

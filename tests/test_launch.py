@@ -209,3 +209,33 @@ def test_ranks_share_the_cores_this_job_may_use(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert (threads_per_rank(2), threads_per_rank(8), threads_per_rank(16)) == (4, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "arch, readable", [("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("7.5 8.6 9.0a 10.0f", "7.5;8.6;9.0;10.0")]
+)
+def test_ranks_get_an_arch_list_deepspeeds_jit_builder_can_read(monkeypatch, arch, readable):
+    """An H100 image's TORCH_CUDA_ARCH_LIST=9.0a failed every DeepSpeed engine's FusedAdam build
+    (benchmarks/results/gpu_evidence_h100-80gb.json, first run): the ranks get it without the
+    architecture-specific suffix, and DeepSpeed's own parser reads what they get."""
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    class Op(CUDAOpBuilder):
+        def __init__(self):
+            super().__init__(name="memfit_arch_probe")
+
+        def absolute_name(self):
+            return self.name
+
+        def sources(self):
+            return []
+
+    op = Op()
+    op.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", arch)
+    with pytest.raises(ValueError, match="invalid literal"):
+        op.compute_capability_args()
+    env = launch_env()
+    assert env["TORCH_CUDA_ARCH_LIST"] == readable
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
+    op.compute_capability_args()  # no error

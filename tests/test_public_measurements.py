@@ -243,5 +243,6 @@ def test_nvls_buffers_only_on_nvswitch_nodes_with_more_than_two_gpus():
     assert device_overheads(h100, 8, Settings(nccl_bytes=v.GIB))["nccl"] == v.GIB
     res = next(r for r in RESULTS if r.row.id == "peft-ds-z3-lora-70b-8xh100")
     assert v.issue16_terms(res)["nvls"] == int(2.25 * v.GIB)
-    one_node_2 = v.predict(dataclasses.replace(res.row, num_gpus=2))
-    assert one_node_2.breakdown["overheads"] < res.est.breakdown["overheads"]
+    # two GPUs of the node: the communicator without NVLS buffers (the breakdown's "overheads"
+    # also holds fragmentation, which the H100's measured calibration makes a share of the peak)
+    assert device_overheads(h100, 2)["nccl"] == v.NCCL_CUMEM_BYTES < device_overheads(h100, 8)["nccl"]

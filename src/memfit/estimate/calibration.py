@@ -32,8 +32,14 @@ class Calibration:
     device: str  # catalog GPU name this calibration is for
     cuda_context_bytes: int  # device memory of the CUDA context (nvidia-smi minus reserved)
     cublas_workspace_bytes: int  # cuBLAS workspace(s), outside the caching allocator's count
-    nccl_bytes_per_peer: int  # NCCL buffers per peer rank (only used when world > 1)
-    nccl_max_bytes: int  # cap on the NCCL term
+    # NCCL buffers per peer rank and their cap (world > 1), where the calibration measured them;
+    # None: the estimator's NCCL figures (memfit.estimate.costs.device_overheads) stand
+    nccl_bytes_per_peer: int | None = None
+    nccl_max_bytes: int | None = None
+    # what nvidia-smi shows of a one-rank memfit run beyond reserved + context + cuBLAS (the rank
+    # still creates an NCCL communicator: memfit's trainer all-reduces its metrics and peaks);
+    # None: not measured, the estimator counts no NCCL at one rank
+    single_rank_extra_bytes: int | None = None
     fragmentation: float | None = None  # reserved/allocated - 1 at the peak; None: the heuristic
     tflops: dict[str, float] = field(default_factory=dict)  # achieved TFLOP/s per kernel class
     measured_on: str = ""  # "" (uncalibrated) or the ISO date of the measurement
@@ -60,20 +66,18 @@ def default_for(gpu_name: str, compute_capability: str) -> Calibration:
       (PyTorch docs "CUDA semantics: memory management"; mem_get_info deltas in PyTorch issue 20532);
     - cuBLAS workspace: 32 MiB on Hopper, 9 MiB before (PyTorch `getChosenWorkspaceSize`,
       CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8);
-    - NCCL: not from these defaults: without a measured file `estimate.costs.device_overheads`
-      uses NCCL_CUMEM_BYTES plus the NVLS buffers; the per-peer fields (32 MiB per peer up to
-      256 MiB) only apply to a measured calibration file, which sets its own figures;
+    - NCCL: not from these defaults: `estimate.costs.device_overheads` uses NCCL_CUMEM_BYTES
+      plus the NVLS buffers unless a measured calibration file states its own per-peer figures
+      (a one-GPU measurement has none);
     - fragmentation: None = the share-of-transient heuristic of `estimate._fragmentation`;
     - tflops: empty = the GPU's peak times `Settings.mfu` (Chowdhery et al. 2022)."""
     if gpu_name == "cpu":
-        return Calibration(gpu_name, 0, 0, 0, 0)
+        return Calibration(gpu_name, 0, 0)
     major = int(str(compute_capability).split(".")[0])
     return Calibration(
         device=gpu_name,
         cuda_context_bytes=500 * MIB if major >= 8 else 400 * MIB,
         cublas_workspace_bytes=32 * MIB if major >= 9 else 9 * MIB,
-        nccl_bytes_per_peer=32 * MIB,
-        nccl_max_bytes=256 * MIB,
     )
 
 
@@ -88,8 +92,11 @@ def validate(d: dict[str, Any], where: str) -> Calibration:
     for k in ("device", "cuda_context_bytes", "cublas_workspace_bytes", "measured_on"):
         if k not in d:
             raise CalibrationError(f"{where}: missing key {k!r}")
-    for k in ("cuda_context_bytes", "cublas_workspace_bytes", "nccl_bytes_per_peer", "nccl_max_bytes"):
+    optional = ("nccl_bytes_per_peer", "nccl_max_bytes", "single_rank_extra_bytes")
+    for k in ("cuda_context_bytes", "cublas_workspace_bytes", *optional):
         v = d.get(k, 0)
+        if v is None and k in optional:
+            continue
         if not isinstance(v, int) or v < 0 or v > 64 * 1024 * MIB:
             raise CalibrationError(f"{where}: {k} must be bytes (int, 0..64 GiB), got {v!r}")
     frag = d.get("fragmentation")
@@ -105,8 +112,11 @@ def validate(d: dict[str, Any], where: str) -> Calibration:
             raise CalibrationError(f"{where}: tflops.{k} must be a positive TFLOP/s, got {v!r}")
     if not d["measured_on"]:
         raise CalibrationError(f"{where}: measured_on must be the measurement's date")
-    defaults = {"nccl_bytes_per_peer": 32 * MIB, "nccl_max_bytes": 256 * MIB}
-    kw = {**defaults, **{k: v for k, v in d.items() if k in known}}
+    kw = {k: v for k, v in d.items() if k in known}
+    if (kw.get("nccl_bytes_per_peer") is None) != (kw.get("nccl_max_bytes") is None):
+        raise CalibrationError(
+            f"{where}: nccl_bytes_per_peer and nccl_max_bytes go together (both measured or neither)"
+        )
     kw["tflops"] = {k: float(v) for k, v in tflops.items()}
     return Calibration(**kw)
 

@@ -73,11 +73,15 @@ def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS
       figure. The `cpu` device runs gloo: no NCCL, no CUDA context.
     """
     cal = calibration.for_gpu(gpu.name, gpu.compute_capability)  # defaults: the values above
-    if world == 1 or gpu.name == "cpu":
+    if gpu.name == "cpu":
         nccl = 0
+    elif world == 1:
+        # measured on the GPU where a calibration has it (benchmarks/gpu_evidence.py: 1.0 GiB on
+        # an H100, the same in 9 of 10 probes); else none
+        nccl = cal.single_rank_extra_bytes or 0
     elif settings.nccl_bytes is not None:
         nccl = settings.nccl_bytes
-    elif cal.measured:
+    elif cal.measured and cal.nccl_bytes_per_peer is not None and cal.nccl_max_bytes is not None:
         nccl = min(cal.nccl_max_bytes, cal.nccl_bytes_per_peer * (world - 1))
     else:
         nccl = NCCL_CUMEM_BYTES + nvls_bytes(gpu, world)

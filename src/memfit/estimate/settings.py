@@ -25,6 +25,11 @@ class Settings:
     # (`states.zero3_gathered_bytes`) and whether frozen linears keep their inputs
     # (`activation_memory.zero3_linear_inputs`, DeepSpeed's patched F.linear)
     zero3_impl: str = "deepspeed"
+    # whose step runs a stage-0 (unpartitioned) candidate: "deepspeed" (memfit's trainer: the
+    # engine's flattened all-reduce and, in 16-bit, FP16_Optimizer's fp32 gradient copies,
+    # `states._stage0`) or "torch" (a plain torch optimizer on the parameters' own gradients:
+    # the coverage harness, and stage-0 rows of trainers without DeepSpeed)
+    zero0_engine: str = "deepspeed"
     sub_group_size: int = 1_000_000_000  # DS default; ZeRO-3 optimizer sub-group, elements
     overlap_comm: bool | None = None  # None: as dsconfig writes it (stage >= 2)
     lora_targets: tuple[str, ...] | None = None  # None: every linear of the decoder layer

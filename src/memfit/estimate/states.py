@@ -27,6 +27,11 @@ NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 # Model states per rank (ZeRO)
 
 
+# DeepSpeed 0.19.8 runtime/engine.py `allreduce_gradients(bucket_size=MEMORY_OPT_ALLREDUCE_SIZE)`,
+# line 151: elements per flattened all-reduce bucket at ZeRO-0
+MEMORY_OPT_ALLREDUCE_SIZE = 500_000_000
+
+
 @dataclass
 class ModelStates:
     """Bytes of the model states of one rank (device) and of its offloaded share (host)."""
@@ -34,6 +39,10 @@ class ModelStates:
     params: int = 0  # device: weights (16-bit or fp32; QLoRA 4-bit) incl. the frozen reference
     grads: int = 0  # device: gradient buffers that live through the step
     grads_dynamic: int = 0  # device: param.grad tensors created by backward, freed by zero_grad
+    step_grads: int = 0  # device: gradient copies the optimizer wrapper makes inside the step, at their peak
+    # device: gradients alive while the optimizer's update runs (None: grads_dynamic); the update's
+    # own temporaries come on top of these, not of `step_grads`
+    update_grads: int | None = None
     optimizer: int = 0  # device: fp32 master + Adam m and v (ZeRO's "K = 12")
     gathered: int = 0  # device: ZeRO-3 gathered full layer (weights + its grad) in flight
     buckets: int = 0  # device: ZeRO reduce/all-gather buckets, prefetch
@@ -144,17 +153,45 @@ def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, met
     return weight_bytes + adapter_bytes + reference_bytes + buffers * (2 if reference_bytes else 1)
 
 
-def _stage0(cand: Candidate, sizes: _Sizes) -> ModelStates:
-    """16-bit params, param.grad from backward, an fp32 gradient accumulator (bf16/fp16:
-    runtime/bf16_optimizer.py), fp32 master + Adam m, v; fp32 training keeps no separate master
-    (the params are the master)."""
+def _stage0(cand: Candidate, sizes: _Sizes, engine: str = "deepspeed") -> ModelStates:
+    """16-bit params, param.grad from backward, fp32 master + Adam m, v; fp32 training keeps no
+    separate master (the params are the master: engine.py `_do_optimizer_sanity_check` wraps
+    nothing when the model and gradient-accumulation dtypes are both fp32).
+
+    16-bit at stage 0 (memfit sets no `data_types.grad_accum_dtype`, so it is the model's dtype):
+    DeepSpeed 0.19.8 wraps the optimizer in FP16_Optimizer (engine.py `_do_optimizer_sanity_check`
+    returns DDP_BFLOAT16 for bf16, FP16 for fp16; FusedAdam, also the CPU accelerator's, takes
+    the fused wrapper), which keeps no gradient accumulator: its `step`
+    (runtime/fp16/fused_optimizer.py) builds `_flatten_dense_tensors([p.grad.to(fp32) ...])`, so
+    the per-parameter fp32 copies (4T) and their flat concatenation (4T) exist together beside
+    the 16-bit gradients: 24 bytes per trainable parameter at the step. Measured: 24.0 on the
+    CPU (bf16, 1 rank, demo model) and 24.04 on an H100 (Llama-3.1-8B with 4 layers, 43.05 GiB,
+    benchmarks/results/gpu_evidence_h100-80gb.json), where the BF16_Optimizer model this
+    replaces (a persistent fp32 accumulator, 20 bytes) said 36.8 GiB."""
     T, d = sizes.trainable, sizes.dtype
     fp32 = cand.precision == "fp32"
+    if engine == "torch":
+        # `Settings.zero0_engine`: a torch optimizer on the parameters' own gradients, and in 16-bit
+        # an fp32 gradient beside the master (mixed-precision AMP-style trainers). This is the
+        # formula memfit used for every stage-0 run before the DeepSpeed runs below were
+        # measured; the public table's stage-0 rows (HF Trainer, torchtune, LLaMA-Factory) are
+        # within its bounds with it and no measurement of those trainers' step is at hand.
+        return ModelStates(
+            params=sizes.resident, grads_dynamic=d * T, grads=0 if fp32 else 4 * T, optimizer=(8 if fp32 else 12) * T
+        )
+    # at the accumulation boundary the engine all-reduces the gradients in buckets of
+    # MEMORY_OPT_ALLREDUCE_SIZE elements, each flattened into a new tensor (engine.py
+    # `allreduce_gradients` -> `buffered_allreduce_fallback` -> `allreduce_bucket`:
+    # `tensor = self.flatten(bucket)`), on one rank too: measured +4 bytes per parameter at an fp32
+    # step on the CPU (20.0 per parameter, 1 rank, demo model)
+    allreduce = d * min(T, MEMORY_OPT_ALLREDUCE_SIZE)
     return ModelStates(
         params=sizes.resident,
         grads_dynamic=d * T,
-        grads=0 if fp32 else 4 * T,
         optimizer=(8 if fp32 else 12) * T,
+        step_grads=max(allreduce, 0 if fp32 else 8 * T),
+        # the 16-bit grads are dropped (`p.grad = None`) before the update, which runs on the flat copy
+        update_grads=None if fp32 else 4 * T,
     )
 
 
@@ -165,16 +202,23 @@ def _stage1_or_2(cand: Candidate, sizes: _Sizes) -> ModelStates:
     states = ModelStates(params=sizes.resident, optimizer=12 * T // N)
     if cand.zero == 1:
         states.grads_dynamic = d * T  # full 16-bit grads until the reduce at the step boundary
-        states.grads = 4 * T // N  # fp32 partition of the averaged gradient
-    elif cand.precision == "fp32":
-        states.grads = 4 * T // N + 4 * T // N
     else:
-        states.grads = (d + 4) * T // N  # grads_in_partition (16-bit) + fp32 partition grad
+        states.grads = d * T // N  # grads_in_partition, the training dtype
+    # the step (stage_1_and_2.py `step`, no offload): the partition's averaged gradients are
+    # flattened into a new tensor and converted to the fp32 master's dtype
+    # (`flatten_dense_tensors_aligned(averaged_gradients).to(fp32)`: one tensor when training in
+    # fp32), the update runs on that fp32 gradient. The fp32 gradient is not kept between steps:
+    # measured 22.0 (bf16) and 24.0 (fp32) bytes per parameter at ZeRO-1/2 on the CPU (1 rank,
+    # demo model) and 22.03 at bf16 ZeRO-2 on an H100 (benchmarks/results/gpu_evidence_h100-80gb.json),
+    # where a persistent fp32 gradient said 20 and 24 with the backward's peak 4 bytes too high
+    states.step_grads = (4 + (d if d != 4 else 0)) * T // N
+    states.update_grads = 4 * T // N
     if cand.offload_optimizer == "cpu":
         # stage_1_and_2.py with cpu_offload: fp32 master, m, v and the fp32 grad partition
         # live on the host; the device keeps the 16-bit params and the buckets.
         states.host_optimizer = 16 * T // N
         states.grads, states.optimizer = 0, 0
+        states.step_grads, states.update_grads = 0, None
         if cand.pin_memory:
             # the fp32 master partition (single_partition_of_fp32_groups) and the
             # averaged-gradient partition are pinned
@@ -347,14 +391,36 @@ def _stage3(arch: ModelArch, cand: Candidate, sizes: _Sizes, settings: Settings)
     `largest_layer_memory = 4 * largest_layer_params`)."""
     T, d, N = sizes.trainable, sizes.dtype, sizes.world
     largest = param_layout(arch).largest_module
+    groups = zero3_subgroups(arch, N, settings.sub_group_size) if sizes.full else (T // N,)
+    # FSDP (`Settings.zero3_impl`, other stacks' runs): an fp32 gradient shard, as memfit counted it
+    # before DeepSpeed's step was measured; no DeepSpeed sub-group copies
+    deepspeed = settings.zero3_impl == "deepspeed"
     states = ModelStates(
         params=sizes.resident // N,
-        gathered=zero3_gathered_bytes(arch, cand, settings) + (d * largest if sizes.full else 0),
-        grads=4 * T // N,  # grad_partitions_flat_buffer (fp32) on the device
+        # one rank gathers nothing: each partition is the whole parameter, and DeepSpeed "gathers"
+        # it as a view of that partition (partition_parameters.py `all_gather_coalesced` ->
+        # `_no_gather_coalesced` when `_partition_world_size(param) == 1`, `NoGatherHandle`);
+        # measured on the CPU (fp32, 1 rank, demo model): the peak is the optimizer step's 24.2
+        # bytes per parameter, not the backward with every layer gathered that 4 more would make
+        gathered=(zero3_gathered_bytes(arch, cand, settings) if N > 1 or not deepspeed else 0)
+        + (d * largest if sizes.full else 0),
+        # grad_partitions_flat_buffer in the gradient-accumulation dtype, which is the model's
+        # dtype unless `data_types.grad_accum_dtype` says otherwise (stage3.py; engine.py
+        # `get_data_types`): 16-bit for bf16/fp16 training
+        grads=(d if deepspeed else 4) * T // N,
         optimizer=12 * T // N,
+        # the step, one sub-group at a time (stage3.py `_prepare_fp32_grad_for_sub_group`):
+        # `flatten(averaged_gradients).to(fp32)`, a flat copy in the accumulation dtype and its fp32
+        # conversion together (one tensor when that dtype is fp32). Measured on an H100 (bf16,
+        # Llama-3.1-8B with 4 layers, one rank): 34.36 GiB, this model 34.3 GiB; the fp32 buffer
+        # it replaces said 39.7 GiB (benchmarks/results/gpu_evidence_h100-80gb.json).
+        step_grads=(4 + (d if d != 4 else 0)) * max(groups) if deepspeed else 0,
+        # the fp32 gradient of the sub-group being updated
+        update_grads=4 * max(groups) if deepspeed else None,
     )
     if cand.offload_optimizer == "cpu":
-        groups = zero3_subgroups(arch, N, settings.sub_group_size) if sizes.full else (T // N,)
+        # the host's sub-groups step there; the device ones are counted in `grads`
+        states.step_grads, states.update_grads = 0, None
         _stage3_offload_optimizer(cand, sizes, groups, settings.sub_group_size, states)
     if cand.offload_param == "cpu":
         # partitioned 16-bit params live on the host, fetched per layer
@@ -375,12 +441,15 @@ def model_states(
 
     Ψ = all params, T = trainable params, N = data-parallel world size, d = bytes of the
     training dtype. ZeRO paper sec. 5 (Pos / Pos+g / Pos+g+p) as DeepSpeed implements it:
-      stage 0: 16-bit params dΨ, grads, fp32 master+m+v 12T (bf16: DeepSpeed's BF16_Optimizer also
-               keeps an fp32 gradient accumulator, 4T: runtime/bf16_optimizer.py)
-      stage 1: dΨ + d T grads + (4 + 12) T / N   (fp32 grad partition staged at reduce)
-      stage 2: dΨ + (d + 4) T / N + 12 T / N     (= DeepSpeed's 2Ψ + 18Ψ/N for bf16 full)
-      stage 3: (dΨ + (4 + 12) T) / N + 2 d * largest module (gathered weight and its grad;
-               DeepSpeed's `largest_layer_memory = 4 * largest_layer_params`)
+      stage 0: 16-bit params dΨ, grads dT, fp32 master+m+v 12T, and inside the step 8T of fp32
+               gradient copies (FP16_Optimizer, `_stage0`)
+      stage 1: dΨ + d T grads + 12 T / N, inside the step (d + 4) T / N (`_stage1_or_2`)
+      stage 2: dΨ + d T / N + 12 T / N, inside the step (d + 4) T / N (DeepSpeed's own
+               estimate_zero2_model_states_mem_needs says 2Ψ + 18Ψ/N for bf16 full: its 4Ψ/N
+               fp32 gradient exists only inside the step)
+      stage 3: (dΨ + (d + 12) T) / N + 2 d * largest module (gathered weight and its grad;
+               DeepSpeed's `largest_layer_memory = 4 * largest_layer_params`), and inside the
+               step (d + 4) x the largest optimizer sub-group (`_stage3`)
     fp32 training keeps no separate master copy at stage 0 (the params are the master), but
     ZeRO-1/2 clone the fp32 partition (stage_1_and_2.py single_partition_of_fp32_groups).
     """
@@ -393,7 +462,7 @@ def model_states(
         full=cand.finetune == "full",
     )
     if cand.zero == 0:
-        states = _stage0(cand, sizes)
+        states = _stage0(cand, sizes, settings.zero0_engine)
     elif cand.zero in (1, 2):
         states = _stage1_or_2(cand, sizes)
     else:

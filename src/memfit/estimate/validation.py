@@ -253,7 +253,7 @@ def issue16_terms(r: Result) -> dict[str, int]:
     nvls = 0
     if row.measured in ("nvidia-smi", "max-fit"):
         nccl = device_overheads(gpu, row.num_gpus, row.settings)["nccl"]
-        measured_nccl = calibration.for_gpu(gpu.name, gpu.compute_capability).measured
+        measured_nccl = calibration.for_gpu(gpu.name, gpu.compute_capability).nccl_bytes_per_peer is not None
         if row.settings.nccl_bytes is None and row.num_gpus > 1 and not measured_nccl:
             nvls = nvls_bytes(gpu, row.num_gpus)
             nccl -= nvls

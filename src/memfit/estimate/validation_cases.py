@@ -304,4 +304,7 @@ def _settings(d: Mapping[str, Any], targets: tuple[str, ...] | None) -> Settings
         # QLoRA rows train under HF Trainer/peft, which keep what prepare_model_for_kbit_training
         # upcast to fp32; only a DeepSpeed engine casts it back (states._resident_weight_bytes)
         qlora_fp32_upcast="DeepSpeed" not in str(d["framework"]),
+        # a stage-0 row of a trainer without DeepSpeed steps a torch optimizer on the parameters'
+        # own gradients (no engine all-reduce copy, no FP16_Optimizer)
+        zero0_engine="deepspeed" if "DeepSpeed" in str(d["framework"]) else "torch",
     )

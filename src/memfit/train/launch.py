@@ -94,8 +94,30 @@ def threads_per_rank(nproc: int) -> int:
     return max(1, cores // nproc)
 
 
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT builder can read it: the architecture-specific
+    suffixes of CUDA 12+ ("9.0a", "10.0f") dropped. DeepSpeed 0.19.8 sorts the entries by
+    `int(part)` of each dotted part (deepspeed/ops/op_builder/builder.py
+    `compute_capability_args`), so "9.0a", which CUDA images for Hopper set, fails the first
+    engine's FusedAdam build with "invalid literal for int() with base 10: '0a'" (seen on an H100
+    image, benchmarks/results/gpu_evidence_h100-80gb.json). FusedAdam needs no sm_90a feature."""
+    out = []
+    for cc in value.replace(" ", ";").split(";"):
+        cc = cc.strip()
+        if not cc:
+            continue
+        ptx = cc.endswith("+PTX")
+        base = cc.removesuffix("+PTX")
+        base = ".".join(part.rstrip("af") for part in base.split("."))
+        if (base + ("+PTX" if ptx else "")) not in out:
+            out.append(base + ("+PTX" if ptx else ""))
+    return ";".join(out)
+
+
 def launch_env(threads_per_rank: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if env.get("TORCH_CUDA_ARCH_LIST"):
+        env["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(env["TORCH_CUDA_ARCH_LIST"])
     if not torch.cuda.is_available():
         env.setdefault("DS_ACCELERATOR", "cpu")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")

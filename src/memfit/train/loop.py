@@ -219,7 +219,15 @@ class Run:
         return out
 
     def _phase(self, name: str) -> None:
-        """What the step does now, for the cpu capacity's OOM record (memfit.train.rank.run_rank's marker)."""
+        """What the step does now, for the cpu capacity's OOM record (memfit.train.rank.run_rank's
+        marker) and for `peak_phase`: the phase that ends is the one the peak was reached in when
+        the peak grew during it (the allocator's or the tracker's peak counter, read without a
+        reset, so the overall peak stays what it was)."""
+        tracked = getattr(self, "_peak_seen", None)
+        if tracked is not None and self.oom_phase:
+            peak = device_peaks(getattr(self, "tracker", None)).allocated
+            if peak > tracked:
+                self._peak_seen, self.peak_phase = peak, self.oom_phase
         self.oom_phase = name
         if getattr(self, "tracker", None) is not None:
             self.tracker.phase = name
@@ -246,6 +254,7 @@ class Run:
         reset_device_peaks()
         if tracker is not None:
             tracker.__enter__()
+        self._peak_seen, self.peak_phase = 0, None
         return tracker
 
     def _progress(self, initial: int, desc: str):
@@ -378,6 +387,7 @@ class Run:
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _summary(self, step_times: list[float], peaks: list[tuple[int, int | None]]) -> dict[str, Any]:
+        self._phase(self.oom_phase)  # the phase the last step ended in counts too
         alloc = max((p[0] for p in peaks), default=0)
         reserved = max((p[1] or 0 for p in peaks), default=0)
         rss = device_peaks(None).host_rss
@@ -397,6 +407,8 @@ class Run:
             "memory_source": "torch.cuda.max_memory_allocated"
             if torch.cuda.is_available()
             else "AllocationTracker (live tensor storages)",
+            # where rank 0's peak was reached: forward, backward, optimizer step (engine.step) ...
+            "peak_phase": getattr(self, "peak_phase", None),
             # loading a checkpoint (resumed runs only): device peak while DeepSpeed loaded the shards
             # and host RSS (the process's peak so far) right after; training peaks exclude it
             "resume_peak_allocated_bytes": self.resume_peak["allocated"] if self.resume_peak else None,
