@@ -172,7 +172,6 @@ def _optimizer_resident_fraction(cand: Candidate, states: ModelStates) -> float:
 def _optimizer_temporaries(
     arch: ModelArch,
     cand: Candidate,
-    gpu: GPU,
     states: ModelStates,
     trainable: int,
     world: int,
@@ -223,7 +222,7 @@ def step_phases(
     forward_backward = _forward_backward(arch, cand, states, acts, grads)
     backward_end = forward_backward["backward_end"]  # before held gradients are added
     _hold_gradients(cand, trainable, forward_backward, grads)
-    optimizer_temporaries = _optimizer_temporaries(arch, cand, gpu, states, trainable, world, settings)
+    optimizer_temporaries = _optimizer_temporaries(arch, cand, states, trainable, world, settings)
     on_device = _optimizer_resident_fraction(cand, states)
     # resume: torch.optim.Optimizer.load_state_dict copies each saved state to the parameter's
     # device before the old state is dropped, so m and v of the device-resident part exist twice.
