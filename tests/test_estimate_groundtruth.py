@@ -116,7 +116,7 @@ class _Engine:
         return self.module(**kwargs)
 
 
-def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int | None = None) -> int:
+def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int | None = None, pad: int = 0) -> int:
     """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
     model = build_model(kind, cand.attn)
     ref = (
@@ -156,6 +156,8 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
         """A micro batch of random full-length rows; DPO: every token of chosen and rejected scored."""
         n = cand.micro_batch * (2 if method == "dpo" else 1)
         ids = torch.randint(0, V, (n, cand.seq_len), generator=g).tolist()
+        if pad:  # rows `pad` tokens short, padded back to seq_len: the batch carries an attention mask
+            ids = [x[:-pad] for x in ids]
         if method == "sft":
             return [{"input_ids": x, "labels": x} for x in ids]
         m = cand.micro_batch
@@ -163,7 +165,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
 
     with AllocationTracker() as t:
         for _ in range(steps):
-            loss, _, _ = runner.loss(rows())
+            loss, _, _ = runner.loss(rows(), pad_to=cand.seq_len if pad else None)
             loss.backward()
             del loss
             opt.step()
@@ -179,7 +181,7 @@ def predict(kind: str, method: str, cand: Candidate, chunk: int | None = None) -
         1,
         method,
         cand,
-        settings=Settings(optimizer_impl="single", zero0_engine="torch", loss_chunk_tokens=chunk),
+        settings=Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=False, loss_chunk_tokens=chunk),
     )
     return e.peak_allocated_bytes
 
@@ -288,3 +290,21 @@ if __name__ == "__main__":
         errs.append((p - m) / m)
         print(f"{kind:6} {method} {cand.id:60} measured {m:>10} predicted {p:>10} {errs[-1]:+.1%}")
     print(f"median |err| {statistics.median(abs(e) for e in errs):.2%} max {max(abs(e) for e in errs):.2%}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_padded_batch_keeps_the_repeated_keys_values_and_the_mask(kind):
+    """With a padding mask transformers turns off SDPA's GQA and repeats K/V to every head
+    (integrations/sdpa_attention.py `use_gqa_in_sdpa`); SDPA saves them and the mask. The
+    difference from the same batch unpadded is `activation_memory._padding_mask_extra` per layer,
+    and `Settings.padding_mask` (the default: memfit's un-packed batches) prices it."""
+    from memfit.estimate.activation_memory import padding_mask_extra
+
+    cand = Candidate(zero=0, precision="fp32", attn="sdpa", micro_batch=4, seq_len=64, finetune="lora", lora_rank=8)
+    padded, full = measure(kind, "sft", cand, pad=8), measure(kind, "sft", cand)
+    arch = make_arch(kind)
+    settings = Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=True)
+    extra = arch.num_layers * padding_mask_extra(arch, cand, "sft", settings)
+    assert extra > 0 and abs((padded - full) - extra) <= 0.15 * extra, (padded - full, extra)
+    predicted = estimate(arch, CPU, 1, 1, "sft", cand, settings=settings).peak_allocated_bytes
+    assert abs(predicted / padded - 1) <= 0.05, (predicted, padded)

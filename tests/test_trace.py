@@ -143,7 +143,7 @@ def groundtruth_rows(cases, cache) -> list[tuple]:
     """(kind, method, candidate, measured, analytic estimate, traced estimate) for each case."""
     cands = [(kind, method, dataclasses.replace(GT_BASE, **kw)) for kind, method, kw in cases]
     traced_settings = Settings(
-        optimizer_impl="single", zero0_engine="torch", activations="traced", trace_cache=str(cache)
+        optimizer_impl="single", zero0_engine="torch", padding_mask=False, activations="traced", trace_cache=str(cache)
     )
     # The traces the estimates below read, made while the real steps run: per architecture one
     # batch of child processes (prefetch_traces, as estimate_space does), so the estimates find
@@ -167,7 +167,7 @@ def groundtruth_rows(cases, cache) -> list[tuple]:
             f.result()
     out = []
     for kind, method, c, m in rows:
-        s = Settings(optimizer_impl="single", zero0_engine="torch")
+        s = Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=False)
         a = estimate(make_arch(kind), CPU, 1, 1, method, c, settings=s)
         t = estimate(
             make_arch(kind),
@@ -354,7 +354,7 @@ if __name__ == "__main__":
         rows.append((label, m, cand, kind, method))
     ea, et = [], []
     for label, m, cand, kind, method in rows:
-        s = Settings(optimizer_impl="single", zero0_engine="torch")
+        s = Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=False)
         a = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=s)
         st = dataclasses.replace(s, activations="traced", trace_cache=cache_dir)
         t = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=st)

@@ -243,7 +243,7 @@ def coverage_row(model_type: str, finetune: str = "full", trace_cache: str | Non
         cand = Candidate(zero=0, precision="fp32", attn=attn, micro_batch=2, seq_len=64, finetune=finetune,
                          lora_rank=8, grad_ckpt=False, ref="precomputed")  # fmt: skip
         est = estimate(arch, catalog.gpu("cpu"), 1, 1, "sft", cand,
-                       settings=Settings(optimizer_impl="single", zero0_engine="torch", activations="traced",
+                       settings=Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=False, activations="traced",
                                          trace_cache=trace_cache))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the table reports why, whatever transformers raised
         row.reason = f"not estimated: {type(exc).__name__}: {_short(exc)}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.estimate.activation_memory import Activations
+from memfit.estimate.activation_memory import Activations, padding_mask_extra
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.generic import layer_groups
@@ -145,6 +145,19 @@ def traced_activations(
         acts.per_layer += kept
         acts.kept_per_layer += kept
         acts.forward += len(arch.moe_layers()) * kept
+    # the trace runs an all-ones mask, which transformers drops: a padded batch's repeated K/V
+    # and mask are added as the formulas count them (activation_memory._padding_mask_extra)
+    padded = padding_mask_extra(arch, cand, method, settings)
+    if padded:
+        acts.per_layer += padded
+        if cand.grad_ckpt:  # the recomputed layer saves them again inside its backward
+            acts.layer_bwd += padded
+            acts.mlp_bwd += padded
+            acts.attn_bwd += padded
+        else:
+            acts.saved += L * padded
+            acts.kept_per_layer += padded
+            acts.forward += L * padded
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
     if cand.loss_impl == "chunked":

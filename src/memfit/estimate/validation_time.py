@@ -322,6 +322,7 @@ def _candidate(
     # every row trains full-length samples (the table's header): fixed shapes, variable_length False
     settings = Settings(
         lora_targets=targets, lora_alpha_dropout=bool(d.get("lora_dropout")), variable_length=False,
+        padding_mask=False,
         zero3_impl="fsdp" if d["sharding"] == "fsdp" else "deepspeed", internode_gbs=internode,
     )  # fmt: skip
     return cand, settings, notes, ""
