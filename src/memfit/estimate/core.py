@@ -203,7 +203,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     states = model_states(arch, cand, world, settings, job.method)
     acts = apply_trainer_terms(_activation_terms(job, cand, est), arch, cand, job.method, settings)
     est.notes += states.notes
-    phases = step_phases(arch, cand, gpu, states, acts, trainable, world, settings)
+    phases = step_phases(arch, cand, states, acts, trainable, world, settings)
     est.phases = phases.allocated
     est.peak_phase = phases.peak_phase
     est.peak_allocated_bytes = phases.allocated[est.peak_phase]

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
 from memfit.estimate.params import lora_targets, param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.estimate.states import ModelStates
@@ -52,6 +51,7 @@ class StepPhases:
     resume: int
     reference_forward: int  # DPO reference forward (0: none)
     allocated: dict[str, int] = field(default_factory=dict)  # every phase, total bytes
+    optimizer_temporaries: int = 0  # the optimizer update's own temporaries (`_optimizer_temporaries`)
 
     @property
     def peak_phase(self) -> str:
@@ -198,18 +198,18 @@ def _optimizer_temporaries(
     return int(temporaries * (on_device if cand.zero == 0 else 1))
 
 
-def _optimizer_step_grads(states: ModelStates, temporaries: int) -> int:
-    """Gradient bytes (and the update's temporaries) at the optimizer step's peak: the optimizer
-    wrapper's gradient copies beside the backward's gradients, or the gradients the update runs
-    on plus its temporaries, whichever is larger (`ModelStates.step_grads`, `update_grads`)."""
+def _optimizer_step_grads(states: ModelStates, temporaries: int) -> tuple[int, int]:
+    """(gradient bytes, temporaries) at the optimizer step's peak: the optimizer wrapper's
+    gradient copies beside the backward's gradients, or the gradients the update runs on plus
+    its temporaries, whichever is larger (`ModelStates.step_grads`, `update_grads`)."""
+    copies = states.grads_dynamic + states.step_grads
     update = states.grads_dynamic if states.update_grads is None else states.update_grads
-    return max(states.grads_dynamic + states.step_grads, update + temporaries)
+    return (copies, 0) if copies >= update + temporaries else (update, temporaries)
 
 
 def step_phases(
     arch: ModelArch,
     cand: Candidate,
-    gpu: GPU,
     states: ModelStates,
     acts: Activations,
     trainable: int,
@@ -238,9 +238,10 @@ def step_phases(
         forward_backward=forward_backward,
         grads=grads,
         backward_end=backward_end,
-        optimizer_step=static + _optimizer_step_grads(states, optimizer_temporaries) + acts.held_logits,
+        optimizer_step=static + sum(_optimizer_step_grads(states, optimizer_temporaries)) + acts.held_logits,
         resume=resume,
         reference_forward=reference,
+        optimizer_temporaries=optimizer_temporaries,
     )
     allocated = {k: static + states.gathered + v for k, v in forward_backward.items()}
     allocated["optimizer_step"] = phases.optimizer_step
@@ -322,11 +323,9 @@ def peak_breakdown(
     if where in phases.forward_backward:
         _forward_backward_breakdown(phases, states, acts, cand, breakdown)
     elif where == "optimizer_step":
-        grads = states.grads_dynamic + states.step_grads
-        update = states.grads_dynamic if states.update_grads is None else states.update_grads
-        step = phases.optimizer_step - phases.static - acts.held_logits
-        breakdown["grads"] += grads if grads >= step else update
-        breakdown["temporaries"] += step - (grads if grads >= step else update)
+        grads, temporaries = _optimizer_step_grads(states, phases.optimizer_temporaries)
+        breakdown["grads"] += grads
+        breakdown["temporaries"] += temporaries
         breakdown["logits"] += acts.held_logits
     elif where == "resume":
         breakdown["optimizer"] += phases.resume - phases.static

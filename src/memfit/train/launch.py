@@ -106,11 +106,10 @@ def deepspeed_arch_list(value: str) -> str:
         cc = cc.strip()
         if not cc:
             continue
-        ptx = cc.endswith("+PTX")
-        base = cc.removesuffix("+PTX")
-        base = ".".join(part.rstrip("af") for part in base.split("."))
-        if (base + ("+PTX" if ptx else "")) not in out:
-            out.append(base + ("+PTX" if ptx else ""))
+        base, ptx = cc.removesuffix("+PTX"), "+PTX" if cc.endswith("+PTX") else ""
+        readable = ".".join(part.rstrip("af") for part in base.split(".")) + ptx
+        if readable not in out:
+            out.append(readable)
     return ";".join(out)
 
 
