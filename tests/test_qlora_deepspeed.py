@@ -1,7 +1,7 @@
 """QLoRA in the real trainer on the CPU: bitsandbytes' 4-bit base, peft LoRA, DeepSpeed (gloo).
 
-SFT on 2 ranks under ZeRO-2 (and once interrupted and resumed), DPO on 1 rank under ZeRO-0 with
-the adapter-disabled base as the reference. The estimator against QLoRA probes:
+SFT on 2 ranks under ZeRO-2 and ZeRO-3 (each once interrupted and resumed), DPO on 1 rank under
+ZeRO-0 with the adapter-disabled base as the reference. The estimator against QLoRA probes:
 tests/test_estimate_deepspeed.py (two shapes) and benchmarks/bench_qlora_memory.py (all)."""
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from deepspeed_runs import base_run, run, run_side_by_side
+
+from memfit.train.run_config import RunConfig
 
 pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.slow
@@ -57,19 +59,54 @@ def runs(demo_model, demo_data, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def z3_runs(runs):
+    """`sft` and `resumed` of `runs` under ZeRO-3 (the packed 4-bit weights partitioned)."""
+    sft = json.loads((runs["sft"][0] / "run.json").read_text())
+    sft = RunConfig(**sft | {"candidate": sft["candidate"] | {"zero": 3}})
+    root = runs["sft"][0].parent
+    z3 = dataclasses.replace(sft, out_dir=str(root / "sft-z3"))
+    resumed = dataclasses.replace(sft, out_dir=str(root / "resumed-z3"))
+    z3_rows, first = run_side_by_side(z3, dataclasses.replace(resumed, stop_after_step=3))
+    return {"sft": (Path(z3.out_dir), z3_rows), "first": first, "resumed": (Path(resumed.out_dir), run(resumed))}
+
+
 def test_sft_on_two_ranks_learns(runs):
     _, rows = runs["sft"]
     ev = _losses(rows, "eval")
     assert ev[-1] < ev[0] * 0.9, f"held-out loss did not fall: {ev}"
 
 
-def test_resume_is_bit_exact_and_checkpoints_hold_the_adapter_only(runs):
+@pytest.mark.parametrize("zero", [2, 3])
+def test_resume_is_bit_exact_and_checkpoints_hold_the_adapter_only(request, zero):
+    runs = request.getfixturevalue("runs" if zero == 2 else "z3_runs")
     out, rows = runs["resumed"]
     _, ref = runs["sft"]
     assert max(r["step"] for r in runs["first"]) == 3
-    assert [(r["step"], r["split"], r["loss"]) for r in rows] == [(r["step"], r["split"], r["loss"]) for r in ref]
-    module = torch.load(out / "checkpoints/step00000004/mp_rank_00_model_states.pt", weights_only=False)["module"]
+    # the learning rate too: the first resumed step logged 0.0 (WarmupCosineLR's get_last_lr)
+    assert [(r["step"], r["split"], r["loss"], r.get("lr")) for r in rows] == [
+        (r["step"], r["split"], r["loss"], r.get("lr")) for r in ref
+    ]
+    assert torch.equal(_adapter(out), _adapter(runs["sft"][0]))  # the exports, bit for bit
+    states = "mp_rank_00_model_states.pt" if zero < 3 else "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    module = torch.load(out / "checkpoints/step00000004" / states, weights_only=False)["module"]
     assert module and all(".lora_A." in k or ".lora_B." in k for k in module), sorted(module)[:5]
+
+
+def _adapter(run_dir: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    state = load_file(run_dir / "model/adapter_model.safetensors")
+    return torch.cat([state[k].flatten().float() for k in sorted(state)])
+
+
+def test_zero3_shards_the_4bit_base_and_trains_as_zero2_does(runs, z3_runs):
+    """ZeRO-3 partitions the packed 4-bit weights (bnb_4bit_quant_storage) and computes the
+    same steps: the losses of ZeRO-2 to float32 rounding."""
+    z2 = [(r["step"], r["split"], r["loss"]) for r in runs["sft"][1]]
+    z3 = [(r["step"], r["split"], r["loss"]) for r in z3_runs["sft"][1]]
+    assert [k[:2] for k in z3] == [k[:2] for k in z2]
+    assert [k[2] for k in z3] == pytest.approx([k[2] for k in z2], rel=1e-5)
 
 
 def test_the_exported_adapter_loads_in_peft_on_the_base_model(runs, demo_model):

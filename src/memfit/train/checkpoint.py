@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from memfit.atomic import write_json_atomic, write_text_atomic
+from memfit.train.adam_steps import replay_adam_steps
 from memfit.train.adapter_state import adapter_only_state_dict, load_adapter_state
 from memfit.train.checkpoint_compat import DIRECT, SAME, UNIVERSAL_LOAD, check_compatible
 from memfit.units import gib
@@ -252,6 +253,7 @@ def load(
     )
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
+    replay_adam_steps(engine.optimizer)  # the CPU Adam kernel's beta powers, as if never stopped
     if mode == SAME:
         set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
     else:

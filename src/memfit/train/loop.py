@@ -273,7 +273,9 @@ class Run:
         probe_rows: list[Any] | None = None,
     ) -> dict[str, Any]:
         """Run training step `step` and return its metrics row (peaks over all ranks)."""
-        lr = float(self.scheduler.get_last_lr()[0]) if self.scheduler else self.cfg.lr  # what this step uses
+        # what this step uses: the optimizer's own value (DeepSpeed's WarmupCosineLR.load_state_dict
+        # restores the iteration but not get_last_lr(), which read 0.0 on the first resumed step)
+        lr = float(self.engine.get_lr()[0])
         m = self.train_step(step, probe_rows)
         pk = device_peaks(tracker)
         peaks.append((pk.allocated, pk.reserved))
