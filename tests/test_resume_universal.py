@@ -105,6 +105,8 @@ def test_eval_batches_do_not_depend_on_the_world_size():
 
 
 class RecordingEngine:
+    optimizer = None  # no DeepSpeed optimizer: nothing for memfit.train.adam_steps to replay
+
     def __init__(self):
         self.loaded = []
 
