@@ -93,8 +93,8 @@ def probe_and_estimate(root: Path, name: str, finetune: str = "qlora") -> dict:
         "name": name,
         "candidate": cand.to_dict(),
         "measured_peak_bytes": res["peak_allocated_bytes"],
-        "predicted_peak_bytes": est.peak_allocated_bytes,
-        "ratio": res["peak_allocated_bytes"] / est.peak_allocated_bytes,
+        "predicted_peak_bytes": est.training_peak_bytes,  # a probe does not resume
+        "ratio": res["peak_allocated_bytes"] / est.training_peak_bytes,
         "phases": est.phases,
     }
 

@@ -18,7 +18,7 @@ from memfit.estimate import catalog
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.core import Estimate, estimate, fit
-from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, EstimateError, Settings
+from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS, EstimateError, Settings
 from memfit.space import Candidate
 from memfit.units import GIB, MIB, gib
 
@@ -136,6 +136,14 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
         help="how the trainer holds the [tokens, vocab] logits around its loss: memfit (its own "
         "trainer), hf-model-fp32 (transformers <= 4.45), hf-loss-function (transformers >= 4.46), "
         "torchtune-held (torchtune recipes without `del logits`)",
+    )
+    p.add_argument(
+        "--trainer-loader",
+        choices=list(TRAINER_LOADERS),
+        default="memfit",
+        help="how a resume loads the optimizer state: memfit (its trainer copies it into the state "
+        "that exists) or deepspeed (DeepSpeed's own load, as other trainers on DeepSpeed run it: at "
+        "ZeRO-0 in 16-bit m and v are held twice while it loads)",
     )
     p.add_argument(
         "--nccl-mib",
@@ -288,6 +296,7 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         trace_cache=args.trace_cache,
         loss_chunk_tokens=args.loss_chunk_tokens,
         logits_handling=args.logits_handling,
+        trainer_loader=args.trainer_loader,
         nccl_bytes=None if args.nccl_mib is None else int(args.nccl_mib * MIB),
         step_time_calibration=args.step_time_calibration,
     )
@@ -311,25 +320,6 @@ def _verdict_line(result: Estimate, gpu: GPU) -> str:
         )
     fits = result.fits_with_headroom if result.usable_device_bytes else result.fits
     return f"verdict: {'FITS' if fits else 'DOES NOT FIT'} ({', '.join(why)})"
-
-
-def _resume_advice(result: Estimate, cand: Candidate) -> str | None:
-    """When loading the checkpoint sets the peak, what would lower it."""
-    if result.peak_phase != "resume" or len(result.phases) < 2:
-        return None
-    others = max(v for k, v in result.phases.items() if k != "resume")
-    extra = result.phases["resume"] - others
-    if cand.offload_optimizer == "none":
-        how = "--offload-optimizer cpu keeps m and v on the host"
-    elif cand.offload_ratio < 1.0:
-        how = "a larger --offload-ratio keeps more of m and v on the host"
-    else:
-        how = "nothing on the device side: the optimizer is already fully offloaded"
-    pin = "; --pin-memory changes host RAM, not device memory" if cand.pin_memory else ""
-    return (
-        f"resume sets the peak: loading the optimizer state holds its device-resident m and v "
-        f"twice, {gib(extra)} over the next phase; {how}{pin}"
-    )
 
 
 def render(
@@ -379,9 +369,6 @@ def render(
         f"GPU terms calibration: {result.calibration}",
     ]
     lines += [f"note: {note}" for note in result.notes]
-    advice = _resume_advice(result, cand)
-    if advice:
-        lines.append(f"note: {advice}")
     lines.append(_verdict_line(result, gpu))
     return "\n".join(lines)
 

@@ -69,6 +69,12 @@ class Estimate:
     usable_device_bytes: int = 0
     fits_with_headroom: bool = False
 
+    @property
+    def training_peak_bytes(self) -> int:
+        """The allocated peak over the phases of a step, loading a checkpoint (`resume`) left out:
+        what a run that does not resume reaches (a probe, one measured step)."""
+        return max((v for k, v in self.phases.items() if k != "resume"), default=self.peak_allocated_bytes)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -203,7 +209,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     states = model_states(arch, cand, world, settings, job.method)
     acts = apply_trainer_terms(_activation_terms(job, cand, est), arch, cand, job.method, settings)
     est.notes += states.notes
-    phases = step_phases(arch, cand, states, acts, trainable, world, settings)
+    phases = step_phases(arch, cand, states, acts, trainable, world, settings, host_device=gpu.name == "cpu")
     est.phases = phases.allocated
     est.peak_phase = phases.peak_phase
     est.peak_allocated_bytes = phases.allocated[est.peak_phase]

@@ -249,7 +249,7 @@ def coverage_row(model_type: str, finetune: str = "full", trace_cache: str | Non
         row.reason = f"not estimated: {type(exc).__name__}: {_short(exc)}"
         row.seconds = time.perf_counter() - t0
         return row
-    row.params, row.predicted = est.params_total, est.peak_allocated_bytes
+    row.params, row.predicted = est.params_total, est.training_peak_bytes  # a measured step, no resume
     try:
         real = _real_count(arch)
         row.params_exact = real == est.params_total

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.params import lora_targets, param_layout
-from memfit.estimate.settings import Settings, dtype_bytes
+from memfit.estimate.settings import TRAINER_LOADERS, EstimateError, Settings, dtype_bytes
 from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 
@@ -207,6 +207,52 @@ def _optimizer_step_grads(states: ModelStates, temporaries: int) -> tuple[int, i
     return (copies, 0) if copies >= update + temporaries else (update, temporaries)
 
 
+def _resume(
+    cand: Candidate, states: ModelStates, trainable: int, world: int, settings: Settings, host_device: bool
+) -> int:
+    """Allocated bytes when a checkpoint has loaded, before the first step (DeepSpeed 0.19.8).
+
+    ZeRO-1/2/3 create Adam's m and v lazily, at the first step (runtime/zero/stage_1_and_2.py and
+    stage3.py `initialize_optimizer_states`: "other optimizers ... do lazy initialization of the
+    state at the first call to step"), and so does the Adam a 32-bit ZeRO-0 engine steps
+    directly: a resumed process has no state when `torch.optim.Optimizer.load_state_dict` moves
+    each loaded tensor to its device, and holds it once. ZeRO-0 in 16-bit is the exception:
+    FP16_Optimizer's constructor runs a step on zero gradients (runtime/fp16/fused_optimizer.py
+    `initialize_optimizer_states`), so m and v exist when DeepSpeed's load builds the loaded ones
+    beside them (`trainer_loader` "deepspeed": +8 bytes per trainable parameter); memfit's loader
+    copies into them (memfit.train.optimizer_load). ZeRO-1/2 allocate their gradient partition
+    and reduce buckets at the first backward (stage_1_and_2.py `grads_in_partition =
+    torch.empty(...)`, the IPG bucket buffers), ZeRO-3 its gradient partitions and buckets at
+    initialisation (stage3.py `grad_partitions_flat_buffer`), so they count at ZeRO-3 only.
+
+    The checkpoint is read into host RAM (`torch.load(map_location="cpu")`; costs.py prices it)
+    and on a GPU never reaches the device. Where the host is the device (memfit's CPU runs), the
+    tensors copied out of it are live beside the state: the module weights at ZeRO-0 (model and
+    optimizer share one file; in 16-bit also FP16_Optimizer's fp32 master, copied from its own
+    entry, and the loaded m and v) and the fp32 master partition at ZeRO-1/2/3. Measured on 2 CPU ranks against this,
+    per rank (the demo model, full fine-tune, `benchmarks/bench_resume_memory.py`): docs/resume.md."""
+    if settings.trainer_loader not in TRAINER_LOADERS:
+        raise EstimateError(f"trainer_loader must be one of {TRAINER_LOADERS}, got {settings.trainer_loader!r}")
+    resume = states.params + states.optimizer
+    fp16_optimizer = cand.zero == 0 and cand.precision != "fp32" and settings.zero0_engine == "deepspeed"
+    if fp16_optimizer and (settings.trainer_loader == "deepspeed" or host_device):
+        # DeepSpeed's load: the initialised m and v beside the loaded ones; on a host device
+        # with memfit's loader, the loaded ones (torch.load reads the file whole) beside the
+        # state they are copied into: the same bytes
+        resume += 8 * trainable
+    if cand.zero == 3:
+        resume += states.grads + states.buckets
+    if host_device:
+        if cand.zero == 0:
+            # the module weights as saved: QLoRA checkpoints hold the adapter only
+            # (memfit.train.adapter_state), full and LoRA ones the whole module
+            module = dtype_bytes(cand.precision) * trainable if cand.finetune == "qlora" else states.params
+            resume += module + (4 * trainable if fp16_optimizer else 0)
+        elif cand.offload_optimizer == "none":
+            resume += int(4 * trainable / world)
+    return resume
+
+
 def step_phases(
     arch: ModelArch,
     cand: Candidate,
@@ -215,6 +261,7 @@ def step_phases(
     trainable: int,
     world: int,
     settings: Settings,
+    host_device: bool = False,
 ) -> StepPhases:
     """Allocated bytes of every phase of a training step on one rank."""
     static = states.params + states.grads + states.optimizer + states.buckets
@@ -223,13 +270,7 @@ def step_phases(
     backward_end = forward_backward["backward_end"]  # before held gradients are added
     _hold_gradients(cand, trainable, forward_backward, grads)
     optimizer_temporaries = _optimizer_temporaries(arch, cand, states, trainable, world, settings)
-    on_device = _optimizer_resident_fraction(cand, states)
-    # resume: torch.optim.Optimizer.load_state_dict copies each saved state to the parameter's
-    # device before the old state is dropped, so m and v of the device-resident part exist twice.
-    # DeepSpeed ZeRO-1/2/3 create their optimizer states at initialisation
-    # (`initialize_optimizer_states`); at stage 0 torch's Adam creates them lazily, so loading
-    # fills empty slots.
-    resume = static + (int(8 * trainable / world * on_device) if cand.zero >= 1 else 0)
+    resume = _resume(cand, states, trainable, world, settings, host_device)
     # DPO reference forward (no_grad) after the policy forward
     reference = static + states.gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
     phases = StepPhases(
@@ -328,7 +369,7 @@ def peak_breakdown(
         breakdown["temporaries"] += temporaries
         breakdown["logits"] += acts.held_logits
     elif where == "resume":
-        breakdown["optimizer"] += phases.resume - phases.static
+        breakdown["optimizer"] += phases.resume - phases.static  # the loaded copies (a host device)
     else:  # reference_forward
         breakdown["temporaries"] += phases.gathered + acts.ref_forward
         breakdown["activations"] = acts.saved - acts.logits_saved

@@ -60,6 +60,11 @@ class Settings:
     # backward), "hf-model-fp32" (transformers <= 4.45), "hf-loss-function" (transformers >= 4.46
     # ForCausalLMLoss), "torchtune-held" (torchtune recipes without `del logits`).
     logits_handling: str = "memfit"
+    # How a resumed run loads its optimizer state (`phases._resume`): "memfit" (memfit's trainer,
+    # memfit.train.optimizer_load: copied into a state that exists) or "deepspeed" (DeepSpeed's
+    # own `load_state_dict`, as OpenRLHF, TRL or HF Trainer on DeepSpeed run it: where the state
+    # exists before the load, ZeRO-0 in 16-bit, it is held twice)
+    trainer_loader: str = "memfit"
     nccl_bytes: int | None = None  # NCCL communicator memory per GPU process (world > 1); None: costs.NCCL_CUMEM_BYTES
     loss_chunk_tokens: int | None = (
         None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
@@ -67,6 +72,7 @@ class Settings:
 
 
 LOGITS_HANDLING = ("memfit", "hf-model-fp32", "hf-loss-function", "torchtune-held")
+TRAINER_LOADERS = ("memfit", "deepspeed")
 
 DEFAULT_SETTINGS = Settings()
 

@@ -27,14 +27,13 @@ def cpu_adam_of(engine_optimizer: Any) -> Any | None:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
-    opt, seen = engine_optimizer, set()
-    while opt is not None and id(opt) not in seen:
-        seen.add(id(opt))
-        if isinstance(opt, DeepSpeedCPUAdam):
-            return opt
-        if isinstance(opt, FusedAdam):
-            return opt if get_accelerator().device_name() == "cpu" else None
-        opt = getattr(opt, "optimizer", None)
+    from memfit.train.optimizer_load import base_optimizer
+
+    opt = base_optimizer(engine_optimizer)
+    if isinstance(opt, DeepSpeedCPUAdam):
+        return opt
+    if isinstance(opt, FusedAdam) and get_accelerator().device_name() == "cpu":
+        return opt
     return None
 
 
