@@ -61,3 +61,6 @@ if __name__ == "__main__":
     if torch.distributed.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(out, f)
+    # a clean shutdown: left to interpreter exit, gloo's threads were once destroyed unjoined
+    # ("terminate called without an active exception", SIGABRT on one rank; CI 2026-11-26)
+    torch.distributed.destroy_process_group()
