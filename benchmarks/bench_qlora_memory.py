@@ -49,14 +49,14 @@ def candidate(fields: dict, finetune: str = "qlora"):
     return Candidate(**c)
 
 
-def build(root: Path) -> Path:
-    """The demo model and its SFT/DPO data under `root` (once)."""
+def build(root: Path, model_config: Path = REPO / "config/models/demo-tiny.json") -> Path:
+    """The demo model (or another config built the same way) and its SFT/DPO data under `root` (once)."""
     from memfit.data import prepare
     from memfit.workflow.demo import build_demo_model
 
     model = root / "model"
     if not (model / "config.json").exists():
-        build_demo_model(REPO / "config/models/demo-tiny.json", REPO / "data/demo", model)
+        build_demo_model(model_config, REPO / "data/demo", model)
     for m in ("sft", "dpo"):
         if not (root / m).exists():
             prepare(m, REPO / f"data/demo/{m}.jsonl", model, root / m, max_len=32, eval_fraction=0.01)

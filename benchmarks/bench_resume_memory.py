@@ -77,10 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=list(SHAPES), help="these shapes only")
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
-    ap.add_argument("--work", type=Path, default=REPO / "benchmarks/results/.work/qlora")
+    ap.add_argument(
+        "--model-config",
+        type=Path,
+        default=REPO / "config/models/demo-tiny.json",
+        help="the model to train (benchmarks/resume-host-136m.json: files that outweigh a rank's own RSS)",
+    )
+    ap.add_argument("--work", type=Path, help="where the model, data and runs go (default: per model config)")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    root = build(args.work)
+    root = build(args.work or REPO / f"benchmarks/results/.work/resume-{args.model_config.stem}", args.model_config)
     t0 = time.perf_counter()
     rows = [measure(root, n) for n in args.only or list(SHAPES)]
     print(

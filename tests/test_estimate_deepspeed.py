@@ -234,9 +234,10 @@ def test_resume_peak_within_2_percent(shared_runs, demo_model):
 
 def test_bf16_zero0_resume_loads_in_place_and_within_2_percent(demo_model, demo_data, tmp_path):
     """ZeRO-0 in bf16 (FP16_Optimizer creates m and v before the checkpoint loads, so DeepSpeed's
-    own load holds them twice; memfit's copies into them): a run "killed" after step 4 and
-    relaunched resumes bit for bit, and what loading held on the CPU (the state, and the
-    checkpoint file beside it in the same memory) is the estimate's resume phase."""
+    own load holds them twice; memfit's copies into them, streaming the mapped file a chunk at a
+    time): a run "killed" after step 4 and relaunched resumes bit for bit, and what loading held
+    on the CPU device is the estimate's resume phase: the state once, no checkpoint copy beside it
+    (it was 1.17x the training peak when the file was read whole)."""
     import dataclasses
     import json
 

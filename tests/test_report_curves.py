@@ -136,6 +136,12 @@ def test_an_older_summary_still_marks_its_resume(tmp_path):
     marks = training_marks(_run(paths))
     assert [(m.step, m.kind) for m in marks] == [(3, "resume"), (4, "resume-check")]
     assert "from summary.json" in marks[0].label
+    # what loading the checkpoint cost is shown beside the training peaks
+    summary["resume_host_rss_bytes"] = 700 * MiB
+    _write(paths["summary"], summary)
+    text = _text(_render(tmp_path, paths))
+    assert "device peak while loading the checkpoint 60.0 MiB" in text
+    assert "host RSS after loading the checkpoint, largest rank 700.0 MiB" in text
 
 
 @pytest.mark.slow

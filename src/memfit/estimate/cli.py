@@ -322,6 +322,10 @@ def _verdict_line(result: Estimate, gpu: GPU) -> str:
     return f"verdict: {'FITS' if fits else 'DOES NOT FIT'} ({', '.join(why)})"
 
 
+# who loads a checkpoint at resume (Settings.trainer_loader), as the host RAM line names it
+_LOADER_WORDS = {"memfit": "memfit's trainer", "deepspeed": "DeepSpeed's own load_checkpoint"}
+
+
 def render(
     result: Estimate,
     arch: ModelArch,
@@ -330,8 +334,9 @@ def render(
     num_gpus: int,
     num_nodes: int,
     method: str,
+    trainer_loader: str = "memfit",
 ) -> str:
-    """The human-readable table."""
+    """The human-readable table (`trainer_loader`: whose checkpoint load the resume phases price)."""
     lines = [
         f"{arch.name} {method} {cand.finetune} on {num_nodes}x{num_gpus} {gpu.name}  [{cand.id}]",
         f"params {result.params_total / 1e9:.3f} B total, {result.params_trainable / 1e9:.4f} B trainable",
@@ -360,7 +365,9 @@ def render(
         + ", ".join(f"{k.replace('_', ' ')} {v / GIB:.1f}" for k, v in result.phases.items() if k != result.peak_phase)
         + " GiB",
         f"host RAM per node {gib(result.host_bytes)} of {gib(result.host_memory_bytes)}"
-        f"  (peak in {max(result.host_phases, key=result.host_phases.get)})",
+        f"  (peak in {(host_peak := max(result.host_phases, key=result.host_phases.get))}; other phases: "
+        + ", ".join(f"{k} {v / GIB:,.1f}" for k, v in result.host_phases.items() if k != host_peak)
+        + f" GiB; resume as {_LOADER_WORDS[trainer_loader]} loads)",
         f"step time {result.step_time_s:.3f} s  ({result.tokens_per_s:,.0f} tokens/s"
         + (f", MFU {result.mfu:.1%}" if result.mfu is not None else "")
         + "): "
@@ -410,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(render(result, arch, gpu, cand, args.num_gpus, args.num_nodes, args.method))
+        print(render(result, arch, gpu, cand, args.num_gpus, args.num_nodes, args.method, settings.trainer_loader))
     if result.invalid:
         print(f"memfit estimate: invalid: {result.reason}", file=sys.stderr)
         return 2
@@ -453,5 +460,5 @@ def fit_main(argv: list[str] | None = None) -> int:
         print(f"largest {args.maximize} that fits{kept}: {best}\n")
     if result is not None:
         shown = dataclasses.replace(cand, **{args.maximize: max(best, 1)})
-        print(render(result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method))
+        print(render(result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method, settings.trainer_loader))
     return 0 if best > 0 else 1

@@ -13,7 +13,7 @@ from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
 from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
-from memfit.units import GIB
+from memfit.units import CHECKPOINT_CHUNK_BYTES, GIB
 
 # NCCL's device memory per GPU process once a communicator exists. NCCL >= 2.19 allocates its
 # buffers with cuMem by default (NCCL docs, "Environment variables: NCCL_CUMEM_ENABLE"; quoted in
@@ -156,9 +156,12 @@ def host_memory(
     0.6 GiB for a CPU rank: measured RSS of `import deepspeed, transformers`), the offloaded
     states, pinned buffers (power-of-two rounded), and the transient phases:
     - load: from_pretrained reads safetensors through mmap (page cache shared by the node's ranks)
-    - resume: every rank torch.load()s its optimizer shard (12 T / N fp32: master, m, v) and for
-      ZeRO-0/1/2 the whole 16-bit module state (mp_rank_00_model_states.pt) at the same time
-    - save: the same tensors copied to host memory by torch.save."""
+    - resume, `trainer_loader` "deepspeed": every rank torch.load()s its optimizer shard (12 T / N
+      fp32: master, m, v) and for ZeRO-0/1/2 the whole 16-bit module state
+      (mp_rank_00_model_states.pt) at the same time (DeepSpeed's TorchCheckpointEngine.load);
+      "memfit": the files are mapped and copied a chunk at a time, each chunk's pages released once
+      copied (memfit.train.stream_load), so a rank maps at most CHECKPOINT_CHUNK_BYTES beyond
+      training's memory (the page cache the files pass through is the kernel's to reclaim)."""
     ranks = ranks_per_node
     d = dtype_bytes(cand.precision)
     total = param_layout(arch).total
@@ -168,7 +171,8 @@ def host_memory(
     steady = ranks * (process + offloaded + states.host_pinned)
     optimizer_shard = 12 * trainable // (world if cand.zero >= 1 else 1)
     module_file = d * total if cand.zero < 3 else d * total // world
-    checkpoint = ranks * (optimizer_shard + module_file)
+    files = optimizer_shard + module_file
+    checkpoint = ranks * (files if settings.trainer_loader == "deepspeed" else min(files, CHECKPOINT_CHUNK_BYTES))
     init_pin = ranks * states.host_pin_source if cand.pin_memory else 0
     phases = {
         "steady": steady,

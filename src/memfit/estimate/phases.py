@@ -52,6 +52,7 @@ class StepPhases:
     reference_forward: int  # DPO reference forward (0: none)
     allocated: dict[str, int] = field(default_factory=dict)  # every phase, total bytes
     optimizer_temporaries: int = 0  # the optimizer update's own temporaries (`_optimizer_temporaries`)
+    resume_copies: int = 0  # loaded tensors live beside the state at resume (`_resume`)
 
     @property
     def peak_phase(self) -> str:
@@ -209,8 +210,9 @@ def _optimizer_step_grads(states: ModelStates, temporaries: int) -> tuple[int, i
 
 def _resume(
     cand: Candidate, states: ModelStates, trainable: int, world: int, settings: Settings, host_device: bool
-) -> int:
-    """Allocated bytes when a checkpoint has loaded, before the first step (DeepSpeed 0.19.8).
+) -> tuple[int, int]:
+    """Allocated bytes when a checkpoint has loaded, before the first step (DeepSpeed 0.19.8), and
+    the part of them that is loaded copies beside the state (the `resume` breakdown's extra).
 
     ZeRO-1/2/3 create Adam's m and v lazily, at the first step (runtime/zero/stage_1_and_2.py and
     stage3.py `initialize_optimizer_states`: "other optimizers ... do lazy initialization of the
@@ -225,32 +227,33 @@ def _resume(
     torch.empty(...)`, the IPG bucket buffers), ZeRO-3 its gradient partitions and buckets at
     initialisation (stage3.py `grad_partitions_flat_buffer`), so they count at ZeRO-3 only.
 
-    The checkpoint is read into host RAM (`torch.load(map_location="cpu")`; costs.py prices it)
-    and on a GPU never reaches the device. Where the host is the device (memfit's CPU runs), the
-    tensors copied out of it are live beside the state: the module weights at ZeRO-0 (model and
-    optimizer share one file; in 16-bit also FP16_Optimizer's fp32 master, copied from its own
-    entry, and the loaded m and v) and the fp32 master partition at ZeRO-1/2/3. Measured on 2 CPU ranks against this,
-    per rank (the demo model, full fine-tune, `benchmarks/bench_resume_memory.py`): docs/resume.md."""
+    DeepSpeed reads the checkpoint files whole into host RAM (`torch.load(map_location="cpu")`,
+    costs.host_memory prices it); on a GPU they never reach the device. Where the host is the
+    device (memfit's CPU runs) DeepSpeed's loaded tensors are live beside the state: the module
+    weights at ZeRO-0 (model and optimizer share one file; in 16-bit also FP16_Optimizer's fp32
+    master, copied from its own entry) and the fp32 master partition at ZeRO-1/2/3. memfit's loader
+    maps the files and copies a chunk at a time (memfit.train.stream_load): page cache, not
+    allocations. Measured on 2 CPU ranks against this, per rank (`benchmarks/bench_resume_memory.py`):
+    docs/resume.md."""
     if settings.trainer_loader not in TRAINER_LOADERS:
         raise EstimateError(f"trainer_loader must be one of {TRAINER_LOADERS}, got {settings.trainer_loader!r}")
     resume = states.params + states.optimizer
     fp16_optimizer = cand.zero == 0 and cand.precision != "fp32" and settings.zero0_engine == "deepspeed"
-    if fp16_optimizer and (settings.trainer_loader == "deepspeed" or host_device):
-        # DeepSpeed's load: the initialised m and v beside the loaded ones; on a host device
-        # with memfit's loader, the loaded ones (torch.load reads the file whole) beside the
-        # state they are copied into: the same bytes
-        resume += 8 * trainable
-    if cand.zero == 3:
-        resume += states.grads + states.buckets
-    if host_device:
+    deepspeed_load = settings.trainer_loader == "deepspeed"
+    copies = 0
+    if fp16_optimizer and deepspeed_load:
+        copies += 8 * trainable  # DeepSpeed's load: the initialised m and v beside the loaded ones
+    if host_device and deepspeed_load:
         if cand.zero == 0:
             # the module weights as saved: QLoRA checkpoints hold the adapter only
             # (memfit.train.adapter_state), full and LoRA ones the whole module
             module = dtype_bytes(cand.precision) * trainable if cand.finetune == "qlora" else states.params
-            resume += module + (4 * trainable if fp16_optimizer else 0)
+            copies += module + (4 * trainable if fp16_optimizer else 0)
         elif cand.offload_optimizer == "none":
-            resume += int(4 * trainable / world)
-    return resume
+            copies += int(4 * trainable / world)
+    if cand.zero == 3:
+        resume += states.grads + states.buckets
+    return resume + copies, copies
 
 
 def step_phases(
@@ -270,7 +273,7 @@ def step_phases(
     backward_end = forward_backward["backward_end"]  # before held gradients are added
     _hold_gradients(cand, trainable, forward_backward, grads)
     optimizer_temporaries = _optimizer_temporaries(arch, cand, states, trainable, world, settings)
-    resume = _resume(cand, states, trainable, world, settings, host_device)
+    resume, resume_copies = _resume(cand, states, trainable, world, settings, host_device)
     # DPO reference forward (no_grad) after the policy forward
     reference = static + states.gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
     phases = StepPhases(
@@ -283,6 +286,7 @@ def step_phases(
         resume=resume,
         reference_forward=reference,
         optimizer_temporaries=optimizer_temporaries,
+        resume_copies=resume_copies,
     )
     allocated = {k: static + states.gathered + v for k, v in forward_backward.items()}
     allocated["optimizer_step"] = phases.optimizer_step
@@ -369,7 +373,10 @@ def peak_breakdown(
         breakdown["temporaries"] += temporaries
         breakdown["logits"] += acts.held_logits
     elif where == "resume":
-        breakdown["optimizer"] += phases.resume - phases.static  # the loaded copies (a host device)
+        if cand.zero != 3:  # below ZeRO-3 the gradients and buckets appear at the first backward
+            breakdown["grads"] = 0
+            breakdown["temporaries"] = 0
+        breakdown["optimizer"] += phases.resume_copies  # what the load holds beside the state
     else:  # reference_forward
         breakdown["temporaries"] += phases.gathered + acts.ref_forward
         breakdown["activations"] = acts.saved - acts.logits_saved

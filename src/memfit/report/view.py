@@ -114,6 +114,12 @@ def training_pairs(summary: dict[str, Any], metrics: list[dict[str, Any]] | None
         ("step time (median after the first)", _secs(summary.get("step_time_s"))),
         ("memory measured by", summary.get("memory_source", "—")),
     ]
+    if summary.get("resume_peak_allocated_bytes") is not None:
+        # its last launch resumed: what loading the checkpoint cost, beside the training peaks above
+        pairs += [
+            ("device peak while loading the checkpoint", _bytes(summary["resume_peak_allocated_bytes"])),
+            ("host RSS after loading the checkpoint, largest rank", _bytes(summary.get("resume_host_rss_bytes"))),
+        ]
     train = [r for r in metrics or [] if r.get("split", "train") == "train"]
     tps = sorted(v for v in (_num(r.get("tokens_per_s")) for r in train) if v is not None)
     if tps:

@@ -43,7 +43,8 @@ from memfit.atomic import write_json_atomic, write_text_atomic
 from memfit.train.adam_steps import replay_adam_steps
 from memfit.train.adapter_state import adapter_only_state_dict, load_adapter_state
 from memfit.train.checkpoint_compat import DIRECT, SAME, UNIVERSAL_LOAD, check_compatible
-from memfit.train.optimizer_load import in_place_loading
+from memfit.train.optimizer_load import base_optimizer, in_place_loading
+from memfit.train.stream_load import own_memory, streamed_loading
 from memfit.units import gib
 
 COMPLETE = "COMPLETE"
@@ -249,10 +250,14 @@ def load(
             "checkpoint.load_universal"
         )
     adapter = {"custom_load_fn": load_adapter_state} if _adapter_only(run_config) else {}
-    with in_place_loading(engine):  # m and v copied into the state that exists (memfit.train.optimizer_load)
+    # files mapped and copied a chunk at a time (memfit.train.stream_load); m and v copied into the
+    # state that exists (memfit.train.optimizer_load): the load holds no second copy of anything
+    with in_place_loading(engine), streamed_loading(engine):
         path, _client = engine.load_checkpoint(
             str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, **adapter
         )
+        del _client
+        own_memory(engine.module, base_optimizer(engine.optimizer))
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
     replay_adam_steps(engine.optimizer)  # the CPU Adam kernel's beta powers, as if never stopped

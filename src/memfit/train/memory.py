@@ -39,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.train.stream_load import is_file_backed
 from memfit.units import fmt_bytes
 
 
@@ -74,8 +75,8 @@ class AllocationTracker(TorchDispatchMode):
         except (NotImplementedError, RuntimeError):
             return  # sparse, nested or otherwise storage-less tensors
         nbytes = st.nbytes()
-        if nbytes == 0:
-            return
+        if nbytes == 0 or is_file_backed(st):
+            return  # a mapped checkpoint file's pages are page cache, not allocations (train.stream_load)
         key = st._cdata  # the C++ StorageImpl address, stable while the storage lives
         with self._lock:
             if key in self._live:
