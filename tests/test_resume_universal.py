@@ -146,7 +146,12 @@ def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypa
     tag = "step00000003"
     files = {p.name: p.stat().st_size for p in (root / tag).iterdir()}
     per_rank = files["mp_rank_00_model_states.pt"] + files["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert checkpoint.resume_host_bytes(root, tag, checkpoint.SAME, "deepspeed") == {"per_rank": per_rank}
+    # memfit's loader streams the files through one window: the files, or the window when smaller
     assert checkpoint.resume_host_bytes(root, tag, checkpoint.SAME) == {"per_rank": per_rank}
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_CHUNK_BYTES", per_rank // 4)
+    assert checkpoint.resume_host_bytes(root, tag, checkpoint.SAME) == {"per_rank": per_rank // 4}
+    monkeypatch.setattr(checkpoint, "CHECKPOINT_CHUNK_BYTES", 1 << 40)
 
     run = Run(cfg)
     run.engine = RecordingEngine()

@@ -127,3 +127,33 @@ def test_files_torch_cannot_map_load_as_before(tmp_path):
     with stream_load.streamed_loading():
         sd = stream_load.load(str(path), map_location="cpu")
         assert torch.equal(sd["x"], torch.arange(5)) and not stream_load.is_file_backed(sd["x"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_loading_the_model_holds_its_weights_once(tmp_path, precision):
+    """The start of training (and the DPO reference, loaded the same way): transformers maps the
+    safetensors file, so `load_model` needs the weights once in host RAM, not file + copy: in the
+    dtype as saved no more than the file (the pages are the kernel's page cache, shared by a
+    node's ranks); converted (an fp32 file trained in bf16), the bf16 weights beside the file's
+    pages as they pass."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memfit.space import Candidate
+    from memfit.train.modeling import load_model
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")  # ~25M parameters, ~100 MB in fp32
+    file_bytes = (tmp_path / "m" / "model.safetensors").stat().st_size
+    load_model(str(tmp_path / "m"), Candidate(precision=precision, attn="sdpa"), trainable=False)  # imports, once
+    out = {}
+    growth = _hwm_growth(
+        lambda: out.setdefault(
+            "m", load_model(str(tmp_path / "m"), Candidate(precision=precision, attn="sdpa"), trainable=False)
+        )
+    )
+    weights = sum(p.numel() * p.element_size() for p in out["m"].parameters())
+    if precision == "fp32":  # the dtype as saved: never the file plus a copy
+        assert growth <= file_bytes + 16 * MIB, (growth, file_bytes)
+    else:  # converted: the bf16 weights, and the fp32 file's pages as they pass
+        assert growth <= weights + file_bytes + 16 * MIB, (growth, file_bytes, weights)

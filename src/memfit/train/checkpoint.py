@@ -27,6 +27,7 @@ states do not map to another world: the resumed ranks are reseeded from (seed, s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -45,11 +46,15 @@ from memfit.train.adapter_state import adapter_only_state_dict, load_adapter_sta
 from memfit.train.checkpoint_compat import DIRECT, SAME, UNIVERSAL_LOAD, check_compatible
 from memfit.train.optimizer_load import base_optimizer, in_place_loading
 from memfit.train.stream_load import own_memory, streamed_loading
-from memfit.units import gib
+from memfit.units import CHECKPOINT_CHUNK_BYTES, gib
 
 COMPLETE = "COMPLETE"
 UNIVERSAL = "universal"  # sibling directory of converted (universal) checkpoints
 UNIVERSAL_SOURCE = "memfit_source.json"  # in a conversion: the source checkpoint's memfit.json
+# MEMFIT_CHECKPOINT_LOADER=deepspeed: load as DeepSpeed alone does (files read whole, the optimizer
+# state through torch's load_state_dict): the baseline benchmarks/bench_resume_memory.py measures
+# memfit's loader against, and a way back should a DeepSpeed release change its load path
+LOADER_ENV = "MEMFIT_CHECKPOINT_LOADER"
 
 
 def tag_for(step: int) -> str:
@@ -252,12 +257,16 @@ def load(
     adapter = {"custom_load_fn": load_adapter_state} if _adapter_only(run_config) else {}
     # files mapped and copied a chunk at a time (memfit.train.stream_load); m and v copied into the
     # state that exists (memfit.train.optimizer_load): the load holds no second copy of anything
-    with in_place_loading(engine), streamed_loading(engine):
+    ours = checkpoint_loader() == "memfit"
+    with (
+        in_place_loading(engine) if ours else contextlib.nullcontext(),
+        streamed_loading(engine) if ours else contextlib.nullcontext(),
+    ):
         path, _client = engine.load_checkpoint(
             str(load_root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, **adapter
         )
         del _client
-        own_memory(engine.module, base_optimizer(engine.optimizer))
+        own_memory(getattr(engine, "module", None), base_optimizer(getattr(engine, "optimizer", None)))
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
     replay_adam_steps(engine.optimizer)  # the CPU Adam kernel's beta powers, as if never stopped
@@ -272,6 +281,14 @@ def load(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return meta
+
+
+def checkpoint_loader() -> str:
+    """Who loads a checkpoint: "memfit" (streamed, in place) unless LOADER_ENV says "deepspeed"."""
+    loader = os.environ.get(LOADER_ENV, "memfit")
+    if loader not in ("memfit", "deepspeed"):
+        raise ValueError(f"{LOADER_ENV}={loader!r}: must be memfit or deepspeed")
+    return loader
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
@@ -420,15 +437,16 @@ def mem_available_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def resume_host_bytes(root: Path, tag: str, mode: str) -> dict[str, int]:
-    """Host bytes one rank torch.load()s to the CPU while DeepSpeed loads this checkpoint, from the
-    checkpoint's own file sizes (a torch.save'd tensor file is as large as the tensors it loads):
+def resume_host_bytes(root: Path, tag: str, mode: str, loader: str = "memfit") -> dict[str, int]:
+    """Host bytes one rank reads to the CPU while this checkpoint loads, from the checkpoint's own
+    file sizes (a torch.save'd tensor file is as large as the tensors it loads):
 
-    - as saved (SAME, DIRECT): the module-states file the rank reads (ZeRO-0/1/2: the whole
-      mp_rank_00_model_states.pt; ZeRO-3: its own zero_pp_rank_<r>_...) plus its own optimizer
-      shard (engine.py `_get_all_zero_checkpoint_state_dicts` loads only the rank's own shard),
-      the largest over ranks, both held at once (an upper bound: DeepSpeed drops the module dict
-      before the shard when nothing else holds it);
+    - as saved (SAME, DIRECT), `loader` "deepspeed": the module-states file the rank reads
+      (ZeRO-0/1/2: the whole mp_rank_00_model_states.pt; ZeRO-3: its own zero_pp_rank_<r>_...)
+      plus its own optimizer shard (engine.py `_get_all_zero_checkpoint_state_dicts` loads only
+      the rank's own shard), the largest over ranks, both held at once (an upper bound: DeepSpeed
+      drops the module dict before the shard when nothing else holds it); "memfit": those files
+      stream through one CHECKPOINT_CHUNK_BYTES window (memfit.train.stream_load);
     - universal: the module-states file of rank 0, zero/optimizer_state.pt, and one parameter's
       full fp32, exp_avg and exp_avg_sq at a time (base_optimizer.py
       `load_hp_checkpoint_state_from_checkpoint_dir` loads each whole tensor, then copies the
@@ -445,6 +463,8 @@ def resume_host_bytes(root: Path, tag: str, mode: str) -> dict[str, int]:
     if mode in (SAME, DIRECT):
         ranks = set(shards) | set(z3_models) or {0}
         out["per_rank"] = max(z3_models.get(r, mp_model) + shards.get(r, 0) for r in ranks)
+        if loader == "memfit":
+            out["per_rank"] = min(out["per_rank"], CHECKPOINT_CHUNK_BYTES)
         return out
     conv = universal_root(root) / tag
     if _conversion_is_current(conv, src):

@@ -75,7 +75,7 @@ def load_planned(run) -> int:
             checkpoint.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
         checkpoint.ensure_universal(root, tag, log=run.log)
         checkpoint.universal_for_stage(root, tag, run.cand.zero)  # an OOM fallback to another ZeRO stage
-    need = checkpoint.resume_host_bytes(root, tag, mode)
+    need = checkpoint.resume_host_bytes(root, tag, mode, checkpoint.checkpoint_loader())
     checkpoint.ensure_host_ram(
         ranks_here * need["per_rank"],
         root / tag,
