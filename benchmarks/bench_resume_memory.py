@@ -45,7 +45,7 @@ SHAPES = {
 WORLD = 2
 
 
-def measure(root: Path, name: str) -> dict:
+def measure(root: Path, name: str, reuse: bool = False) -> dict:
     from memfit.estimate import catalog, estimate
     from memfit.space import Candidate
     from memfit.train.checkpoint import LOADER_ENV
@@ -63,16 +63,20 @@ def measure(root: Path, name: str) -> dict:
         candidate=cand.to_dict(), lr=3e-3, max_steps=4, warmup_steps=1, save_every=2, keep_last=2,
         eval_every=100, log_every=100,
     )  # fmt: skip
-    run.save(out / "run.json")
-    if launch(out / "run.json", WORLD, log=out / "train.log") != 0:
-        raise RuntimeError(f"{name}: training failed (log {out / 'train.log'})")
-    res = verify_resume(out / "run.json", WORLD, out / "verify_resume.json", out / "verify_resume.log")
-    os.environ[LOADER_ENV] = "deepspeed"  # the relaunched ranks inherit it
-    try:
-        base = out / "deepspeed-loader"
-        ds = verify_resume(out / "run.json", WORLD, base / "verify_resume.json", base / "verify_resume.log")
-    finally:
-        del os.environ[LOADER_ENV]
+    base = out / "deepspeed-loader"
+    done = [out / "verify_resume.json", base / "verify_resume.json"]
+    if reuse and all(p.exists() for p in done):  # --reuse: the checks a finished run of this shape wrote
+        res, ds = (json.loads(p.read_text()) for p in done)
+    else:
+        run.save(out / "run.json")
+        if launch(out / "run.json", WORLD, log=out / "train.log") != 0:
+            raise RuntimeError(f"{name}: training failed (log {out / 'train.log'})")
+        res = verify_resume(out / "run.json", WORLD, out / "verify_resume.json", out / "verify_resume.log")
+        os.environ[LOADER_ENV] = "deepspeed"  # the relaunched ranks inherit it
+        try:
+            ds = verify_resume(out / "run.json", WORLD, base / "verify_resume.json", base / "verify_resume.log")
+        finally:
+            del os.environ[LOADER_ENV]
     est = estimate(catalog.model(str(root / "model")), catalog.gpu("cpu"), WORLD, 1, "sft", cand, budget_bytes=8 << 30)
     return {
         "name": name,
@@ -102,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         help="the model to train (benchmarks/resume-host-136m.json: files that outweigh a rank's own RSS)",
     )
     ap.add_argument("--work", type=Path, help="where the model, data and runs go (default: per model config)")
+    ap.add_argument(
+        "--reuse", action="store_true", help="print (and --out) the shapes already measured in the work folder again"
+    )
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     root = build(args.work or REPO / f"benchmarks/results/.work/resume-{args.model_config.stem}", args.model_config)
     t0 = time.perf_counter()
-    rows = [measure(root, n) for n in args.only or list(SHAPES)]
+    rows = [measure(root, n, args.reuse) for n in args.only or list(SHAPES)]
     print(
         f"{'shape':18s} {'training':>12s} {'resume':>12s} {'res/train':>9s} {'predicted':>12s} {'res/pred':>8s}"
         f" {'RSS res/train':>13s} {'DS loader: resume':>17s} {'res/train':>9s} {'RSS res/train':>13s} exact"
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.out:
-        meta = {"world_size": WORLD, "model_config": str(args.model_config.relative_to(REPO))}
+        meta = {"world_size": WORLD, "model_config": str(args.model_config.resolve().relative_to(REPO))}
         args.out.write_text(json.dumps(meta | {"rows": rows}, indent=1) + "\n")
     return 0
 

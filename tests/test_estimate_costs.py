@@ -20,8 +20,7 @@ from memfit.estimate import (
 from memfit.estimate.costs import NCCL_CUMEM_BYTES
 from memfit.estimate.params import param_layout
 from memfit.space import Candidate
-from memfit.units import CHECKPOINT_CHUNK_BYTES
-from memfit.units import GIB, MIB
+from memfit.units import CHECKPOINT_CHUNK_BYTES, GIB, MIB
 
 
 def test_device_overheads_by_gpu_and_world():

@@ -12,7 +12,7 @@ import torch
 from deepspeed_runs import base_run, run
 from safetensors.torch import load_file
 
-from memfit.train import checkpoint
+from memfit.train import checkpoint, checkpoint_compat, resume_ram
 from memfit.train.batches import Schedule, rank_batches
 from memfit.train.loop import Run
 from memfit.train.run_config import RunConfig
@@ -40,7 +40,7 @@ def test_a_world_size_change_keeping_the_global_batch_is_resumable():
     )
     # ZeRO-0 partitions nothing: DeepSpeed's plain load reads it on any number of ranks
     assert (
-        checkpoint.check_compatible(meta_for(2, zero=0), now(zero=0, grad_accum=2), where, world=1) == checkpoint.DIRECT
+        checkpoint.check_compatible(meta_for(2, zero=0), now(zero=0, grad_accum=2), where, world=1) == checkpoint_compat.DIRECT
     )
 
 
@@ -131,7 +131,7 @@ class ShardWriter:
 
 def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypatch):
     """The needed RAM comes from the checkpoint's own file sizes; the available RAM from
-    `checkpoint.mem_available_bytes` (MemAvailable), replaced here by a small value."""
+    `resume_ram.mem_available_bytes` (MemAvailable), replaced here by a small value."""
     cfg = RunConfig(
         method="sft",
         model_path="m",
@@ -146,17 +146,17 @@ def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypa
     tag = "step00000003"
     files = {p.name: p.stat().st_size for p in (root / tag).iterdir()}
     per_rank = files["mp_rank_00_model_states.pt"] + files["zero_pp_rank_1_mp_rank_00_optim_states.pt"]
-    assert checkpoint.resume_host_bytes(root, tag, checkpoint.SAME, "deepspeed") == {"per_rank": per_rank}
+    assert resume_ram.resume_host_bytes(root, tag, checkpoint.SAME, "deepspeed") == {"per_rank": per_rank}
     # memfit's loader streams the files through one window: the files, or the window when smaller
-    assert checkpoint.resume_host_bytes(root, tag, checkpoint.SAME) == {"per_rank": per_rank}
-    monkeypatch.setattr(checkpoint, "CHECKPOINT_CHUNK_BYTES", per_rank // 4)
-    assert checkpoint.resume_host_bytes(root, tag, checkpoint.SAME) == {"per_rank": per_rank // 4}
-    monkeypatch.setattr(checkpoint, "CHECKPOINT_CHUNK_BYTES", 1 << 40)
+    assert resume_ram.resume_host_bytes(root, tag, checkpoint.SAME) == {"per_rank": per_rank}
+    monkeypatch.setattr(resume_ram, "CHECKPOINT_CHUNK_BYTES", per_rank // 4)
+    assert resume_ram.resume_host_bytes(root, tag, checkpoint.SAME) == {"per_rank": per_rank // 4}
+    monkeypatch.setattr(resume_ram, "CHECKPOINT_CHUNK_BYTES", 1 << 40)
 
     run = Run(cfg)
     run.engine = RecordingEngine()
     run.resume_plan = (root, tag, checkpoint.SAME)
-    monkeypatch.setattr(checkpoint, "mem_available_bytes", lambda: 2 * per_rank - 1)
+    monkeypatch.setattr(resume_ram, "mem_available_bytes", lambda: 2 * per_rank - 1)
     with pytest.raises(
         checkpoint.CheckpointError,
         match=rf"not enough host RAM to resume from {root / tag}: loading it "
@@ -165,7 +165,7 @@ def test_resume_host_ram_is_checked_before_anything_is_loaded(tmp_path, monkeypa
     ):
         run.maybe_resume()
     assert run.engine.loaded == []  # refused before DeepSpeed read a byte
-    monkeypatch.setattr(checkpoint, "mem_available_bytes", lambda: 2 * per_rank)
+    monkeypatch.setattr(resume_ram, "mem_available_bytes", lambda: 2 * per_rank)
     assert run.maybe_resume() == 3
     assert len(run.engine.loaded) == 1
 
@@ -221,7 +221,7 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
 
 
 def test_mem_available_reads_proc_meminfo():
-    avail = checkpoint.mem_available_bytes()
+    avail = resume_ram.mem_available_bytes()
     import psutil
 
     assert avail > 0 and abs(avail - psutil.virtual_memory().available) < 0.2 * avail

@@ -7,7 +7,7 @@ threads per rank), the step of each method (`steps`, `losses`,
 `vocab_loss`, `reference` for DPO), batches (`batches`), the model (`modeling`: load, LoRA,
 export, QLoRA), the DeepSpeed JSON (`dsconfig`), checkpoints (`checkpoint`, `checkpoint_compat`,
 `adapter_state`: QLoRA's adapter-only module state, `resume`: the loop's checkpoint hooks,
-`optimizer_load` and `stream_load`: loading without a second copy, `adam_steps`), ranks and collectives (`dist`) and measured memory
+`optimizer_load` and `stream_load`: loading without a second copy, `adam_steps`, `resume_ram`: host RAM checked before a resume), ranks and collectives (`dist`) and measured memory
 (`memory`). May import the top-level vocabulary (`memfit.space`, `memfit.units`,
 `memfit.atomic`) and `memfit.data`; never `memfit.estimate`, `memfit.workflow`,
 `memfit.exports` or `memfit.report`.

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from memfit.train import checkpoint
+from memfit.train import checkpoint, resume_ram
 from memfit.train.modeling import DTYPE
 from memfit.units import gib
 
@@ -70,13 +70,13 @@ def load_planned(run) -> int:
     root, tag, mode = run.resume_plan
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", run.world))
     if mode == checkpoint.UNIVERSAL_LOAD:
-        need = checkpoint.resume_host_bytes(root, tag, mode)
+        need = resume_ram.resume_host_bytes(root, tag, mode)
         if "convert" in need:  # rank 0 alone converts; the node's other ranks only wait
-            checkpoint.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
+            resume_ram.ensure_host_ram(need["convert"], root / tag, "converting it to a universal checkpoint")
         checkpoint.ensure_universal(root, tag, log=run.log)
         checkpoint.universal_for_stage(root, tag, run.cand.zero)  # an OOM fallback to another ZeRO stage
-    need = checkpoint.resume_host_bytes(root, tag, mode, checkpoint.checkpoint_loader())
-    checkpoint.ensure_host_ram(
+    need = resume_ram.resume_host_bytes(root, tag, mode, checkpoint.checkpoint_loader())
+    resume_ram.ensure_host_ram(
         ranks_here * need["per_rank"],
         root / tag,
         f"loading it ({ranks_here} ranks x {gib(need['per_rank'])} read to the CPU per rank)",

@@ -163,7 +163,7 @@ def own_memory(module: torch.nn.Module | None, optimizer: torch.optim.Optimizer 
         if is_file_backed(t):
             t.data = t.data.clone()
             moved += 1
-    for state in (optimizer.state.values() if optimizer is not None else ()):
+    for state in optimizer.state.values() if optimizer is not None else ():
         for k, v in list(state.items()):
             if is_file_backed(v):
                 state[k] = v.clone()
