@@ -44,6 +44,9 @@ class Candidate:
     # full: the head's logits of every token, then an fp32 log-softmax (HF's loss) | chunked: the
     # head, log-softmax and target log-prob per token chunk, recomputed in backward (memfit.train.vocab_loss)
     loss_impl: LossImpl = "full"
+    # Ulysses sequence parallelism (DeepSpeed ALST, deepspeed.runtime.sequence_parallel.ulysses_sp):
+    # ranks that split each sequence, all-to-all around attention; data-parallel size = world / it
+    sequence_parallel: int = 1
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -69,10 +72,21 @@ class Candidate:
             out.append("ref=adapter needs finetune=lora or qlora (the reference is the adapter-free model)")
         if self.loss_impl not in ("full", "chunked"):
             out.append(f"loss_impl must be full or chunked, got {self.loss_impl!r}")
-        for name in ("micro_batch", "seq_len", "grad_accum"):
+        if self.sequence_parallel > 1 and self.attn == "eager":
+            # ulysses_sp.py register_with_transformers: eager needs a 4D mask Ulysses cannot shard
+            out.append("sequence_parallel > 1 needs attn sdpa or flash (DeepSpeed's Ulysses refuses eager)")
+        for name in ("micro_batch", "seq_len", "grad_accum", "sequence_parallel"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
         return out
+
+    def data_parallel(self, world: int) -> int:
+        """Ranks that each draw their own rows: a sequence-parallel group shares one batch."""
+        return world // self.sequence_parallel
+
+    def global_batch(self, world: int) -> int:
+        """Sequences (DPO: pairs) per optimizer step on `world` ranks."""
+        return self.micro_batch * self.grad_accum * self.data_parallel(world)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,6 +118,8 @@ class Candidate:
         parts.append(f"ref-{self.ref}")
         if self.loss_impl != "full":  # ids of full-loss candidates stay what they were
             parts.append(f"loss-{self.loss_impl}")
+        if self.sequence_parallel != 1:
+            parts.append(f"sp{self.sequence_parallel}")
         return "-".join(parts)
 
     def digest(self) -> str:
@@ -167,7 +183,10 @@ ENGINE_LEVERS = (
 def engine_key(c: Candidate) -> str:
     """The DeepSpeed engine a candidate trains with: its ZeRO/offload, checkpointing, attention,
     adapters and dtype (`c.id` without the batch)."""
-    return "|".join(f"{k}={getattr(c, k)}" for k in ENGINE_LEVERS)
+    key = "|".join(f"{k}={getattr(c, k)}" for k in ENGINE_LEVERS)
+    # sequence parallelism changes the engine (its process groups, the attention's all-to-all);
+    # keys of candidates without it stay what measured calibrations recorded
+    return key + (f"|sequence_parallel={c.sequence_parallel}" if c.sequence_parallel != 1 else "")
 
 
 # The levers of partitioning and offload, at their "none" values: what `compute_engine` resets.

@@ -83,6 +83,12 @@ def _add_lever_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-memory", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--offload-ratio", type=float, default=1.0)
     p.add_argument(
+        "--sequence-parallel",
+        type=int,
+        default=1,
+        help="Ulysses sequence parallelism: GPUs that split each sequence (DeepSpeed ALST)",
+    )
+    p.add_argument(
         "--sub-group-size",
         type=int,
         default=DEFAULT_SETTINGS.sub_group_size,
@@ -279,6 +285,7 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
             precision=args.precision,
             ref=ref,
             loss_impl=args.loss_impl,
+            sequence_parallel=args.sequence_parallel,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None

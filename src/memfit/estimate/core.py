@@ -190,6 +190,19 @@ def _verdict(job: Job, est: Estimate) -> None:
     est.fits_with_headroom = est.fits and used <= est.usable_device_bytes and est.host_margin_bytes >= 0
 
 
+def per_rank(cand: Candidate) -> Candidate:
+    """The sequence a rank computes on: with Ulysses sequence parallelism (DeepSpeed ALST) each
+    rank of a group holds seq_len / SP tokens of every sequence through the layers (padded to a
+    multiple, memfit.train.sequence_parallel.shard_batch), and its attention all the tokens of
+    heads / SP heads: the same activations as seq_len / SP tokens of every head (a fused
+    kernel's q, k, v, output and log-sum-exp are linear in tokens x heads). Its attention FLOPs
+    are 1/SP of the whole sequence's (costs.step_flops attends over seq_len x SP), and the
+    all-to-all adds time (costs.ulysses_seconds) and transient buffers within the layer's own.
+    `sequence_parallel` stays set for both."""
+    sp = cand.sequence_parallel
+    return cand if sp == 1 else dataclasses.replace(cand, seq_len=-(-cand.seq_len // sp))
+
+
 def _estimate(job: Job, cand: Candidate) -> Estimate:
     _check_inputs(job, cand)
     arch, gpu, settings, world = job.arch, job.gpu, job.settings, job.world
@@ -201,9 +214,12 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     est.device_memory_bytes = int(budget if budget is not None else gpu.memory_bytes)
     est.host_memory_bytes = est.device_memory_bytes if _one_pool(job) else int(host_gb * 1e9)
     problems = hardware_problems(gpu, cand) + model_problems(arch, cand)
+    if world % cand.sequence_parallel:
+        problems.append(f"sequence_parallel {cand.sequence_parallel} does not divide the {world} ranks")
     if problems:
         est.invalid, est.reason = True, "; ".join(problems)
         return est
+    full, cand = cand, per_rank(cand)  # what one rank computes: its share of each sequence
 
     # phases: what each phase of a step allocates; the largest is the peak
     states = model_states(arch, cand, world, settings, job.method)
@@ -239,8 +255,8 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     _verdict(job, est)
     est.time_breakdown, est.time_source = _step_time(job, arch, cand, gpu, states, settings)
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
-    sequences = cand.micro_batch * (2 if job.method == "dpo" else 1)
-    tokens = sequences * cand.seq_len * cand.grad_accum * world
+    sequences = full.micro_batch * (2 if job.method == "dpo" else 1)
+    tokens = sequences * full.seq_len * full.grad_accum * full.data_parallel(world)
     est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
     peak = gpu.tflops(cand.precision) * 1e12
     if gpu.name != "cpu" and peak > 0 and est.step_time_s > 0:  # the cpu entry's peak is a placeholder

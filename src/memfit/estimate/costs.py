@@ -220,7 +220,11 @@ def step_flops(
         return flops
     layout = param_layout(arch)
     tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
-    attention = 2 * arch.num_layers * cand.seq_len * arch.num_attention_heads * arch.head_dim
+    # a token attends over the whole sequence; with Ulysses a rank holds seq_len / SP of them
+    # (core.per_rank) and attends for heads / SP over all seq_len: per rank the same as its
+    # tokens over seq_len x SP attended positions
+    attended = cand.seq_len * cand.sequence_parallel
+    attention = 2 * arch.num_layers * attended * arch.num_attention_heads * arch.head_dim
     # the embedding is a lookup, not a matmul; the head is one (h x V) even when it shares the
     # embedding's weight (tied: `layout.lm_head` is 0, the matrix counted once in `total`), and
     # checkpointing recomputes the layers, not the head
@@ -280,6 +284,32 @@ def _communication_seconds(
     return seconds
 
 
+def ulysses_seconds(
+    arch: ModelArch, cand: Candidate, gpu: GPU, method: str, num_gpus: int, settings: Settings
+) -> float:
+    """Ulysses sequence parallelism's all-to-alls (Jacobs et al. 2023, DeepSpeed-Ulysses, arXiv
+    2309.14509, sec. 3.1: per layer an all-to-all of q, k, v before attention and of its output
+    after, each moving (SP - 1) / SP of the tensor; the backward the same again, the
+    recomputation with checkpointing a third time). `cand.seq_len` is one rank's share
+    (core.per_rank); a group within a node (SP <= GPUs per node) uses the GPU interconnect, one
+    across nodes the inter-node link."""
+    sp = cand.sequence_parallel
+    if sp == 1:
+        return 0.0
+    sequences = cand.micro_batch * (2 if method == "dpo" else 1)
+    head = arch.head_dim
+    per_layer = (
+        dtype_bytes(cand.precision)
+        * sequences
+        * cand.seq_len
+        * head
+        * (2 * arch.num_attention_heads + 2 * arch.num_kv_heads)
+    )
+    passes = 3 if cand.grad_ckpt else 2
+    bandwidth = (gpu.interconnect_gbs if sp <= num_gpus else settings.internode_gbs) * 1e9
+    return cand.grad_accum * passes * arch.num_layers * per_layer * (sp - 1) / sp / bandwidth
+
+
 def _offload_seconds(
     cand: Candidate,
     gpu: GPU,
@@ -325,7 +355,8 @@ def step_time(
     optimizer = 0.0 if cand.offload_optimizer == "cpu" else 16 * trainable / world / (gpu.memory_bandwidth_gbs * 1e9)
     return {
         "compute": _compute_seconds(arch, cand, gpu, method, settings),
-        "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings),
+        "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings)
+        + ulysses_seconds(arch, cand, gpu, method, num_gpus, settings),
         "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings),
         "optimizer": optimizer,
         "overhead": overhead,

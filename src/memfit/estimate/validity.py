@@ -36,7 +36,12 @@ def hardware_problems(gpu: GPU, cand: Candidate) -> list[str]:
 
 
 def model_problems(arch: ModelArch, cand: Candidate) -> list[str]:
-    """What the model's transformers class cannot run (generic cards: read from the class)."""
+    """What the model's transformers class cannot run (generic cards: read from the class), and
+    a sequence-parallel size its heads do not split into (ulysses_sp.py UlyssesSPAttentionHF:
+    query heads divisible by it, key/value heads dividing it or divisible by it)."""
+    sp, heads, kv = cand.sequence_parallel, arch.num_attention_heads, arch.num_kv_heads
+    if sp > 1 and (heads % sp or not (kv % sp == 0 or sp % kv == 0)):
+        return [f"sequence_parallel {sp} does not split {arch.name}'s {heads} attention heads ({kv} key/value heads)"]
     if not arch.generic:
         return []
     inv = arch.inventory()

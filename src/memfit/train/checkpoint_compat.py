@@ -6,9 +6,12 @@ memfit.json and the run config; memfit.train.checkpoint writes and loads the che
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
+
+from memfit.space import Candidate
 
 # Fields of the run config that must match for a checkpoint to continue the same run.
 MUST_MATCH = (
@@ -68,7 +71,9 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
         for k in MUST_MATCH
         if k != "candidate" and then.get(k) != now.get(k)
     ]
-    c_then, c_now = then.get("candidate") or {}, now.get("candidate") or {}
+    # a field a checkpoint predates (sequence_parallel, loss_impl) had its default then
+    defaults = dataclasses.asdict(Candidate())
+    c_then, c_now = defaults | (then.get("candidate") or {}), defaults | (now.get("candidate") or {})
     may_differ = LEVERS if levers else RESHARD_MAY_DIFFER if resharded else ()
     diffs += [
         f"candidate.{k}: checkpoint {c_then.get(k)!r} != now {c_now.get(k)!r}"
@@ -79,7 +84,7 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
         gb_then = _global_batch(c_then, then_world)
         gb_now = _global_batch(c_now, world)
         if gb_then != gb_now:
-            per_accum = world * int(c_now.get("micro_batch", 1))
+            per_accum = world // int(c_now.get("sequence_parallel", 1)) * int(c_now.get("micro_batch", 1))
             fix = (
                 f"with {world} ranks grad_accum must be {gb_then // per_accum}"
                 if gb_then % per_accum == 0
@@ -154,7 +159,8 @@ def layout_change_mode(c_then: dict[str, Any], c_now: dict[str, Any], where: Pat
 
 
 def _global_batch(cand: dict[str, Any], world: int) -> int:
-    return int(cand.get("micro_batch", 1)) * int(cand.get("grad_accum", 1)) * world
+    sp = int(cand.get("sequence_parallel", 1))  # a sequence-parallel group shares one batch
+    return int(cand.get("micro_batch", 1)) * int(cand.get("grad_accum", 1)) * (world // sp)
 
 
 def resume_mode(cand: dict[str, Any], then_world: int, world: int, where: Path) -> str:

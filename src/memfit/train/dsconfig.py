@@ -65,7 +65,7 @@ def build(
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cand.micro_batch,
         "gradient_accumulation_steps": cand.grad_accum,
-        "train_batch_size": cand.micro_batch * cand.grad_accum * world_size,
+        "train_batch_size": cand.global_batch(world_size),  # a sequence-parallel group shares one batch
         "gradient_clipping": grad_clip,
         "zero_optimization": zero,
         "bf16": {"enabled": cand.precision == "bf16"},
@@ -94,6 +94,12 @@ def build(
     if cand.offload_optimizer != "none":
         # DeepSpeedCPUAdam runs the step on the host; torch's AdamW is used otherwise.
         cfg["zero_force_ds_cpu_optimizer"] = True
+    if cand.sequence_parallel > 1:
+        if world_size % cand.sequence_parallel:
+            raise ValueError(f"sequence_parallel {cand.sequence_parallel} does not divide the {world_size} ranks")
+        # runtime/config.py: without an mpu (transformers' zero.Init, other trainers) the
+        # data-parallel world is world / sequence_parallel_size
+        cfg["sequence_parallel_size"] = cand.sequence_parallel
     return cfg
 
 
@@ -193,6 +199,7 @@ def planned_steps(run: RunConfig, world_size: int) -> tuple[int | None, dict[str
     from memfit.train.batches import Schedule
 
     cand = run.cand
+    world_size //= cand.sequence_parallel  # the ranks of a sequence-parallel group share each batch
     info: dict[str, Any] = {
         "global_batch": cand.micro_batch * cand.grad_accum * world_size,
         "epochs": run.epochs,

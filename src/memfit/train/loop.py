@@ -30,7 +30,7 @@ import torch
 
 from memfit.atomic import write_json_atomic
 from memfit.data import load_split, worst_case_batch
-from memfit.train import checkpoint, dsconfig
+from memfit.train import checkpoint, dsconfig, sequence_parallel
 from memfit.train import dist as dist_env
 from memfit.train import resume as train_resume
 from memfit.train.batches import Schedule, rank_batches
@@ -55,6 +55,8 @@ class Run:
         self.cand = cfg.cand
         self._probe_units: list[Any] | None = None  # the probe's worst-case micro batch, made once
         self.rank, self.world = dist_env.rank(), dist_env.world()
+        # a sequence-parallel group (consecutive ranks, deepspeed parallel_state_sp) shares each batch
+        self.dp_rank, self.dp_world = self.rank // self.cand.sequence_parallel, self.cand.data_parallel(self.world)
         self.out = Path(cfg.out_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.metrics_path = self.out / "metrics.jsonl"
@@ -84,11 +86,15 @@ class Run:
         self.packing: dict[str, Any] | None = None
         if cfg.packing:
             self.train_units, self.packing = self._pack()
+        if self.world % cand.sequence_parallel:
+            raise ValueError(f"sequence_parallel {cand.sequence_parallel} does not divide the {self.world} ranks")
+        if cfg.packing and cand.sequence_parallel > 1:
+            raise ValueError("train.sft.packing with sequence_parallel > 1 is not supported yet")
         self.schedule = Schedule(
             len(self.train_units),
             cand.micro_batch,
             cand.grad_accum,
-            self.world,
+            self.dp_world,
             cfg.seed,
             unit="packed sequences (train.sft.packing)" if cfg.packing else "training rows",
         )
@@ -112,8 +118,15 @@ class Run:
             ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
         model = load_model(cfg.model_path, cand, trainable=True, lora=lora, quant_type=cfg.qlora_quant_type)
+        mpu, shard = None, None
+        if cand.sequence_parallel > 1:
+            forward_batch = cand.micro_batch * (2 if cfg.method == "dpo" else 1)  # DPO: chosen + rejected
+            mpu = sequence_parallel.register(model, cand, forward_batch)
+            shard = sequence_parallel.shard_of(mpu, cand.zero)
         params = [p for p in model.parameters() if p.requires_grad]
-        self.engine, _, _, self.scheduler = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=params, config=ds_cfg, mpu=mpu
+        )
         # WarmupCosineLR starts at last_batch_iteration=-1, where get_lr_ratio() is 0, and the
         # engine steps it only after each optimizer step (deepspeed/runtime/lr_schedules.py,
         # engine.py _take_model_step): without this step the first step would train at lr 0 and
@@ -137,6 +150,7 @@ class Run:
             flatten_packs=cand.attn == "flash",
             loss_impl=cand.loss_impl,
             loss_chunk_tokens=cfg.loss_chunk_tokens,
+            shard=shard,
         )
 
     def _pack(self) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
@@ -173,7 +187,7 @@ class Run:
         self._phase("evaluation")
         self.engine.eval()
         with torch.no_grad():
-            for idx, batch in rank_batches(self.eval_rows, self.cand.micro_batch, self.world, self.rank):
+            for idx, batch in rank_batches(self.eval_rows, self.cand.micro_batch, self.dp_world, self.dp_rank):
                 real = len(idx)
                 loss, m, _ = self.runner.loss(batch)
                 if real:
@@ -192,7 +206,7 @@ class Run:
         sums: dict[str, float] = {}
         rows_seen = 0
         tokens = 0
-        for idx in self.schedule.micro_batches(step, self.rank):
+        for idx in self.schedule.micro_batches(step, self.dp_rank):
             rows = probe_rows if probe_rows is not None else [self.train_units[i] for i in idx]
             pad_to = self.cand.seq_len if probe_rows is not None else None
             self._phase("forward")

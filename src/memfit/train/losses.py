@@ -16,15 +16,18 @@ import torch.nn.functional as F
 from memfit.data import IGNORE_INDEX  # the one definition: the prepared labels use it
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(label) for next-token prediction, and the mask of scored tokens.
 
     logits [B, T, V] predict labels shifted by one (position t predicts token t+1), as in
-    HF `ForCausalLMLoss`. Computed in fp32: log-softmax over a large vocabulary in bf16
-    loses the precision the DPO log-ratios need.
+    HF `ForCausalLMLoss`; `shifted`: the labels already are (label t is what position t
+    predicts; a sequence-parallel shard, memfit.train.sequence_parallel). Computed in fp32:
+    log-softmax over a large vocabulary in bf16 loses the precision the DPO log-ratios need.
     """
-    logits = logits[:, :-1, :].float()
-    labels = labels[:, 1:]
+    if shifted:
+        logits = logits.float()
+    else:
+        logits, labels = logits[:, :-1, :].float(), labels[:, 1:]
     mask = labels != IGNORE_INDEX
     safe = labels.masked_fill(~mask, 0)
     logps = torch.gather(logits.log_softmax(-1), 2, safe.unsqueeze(-1)).squeeze(-1)

@@ -9,6 +9,7 @@ import torch
 from memfit.train.batches import collate, collate_packed
 from memfit.train.dist import device as _device
 from memfit.train.losses import DPOConfig, dpo_loss, token_logps
+from memfit.train.sequence_parallel import SequenceShard, shard_batch
 from memfit.train.vocab_loss import ChunkedHead
 
 
@@ -28,12 +29,15 @@ class StepRunner:
         flatten_packs: bool = False,
         loss_impl: str = "full",
         loss_chunk_tokens: int | None = None,
+        shard: SequenceShard | None = None,
     ) -> None:
         """`method` sft or dpo; `ref_engine` the frozen reference (None unless `ref` is "model");
         `dpo` the DPOConfig fields (DPO only); `ref` model, adapter or precomputed (Candidate.ref);
         `loss_on` response or all (SFT); `flatten_packs` packs as one [1, B*L] row (flash attention);
         `loss_impl` full (logits, then log-softmax) or chunked (memfit.train.vocab_loss: the full logits
-        never exist), `loss_chunk_tokens` its chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)."""
+        never exist), `loss_chunk_tokens` its chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens);
+        `shard` this rank's place in a sequence-parallel group (memfit.train.sequence_parallel): it
+        runs its slice of every sequence, and the losses are the whole sequences'."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
         self.ref_mode, self.loss_on, self.flatten_packs = ref, loss_on, flatten_packs
         self.dpo = DPOConfig(**(dpo or {})) if method == "dpo" else None
@@ -42,23 +46,39 @@ class StepRunner:
             raise ValueError(f"loss_impl must be full or chunked, got {loss_impl!r}")
         self._heads: dict[int, ChunkedHead] | None = {} if loss_impl == "chunked" else None
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.shard = shard if shard is not None and shard.size > 1 else None
 
     def token_logps(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log p(label) [B, T-1] (fp32) and the scored mask, through `model`'s forward."""
+        """Per-token log p(label) [B, T-1] (fp32) and the scored mask, through `model`'s forward
+        (a sequence-parallel shard: [B, T/SP], its labels already shifted)."""
+        shifted = self.shard is not None
         if self._heads is None:
-            return token_logps(model(**inputs).logits, labels)
+            return token_logps(model(**inputs).logits, labels, shifted)
         module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
         head = self._heads.get(id(module))
         if head is None:
             head = self._heads[id(module)] = ChunkedHead(module, self.loss_chunk_tokens)
-        with head.targets(labels):
+        with head.targets(labels, shifted):
             logps = model(**inputs).logits
         return logps, head.mask
 
-    def _sft(self, labels: torch.Tensor, **inputs) -> torch.Tensor:
-        """Mean negative log-likelihood over scored tokens (== HF's own loss with these labels)."""
+    def _sft(self, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, float]:
+        """Mean negative log-likelihood over scored tokens (== HF's own loss with these labels),
+        and its value. In a sequence-parallel group: this rank's tokens over the group's count
+        (DeepSpeed sums the group's gradients), the value the whole sequences' mean."""
         logps, mask = self.token_logps(self.engine, labels, **inputs)
-        return -logps.sum() / max(int(mask.sum()), 1)
+        if self.shard is None:
+            loss = -logps.sum() / max(int(mask.sum()), 1)
+            return loss, loss.item()
+        scored = max(int(self.shard.sum(mask.sum())), 1)
+        loss = -logps.sum() / scored
+        return loss * self.shard.loss_scale, float(self.shard.sum(loss))
+
+    def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's inputs and labels on this rank's device: the batch, or its sequence shard."""
+        if self.shard is not None:
+            batch = shard_batch(batch, self.shard, self.pad_id)
+        return {k: v.to(self.device) for k, v in batch.items()}
 
     def loss(
         self, rows: list[Any], pad_to: int | None = None, packed: bool = False
@@ -68,23 +88,32 @@ class StepRunner:
         packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
         """
         if packed:
+            if self.shard is not None:
+                raise ValueError("train.sft.packing with sequence_parallel > 1 is not supported yet")
             batch = {
                 k: v.to(self.device)
                 for k, v in collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs).items()
             }
-            loss = self._sft(
+            loss, value = self._sft(
                 batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
             )
-            return loss, {"loss": loss.item() * len(rows)}, sum(len(r["input_ids"]) for p in rows for r in p)
-        batch = {k: v.to(self.device) for k, v in collate(self.method, rows, self.pad_id, pad_to, self.loss_on).items()}
-        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-        tokens = int(batch["attention_mask"].sum())
+            return loss, {"loss": value * len(rows)}, sum(len(r["input_ids"]) for p in rows for r in p)
+        full = collate(self.method, rows, self.pad_id, pad_to, self.loss_on)
+        tokens = int(full["attention_mask"].sum())  # the sequences' own tokens (all of a group's)
+        batch = self._batch(full)
+        if self.shard is None:
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        else:  # Ulysses masks causally from the positions (right padding: exact)
+            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+            tokens = -(-tokens // self.shard.size)  # this rank's share, for its tokens/s
         if self.method == "sft":
-            loss = self._sft(batch["labels"], **inputs, use_cache=False)
-            return loss, {"loss": loss.item() * len(rows)}, tokens
+            loss, value = self._sft(batch["labels"], **inputs, use_cache=False)
+            return loss, {"loss": value * len(rows)}, tokens
         assert self.dpo is not None
         token_lp, mask = self.token_logps(self.engine, batch["labels"], **inputs, use_cache=False)
         logps, lengths = token_lp.sum(-1), mask.sum(-1)  # log pi(y|x) summed over the response
+        if self.shard is not None:  # the whole sequences' sums; gradients through this rank's tokens
+            logps, lengths = self.shard.sum_with_own_grad(logps), self.shard.sum(lengths)
         n = len(rows)
         if self.ref_mode == "precomputed":
             ref = torch.tensor(
@@ -99,7 +128,8 @@ class StepRunner:
                         ref_lp, _ = self.token_logps(self.engine, batch["labels"], **inputs)
                 else:
                     ref_lp, _ = self.token_logps(self.ref, batch["labels"], **inputs)
-                ref = ref_lp.sum(-1)
+                ref = ref_lp.sum(-1) if self.shard is None else self.shard.sum(ref_lp.sum(-1))
         losses, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.dpo, lengths[:n], lengths[n:])
         sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
-        return losses.mean(), sums, tokens
+        scale = self.shard.loss_scale if self.shard is not None else 1.0
+        return losses.mean() * scale, sums, tokens

@@ -139,21 +139,24 @@ def chunked_token_logps(
     head: nn.Module,
     chunk_tokens: int | None = None,
     head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    shifted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(label) for next-token prediction, and the mask of scored tokens.
 
-    Same contract as `memfit.train.losses.token_logps(head(hidden), labels)`: hidden [B, T, H] at
-    position t predicts labels[:, t + 1]; returns fp32 log-probs [B, T - 1] (0 where not scored)
-    and the boolean mask. `head_fn` computes a chunk's logits (default: the head module's own
-    forward, bypassing module hooks, which the caller's module call has already run).
+    Same contract as `memfit.train.losses.token_logps(head(hidden), labels, shifted)`: hidden
+    [B, T, H] at position t predicts labels[:, t + 1] (`shifted`: labels[:, t]); returns fp32
+    log-probs [B, T - 1] ([B, T] shifted; 0 where not scored) and the boolean mask. `head_fn`
+    computes a chunk's logits (default: the head module's own forward, bypassing module hooks,
+    which the caller's module call has already run).
     """
-    labels = labels[:, 1:]
+    if not shifted:
+        labels, hidden = labels[:, 1:], hidden[:, :-1]
     mask = labels != IGNORE_INDEX
-    h = hidden[:, :-1][mask]  # [N, H] scored positions only
+    h = hidden[mask]  # [N, H] scored positions only
     targets = labels[mask]
     out = torch.zeros(labels.shape, dtype=torch.float32, device=hidden.device)
     if h.shape[0] == 0:
-        return out + 0.0 * hidden[:, :-1].sum(-1).float(), mask  # keep the graph connected
+        return out + 0.0 * hidden.sum(-1).float(), mask  # keep the graph connected
     fn = head_fn or _head_fn(head)
     vocab = _vocab_size(head, fn, h)
     chunk = chunk_tokens or default_chunk_tokens(vocab)
@@ -209,16 +212,19 @@ class ChunkedHead:
             )
         self.head, self.chunk_tokens = head, chunk_tokens
         self._labels: torch.Tensor | None = None
+        self._shifted = False
         self.mask: torch.Tensor | None = None
 
     def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self._labels is not None
-        logps, self.mask = chunked_token_logps(hidden, self._labels, self.head, self.chunk_tokens)
+        logps, self.mask = chunked_token_logps(
+            hidden, self._labels, self.head, self.chunk_tokens, shifted=self._shifted
+        )
         return logps
 
     @contextlib.contextmanager
-    def targets(self, labels: torch.Tensor) -> Iterator[ChunkedHead]:
-        self._labels = labels
+    def targets(self, labels: torch.Tensor, shifted: bool = False) -> Iterator[ChunkedHead]:
+        self._labels, self._shifted = labels, shifted
         self.head.forward = self._forward  # instance attribute: module __call__ (and its hooks) run it
         try:
             yield self

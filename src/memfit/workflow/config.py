@@ -164,7 +164,9 @@ class WorkflowConfig:
         global_batch = int(self.raw["train"]["global_batch"])
         out = []
         for cand in enumerate_space(axes, fixed={"seq_len": self.seq_len}):
-            per_step = cand.micro_batch * world
+            if world % cand.sequence_parallel:
+                continue  # a sequence-parallel group must fit the ranks evenly
+            per_step = cand.micro_batch * cand.data_parallel(world)
             if global_batch % per_step:
                 continue  # this micro batch cannot make the global batch on this many ranks
             out.append(dataclasses.replace(cand, grad_accum=global_batch // per_step))

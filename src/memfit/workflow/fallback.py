@@ -47,8 +47,7 @@ def _full(cand: dict[str, Any]) -> dict[str, Any]:
 
 
 def global_batch(cand: dict[str, Any], world: int) -> int:
-    c = _full(cand)
-    return c["micro_batch"] * c["grad_accum"] * world
+    return Candidate.from_dict(cand).global_batch(world)
 
 
 def dynamics_problems(base: dict[str, Any], cand: dict[str, Any], world: int) -> list[str]:

@@ -1,0 +1,139 @@
+"""Ulysses sequence parallelism (memfit.train.sequence_parallel, DeepSpeed's UlyssesSPAttentionHF):
+two ranks that split every sequence train exactly what one rank with the whole sequences trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.data import IGNORE_INDEX
+from memfit.space import Candidate
+from memfit.train.sequence_parallel import SequenceShard, shard_batch
+
+
+# --------------------------------------------------------------------------- the shard (no ranks)
+def test_shard_keeps_each_ranks_tokens_with_global_positions_and_labels_shifted_first():
+    ids = torch.arange(1, 8).unsqueeze(0)  # 7 tokens: padded to 8 for 2 ranks
+    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 3, 4, 5, 6, 7]])
+    parts = [shard_batch({"input_ids": ids, "labels": labels}, SequenceShard(None, r, 2), pad_id=0) for r in (0, 1)]
+    assert [p["input_ids"].tolist() for p in parts] == [[[1, 2, 3, 4]], [[5, 6, 7, 0]]]
+    assert [p["position_ids"].tolist() for p in parts] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    # label t is what position t predicts: the boundary token 5 is rank 0's last target
+    assert [p["labels"].tolist() for p in parts] == [
+        [[IGNORE_INDEX, 3, 4, 5]],
+        [[6, 7, IGNORE_INDEX, IGNORE_INDEX]],
+    ]
+
+
+def test_a_sequence_parallel_group_shares_its_batch():
+    c = Candidate(sequence_parallel=2, micro_batch=4, grad_accum=2, seq_len=32)
+    assert c.data_parallel(8) == 4 and c.global_batch(8) == 32 and c.id.endswith("-sp2")
+    with pytest.raises(ValueError, match="needs attn sdpa or flash"):
+        Candidate(sequence_parallel=2, attn="eager")
+    assert Candidate().id == Candidate(sequence_parallel=1).id  # ids of runs without it unchanged
+
+
+# --------------------------------------------------------------------------- the estimator
+def test_the_estimate_of_a_rank_holds_its_share_of_each_sequence():
+    from memfit.estimate import catalog, estimate
+    from memfit.estimate.costs import step_flops
+
+    arch, gpu = catalog.model("llama-3.1-8b"), catalog.gpu("h100-80gb")
+    base = Candidate(zero=3, attn="flash", grad_ckpt=True, seq_len=65536, loss_impl="chunked")
+    one = estimate(arch, gpu, 8, 1, "sft", base)
+    two = estimate(arch, gpu, 8, 1, "sft", dataclasses.replace(base, sequence_parallel=2))
+    # activations per rank halve; the model states (ZeRO over all 8 ranks) do not change
+    assert two.breakdown["activations"] == pytest.approx(one.breakdown["activations"] / 2, rel=0.01)
+    assert two.breakdown["optimizer"] == one.breakdown["optimizer"]
+    # a rank computes half the FLOPs (its tokens; attention over the whole sequence for half the
+    # heads), and the all-to-all adds communication: the same tokens per second or a little less
+    half = dataclasses.replace(base, seq_len=32768, sequence_parallel=2)
+    assert step_flops(arch, half, "sft") == pytest.approx(step_flops(arch, base, "sft") / 2, rel=1e-9)
+    assert two.time_breakdown["communication"] > one.time_breakdown["communication"]
+    assert 0.9 * one.tokens_per_s < two.tokens_per_s <= one.tokens_per_s
+
+
+def test_the_estimator_refuses_what_ulysses_cannot_split():
+    from memfit.estimate import catalog, estimate
+
+    arch, gpu = catalog.model("llama-3.1-8b"), catalog.gpu("h100-80gb")  # 32 heads, 8 key/value heads
+    three = estimate(arch, gpu, 6, 1, "sft", Candidate(sequence_parallel=3))
+    assert three.invalid and "does not split llama-3.1-8b's 32 attention heads" in three.reason
+    odd = estimate(arch, gpu, 6, 1, "sft", Candidate(sequence_parallel=4))
+    assert odd.invalid and "does not divide the 6 ranks" in odd.reason
+
+
+# --------------------------------------------------------------------------- real runs, 2 CPU ranks
+def _runs(demo_model, demo_data, tmp_path, method, **cand):
+    """The same 4 steps (global batch 8, 2 accumulated micro batches of 4, checkpoints and an
+    evaluation at 2 and 4) on 1 rank with whole sequences and on 2 ranks that split them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepspeed_runs import base_run, run
+
+    def cfg(name, sp):
+        c = base_run(demo_model, demo_data, tmp_path / name, method, micro_batch=4, grad_accum=2, **cand)
+        c = dataclasses.replace(c, max_steps=4, save_every=2, eval_every=2)
+        return dataclasses.replace(c, candidate=c.candidate | {"sequence_parallel": sp})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent runs: their start-ups overlap
+        one, two = pool.map(lambda a: run(cfg(*a), a[1]), [("sp1", 1), ("sp2", 2)])
+    return one, two
+
+
+def _assert_same_training(one, two, tmp_path, rtol=1e-5):
+    assert [(r["step"], r["split"]) for r in one] == [(r["step"], r["split"]) for r in two]
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            if a.get(key) is not None:
+                assert b[key] == pytest.approx(a[key], rel=rtol, abs=1e-7), (key, a, b)
+    from safetensors.torch import load_file
+
+    name = (
+        "adapter_model.safetensors"
+        if (tmp_path / "sp1/model/adapter_model.safetensors").exists()
+        else "model.safetensors"
+    )
+    wa, wb = load_file(str(tmp_path / "sp1/model" / name)), load_file(str(tmp_path / "sp2/model" / name))
+    assert wa.keys() == wb.keys()
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 3])
+def test_sft_full_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does(demo_model, demo_data, tmp_path, zero):
+    """Losses, gradient norms (so the gradient DeepSpeed reduces is the whole sequences', at
+    ZeRO-3 too, where its reduce-scatter averages over the group) and the exported weights."""
+    one, two = _runs(demo_model, demo_data, tmp_path, "sft", zero=zero)
+    _assert_same_training(one, two, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("zero", "finetune", "ref"), [(2, "lora", "adapter"), (3, "full", "model")])
+def test_dpo_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does(
+    demo_model, demo_data, tmp_path, zero, finetune, ref
+):
+    """Chosen and rejected split alike; each sequence's log-probability (policy and reference)
+    summed over the group before the DPO loss."""
+    one, two = _runs(demo_model, demo_data, tmp_path, "dpo", zero=zero, finetune=finetune, ref=ref)
+    _assert_same_training(one, two, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_sequence_parallel_run_resumes_bit_for_bit(demo_model, demo_data, tmp_path):
+    from deepspeed_runs import base_run, run, run_side_by_side
+
+    c = base_run(demo_model, demo_data, tmp_path / "full", zero=3, micro_batch=4, grad_accum=2)
+    c = dataclasses.replace(c, max_steps=4, save_every=2, eval_every=2)
+    c = dataclasses.replace(c, candidate=c.candidate | {"sequence_parallel": 2})
+    resumed = dataclasses.replace(c, out_dir=str(tmp_path / "resumed"))
+    whole, _ = run_side_by_side(c, dataclasses.replace(resumed, stop_after_step=3))  # "killed" after step 3
+    rows = run(resumed, 2)  # resumes from the checkpoint at step 2
+    assert [r.get("resumed_from_step") for r in rows if r["split"] == "train"] == [None, None, 2, None]
+    assert [(r["step"], r["split"], r["loss"]) for r in rows] == [(r["step"], r["split"], r["loss"]) for r in whole]
+    summary = json.loads((Path(resumed.out_dir) / "summary.json").read_text())
+    assert summary["world_size"] == 2
