@@ -40,7 +40,8 @@ def test_a_world_size_change_keeping_the_global_batch_is_resumable():
     )
     # ZeRO-0 partitions nothing: DeepSpeed's plain load reads it on any number of ranks
     assert (
-        checkpoint.check_compatible(meta_for(2, zero=0), now(zero=0, grad_accum=2), where, world=1) == checkpoint_compat.DIRECT
+        checkpoint.check_compatible(meta_for(2, zero=0), now(zero=0, grad_accum=2), where, world=1)
+        == checkpoint_compat.DIRECT
     )
 
 

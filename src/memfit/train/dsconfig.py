@@ -94,12 +94,8 @@ def build(
     if cand.offload_optimizer != "none":
         # DeepSpeedCPUAdam runs the step on the host; torch's AdamW is used otherwise.
         cfg["zero_force_ds_cpu_optimizer"] = True
-    if cand.sequence_parallel > 1:
-        if world_size % cand.sequence_parallel:
-            raise ValueError(f"sequence_parallel {cand.sequence_parallel} does not divide the {world_size} ranks")
-        # runtime/config.py: without an mpu (transformers' zero.Init, other trainers) the
-        # data-parallel world is world / sequence_parallel_size
-        cfg["sequence_parallel_size"] = cand.sequence_parallel
+    if cand.sequence_parallel > 1:  # runtime/config.py: without an mpu (zero.Init, other trainers)
+        cfg["sequence_parallel_size"] = cand.sequence_parallel  # the data-parallel world is world / it
     return cfg
 
 

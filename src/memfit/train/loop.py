@@ -86,10 +86,7 @@ class Run:
         self.packing: dict[str, Any] | None = None
         if cfg.packing:
             self.train_units, self.packing = self._pack()
-        if self.world % cand.sequence_parallel:
-            raise ValueError(f"sequence_parallel {cand.sequence_parallel} does not divide the {self.world} ranks")
-        if cfg.packing and cand.sequence_parallel > 1:
-            raise ValueError("train.sft.packing with sequence_parallel > 1 is not supported yet")
+        sequence_parallel.check(cand, self.world, cfg.packing)
         self.schedule = Schedule(
             len(self.train_units),
             cand.micro_batch,
@@ -118,11 +115,7 @@ class Run:
             ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
         model = load_model(cfg.model_path, cand, trainable=True, lora=lora, quant_type=cfg.qlora_quant_type)
-        mpu, shard = None, None
-        if cand.sequence_parallel > 1:
-            forward_batch = cand.micro_batch * (2 if cfg.method == "dpo" else 1)  # DPO: chosen + rejected
-            mpu = sequence_parallel.register(model, cand, forward_batch)
-            shard = sequence_parallel.shard_of(mpu, cand.zero)
+        mpu, shard = sequence_parallel.setup(model, cand, cfg.method)  # Ulysses: the attention and groups
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=ds_cfg, mpu=mpu

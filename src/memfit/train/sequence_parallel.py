@@ -56,6 +56,23 @@ class SequenceShard:
         return t + (self.sum(t) - t.detach())
 
 
+def check(cand: Candidate, world: int, packing: bool) -> None:
+    """Refuse, before anything loads, what a sequence-parallel group cannot run."""
+    if world % cand.sequence_parallel:
+        raise ValueError(f"sequence_parallel {cand.sequence_parallel} does not divide the {world} ranks")
+    if packing and cand.sequence_parallel > 1:
+        raise ValueError("train.sft.packing with sequence_parallel > 1 is not supported yet")
+
+
+def setup(model, cand: Candidate, method: str):
+    """(mpu for `deepspeed.initialize`, this rank's SequenceShard), or (None, None) without SP."""
+    if cand.sequence_parallel == 1:
+        return None, None
+    forward_batch = cand.micro_batch * (2 if method == "dpo" else 1)  # DPO: chosen + rejected
+    mpu = register(model, cand, forward_batch)
+    return mpu, shard_of(mpu, cand.zero)
+
+
 def register(model, cand: Candidate, forward_batch: int):
     """Wrap `model`'s attention in Ulysses for `cand.sequence_parallel` ranks and build the groups;
     the mpu for `deepspeed.initialize`. `forward_batch` sequences per forward (DPO: 2 x micro)."""
