@@ -63,32 +63,40 @@ def build(root: Path, model_config: Path = REPO / "config/models/demo-tiny.json"
     return root
 
 
-def probe_and_estimate(root: Path, name: str, finetune: str = "qlora") -> dict:
-    """One shape: the probe's peak and the estimator's, per rank."""
+def probe_candidate(root: Path, method: str, cand, work: Path, stem: str, steps: int = 3):
+    """Probe `cand` on WORLD CPU ranks (the trainer's real step, memfit.workflow.probe.run_probe;
+    run, result and log under `work` named `stem`) and estimate it on `cpu`: (probe result, Estimate)."""
     from memfit.estimate import catalog, estimate
     from memfit.train.run_config import RunConfig
     from memfit.workflow.probe import run_probe
 
-    method, fields = SHAPES[name]
-    cand = candidate(fields, finetune)
-    log = root / f"{name}-{finetune}.log"
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / f"{stem}.log"
     res = run_probe(
         RunConfig(
             method=method,
             model_path=str(root / "model"),
             data_dir=str(root / method),
-            out_dir=str(root / "out"),
+            out_dir=str(work / stem),
             candidate=cand.to_dict(),
             dpo={"beta": 0.1} if method == "dpo" else {},
         ),
         nproc=WORLD,
-        out_json=root / f"{name}-{finetune}.json",
+        out_json=work / f"{stem}.json",
         log=log,
-        steps=3,
+        steps=steps,
     )
     if res["status"] != "ok":
-        raise RuntimeError(f"{name}: probe {res['status']}: {res.get('error')} (log {log})")
+        raise RuntimeError(f"{stem}: probe {res['status']}: {res.get('error')} (log {log})")
     est = estimate(catalog.model(str(root / "model")), catalog.gpu("cpu"), WORLD, 1, method, cand, budget_bytes=8 << 30)
+    return res, est
+
+
+def probe_and_estimate(root: Path, name: str, finetune: str = "qlora") -> dict:
+    """One shape: the probe's peak and the estimator's, per rank."""
+    method, fields = SHAPES[name]
+    cand = candidate(fields, finetune)
+    res, est = probe_candidate(root, method, cand, root, f"{name}-{finetune}")
     return {
         "name": name,
         "candidate": cand.to_dict(),

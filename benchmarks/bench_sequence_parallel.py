@@ -20,41 +20,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_qlora_memory import REPO, build  # noqa: E402
+from bench_qlora_memory import REPO, build, probe_candidate  # noqa: E402
 
 WORLD = 2
 SHAPES = [(method, zero, sp) for method in ("sft", "dpo") for zero in (2, 3) for sp in (1, 2)]
 
 
 def measure(root: Path, method: str, zero: int, sp: int) -> dict:
-    from memfit.estimate import catalog, estimate
     from memfit.space import Candidate
-    from memfit.train.run_config import RunConfig
-    from memfit.workflow.probe import run_probe
 
     cand = Candidate(
         zero=zero, precision="fp32", finetune="full", micro_batch=4, grad_accum=1, seq_len=128, attn="sdpa",
         sequence_parallel=sp, ref="model",
     )  # fmt: skip
     name = f"{method}-z{zero}-sp{sp}"
-    out = root / "sequence-parallel"
-    res = run_probe(
-        RunConfig(
-            method=method,
-            model_path=str(root / "model"),
-            data_dir=str(root / method),
-            out_dir=str(out / name),
-            candidate=cand.to_dict(),
-            dpo={"beta": 0.1} if method == "dpo" else {},
-        ),  # fmt: skip
-        nproc=WORLD,
-        out_json=out / f"{name}.json",
-        log=out / f"{name}.log",
-        steps=2,
-    )
-    if res["status"] != "ok":
-        raise RuntimeError(f"{name}: probe {res['status']}: {res.get('error')} (log {out / f'{name}.log'})")
-    est = estimate(catalog.model(str(root / "model")), catalog.gpu("cpu"), WORLD, 1, method, cand, budget_bytes=8 << 30)
+    res, est = probe_candidate(root, method, cand, root / "sequence-parallel", name, steps=2)
     return {
         "name": name,
         "candidate": cand.to_dict(),
