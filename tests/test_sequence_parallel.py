@@ -67,6 +67,20 @@ def test_the_estimator_refuses_what_ulysses_cannot_split():
     assert odd.invalid and "does not divide the 6 ranks" in odd.reason
 
 
+def test_fit_says_how_long_a_sequence_each_sequence_parallel_size_trains(capsys):
+    from memfit.estimate import fit_main
+
+    args = ["--maximize", "seq_len", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--num-gpus", "8"]
+    args += ["--zero", "3", "--attn", "flash", "--loss-impl", "chunked"]
+    assert fit_main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by_sp = {int(k): v for k, v in out["seq_len_by_sequence_parallel"].items()}
+    assert list(by_sp) == [1, 2, 4, 8]  # the divisors of 8 ranks that 32 heads (8 key/value) split into
+    assert by_sp[1] == out["seq_len"] < by_sp[2] <= by_sp[4] <= by_sp[8]
+    assert fit_main(args) == 0
+    assert f"SP=1: {by_sp[1]:,}, SP=2: {by_sp[2]:,}" in capsys.readouterr().out
+
+
 # --------------------------------------------------------------------------- real runs, 2 CPU ranks
 def _runs(demo_model, demo_data, tmp_path, method, **cand):
     """The same 4 steps (global batch 8, 2 accumulated micro batches of 4, checkpoints and an

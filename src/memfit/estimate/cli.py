@@ -17,7 +17,7 @@ from pathlib import Path
 from memfit.estimate import catalog
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
-from memfit.estimate.core import Estimate, estimate, fit
+from memfit.estimate.core import Estimate, estimate, fit, fit_sequence_parallel
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS, EstimateError, Settings
 from memfit.space import Candidate
 from memfit.units import GIB, MIB, gib
@@ -457,14 +457,27 @@ def fit_main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps({args.maximize: 0, **result.to_dict()}, indent=2))
         return 2
+    sweep = {}
+    if args.maximize == "seq_len":  # how far splitting each sequence over more GPUs goes (Ulysses)
+        kw = {"host_memory_gb": _host_memory_gb(args), "budget_bytes": _budget_bytes(args), "settings": settings}
+        sweep = fit_sequence_parallel(
+            arch, gpu, args.num_gpus, args.num_nodes, args.method, cand, headroom=args.headroom, **kw
+        )
     if args.json:
-        print(json.dumps({args.maximize: best, **(result.to_dict() if result else {})}, indent=2))
+        extra = {"seq_len_by_sequence_parallel": {str(k): v for k, v in sweep.items()}} if sweep else {}
+        print(json.dumps({args.maximize: best, **extra, **(result.to_dict() if result else {})}, indent=2))
         return 0 if best > 0 else 1
     if best == 0:
         print(f"nothing fits: even {args.maximize}=1 needs more memory")
     else:
         kept = f" with {args.headroom:.0%} headroom" if args.headroom else ""
-        print(f"largest {args.maximize} that fits{kept}: {best}\n")
+        print(f"largest {args.maximize} that fits{kept}: {best}")
+    if len(sweep) > 1:
+        print(
+            "with Ulysses sequence parallelism (--sequence-parallel; GPUs that split each sequence): "
+            + ", ".join(f"SP={sp}: {n:,}" for sp, n in sweep.items())
+        )
+    print()
     if result is not None:
         shown = dataclasses.replace(cand, **{args.maximize: max(best, 1)})
         print(render(result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method, settings.trainer_loader))

@@ -374,3 +374,26 @@ def fit(
         else:
             hi = mid
     return lo, best
+
+
+def sequence_parallel_sizes(arch: ModelArch, world: int) -> list[int]:
+    """The Ulysses group sizes a job can use: divisors of its ranks its heads split into."""
+    return [
+        sp
+        for sp in range(1, world + 1)
+        if world % sp == 0 and not model_problems(arch, Candidate(sequence_parallel=sp))
+    ]
+
+
+def fit_sequence_parallel(
+    arch: ModelArch, gpu: GPU, num_gpus: int, num_nodes: int, method: str, cand: Candidate, **kwargs
+) -> dict[int, int]:
+    """The longest sequence that fits at every usable sequence-parallel size (`fit` per size),
+    the answer to "how many GPUs must split a sequence of this length": {SP: seq_len}."""
+    world = num_gpus * num_nodes
+    return {
+        sp: fit(
+            arch, gpu, num_gpus, num_nodes, method, dataclasses.replace(cand, sequence_parallel=sp), "seq_len", **kwargs
+        )[0]
+        for sp in sequence_parallel_sizes(arch, world)
+    }
