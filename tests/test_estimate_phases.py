@@ -115,3 +115,17 @@ def test_qlora_counts_one_dequantized_weight():
     assert q.phases["forward"] - q_static == lora.phases["forward"] - lora_static + w
     rise = w - 2 * t * arch.hidden_size * 2
     assert q.phases["top_layer_backward"] - q_static == lora.phases["top_layer_backward"] - lora_static + rise
+
+
+@pytest.mark.parametrize(
+    ("zero", "offload", "held_per_param"), [(0, "none", 2.0), (1, "none", 2.0), (2, "none", 2.0 / 8), (2, "cpu", 0.0)]
+)
+def test_accumulated_gradients_are_held_into_the_next_micro_step(zero, offload, held_per_param):
+    """From the second micro step on, ZeRO-0/1 hold every bf16 gradient and ZeRO-2 its partition's
+    (8 ranks) beside the forward; with the optimizer offloaded DeepSpeed accumulates on the host."""
+    arch, gpu = catalog.model("llama-3.1-8b"), catalog.gpu("a100-80gb")
+    one = Candidate(zero=zero, offload_optimizer=offload, grad_accum=1, seq_len=2048)
+    e1 = estimate(arch, gpu, 8, 1, "sft", one)
+    e2 = estimate(arch, gpu, 8, 1, "sft", dataclasses.replace(one, grad_accum=2))
+    held = e2.phases["forward"] - e1.phases["forward"]
+    assert held == pytest.approx(held_per_param * e1.params_trainable, rel=1e-6, abs=8)
