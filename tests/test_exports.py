@@ -337,3 +337,25 @@ def test_the_workflow_declares_every_export(repo):
     text = (repo / "workflow/rules/plan.smk").read_text()
     for key, rel in exports.FILES.items():
         assert f'{key}="results/{{model}}/{{gpu}}/{{method}}/{rel}",' in text
+
+
+def test_a_sequence_parallel_selection_exports_its_batch_and_says_where_a_trainer_cannot_split(tmp_path):
+    """2 ranks splitting each sequence: one data-parallel rank, the global batch micro x accum;
+    the DeepSpeed JSON carries sequence_parallel_size, HF gets accelerate's ParallelismConfig
+    fields, OpenRLHF and LLaMA-Factory say they have no Ulysses setting."""
+    from memfit.exports.hf import hf_training_args
+    from memfit.exports.llamafactory import llamafactory_config
+    from memfit.exports.openrlhf import openrlhf_script
+
+    plan = _plan(tmp_path, "sft", {"zero": 3, "sequence_parallel": 2, "precision": "bf16"})
+    ds = dsconfig.for_run(plan.run, 2, 40, hidden_size=64)
+    plan = dataclasses.replace(plan, ds_config=ds, num_gpus=2)
+    assert plan.global_batch == 4 * 2 * 1 == ds["train_batch_size"] and ds["sequence_parallel_size"] == 2
+    assert "x 1 data-parallel ranks (2 ranks, 2 per sequence)" in " ".join(exports.common.header(plan, "HF"))
+    args, missing = hf_training_args(plan)
+    assert args["_memfit"]["parallelism_config"] == {"sp_size": 2, "sp_backend": "deepspeed"}
+    assert any(m.startswith("sequence_parallel 2: pass TrainingArguments(parallelism_config=") for m in missing)
+    script, missing = openrlhf_script(plan)
+    assert "--train.batch_size 8" in script and any("no DeepSpeed Ulysses flag" in m for m in missing)
+    _, _, missing = llamafactory_config(plan)
+    assert any("no DeepSpeed Ulysses argument" in m for m in missing)

@@ -61,8 +61,7 @@ class ExportPlan:
 
     @property
     def global_batch(self) -> int:
-        c = self.run.cand
-        return c.micro_batch * c.grad_accum * self.world
+        return self.run.cand.global_batch(self.world)  # a sequence-parallel group shares one batch
 
     @property
     def lora_alpha(self) -> float:
@@ -116,7 +115,9 @@ def header(plan: ExportPlan, tool: str, comment: str = "#") -> list[str]:
     return [
         f"{comment} memfit's selected {run.method} configuration for {tool}, written by select_config.",
         f"{comment} candidate {c.id}; global batch {plan.global_batch} = micro {c.micro_batch} x accum {c.grad_accum} "
-        f"x {plan.world} ranks; {steps}.",
+        f"x {c.data_parallel(plan.world)} data-parallel ranks"
+        + (f" ({plan.world} ranks, {c.sequence_parallel} per sequence)" if c.sequence_parallel > 1 else "")
+        + f"; {steps}.",
     ]
 
 

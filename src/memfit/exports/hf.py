@@ -59,6 +59,15 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
             "loss_impl chunked: TrainingArguments/TRL have no chunked-vocabulary loss (closest: "
             "use_liger_kernel, another kernel)"
         )
+    parallelism = None
+    if c.sequence_parallel > 1:
+        # accelerate's ParallelismConfig (sp_backend "deepspeed": ALST/Ulysses), a TrainingArguments
+        # field that takes an object, not JSON (accelerate/parallelism_config.py, 1.15 here)
+        parallelism = {"sp_size": c.sequence_parallel, "sp_backend": "deepspeed"}
+        missing.append(
+            f"sequence_parallel {c.sequence_parallel}: pass TrainingArguments(parallelism_config="
+            f"accelerate.ParallelismConfig(**_memfit['parallelism_config'])); not a JSON field"
+        )
     if plan.eval_fraction:
         missing.append(f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): pass your own eval_dataset")
     args["_memfit"] = {
@@ -69,6 +78,7 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
         "trl_class": trl_class,
         "trl_fields": trl,
         "peft_lora_config": peft,
+        "parallelism_config": parallelism,
         "not_expressible": missing,
     }
     return args, missing

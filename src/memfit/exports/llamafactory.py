@@ -60,6 +60,11 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
         missing.append(
             "loss_impl chunked: no chunked-vocabulary loss option (closest: enable_liger_kernel, another kernel)"
         )
+    if c.sequence_parallel > 1:
+        missing.append(
+            f"sequence_parallel {c.sequence_parallel}: no DeepSpeed Ulysses argument in LLaMA-Factory 0.9.5 (the "
+            "DeepSpeed JSON's sequence_parallel_size alone does not split sequences)"
+        )
     y |= hf_schedule(plan, missing)
     y |= {
         "per_device_train_batch_size": c.micro_batch,

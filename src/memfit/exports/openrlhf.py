@@ -127,6 +127,11 @@ def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
             a.append(("--ds.load_in_4bit", True))
     if c.loss_impl == "chunked":
         missing.append("loss_impl chunked: no chunked-vocabulary loss flag (full logits are materialised)")
+    if c.sequence_parallel > 1:
+        missing.append(
+            f"sequence_parallel {c.sequence_parallel}: no DeepSpeed Ulysses flag (--ring_attn_size is ring "
+            "attention, another scheme with other memory)"
+        )
     return a
 
 
