@@ -195,9 +195,8 @@ def planned_steps(run: RunConfig, world_size: int) -> tuple[int | None, dict[str
     from memfit.train.batches import Schedule
 
     cand = run.cand
-    world_size //= cand.sequence_parallel  # the ranks of a sequence-parallel group share each batch
     info: dict[str, Any] = {
-        "global_batch": cand.micro_batch * cand.grad_accum * world_size,
+        "global_batch": cand.global_batch(world_size),  # a sequence-parallel group shares each batch
         "epochs": run.epochs,
         "max_steps": run.max_steps,
     }
@@ -213,7 +212,9 @@ def planned_steps(run: RunConfig, world_size: int) -> tuple[int | None, dict[str
     except FileNotFoundError as e:
         return None, info | {"total_steps": None, "warmup_steps": None, "source": f"unknown: {e}"}
     unit = "packed sequences (train.sft.packing)" if run.packing else "training rows"
-    spe = Schedule(units, cand.micro_batch, cand.grad_accum, world_size, run.seed, unit=unit).steps_per_epoch
+    spe = Schedule(
+        units, cand.micro_batch, cand.grad_accum, cand.data_parallel(world_size), run.seed, unit=unit
+    ).steps_per_epoch
     total, warmup = schedule_steps(run, spe)
     return total, info | {
         "units": units,

@@ -78,18 +78,12 @@ def register(model, cand: Candidate, forward_batch: int):
     the mpu for `deepspeed.initialize`. `forward_batch` sequences per forward (DPO: 2 x micro)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads, kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    sp = cand.sequence_parallel
-    if heads % sp or not (kv % sp == 0 or sp % kv == 0):
-        raise ValueError(
-            f"sequence_parallel {sp} must divide the model's {heads} attention heads, and its {kv} key/value "
-            "heads must divide it or be divided by it (DeepSpeed's Ulysses splits heads over the group)"
-        )
+    # heads the group cannot split are refused by UlyssesSPAttentionHF itself (and by the estimator
+    # before: memfit.estimate.validity.model_problems)
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation=ATTN_IMPL[cand.attn],
-        sequence_parallel_size=sp,
+        sequence_parallel_size=cand.sequence_parallel,
         micro_batch_size=forward_batch,
         seq_length_is_variable=True,
     )

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from memfit.units import CHECKPOINT_CHUNK_BYTES as CHUNK_BYTES
 
@@ -77,17 +78,6 @@ def release(ptr: int, nbytes: int) -> None:
         _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
 def load(path: str, map_location: Any = None) -> Any:
     """`torch.load(path, map_location, weights_only=False)` with the file mapped where torch's zip
     format allows it (its tensors registered as file-backed until `streamed_loading` ends)."""
@@ -102,7 +92,7 @@ def load(path: str, map_location: Any = None) -> Any:
         obj = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
     finally:
         _mapping = False
-    ranges = _mapped[before:] + [r for r in map(_storage_range, _tensors(obj)) if r is not None]
+    ranges = _mapped[before:] + [r for r in map(_storage_range, tree_flatten(obj)[0]) if r is not None]
     del _mapped[before:]
     if ranges:  # one interval for the file: is_file_backed stays a short scan
         _mapped.append((min(r[0] for r in ranges), max(r[1] for r in ranges)))
