@@ -82,17 +82,19 @@ def test_fit_says_how_long_a_sequence_each_sequence_parallel_size_trains(capsys)
 
 
 # --------------------------------------------------------------------------- real runs, 2 CPU ranks
-def _runs(demo_model, demo_data, tmp_path, method, **cand):
+def _runs(demo_model, demo_data, tmp_path, method, sp2_levers=None, **cand):
     """The same 4 steps (global batch 8, 2 accumulated micro batches of 4, checkpoints and an
-    evaluation at 2 and 4) on 1 rank with whole sequences and on 2 ranks that split them."""
+    evaluation at 2 and 4) on 1 rank with whole sequences and on 2 ranks that split them (with
+    `sp2_levers` too: the tiled MLP in tiles of 6 tokens, 3 tiles of a rank's 16, padded rows)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from deepspeed_runs import base_run, run
 
     def cfg(name, sp):
         c = base_run(demo_model, demo_data, tmp_path / name, method, micro_batch=4, grad_accum=2, **cand)
-        c = dataclasses.replace(c, max_steps=4, save_every=2, eval_every=2)
-        return dataclasses.replace(c, candidate=c.candidate | {"sequence_parallel": sp})
+        c = dataclasses.replace(c, max_steps=4, save_every=2, eval_every=2, mlp_tile_tokens=6)
+        extra = (sp2_levers or {}) if sp == 2 else {}
+        return dataclasses.replace(c, candidate=c.candidate | {"sequence_parallel": sp} | extra)
 
     with ThreadPoolExecutor(max_workers=2) as pool:  # independent runs: their start-ups overlap
         one, two = pool.map(lambda a: run(cfg(*a), a[1]), [("sp1", 1), ("sp2", 2)])
@@ -135,6 +137,24 @@ def test_dpo_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does(
     summed over the group before the DPO loss."""
     one, two = _runs(demo_model, demo_data, tmp_path, "dpo", zero=zero, finetune=finetune, ref=ref)
     _assert_same_training(one, two, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("method", "zero", "finetune", "ref"), [("sft", 3, "full", "model"), ("dpo", 2, "lora", "adapter")]
+)
+def test_the_tiled_mlp_and_activation_offload_under_sequence_parallelism_train_what_one_rank_does(
+    demo_model, demo_data, tmp_path, method, zero, finetune, ref
+):
+    """SP=2 with every ALST lever (tiled MLP, checkpointing, the activation offload DeepSpeed skips
+    on the CPU) against SP=1 without them: ZeRO-3 gathers the MLP's weights once per tile and
+    reduces their gradients once (TiledMLP's ds_grad_is_ready), ZeRO-2 with LoRA adapters."""
+    levers = {"tiled_mlp": True, "grad_ckpt": True, "activation_offload": True}
+    one, two = _runs(demo_model, demo_data, tmp_path, method, levers, zero=zero, finetune=finetune, ref=ref)
+    _assert_same_training(one, two, tmp_path)
+    log = (tmp_path / "sp2/log.txt").read_text()
+    assert "tiled MLP: 4 layers in tiles of 6 tokens per sequence" in log
+    assert "activation offload: 4 checkpointed inputs marked, 0 moved to the host (0.0 MiB), 4 skipped" in log
 
 
 @pytest.mark.slow

@@ -47,6 +47,12 @@ class Candidate:
     # Ulysses sequence parallelism (DeepSpeed ALST, deepspeed.runtime.sequence_parallel.ulysses_sp):
     # ranks that split each sequence, all-to-all around attention; data-parallel size = world / it
     sequence_parallel: int = 1
+    # DeepSpeed ALST's TiledMLP (ulysses_sp.TiledMLP): every decoder layer's MLP runs a tile of the
+    # tokens at a time, its intermediates recomputed per tile in the backward (memfit.train.long_context)
+    tiled_mlp: bool = False
+    # checkpointed layer inputs moved to host RAM between forward and backward (DeepSpeed's
+    # CheckpointHiddenStatesOffload, activation_checkpointing/offload_activations.py); needs grad_ckpt
+    activation_offload: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -75,6 +81,9 @@ class Candidate:
         if self.sequence_parallel > 1 and self.attn == "eager":
             # ulysses_sp.py register_with_transformers: eager needs a 4D mask Ulysses cannot shard
             out.append("sequence_parallel > 1 needs attn sdpa or flash (DeepSpeed's Ulysses refuses eager)")
+        if self.activation_offload and not self.grad_ckpt:
+            # DeepSpeed offloads the inputs of checkpointed layers, so without checkpointing nothing moves
+            out.append("activation_offload needs grad_ckpt (it moves the checkpointed layer inputs to the host)")
         for name in ("micro_batch", "seq_len", "grad_accum", "sequence_parallel"):
             if getattr(self, name) < 1:
                 out.append(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -120,6 +129,10 @@ class Candidate:
             parts.append(f"loss-{self.loss_impl}")
         if self.sequence_parallel != 1:
             parts.append(f"sp{self.sequence_parallel}")
+        if self.tiled_mlp:
+            parts.append("tmlp")
+        if self.activation_offload:
+            parts.append("aoff")
         return "-".join(parts)
 
     def digest(self) -> str:
@@ -184,9 +197,15 @@ def engine_key(c: Candidate) -> str:
     """The DeepSpeed engine a candidate trains with: its ZeRO/offload, checkpointing, attention,
     adapters and dtype (`c.id` without the batch)."""
     key = "|".join(f"{k}={getattr(c, k)}" for k in ENGINE_LEVERS)
-    # sequence parallelism changes the engine (its process groups, the attention's all-to-all);
-    # keys of candidates without it stay what measured calibrations recorded
-    return key + (f"|sequence_parallel={c.sequence_parallel}" if c.sequence_parallel != 1 else "")
+    # the long-context levers change the engine (sequence parallelism its process groups and the
+    # attention's all-to-all; the tiled MLP and the activation offload its layers); keys of
+    # candidates without them stay what measured calibrations recorded
+    extra = {
+        "sequence_parallel": c.sequence_parallel,
+        "tiled_mlp": c.tiled_mlp,
+        "activation_offload": c.activation_offload,
+    }
+    return key + "".join(f"|{k}={v}" for k, v in extra.items() if v != getattr(Candidate, k))
 
 
 # The levers of partitioning and offload, at their "none" values: what `compute_engine` resets.

@@ -63,6 +63,8 @@ class _MicroStep:
     # every nn.Linear saves its input, frozen ones too (ZeRO-3's patched F.linear: see
     # `zero3_linear_inputs`)
     linear_inputs_saved: bool = False
+    # the tiled MLP (Candidate.tiled_mlp, memfit.train.long_context): rows of one MLP tile (0: not tiled)
+    tile_rows: int = 0
 
     @property
     def tokens(self) -> int:
@@ -95,7 +97,17 @@ def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
         expert_adapters=not full and lora_adapts_experts(arch, settings),
+        tile_rows=mlp_tile_rows(arch, cand, method, settings) if cand.tiled_mlp else 0,
     )
+
+
+def mlp_tile_rows(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
+    """Rows of one tile of the tiled MLP: the micro step's tokens over ceil(seq / tile_tokens)
+    tiles (memfit.train.long_context.tile_mlps; tile_tokens defaults to the hidden size, DeepSpeed's
+    TiledMLP rule `ceil(seqlen / hidden)`)."""
+    tiles = -(-cand.seq_len // (settings.mlp_tile_tokens or arch.hidden_size))
+    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    return -(-tokens // tiles)
 
 
 def _linear_names(arch: ModelArch) -> dict[str, set[str] | str]:
@@ -212,6 +224,8 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: boo
         trained = step.full or step.expert_adapters
         layer += step.rmsnorm(trained or any(step.trainable(n) for n in names["up"]))
         layer += moe_mlp_saved(step)
+    elif step.tile_rows:  # TiledMLP saves its input alone (ulysses_sp.TiledMLP.forward: save_for_backward(x))
+        layer += step.rmsnorm(True)
     else:
         layer += step.rmsnorm(any(step.trainable(n) for n in names["up"]))  # residual + 2nd norm
         down_input = d * t * i if step.trainable(names["down"]) else 0
@@ -277,6 +291,15 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = Fa
     # eager: the gradients of the probabilities and of the scores (s x s, the latter fp32);
     # sdpa/flash: the gradients of q, k and v.
     mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + step.rmsnorm(True)
+    if step.tile_rows and not moe:
+        # TiledMLP.backward: the incoming gradient (dth) and the input's gradient buffer (x_grad,
+        # zeros_like: dth), and per tile the recomputed intermediates (4dri: gate, up, act(gate),
+        # their product), their gradients (3dri: the product's, then act(gate)'s and up's), the
+        # tile's output and its input gradient before it is added into x_grad (2drh); nothing of
+        # the MLP was saved in the forward
+        r = step.tile_rows
+        mlp_extra = 2 * d * t * h + 7 * d * r * i + 2 * d * r * h
+        mlp_saved = step.rmsnorm(True)
     if moe:
         mlp_saved = moe_mlp_saved(step) + step.rmsnorm(True)  # upper bound of the freed part
     if cand.attn == "eager":
@@ -371,6 +394,8 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         acts.saved += mask  # the checkpoint keeps the mask among the layer's inputs
     kept_before_last = kept - (acts.kept_per_layer if not cand.grad_ckpt else 0)
     layer_fwd = attn_fwd
+    if step.tile_rows:  # the tiles' outputs and their concatenation, one tile's intermediates
+        layer_fwd = max(attn_fwd, 2 * d * t * h + 3 * d * step.tile_rows * arch.intermediate_size)
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
@@ -390,6 +415,32 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
             ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
             acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h, mlp)
     return acts
+
+
+def checkpoint_input_bytes(arch: ModelArch, cand: Candidate, method: str) -> int:
+    """One checkpointed decoder layer's input, the hidden states (d x tokens x hidden)."""
+    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    return dtype_bytes(cand.precision) * tokens * arch.hidden_size
+
+
+# DeepSpeed's CheckpointHiddenStatesOffload keeps the newest checkpointed input on the device
+# (keep_last_count=1) and the device copies of the two before it until their copies to the host
+# finish (max_fwd_stash_count=2): runtime/activation_checkpointing/offload_activations.py defaults
+OFFLOAD_RESIDENT_INPUTS = 1 + 2
+
+
+def offload_checkpoints(acts: Activations, arch: ModelArch, cand: Candidate, method: str) -> int:
+    """Move the checkpointed layer inputs to the host (Candidate.activation_offload, on a GPU):
+    all but `OFFLOAD_RESIDENT_INPUTS` leave the device, every one but the newest is copied into a
+    pinned host buffer until its layer's backward copies it back. Lowers `acts` in place; returns
+    the input bytes per rank held on the host (pinned; costs.host_memory adds the rounding)."""
+    if not (cand.activation_offload and cand.grad_ckpt):
+        return 0
+    per_input = checkpoint_input_bytes(arch, cand, method)
+    moved = max(0, arch.num_layers - OFFLOAD_RESIDENT_INPUTS) * per_input
+    acts.saved -= moved
+    acts.forward -= moved
+    return max(0, arch.num_layers - 1) * per_input
 
 
 def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:

@@ -88,6 +88,12 @@ def _add_lever_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="Ulysses sequence parallelism: GPUs that split each sequence (DeepSpeed ALST)",
     )
+    flag = argparse.BooleanOptionalAction
+    p.add_argument("--tiled-mlp", action=flag, default=False, help="DeepSpeed ALST's TiledMLP: MLPs a tile at a time")
+    p.add_argument(
+        "--mlp-tile-tokens", type=int, help="tiled MLP: tokens per sequence in a tile (default: hidden size)"
+    )
+    p.add_argument("--activation-offload", action=flag, default=False, help="checkpointed layer inputs to host RAM")
     p.add_argument(
         "--sub-group-size",
         type=int,
@@ -286,6 +292,8 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
             ref=ref,
             loss_impl=args.loss_impl,
             sequence_parallel=args.sequence_parallel,
+            tiled_mlp=args.tiled_mlp,
+            activation_offload=args.activation_offload,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
@@ -293,6 +301,8 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         raise EstimateError(f"--nccl-mib must be >= 0, got {args.nccl_mib}")
     if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
         raise EstimateError(f"--loss-chunk-tokens must be >= 1, got {args.loss_chunk_tokens}")
+    if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 1:
+        raise EstimateError(f"--mlp-tile-tokens must be >= 1, got {args.mlp_tile_tokens}")
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     settings = dataclasses.replace(
         DEFAULT_SETTINGS,
@@ -302,6 +312,7 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         activations=args.activations,
         trace_cache=args.trace_cache,
         loss_chunk_tokens=args.loss_chunk_tokens,
+        mlp_tile_tokens=args.mlp_tile_tokens,
         logits_handling=args.logits_handling,
         trainer_loader=args.trainer_loader,
         nccl_bytes=None if args.nccl_mib is None else int(args.nccl_mib * MIB),

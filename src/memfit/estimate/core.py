@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.estimate import calibration, timing
-from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
+from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block, offload_checkpoints
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.costs import (
@@ -224,6 +224,12 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     # phases: what each phase of a step allocates; the largest is the peak
     states = model_states(arch, cand, world, settings, job.method)
     acts = apply_trainer_terms(_activation_terms(job, cand, est), arch, cand, job.method, settings)
+    acts_host = 0 if gpu.name == "cpu" else offload_checkpoints(acts, arch, cand, job.method)
+    if gpu.name == "cpu" and cand.activation_offload:
+        est.notes.append(
+            "activation_offload on the cpu moves nothing: the host is the device (DeepSpeed's "
+            "offload skips a device without streams, offload_activations.py `_should_skip`)"
+        )
     est.notes += states.notes
     phases = step_phases(arch, cand, states, acts, trainable, world, settings, host_device=gpu.name == "cpu")
     est.phases = phases.allocated
@@ -248,7 +254,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     est.breakdown = {k: int(v) for k, v in breakdown.items()}
     if cand.attn == "eager" and not model_problems(arch, dataclasses.replace(cand, attn="sdpa")):
         _eager_attention_cost(job, cand, est)
-    host = host_memory(arch, cand, gpu, states, job.num_gpus, world, settings)
+    host = host_memory(arch, cand, gpu, states, job.num_gpus, world, settings, acts_host)
     est.host_breakdown, est.host_phases, est.host_bytes = host.breakdown, host.phases, host.peak
 
     # verdict: fits or not, and how fast

@@ -7,11 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.estimate import calibration
+from memfit.estimate.activation_memory import checkpoint_input_bytes
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
-from memfit.estimate.states import ModelStates
+from memfit.estimate.states import ModelStates, pinned_rounding
 from memfit.space import Candidate
 from memfit.units import CHECKPOINT_CHUNK_BYTES, GIB
 
@@ -151,6 +152,7 @@ def host_memory(
     ranks_per_node: int,
     world: int,
     settings: Settings,
+    activations_offloaded: int = 0,
 ) -> HostMemory:
     """Host RAM per node. Per rank: the process itself (CUDA/NCCL/Python, ~3 GiB on GPU nodes,
     0.6 GiB for a CPU rank: measured RSS of `import deepspeed, transformers`), the offloaded
@@ -161,14 +163,20 @@ def host_memory(
       (mp_rank_00_model_states.pt) at the same time (DeepSpeed's TorchCheckpointEngine.load);
       "memfit": the files are mapped and copied a chunk at a time, each chunk's pages released once
       copied (memfit.train.stream_load), so a rank maps at most CHECKPOINT_CHUNK_BYTES beyond
-      training's memory (the page cache the files pass through is the kernel's to reclaim)."""
+      training's memory (the page cache the files pass through is the kernel's to reclaim).
+    - `activations_offloaded`: a rank's checkpointed layer inputs in pinned host buffers
+      (activation_memory.offload_checkpoints), one buffer per input, each rounded like any pinned
+      allocation; DeepSpeed pools them across steps (max_cpu_buffer_pool_count=64), so they stay."""
     ranks = ranks_per_node
     d = dtype_bytes(cand.precision)
     total = param_layout(arch).total
     trainable = trainable_params(arch, cand, settings)
     process = int((0.6 if gpu.name == "cpu" else 3.0) * GIB)
     offloaded = states.host_optimizer + states.host_params
-    steady = ranks * (process + offloaded + states.host_pinned)
+    if activations_offloaded:
+        per_input = activations_offloaded // max(1, arch.num_layers - 1)
+        activations_offloaded += (arch.num_layers - 1) * pinned_rounding(per_input)
+    steady = ranks * (process + offloaded + states.host_pinned + activations_offloaded)
     optimizer_shard = 12 * trainable // (world if cand.zero >= 1 else 1)
     module_file = d * total if cand.zero < 3 else d * total // world
     files = optimizer_shard + module_file
@@ -186,6 +194,7 @@ def host_memory(
         "offloaded_params": ranks * states.host_params,
         "pinned_rounding": ranks * states.host_pinned,
         "checkpoint_resume": checkpoint,
+        "offloaded_activations": ranks * activations_offloaded,
     }
     return HostMemory(
         breakdown={k: int(v) for k, v in breakdown.items()},
@@ -239,6 +248,10 @@ def step_flops(
         # the head's projection (2 h V per token) runs again in the backward: the recompute of
         # Cut Cross-Entropy (Wijmans et al. 2024) and TRL's chunked_nll
         flops += 2 * arch.hidden_size * arch.vocab_size * tokens
+    if cand.tiled_mlp and recompute:
+        # TiledMLP recomputes each tile's MLP forward in its backward (ulysses_sp.TiledMLP.backward)
+        mlp = (3 if arch.gated_mlp else 2) * arch.hidden_size * arch.intermediate_size
+        flops += 2 * arch.num_layers * mlp * tokens
     return cand.grad_accum * flops
 
 
@@ -334,6 +347,20 @@ def _offload_seconds(
     return seconds
 
 
+def activation_offload_seconds(
+    arch: ModelArch, cand: Candidate, gpu: GPU, method: str, compute_seconds: float
+) -> float:
+    """The checkpointed inputs' trips to the host and back (activation_memory.offload_checkpoints),
+    beyond what the compute hides: DeepSpeed copies them on a side stream that overlaps the
+    forward and backward (offload_activations.py `_start_offload`, `restore_input`), so only the
+    part of the transfers longer than the step's compute adds time (ALST, arXiv 2506.13996, sec.
+    3.4: the offload costs little because the copies overlap compute)."""
+    if not (cand.activation_offload and cand.grad_ckpt) or gpu.name == "cpu":
+        return 0.0
+    moved = 2 * max(0, arch.num_layers - 1) * checkpoint_input_bytes(arch, cand, method)
+    return max(0.0, cand.grad_accum * moved / (gpu.host_link_gbs * 1e9) - compute_seconds)
+
+
 def step_time(
     arch: ModelArch,
     cand: Candidate,
@@ -353,11 +380,13 @@ def step_time(
     overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
     # the device optimizer reads and writes 16 bytes per trainable parameter (memory bound)
     optimizer = 0.0 if cand.offload_optimizer == "cpu" else 16 * trainable / world / (gpu.memory_bandwidth_gbs * 1e9)
+    compute = _compute_seconds(arch, cand, gpu, method, settings)
     return {
-        "compute": _compute_seconds(arch, cand, gpu, method, settings),
+        "compute": compute,
         "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings)
         + ulysses_seconds(arch, cand, gpu, method, num_gpus, settings),
-        "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings),
+        "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings)
+        + activation_offload_seconds(arch, cand, gpu, method, compute),
         "optimizer": optimizer,
         "overhead": overhead,
     }

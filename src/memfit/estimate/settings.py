@@ -69,6 +69,7 @@ class Settings:
     loss_chunk_tokens: int | None = (
         None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     )
+    mlp_tile_tokens: int | None = None  # tiled_mlp: tokens per sequence in a tile (None: the hidden size)
 
 
 LOGITS_HANDLING = ("memfit", "hf-model-fp32", "hf-loss-function", "torchtune-held")

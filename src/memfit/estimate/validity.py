@@ -42,6 +42,11 @@ def model_problems(arch: ModelArch, cand: Candidate) -> list[str]:
     sp, heads, kv = cand.sequence_parallel, arch.num_attention_heads, arch.num_kv_heads
     if sp > 1 and (heads % sp or not (kv % sp == 0 or sp % kv == 0)):
         return [f"sequence_parallel {sp} does not split {arch.name}'s {heads} attention heads ({kv} key/value heads)"]
+    if cand.tiled_mlp and (arch.is_moe or arch.generic):
+        # memfit.train.long_context.tile_mlps tiles dense MLPs; the formulas model its saved input
+        # for the hand-described dense cards (a traced card would need TiledMLP in the trace)
+        what = "routes tokens to experts" if arch.is_moe else "is estimated from a trace, not the formulas"
+        return [f"tiled_mlp is modelled for dense MLPs of the described architectures; {arch.name} {what}"]
     if not arch.generic:
         return []
     inv = arch.inventory()

@@ -44,7 +44,7 @@ import torch
 from memfit.atomic import write_json_atomic
 from memfit.space import UNPARTITIONED, Candidate, compute_engine, compute_key, engine_key
 from memfit.train import dist as dist_env
-from memfit.train import dsconfig
+from memfit.train import dsconfig, long_context
 from memfit.train.batches import IGNORE_INDEX
 from memfit.train.memory import AllocationTracker
 from memfit.train.modeling import hidden_size, load_model
@@ -72,6 +72,7 @@ class Spec:
     dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
     loss_on: str = "response"
     loss_chunk_tokens: int | None = None
+    mlp_tile_tokens: int | None = None
     reps: int = 5  # repetitions per figure (median); 3 left single slow samples in the demo's figures
 
     @classmethod
@@ -157,6 +158,7 @@ class _Engine:
             hf_ds = HfDeepSpeedConfig(ds_cfg)  # partitioned as it loads, as training does (loop.Run.setup)
         # spec.lora holds RunConfig's alpha/dropout/targets; load_model applies their defaults
         model = load_model(path, self.cand, trainable=True, lora=spec.lora, quant_type=spec.qlora_quant_type)
+        long_context.prepare(model, self.cand, spec.mlp_tile_tokens)
         self.vocab = int(model.get_input_embeddings().num_embeddings)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)[0]
@@ -184,8 +186,9 @@ class _Engine:
         runner, rows = self.runner(method, c), _rows(method, c, self.vocab)
         _sync()
         t0 = time.perf_counter()
-        loss, _, _ = runner.loss(rows, pad_to=c.seq_len)
-        self.engine.backward(loss)
+        with long_context.activation_offload(c):
+            loss, _, _ = runner.loss(rows, pad_to=c.seq_len)
+            self.engine.backward(loss)
         if step:
             self.engine.step()
         _sync()

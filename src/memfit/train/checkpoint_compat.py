@@ -35,7 +35,8 @@ RESHARD_MAY_DIFFER = ("grad_accum",)
 # earlier candidate of the same run (run config `fallback` > 0): levers that change memory and speed,
 # not what is learned, as long as the global batch (micro x accum x ranks) stays the same. loss_impl
 # full <-> chunked changes float rounding only (memfit.train.vocab_loss; per-token log-probs within 1e-6,
-# tests/test_vocab_loss.py).
+# tests/test_vocab_loss.py); the tiled MLP sums its tiles' weight gradients (rounding again), the
+# activation offload moves tensors, not values.
 LEVERS = (
     "zero",
     "offload_optimizer",
@@ -47,6 +48,8 @@ LEVERS = (
     "grad_accum",
     "ref",
     "loss_impl",
+    "tiled_mlp",
+    "activation_offload",
 )
 # The levers that change how DeepSpeed lays out the optimizer state in a checkpoint (and which
 # optimizer steps it: torch AdamW or DeepSpeedCPUAdam with offload): such a change loads through a

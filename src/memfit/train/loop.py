@@ -30,7 +30,7 @@ import torch
 
 from memfit.atomic import write_json_atomic
 from memfit.data import load_split, worst_case_batch
-from memfit.train import checkpoint, dsconfig, sequence_parallel
+from memfit.train import checkpoint, dsconfig, long_context, sequence_parallel
 from memfit.train import dist as dist_env
 from memfit.train import resume as train_resume
 from memfit.train.batches import Schedule, rank_batches
@@ -57,6 +57,7 @@ class Run:
         self.rank, self.world = dist_env.rank(), dist_env.world()
         # a sequence-parallel group (consecutive ranks, deepspeed parallel_state_sp) shares each batch
         self.dp_rank, self.dp_world = self.rank // self.cand.sequence_parallel, self.cand.data_parallel(self.world)
+        self._offload_said = False  # the activation offload's counters are logged once
         self.out = Path(cfg.out_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.metrics_path = self.out / "metrics.jsonl"
@@ -115,6 +116,8 @@ class Run:
             ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
         model = load_model(cfg.model_path, cand, trainable=True, lora=lora, quant_type=cfg.qlora_quant_type)
+        if said := long_context.prepare(model, cand, cfg.mlp_tile_tokens):  # the tiled MLP (DeepSpeed ALST)
+            self.log(said)
         mpu, shard = sequence_parallel.setup(model, cand, cfg.method)  # Ulysses: the attention and groups
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
@@ -202,12 +205,17 @@ class Run:
         for idx in self.schedule.micro_batches(step, self.dp_rank):
             rows = probe_rows if probe_rows is not None else [self.train_units[i] for i in idx]
             pad_to = self.cand.seq_len if probe_rows is not None else None
-            self._phase("forward")
-            loss, m, tok = self.runner.loss(rows, pad_to=pad_to, packed=self.cfg.packing)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"non-finite loss {float(loss)} at step {step + 1} on rank {self.rank}")
-            self._phase("backward")
-            self.engine.backward(loss)
+            offload = long_context.activation_offload(self.cand)
+            with offload:  # the micro step's forward and backward
+                self._phase("forward")
+                loss, m, tok = self.runner.loss(rows, pad_to=pad_to, packed=self.cfg.packing)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {float(loss)} at step {step + 1} on rank {self.rank}")
+                self._phase("backward")
+                self.engine.backward(loss)
+            if self.cand.activation_offload and not self._offload_said:
+                self._offload_said = True
+                self.log(long_context.offload_summary(offload))
             self._phase("optimizer step")
             self.engine.step()
             self._phase("between steps")

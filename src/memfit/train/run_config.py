@@ -55,6 +55,7 @@ class RunConfig:
     loss_chunk_tokens: int | None = (
         None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     )
+    mlp_tile_tokens: int | None = None  # candidate.tiled_mlp: tokens per sequence in a tile (None: hidden size)
     device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
     fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.workflow.fallback): resumes checkpoints of earlier candidates that differ in levers only
 

@@ -38,6 +38,7 @@ def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: 
         "dpo": dpo,
         "loss_on": run.loss_on,
         "loss_chunk_tokens": run.loss_chunk_tokens,
+        "mlp_tile_tokens": run.mlp_tile_tokens,
         "reps": reps,
     }
 

@@ -189,7 +189,15 @@ class WorkflowConfig:
             per_method["export_format"] = per_method.pop("export")
         common = {
             k: train[k]
-            for k in ("seed", "save_every", "keep_last", "eval_every", "log_every", "loss_chunk_tokens")
+            for k in (
+                "seed",
+                "save_every",
+                "keep_last",
+                "eval_every",
+                "log_every",
+                "loss_chunk_tokens",
+                "mlp_tile_tokens",
+            )
             if k in train
         }
         return RunConfig(

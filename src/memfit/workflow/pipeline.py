@@ -54,10 +54,10 @@ def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = Non
     """The config's `estimate:`, with this machine's step-time calibration (the calibrate stage) if any."""
     from memfit.estimate import Settings
 
-    est, cal = cfg.estimate, str(calibration) if calibration else None
-    return Settings(
-        activations=est.get("activations", "analytic"), trace_cache=est.get("trace_cache"), step_time_calibration=cal
-    )
+    est, train = cfg.estimate, cfg.raw.get("train") or {}  # and the tile sizes the trainer will use
+    kw = {k: train.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")} | {"trace_cache": est.get("trace_cache")}
+    cal = str(calibration) if calibration else None
+    return Settings(activations=est.get("activations", "analytic"), step_time_calibration=cal, **kw)
 
 
 def _estimate_rows(
