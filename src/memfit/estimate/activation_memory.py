@@ -63,12 +63,17 @@ class _MicroStep:
     # every nn.Linear saves its input, frozen ones too (ZeRO-3's patched F.linear: see
     # `zero3_linear_inputs`)
     linear_inputs_saved: bool = False
-    # the tiled MLP (Candidate.tiled_mlp, memfit.train.long_context): rows of one MLP tile (0: not tiled)
-    tile_rows: int = 0
+    # the tiled MLP (Candidate.tiled_mlp, memfit.train.long_context): its tiles (0: not tiled)
+    mlp_tiles: int = 0
 
     @property
     def tokens(self) -> int:
         return self.seqs * self.seq_len
+
+    @property
+    def tile_rows(self) -> int:
+        """Rows of one MLP tile: the micro step's tokens over the tiles (0: not tiled)."""
+        return -(-self.tokens // self.mlp_tiles) if self.mlp_tiles else 0
 
     def trainable(self, linear: str) -> bool:
         """Whether the linear's input is saved for the backward: its weight trains (full), it
@@ -97,17 +102,14 @@ def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
         expert_adapters=not full and lora_adapts_experts(arch, settings),
-        tile_rows=mlp_tile_rows(arch, cand, method, settings) if cand.tiled_mlp else 0,
+        mlp_tiles=mlp_tiles(arch, cand, settings) if cand.tiled_mlp else 0,
     )
 
 
-def mlp_tile_rows(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
-    """Rows of one tile of the tiled MLP: the micro step's tokens over ceil(seq / tile_tokens)
-    tiles (memfit.train.long_context.tile_mlps; tile_tokens defaults to the hidden size, DeepSpeed's
-    TiledMLP rule `ceil(seqlen / hidden)`)."""
-    tiles = -(-cand.seq_len // (settings.mlp_tile_tokens or arch.hidden_size))
-    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
-    return -(-tokens // tiles)
+def mlp_tiles(arch: ModelArch, cand: Candidate, settings: Settings) -> int:
+    """Tiles of the tiled MLP: ceil(seq / tile_tokens) (memfit.train.long_context.tile_mlps;
+    tile_tokens defaults to the hidden size, DeepSpeed's TiledMLP rule `ceil(seqlen / hidden)`)."""
+    return -(-cand.seq_len // (settings.mlp_tile_tokens or arch.hidden_size))
 
 
 def _linear_names(arch: ModelArch) -> dict[str, set[str] | str]:
@@ -249,7 +251,9 @@ def _padding_mask_extra(cand: Candidate, settings: Settings, step: _MicroStep) -
     same batch unpadded, this term 1.18 MB."""
     arch = step.arch
     nh, nkv = arch.num_attention_heads, arch.num_kv_heads
-    if cand.attn != "sdpa" or not settings.padding_mask or nkv >= nh:
+    # under sequence parallelism memfit passes positions, no mask (Ulysses masks causally from
+    # them: memfit.train.sequence_parallel.shard_batch), so SDPA keeps its own GQA
+    if cand.attn != "sdpa" or not settings.padding_mask or nkv >= nh or cand.sequence_parallel > 1:
         return 0
     d, b, s, t = step.dtype, step.seqs, step.seq_len, step.tokens
     return 2 * d * t * (nh - nkv) * arch.head_dim + d * b * s * s
@@ -292,13 +296,17 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = Fa
     # sdpa/flash: the gradients of q, k and v.
     mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + step.rmsnorm(True)
     if step.tile_rows and not moe:
-        # TiledMLP.backward: the incoming gradient (dth) and the input's gradient buffer (x_grad,
-        # zeros_like: dth), and per tile the recomputed intermediates (4dri: gate, up, act(gate),
-        # their product), their gradients (3dri: the product's, then act(gate)'s and up's), the
-        # tile's output and its input gradient before it is added into x_grad (2drh); nothing of
-        # the MLP was saved in the forward
+        # TiledMLP.backward: the incoming gradient (dth, also held for the residual branch: dth)
+        # and the input's gradient buffer (x_grad, zeros_like: dth); per tile the recomputed
+        # intermediates (4dri: gate, up, act(gate), their product), their gradients (3dri: the
+        # product's, then act(gate)'s and up's), the tile's output and its input gradient before
+        # it is added into x_grad (2drh). Rows padded to a multiple of the tiles
+        # (memfit.train.long_context) add the slice's zero-filled gradient (dth). Nothing of the
+        # MLP was saved in the forward. Measured on 2 CPU ranks (benchmarks/bench_long_context.py:
+        # demo model, ZeRO-3, checkpointing, SP=2, 2,880-3,136 tokens a rank): within 2%.
         r = step.tile_rows
-        mlp_extra = 2 * d * t * h + 7 * d * r * i + 2 * d * r * h
+        padded = t % step.mlp_tiles != 0
+        mlp_extra = (3 + padded) * d * t * h + 7 * d * r * i + 2 * d * r * h
         mlp_saved = step.rmsnorm(True)
     if moe:
         mlp_saved = moe_mlp_saved(step) + step.rmsnorm(True)  # upper bound of the freed part
@@ -408,6 +416,8 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         # normed input, gate, up and act(gate)*up), which tops the logits where the vocabulary is
         # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
         mlp = d * t * (2 * h + 3 * arch.intermediate_size)
+        if step.tile_rows:  # the reference's MLPs are tiled too: one tile's, and the tiles' outputs
+            mlp = d * t * 4 * h + 3 * d * step.tile_rows * arch.intermediate_size
         if cand.loss_impl == "chunked":  # the reference's logits per chunk only
             c = chunk_tokens(arch, t, settings)
             acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)

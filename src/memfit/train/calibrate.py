@@ -163,7 +163,9 @@ class _Engine:
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)[0]
         self.engine.train()
-        self.ref = reference_engine(self.cand, path, ds_cfg, spec.qlora_quant_type) if with_ref else None
+        self.ref = (
+            reference_engine(self.cand, path, ds_cfg, spec.qlora_quant_type, spec.mlp_tile_tokens) if with_ref else None
+        )
         del hf_ds
         self.spec = spec
 

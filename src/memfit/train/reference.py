@@ -15,7 +15,7 @@ import torch
 
 from memfit.space import Candidate
 from memfit.train import dist as dist_env
-from memfit.train import dsconfig
+from memfit.train import dsconfig, long_context
 from memfit.train.batches import collate, rank_batches
 from memfit.train.modeling import hidden_size, load_model, model_dir
 from memfit.units import MIB
@@ -59,8 +59,10 @@ def _forget_zero3_module(module) -> None:
             f.cache_clear()
 
 
-def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any], quant_type: str = "nf4"):
-    """The frozen DPO reference as a DeepSpeed inference engine."""
+def reference_engine(
+    cand: Candidate, ref_path: str, ds_cfg: dict[str, Any], quant_type: str = "nf4", mlp_tile_tokens: int | None = None
+):
+    """The frozen DPO reference as a DeepSpeed inference engine (its MLPs tiled as the policy's)."""
     import deepspeed
 
     ref_cfg = {
@@ -84,6 +86,7 @@ def reference_engine(cand: Candidate, ref_path: str, ds_cfg: dict[str, Any], qua
 
         ref_hf = HfDeepSpeedConfig(ref_cfg)  # from_pretrained partitions the reference as it loads
     ref_model = load_model(ref_path, dataclasses.replace(cand, grad_ckpt=False), trainable=False, quant_type=quant_type)
+    long_context.prepare(ref_model, cand, mlp_tile_tokens)
     engine = deepspeed.initialize(model=ref_model, config=ref_cfg)[0]
     engine.eval()
     del ref_hf
@@ -135,7 +138,7 @@ def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
     sizes = {k: len(v) for k, v in splits.items()}
     stored = torch.load(cache, weights_only=False) if cache.exists() else None
     if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
-        engine = reference_engine(run.cand, ref_path, ds_cfg, run.cfg.qlora_quant_type)
+        engine = reference_engine(run.cand, ref_path, ds_cfg, run.cfg.qlora_quant_type, run.cfg.mlp_tile_tokens)
         t0 = time.perf_counter()
         values = {
             k: reference_logps(
