@@ -349,7 +349,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     decoder layer saves them (see `_layer_saved`), plus the final norm, the loss's logit terms,
     the rotary table, the batch's int64 tensors and the transients of forward and backward."""
     step = _micro_step(arch, cand, method, settings)
-    d, t, h, V = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size
+    d, t, h, V, i = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size, arch.intermediate_size
     L = arch.num_layers
     # MoE models: MoE layers and dense layers save different tensors (`moe_layers()`)
     n_moe = len(arch.moe_layers())
@@ -415,9 +415,8 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         # a reference layer's transients: its attention call, or its MLP (the residual stream, the
         # normed input, gate, up and act(gate)*up), which tops the logits where the vocabulary is
         # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
-        mlp = d * t * (2 * h + 3 * arch.intermediate_size)
-        if step.tile_rows:  # the reference's MLPs are tiled too: one tile's, and the tiles' outputs
-            mlp = d * t * 4 * h + 3 * d * step.tile_rows * arch.intermediate_size
+        # (tiled: the input, residual, tiles' outputs and their concatenation, one tile's intermediates)
+        mlp = d * t * 4 * h + 3 * d * step.tile_rows * i if step.tile_rows else d * t * (2 * h + 3 * i)
         if cand.loss_impl == "chunked":  # the reference's logits per chunk only
             c = chunk_tokens(arch, t, settings)
             acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
@@ -425,32 +424,6 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
             ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
             acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h, mlp)
     return acts
-
-
-def checkpoint_input_bytes(arch: ModelArch, cand: Candidate, method: str) -> int:
-    """One checkpointed decoder layer's input, the hidden states (d x tokens x hidden)."""
-    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
-    return dtype_bytes(cand.precision) * tokens * arch.hidden_size
-
-
-# DeepSpeed's CheckpointHiddenStatesOffload keeps the newest checkpointed input on the device
-# (keep_last_count=1) and the device copies of the two before it until their copies to the host
-# finish (max_fwd_stash_count=2): runtime/activation_checkpointing/offload_activations.py defaults
-OFFLOAD_RESIDENT_INPUTS = 1 + 2
-
-
-def offload_checkpoints(acts: Activations, arch: ModelArch, cand: Candidate, method: str) -> int:
-    """Move the checkpointed layer inputs to the host (Candidate.activation_offload, on a GPU):
-    all but `OFFLOAD_RESIDENT_INPUTS` leave the device, every one but the newest is copied into a
-    pinned host buffer until its layer's backward copies it back. Lowers `acts` in place; returns
-    the input bytes per rank held on the host (pinned; costs.host_memory adds the rounding)."""
-    if not (cand.activation_offload and cand.grad_ckpt):
-        return 0
-    per_input = checkpoint_input_bytes(arch, cand, method)
-    moved = max(0, arch.num_layers - OFFLOAD_RESIDENT_INPUTS) * per_input
-    acts.saved -= moved
-    acts.forward -= moved
-    return max(0, arch.num_layers - 1) * per_input
 
 
 def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:

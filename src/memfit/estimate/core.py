@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.estimate import calibration, timing
-from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block, offload_checkpoints
+from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.costs import (
@@ -21,6 +21,7 @@ from memfit.estimate.costs import (
     step_time,
 )
 from memfit.estimate.generic import generic_arch
+from memfit.estimate.offload_activations import offload_checkpoints
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.estimate import calibration
-from memfit.estimate.activation_memory import checkpoint_input_bytes
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
+from memfit.estimate.offload_activations import checkpoint_input_bytes
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
 from memfit.estimate.states import ModelStates, pinned_rounding

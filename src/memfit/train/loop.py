@@ -133,9 +133,8 @@ class Run:
 
         self.ref_engine = None
         if cfg.method == "dpo" and cand.ref == "model":
-            self.ref_engine = reference_engine(
-                cand, cfg.ref_model_path or cfg.model_path, ds_cfg, cfg.qlora_quant_type, cfg.mlp_tile_tokens
-            )
+            ref = cfg.ref_model_path or cfg.model_path
+            self.ref_engine = reference_engine(cand, ref, ds_cfg, cfg.qlora_quant_type, cfg.mlp_tile_tokens)
         del hf_ds
         self.runner = StepRunner(
             cfg.method,
