@@ -73,9 +73,10 @@ def measured_longest(root: Path, cand, budget: int, step: int, start: int, work:
 
     def fits(seq: int) -> bool:
         c = dataclasses.replace(cand, seq_len=seq)
-        res, _ = probe_candidate(root, "sft", c, work, c.id, steps=2)
-        probes.append({"seq_len": seq, "peak_bytes": res["peak_allocated_bytes"]})
-        print(f"    probe {seq:>6,d} tokens: {res['peak_allocated_bytes'] / 2**20:7.1f} MiB", flush=True)
+        res, est = probe_candidate(root, "sft", c, work, c.id, steps=2)
+        m, p = res["peak_allocated_bytes"], est.training_peak_bytes
+        probes.append({"seq_len": seq, "peak_bytes": m, "predicted_peak_bytes": p})
+        print(f"    probe {seq:>6,d} tokens: {m / 2**20:7.1f} MiB, estimate {p / m - 1:+.1%}", flush=True)
         return res["peak_allocated_bytes"] <= budget
 
     grow = max(step, start // 8 // step * step)
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         m, p = r["measured"], r["predicted"]
         print(f"{r['levers']:40s} {m:9,d} {p:9,d} {p / m - 1:+7.1%} {m / rows[0]['measured']:7.2f}x")
+    errors = [p["predicted_peak_bytes"] / p["peak_bytes"] - 1 for r in rows for p in r["probes"]]
+    print(f"estimated peak at every probed length: {min(errors):+.1%} to {max(errors):+.1%} of the probe's")
     print(f"({time.perf_counter() - t0:.0f} s)")
     if args.out:
         out = {"world_size": WORLD, "budget_bytes": budget, "step": args.step, "rows": rows}
