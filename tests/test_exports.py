@@ -359,3 +359,23 @@ def test_a_sequence_parallel_selection_exports_its_batch_and_says_where_a_traine
     assert "--train.batch_size 8" in script and any("no DeepSpeed Ulysses flag" in m for m in missing)
     _, _, missing = llamafactory_config(plan)
     assert any("no DeepSpeed Ulysses argument" in m for m in missing)
+
+
+def test_the_tiled_mlp_and_activation_offload_export_where_a_trainer_has_them(tmp_path):
+    """TRL's activation_offloading and LLaMA-Factory's use_unsloth_gc move checkpointed activations
+    to the host; no exported trainer has a tiled MLP, and each says so."""
+    from memfit.exports.hf import hf_training_args
+    from memfit.exports.llamafactory import llamafactory_config
+    from memfit.exports.openrlhf import openrlhf_script
+
+    levers = {"zero": 3, "grad_ckpt": True, "tiled_mlp": True, "activation_offload": True, "precision": "bf16"}
+    plan = _plan(tmp_path, "sft", levers)
+    plan = dataclasses.replace(plan, ds_config=dsconfig.for_run(plan.run, 2, 40, hidden_size=64), num_gpus=2)
+    args, missing = hf_training_args(plan)
+    assert args["_memfit"]["trl_fields"]["activation_offloading"] is True
+    assert any(m.startswith("tiled_mlp: TrainingArguments/TRL has no tiled-MLP setting") for m in missing)
+    y, _, missing = llamafactory_config(plan)
+    assert y["use_unsloth_gc"] is True and any(m.startswith("tiled_mlp: LLaMA-Factory") for m in missing)
+    _, missing = openrlhf_script(plan)
+    assert any(m == "activation_offload: no activation offload flag" for m in missing)
+    assert any(m.startswith("tiled_mlp: OpenRLHF") for m in missing)

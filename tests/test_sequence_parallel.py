@@ -29,6 +29,41 @@ def test_shard_keeps_each_ranks_tokens_with_global_positions_and_labels_shifted_
     ]
 
 
+def test_a_pack_keeps_its_row_positions_across_the_shards():
+    """Packed rows (positions restarting at each row, as memfit.train.batches.collate_packed makes
+    them): every rank keeps the pack's own positions, so flash attention finds the rows of the
+    gathered sequence; no row's last token is scored against the next row's first."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])  # rows [1, 2, 3] and [4, 5, 6] in one pack
+    labels = torch.tensor([[IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5, 6]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    batch = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    parts = [shard_batch(batch, SequenceShard(None, r, 4), pad_id=0) for r in range(4)]  # padded to 8
+    assert [p["position_ids"].tolist()[0] for p in parts] == [[0, 1], [2, 0], [1, 2], [3, 4]]
+    assert [p["labels"].tolist()[0] for p in parts] == [
+        [2, 3],
+        [IGNORE_INDEX, 5],  # token 3 (row 1's last) predicts nothing
+        [6, IGNORE_INDEX],
+        [IGNORE_INDEX, IGNORE_INDEX],
+    ]
+
+
+def test_packing_under_sequence_parallelism_needs_flash_attention(tmp_path):
+    from memfit.train.sequence_parallel import check
+    from memfit.workflow.config import WorkflowConfig
+
+    with pytest.raises(ValueError, match="packing with sequence_parallel > 1 needs attn flash"):
+        check(Candidate(sequence_parallel=2, attn="sdpa"), 2, packing=True)
+    check(Candidate(sequence_parallel=2, attn="flash"), 2, packing=True)  # flash finds the rows
+    check(Candidate(sequence_parallel=1, attn="sdpa"), 2, packing=True)
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).parents[1] / "config/config.yaml").read_text())
+    raw["search"] |= {"sequence_parallel": [1, 2], "attn": ["sdpa"]}
+    raw["train"]["sft"]["packing"] = True
+    cands = WorkflowConfig.load(raw).candidates("sft")
+    assert cands and all(c.sequence_parallel == 1 for c in cands)  # SP=2 with sdpa is not offered
+
+
 def test_a_sequence_parallel_group_shares_its_batch():
     c = Candidate(sequence_parallel=2, micro_batch=4, grad_accum=2, seq_len=32)
     assert c.data_parallel(8) == 4 and c.global_batch(8) == 32 and c.id.endswith("-sp2")

@@ -159,3 +159,12 @@ def hf_schedule(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
 def not_expressible(missing: list[str], comment: str = "#") -> list[str]:
     """The lines listing the levers a tool cannot express (each file carries them)."""
     return [f"{comment}   - {m}" for m in missing] or [f"{comment}   (none)"]
+
+
+def tiled_mlp_missing(c, tool: str, missing: list[str]) -> None:
+    """The tiled MLP (DeepSpeed ALST's TiledMLP) has no setting in any exported trainer."""
+    if c.tiled_mlp:
+        missing.append(
+            f"tiled_mlp: {tool} has no tiled-MLP setting (ArcticTraining's `tiled_mlp_compute: true` is one; "
+            "without it the MLP's intermediates take more memory than memfit planned)"
+        )

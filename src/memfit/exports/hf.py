@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.exports.common import ExportPlan, hf_schedule
+from memfit.exports.common import ExportPlan, hf_schedule, tiled_mlp_missing
 
 
 def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
@@ -68,6 +68,13 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
             f"sequence_parallel {c.sequence_parallel}: pass TrainingArguments(parallelism_config="
             f"accelerate.ParallelismConfig(**_memfit['parallelism_config'])); not a JSON field"
         )
+    if c.activation_offload:  # TRL's own offload (trl/models/activation_offloading.py)
+        trl["activation_offloading"] = True
+        missing.append(
+            "activation_offload: trl activation_offloading=true set; TRL moves every saved activation to the "
+            "host, not only the checkpointed layer inputs DeepSpeed's does (more host traffic)"
+        )
+    tiled_mlp_missing(c, "TrainingArguments/TRL", missing)
     if plan.eval_fraction:
         missing.append(f"held-out split (eval_fraction {plan.eval_fraction}, by prompt): pass your own eval_dataset")
     args["_memfit"] = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memfit.exports.common import ExportPlan, hf_schedule, int_alpha, source_format, targets
+from memfit.exports.common import ExportPlan, hf_schedule, int_alpha, source_format, targets, tiled_mlp_missing
 
 
 def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -56,15 +56,7 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
         "processor_utils.py infer_seqlen); memfit never cuts a prompt (drops the row) and cuts responses only"
     )
     y |= _method_args(plan, missing)
-    if c.loss_impl == "chunked":
-        missing.append(
-            "loss_impl chunked: no chunked-vocabulary loss option (closest: enable_liger_kernel, another kernel)"
-        )
-    if c.sequence_parallel > 1:
-        missing.append(
-            f"sequence_parallel {c.sequence_parallel}: no DeepSpeed Ulysses argument in LLaMA-Factory 0.9.5 (the "
-            "DeepSpeed JSON's sequence_parallel_size alone does not split sequences)"
-        )
+    y |= _long_context(c, missing)
     y |= hf_schedule(plan, missing)
     y |= {
         "per_device_train_batch_size": c.micro_batch,
@@ -91,6 +83,25 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
     if not plan.data_source:
         missing.append("data: no data source in the config (plan only); set file_name in dataset_info.json")
     return y, {name: entry}, missing
+
+
+def _long_context(c, missing: list[str]) -> dict[str, Any]:
+    """The chunked loss and ALST's levers: what LLaMA-Factory has of them."""
+    if c.loss_impl == "chunked":
+        missing.append(
+            "loss_impl chunked: no chunked-vocabulary loss option (closest: enable_liger_kernel, another kernel)"
+        )
+    if c.sequence_parallel > 1:
+        missing.append(
+            f"sequence_parallel {c.sequence_parallel}: no DeepSpeed Ulysses argument in LLaMA-Factory 0.9.5 (the "
+            "DeepSpeed JSON's sequence_parallel_size alone does not split sequences)"
+        )
+    tiled_mlp_missing(c, "LLaMA-Factory", missing)
+    if c.activation_offload:
+        # model/model_utils/checkpointing.py get_unsloth_gradient_checkpointing_func: the checkpointed
+        # hidden states go to the host ("Saves VRAM by smartly offloading to RAM"), blocking copies
+        return {"use_unsloth_gc": True}
+    return {}
 
 
 def _method_args(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from memfit.exports.common import (
     not_expressible,
     source_format,
     targets,
+    tiled_mlp_missing,
 )
 
 
@@ -132,6 +133,9 @@ def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
             f"sequence_parallel {c.sequence_parallel}: no DeepSpeed Ulysses flag (--ring_attn_size is ring "
             "attention, another scheme with other memory)"
         )
+    if c.activation_offload:
+        missing.append("activation_offload: no activation offload flag")
+    tiled_mlp_missing(c, "OpenRLHF", missing)
     return a
 
 

@@ -56,12 +56,23 @@ class SequenceShard:
         return t + (self.sum(t) - t.detach())
 
 
+# Why packed rows under Ulysses need FlashAttention-2: UlyssesSPAttentionHF gathers the
+# position_ids of the whole sequence and drops the attention mask (ulysses_sp.py: "SP relies on
+# position_ids (not attention_mask) for causal masking"); flash_attention_2 finds the rows of a
+# pack from the positions (transformers modeling_flash_attention_utils, cu_seqlens), while sdpa
+# without a mask is causal over the whole pack, so its rows would attend to each other.
+PACKING_NEEDS_FLASH = (
+    "train.sft.packing with sequence_parallel > 1 needs attn flash: DeepSpeed's Ulysses drops the "
+    "attention mask, and sdpa without one would let a pack's rows attend to each other"
+)
+
+
 def check(cand: Candidate, world: int, packing: bool) -> None:
     """Refuse, before anything loads, what a sequence-parallel group cannot run."""
     if world % cand.sequence_parallel:
         raise ValueError(f"sequence_parallel {cand.sequence_parallel} does not divide the {world} ranks")
-    if packing and cand.sequence_parallel > 1:
-        raise ValueError("train.sft.packing with sequence_parallel > 1 is not supported yet")
+    if packing and cand.sequence_parallel > 1 and cand.attn != "flash":
+        raise ValueError(PACKING_NEEDS_FLASH)
 
 
 def setup(model, cand: Candidate, method: str):
@@ -106,16 +117,22 @@ def shard_of(mpu, zero: int) -> SequenceShard:
 
 
 def shard_batch(batch: dict[str, torch.Tensor], shard: SequenceShard, pad_id: int) -> dict[str, torch.Tensor]:
-    """This rank's tokens of a right-padded batch: input_ids, global position_ids and the labels
-    already shifted (label t is the token t+1 predicts), padded to a multiple of the group size."""
+    """This rank's tokens of a right-padded batch: input_ids, position_ids and the labels already
+    shifted (label t is the token t+1 predicts), padded to a multiple of the group size. The
+    positions are the batch's own where it has them (packs: restarting at every row, so flash
+    attention finds the rows of the gathered sequence; the first token of a row is never a target,
+    so no row predicts the next one's), else 0..T-1."""
     ids, labels = batch["input_ids"], batch["labels"]
     b, t = ids.shape
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(t, device=ids.device).unsqueeze(0).expand(b, -1)
     total = -(-t // shard.size) * shard.size
-    if total != t:
+    if total != t:  # the padding continues the last positions (a pad run of its own, never scored)
         ids = torch.cat([ids, ids.new_full((b, total - t), pad_id)], 1)
         labels = torch.cat([labels, labels.new_full((b, total - t), IGNORE_INDEX)], 1)
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, total - t + 1, device=ids.device)], 1)
     shifted = torch.cat([labels[:, 1:], labels.new_full((b, 1), IGNORE_INDEX)], 1)
     n = total // shard.size
     part = slice(shard.rank * n, (shard.rank + 1) * n)
-    positions = torch.arange(total, device=ids.device).unsqueeze(0).expand(b, -1)
     return {"input_ids": ids[:, part], "position_ids": positions[:, part], "labels": shifted[:, part]}

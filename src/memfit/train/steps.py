@@ -87,17 +87,13 @@ class StepRunner:
 
         packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
         """
-        if packed:
-            if self.shard is not None:
-                raise ValueError("train.sft.packing with sequence_parallel > 1 is not supported yet")
-            batch = {
-                k: v.to(self.device)
-                for k, v in collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs).items()
-            }
+        if packed:  # under sequence parallelism: the pack's shard (flash attention only: sequence_parallel.check)
+            batch = self._batch(collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs))
             loss, value = self._sft(
                 batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
             )
-            return loss, {"loss": value * len(rows)}, sum(len(r["input_ids"]) for p in rows for r in p)
+            tokens = sum(len(r["input_ids"]) for p in rows for r in p)
+            return loss, {"loss": value * len(rows)}, tokens if self.shard is None else -(-tokens // self.shard.size)
         full = collate(self.method, rows, self.pad_id, pad_to, self.loss_on)
         tokens = int(full["attention_mask"].sum())  # the sequences' own tokens (all of a group's)
         batch = self._batch(full)

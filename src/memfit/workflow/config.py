@@ -163,9 +163,12 @@ class WorkflowConfig:
         world = self.world_size
         global_batch = int(self.raw["train"]["global_batch"])
         out = []
+        packing = bool((self.raw["train"].get(method) or {}).get("packing", False))
         for cand in enumerate_space(axes, fixed={"seq_len": self.seq_len}):
             if world % cand.sequence_parallel:
                 continue  # a sequence-parallel group must fit the ranks evenly
+            if packing and cand.sequence_parallel > 1 and cand.attn != "flash":
+                continue  # packed rows under Ulysses need flash (memfit.train.sequence_parallel.PACKING_NEEDS_FLASH)
             per_step = cand.micro_batch * cand.data_parallel(world)
             if global_batch % per_step:
                 continue  # this micro batch cannot make the global batch on this many ranks
