@@ -221,6 +221,10 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: boo
             layer += d * t * qd  # transpose(1,2).contiguous() output saved by o_proj
     else:
         layer += d * t * qd + 4 * b * nh * s  # kernel output (also o_proj's input) + lse
+        if cand.sequence_parallel > 1:
+            # Ulysses: o_proj's input is the output all-to-all's result, a tensor besides the kernel's
+            # output (ulysses_sp.py _partition_global_sequence; measured: +d t qd per layer, demo model)
+            layer += d * t * qd
         layer += _padding_mask_extra(cand, settings, step)
     if moe:  # residual + second norm (its output saved by the trained router/experts/shared)
         trained = step.full or step.expert_adapters
