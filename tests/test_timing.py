@@ -62,6 +62,17 @@ def test_a_missing_measurement_is_named(tmp_path):
     assert timing.missing(cal, CAND, "sft") == f"no computation measured for {compute_key('sft', CAND)}"
 
 
+def test_sequence_parallel_candidates_are_left_to_the_estimator(tmp_path):
+    """The calibration builds no Ulysses groups, so it measures no sequence-parallel engine and
+    the estimator says so instead of pricing one from a measurement of something else."""
+    sp = dataclasses.replace(CAND, sequence_parallel=2, attn="sdpa")
+    p = plan({"sft": [CAND, sp]})
+    assert [e["cand"].sequence_parallel for e in p["compute"].values()] == [1]
+    assert all(r["cand"].sequence_parallel == 1 for r in p["runtime"].values())
+    cal = timing.load(_write(tmp_path, {}, {}))
+    assert timing.missing(cal, sp, "sft") == "the calibration does not measure sequence-parallel engines"
+
+
 def test_an_old_or_broken_file_names_itself(tmp_path):
     p = tmp_path / "calibration.json"
     p.write_text(json.dumps({"format": 0, "compute": {}, "runtime": {}}))

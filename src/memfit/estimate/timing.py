@@ -81,6 +81,8 @@ def _at(fig: dict[str, float], layers: int) -> float:
 
 def missing(cal: StepTimeCalibration, cand: Candidate, method: str) -> str | None:
     """Why `cand` cannot be priced from `cal` (the measurement it lacks), or None."""
+    if cand.sequence_parallel > 1:  # memfit.train.calibrate.plan: its engines build no Ulysses groups
+        return "the calibration does not measure sequence-parallel engines"
     if compute_key(method, cand) not in cal.compute:
         return f"no computation measured for {compute_key(method, cand)}"
     if engine_key(cand) not in cal.runtime:

@@ -239,6 +239,8 @@ def plan(candidates: dict[str, list[Candidate]]) -> dict[str, Any]:
     runtime: dict[str, dict[str, Any]] = {}
     for method, cands in sorted(candidates.items()):
         for c in cands:
+            if c.sequence_parallel > 1:  # not calibrated: the estimator prices it (timing.missing says why)
+                continue
             base = compute_engine(c)
             e = compute.setdefault(engine_key(base), {"cand": base, "shapes": {}, "ref": False})
             e["shapes"].setdefault(compute_key(method, c), (method, c))
