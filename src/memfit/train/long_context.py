@@ -43,7 +43,9 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def tile_count(tokens_per_sequence: int, tile_tokens: int) -> int:
-    """Tiles of one MLP call, the same on every rank (the largest any rank needs)."""
+    """Tiles of one MLP call, the same on every rank (the largest any rank needs): one scalar
+    all-reduce per MLP call, as TiledMLP's docstring does it (on a GPU `.item()` waits for the
+    stream, nothing next to the MLP of the sequences the tiling is for)."""
     n = max(1, math.ceil(tokens_per_sequence / tile_tokens))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
