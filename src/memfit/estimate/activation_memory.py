@@ -300,17 +300,17 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = Fa
     # sdpa/flash: the gradients of q, k and v.
     mlp_saved = (4 if arch.gated_mlp else 2) * d * t * i + step.rmsnorm(True)
     if step.tile_rows and not moe:
-        # TiledMLP.backward: the incoming gradient (dth, also held for the residual branch: dth)
-        # and the input's gradient buffer (x_grad, zeros_like: dth); per tile the recomputed
-        # intermediates (4dri: gate, up, act(gate), their product), their gradients (3dri: the
-        # product's, then act(gate)'s and up's), the tile's output and its input gradient before
-        # it is added into x_grad (2drh). Rows padded to a multiple of the tiles
-        # (memfit.train.long_context) add the slice's zero-filled gradient (dth). Nothing of the
-        # MLP was saved in the forward. Measured on 2 CPU ranks (benchmarks/bench_long_context.py:
-        # demo model, ZeRO-3, checkpointing, SP=2, 2,880-3,136 tokens a rank): within 2%.
+        # TiledMLP.backward: the incoming gradient (dth) and the input's gradient buffer (x_grad,
+        # zeros_like: dth); per tile the recomputed intermediates (4dri: gate, up, act(gate), their
+        # product), their gradients (3dri: the product's, then act(gate)'s and up's), the tile's
+        # output and its input gradient before it is added into x_grad (2drh). Rows padded to a
+        # multiple of the tiles (memfit.train.long_context) add the slice's zero-filled gradient
+        # (dth). Nothing of the MLP was saved in the forward. Measured on 2 CPU ranks (demo model,
+        # probes of SFT and DPO, ZeRO-2/3, with and without checkpointing and SP=2): -3.1% to +0.4%
+        # (benchmarks/bench_long_context.py's 10 tiled probes: -1.1% to -0.5%).
         r = step.tile_rows
         padded = t % step.mlp_tiles != 0
-        mlp_extra = (3 + padded) * d * t * h + 7 * d * r * i + 2 * d * r * h
+        mlp_extra = (2 + padded) * d * t * h + 7 * d * r * i + 2 * d * r * h
         mlp_saved = step.rmsnorm(True)
     if moe:
         mlp_saved = moe_mlp_saved(step) + step.rmsnorm(True)  # upper bound of the freed part
