@@ -283,7 +283,8 @@ def step_phases(
     host_device: bool = False,
 ) -> StepPhases:
     """Allocated bytes of every phase of a training step on one rank."""
-    static = states.params + states.grads + states.optimizer + states.buckets
+    # the ZeRO-3 reference keeps what it gathered for its next forward (states.zero3_reference_gathered)
+    static = states.params + states.grads + states.optimizer + states.buckets + states.ref_retained
     grads = _backward_gradients(arch, cand, trainable)
     forward_backward = _forward_backward(arch, cand, states, acts, grads)
     backward_end = forward_backward["backward_end"]  # before held gradients are added
@@ -291,7 +292,8 @@ def step_phases(
     optimizer_temporaries = _optimizer_temporaries(arch, cand, states, trainable, world, settings)
     resume, resume_copies = _resume(cand, states, trainable, world, settings, host_device)
     # DPO reference forward (no_grad) after the policy forward
-    reference = static + states.gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
+    ref_gather = states.ref_gathered - states.ref_retained  # what its forward gathers beyond that
+    reference = static + states.gathered + ref_gather + acts.saved + acts.ref_forward if acts.ref_forward else 0
     phases = StepPhases(
         static=static,
         gathered=states.gathered,
@@ -381,6 +383,8 @@ def peak_breakdown(
     breakdown["params"] -= reference
     breakdown["reference"] = reference
     where = phases.peak_phase
+    if where != "resume":  # the reference's parameters it keeps gathered (0 before its first forward)
+        breakdown["reference"] += states.ref_retained
     if where in phases.forward_backward:
         _forward_backward_breakdown(phases, states, acts, cand, breakdown)
     elif where == "optimizer_step":
@@ -394,7 +398,7 @@ def peak_breakdown(
             breakdown["temporaries"] = 0
         breakdown["optimizer"] += phases.resume_copies  # what the load holds beside the state
     else:  # reference_forward
-        breakdown["temporaries"] += phases.gathered + acts.ref_forward
+        breakdown["temporaries"] += phases.gathered + acts.ref_forward + states.ref_gathered - states.ref_retained
         breakdown["activations"] = acts.saved - acts.logits_saved
         breakdown["logits"] = acts.logits_saved
     return breakdown

@@ -10,6 +10,7 @@ own assumptions these equal `estimate_zero2_model_states_mem_needs` and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ class ModelStates:
     optimizer: int = 0  # device: fp32 master + Adam m and v (ZeRO's "K = 12")
     gathered: int = 0  # device: ZeRO-3 gathered full layer (weights + its grad) in flight
     buckets: int = 0  # device: ZeRO reduce/all-gather buckets, prefetch
+    ref_gathered: int = 0  # device: the ZeRO-3 DPO reference's gathered parameters in its forward
+    ref_retained: int = 0  # ... of which it keeps gathered through the rest of the step
     host_optimizer: int = 0  # host per rank: offloaded master/m/v/fp32 grads
     host_params: int = 0  # host per rank: offloaded 16-bit params
     host_pinned: int = 0  # host per rank: bytes pinned buffers take beyond their size (rounding)
@@ -302,6 +305,17 @@ def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings) -
     resharded after forward), and BackwardPrefetch.BACKWARD_PRE holds "the current set of
     parameters, next set of parameters" (PyTorch FSDP docs): the root plus two layers.
     """
+    return _zero3_walk(arch, cand, settings)[0]
+
+
+def zero3_reference_gathered(arch: ModelArch, cand: Candidate, settings: Settings) -> tuple[int, int]:
+    """(Peak, kept after its forward) bytes of the ZeRO-3 DPO reference engine's gathered
+    parameters (memfit.train.reference: ZeRO-3 with the policy's bucket sizes, forwards only)."""
+    return _zero3_walk(arch, cand, settings, reference=True)
+
+
+def _zero3_walk(arch: ModelArch, cand: Candidate, settings: Settings, reference: bool = False) -> tuple[int, int]:
+    """`_gathered_peak` over the model's ZeRO-3 units: (peak, gathered after the first pass)."""
     d = dtype_bytes(cand.precision)
     layout = param_layout(arch)
     if settings.zero3_impl == "fsdp":
@@ -309,7 +323,7 @@ def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings) -
             sum(n // 2 if cand.finetune == "qlora" and q else d * n for n, q in _zero3_layer_units(arch, i))
             for i in range(arch.num_layers)
         )
-        return d * (layout.embed + layout.lm_head) + 2 * per_layer
+        return d * (layout.embed + layout.lm_head) + 2 * per_layer, 0
     threshold = settings.stage3_param_persistence_threshold
     if threshold is None:
         threshold = 10 * arch.hidden_size if settings.scaled_buckets else 100_000
@@ -324,14 +338,9 @@ def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings) -
     )
     embed = (layout.embed, d * layout.embed)
     head = (layout.lm_head, d * layout.lm_head) if layout.lm_head else None
+    limits = (settings.stage3_max_reuse_distance, settings.stage3_max_live_parameters)
     return _gathered_peak(
-        layers,
-        embed,
-        head,
-        cand.grad_ckpt,
-        settings.stage3_max_reuse_distance,
-        settings.stage3_max_live_parameters,
-        prefetch_bucket_elements(arch, settings),
+        layers, embed, head, cand.grad_ckpt, *limits, prefetch_bucket_elements(arch, settings), reference
     )
 
 
@@ -344,20 +353,24 @@ def _gathered_peak(
     reuse: int,
     max_live: int,
     prefetch: int,
-) -> int:
-    """The replay of `zero3_gathered_bytes`: units are (ds_numel, bytes); returns peak bytes."""
+    forward_only: bool = False,
+) -> tuple[int, int]:
+    """The replay of `zero3_gathered_bytes`: units are (ds_numel, bytes); returns (peak bytes,
+    bytes still gathered at the end). `forward_only`: an engine that only runs forwards (the DPO
+    reference), each a step of its own (parameter_offload.py `_start_of_forward_hook` resets the
+    step, and the reuse walk looks no further than the step's trace)."""
     E = ("embed", *embed)
     H = ("lm_head", *head) if head else E  # tied: the embedding's parameter again
-    seq = [E]
     fwd = [[((i, k), n, b) for k, (n, b) in enumerate(units)] for i, units in enumerate(layers)]
-    for units in fwd:
-        seq += units
-    seq += [H, H]  # lm_head forward, then its backward
-    for units in reversed(fwd):
-        seq += (units if ckpt else []) + units[::-1]  # recompute, then backward
-    seq.append(E)
+    seq = [E] + [u for units in fwd for u in units] + [H]
+    if not forward_only:
+        seq.append(H)  # lm_head forward, then its backward
+        for units in reversed(fwd):
+            seq += (units if ckpt else []) + units[::-1]  # recompute, then backward
+        seq.append(E)
+    first = len(seq)
     live: dict = {}
-    numel = bytes_ = peak = 0
+    numel = bytes_ = peak = after_first = 0
     for i, (key, n, b) in enumerate(seq):
         if key not in live:
             live[key] = (n, b)
@@ -381,7 +394,9 @@ def _gathered_peak(
         if not keep:
             n0, b0 = live.pop(key)
             numel, bytes_ = numel - n0, bytes_ - b0
-    return peak
+        if i == first - 1:
+            after_first = bytes_
+    return peak, after_first
 
 
 def _stage3(arch: ModelArch, cand: Candidate, sizes: _Sizes, settings: Settings) -> ModelStates:
@@ -467,6 +482,9 @@ def model_states(
         states = _stage1_or_2(cand, sizes)
     else:
         states = _stage3(arch, cand, sizes, settings)
+        if method == "dpo" and cand.ref == "model" and world > 1 and settings.zero3_impl == "deepspeed":
+            ref = dataclasses.replace(cand, grad_ckpt=False)  # memfit.train.reference: no checkpointing
+            states.ref_gathered, states.ref_retained = zero3_reference_gathered(arch, ref, settings)
     # Reduce buckets (stage_1_and_2.py setup_buckets / stage3.py IPG buffer): one buffer of
     # reduce_bucket_size elements, two with overlap_comm; ZeRO-1 stages fp32. DeepSpeed allocates
     # the whole bucket with contiguous_gradients (its default), however few parameters train:
