@@ -123,14 +123,15 @@ def test_fit_says_how_long_a_sequence_each_sequence_parallel_size_trains(capsys)
 def _runs(demo_model, demo_data, tmp_path, method, sp2_levers=None, **cand):
     """The same 4 steps (global batch 8, 2 accumulated micro batches of 4, checkpoints and an
     evaluation at 2 and 4) on 1 rank with whole sequences and on 2 ranks that split them (with
-    `sp2_levers` too: the tiled MLP in tiles of 6 tokens, 3 tiles of a rank's 16, padded rows)."""
+    `sp2_levers` too: the tiled MLP in tiles of 6 tokens, 3 tiles of a rank's 16, padded rows;
+    loss_impl chunked in chunks of 16 tokens)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from deepspeed_runs import base_run, run
 
     def cfg(name, sp):
         c = base_run(demo_model, demo_data, tmp_path / name, method, micro_batch=4, grad_accum=2, **cand)
-        c = dataclasses.replace(c, max_steps=4, save_every=2, eval_every=2, mlp_tile_tokens=6)
+        c = dataclasses.replace(c, max_steps=4, save_every=2, eval_every=2, mlp_tile_tokens=6, loss_chunk_tokens=16)
         extra = (sp2_levers or {}) if sp == 2 else {}
         return dataclasses.replace(c, candidate=c.candidate | {"sequence_parallel": sp} | extra)
 
@@ -179,16 +180,19 @@ def test_dpo_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("method", "zero", "finetune", "ref"), [("sft", 3, "full", "model"), ("dpo", 2, "lora", "adapter")]
+    ("method", "zero", "finetune", "ref", "loss_impl"),
+    [("sft", 3, "full", "model", "chunked"), ("dpo", 2, "lora", "adapter", "full")],
 )
 def test_the_tiled_mlp_and_activation_offload_under_sequence_parallelism_train_what_one_rank_does(
-    demo_model, demo_data, tmp_path, method, zero, finetune, ref
+    demo_model, demo_data, tmp_path, method, zero, finetune, ref, loss_impl
 ):
     """SP=2 with every ALST lever (tiled MLP, checkpointing, the activation offload DeepSpeed skips
     on the CPU) against SP=1 without them: ZeRO-3 gathers the MLP's weights once per tile and
-    reduces their gradients once (TiledMLP's ds_grad_is_ready), ZeRO-2 with LoRA adapters."""
+    reduces their gradients once (TiledMLP's ds_grad_is_ready), with the chunked loss over each
+    rank's shifted labels; ZeRO-2 with LoRA adapters."""
     levers = {"tiled_mlp": True, "grad_ckpt": True, "activation_offload": True}
-    one, two = _runs(demo_model, demo_data, tmp_path, method, levers, zero=zero, finetune=finetune, ref=ref)
+    cand = {"zero": zero, "finetune": finetune, "ref": ref, "loss_impl": loss_impl}
+    one, two = _runs(demo_model, demo_data, tmp_path, method, levers, **cand)
     _assert_same_training(one, two, tmp_path)
     log = (tmp_path / "sp2/log.txt").read_text()
     assert "tiled MLP: 4 layers in tiles of 6 tokens per sequence" in log
