@@ -12,7 +12,7 @@ from memfit.estimate.catalog import GPU
 from memfit.estimate.offload_activations import checkpoint_input_bytes
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
-from memfit.estimate.states import ModelStates, pinned_rounding
+from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 from memfit.units import CHECKPOINT_CHUNK_BYTES, GIB
 
@@ -165,17 +165,13 @@ def host_memory(
       copied (memfit.train.stream_load), so a rank maps at most CHECKPOINT_CHUNK_BYTES beyond
       training's memory (the page cache the files pass through is the kernel's to reclaim).
     - `activations_offloaded`: a rank's checkpointed layer inputs in pinned host buffers
-      (activation_memory.offload_checkpoints), one buffer per input, each rounded like any pinned
-      allocation; DeepSpeed pools them across steps (max_cpu_buffer_pool_count=64), so they stay."""
+      (offload_activations.offload_checkpoints), held through training."""
     ranks = ranks_per_node
     d = dtype_bytes(cand.precision)
     total = param_layout(arch).total
     trainable = trainable_params(arch, cand, settings)
     process = int((0.6 if gpu.name == "cpu" else 3.0) * GIB)
     offloaded = states.host_optimizer + states.host_params
-    if activations_offloaded:
-        per_input = activations_offloaded // max(1, arch.num_layers - 1)
-        activations_offloaded += (arch.num_layers - 1) * pinned_rounding(per_input)
     steady = ranks * (process + offloaded + states.host_pinned + activations_offloaded)
     optimizer_shard = 12 * trainable // (world if cand.zero >= 1 else 1)
     module_file = d * total if cand.zero < 3 else d * total // world
@@ -350,7 +346,7 @@ def _offload_seconds(
 def activation_offload_seconds(
     arch: ModelArch, cand: Candidate, gpu: GPU, method: str, compute_seconds: float
 ) -> float:
-    """The checkpointed inputs' trips to the host and back (activation_memory.offload_checkpoints),
+    """The checkpointed inputs' trips to the host and back (offload_activations.offload_checkpoints),
     beyond what the compute hides: DeepSpeed copies them on a side stream that overlaps the
     forward and backward (offload_activations.py `_start_offload`, `restore_input`), so only the
     part of the transfers longer than the step's compute adds time (ALST, arXiv 2506.13996, sec.

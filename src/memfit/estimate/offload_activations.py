@@ -6,6 +6,7 @@ from __future__ import annotations
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.settings import dtype_bytes
+from memfit.estimate.states import pinned_rounding
 from memfit.space import Candidate
 
 
@@ -24,12 +25,14 @@ OFFLOAD_RESIDENT_INPUTS = 1 + 2
 def offload_checkpoints(acts: Activations, arch: ModelArch, cand: Candidate, method: str) -> int:
     """Move the checkpointed layer inputs to the host (Candidate.activation_offload, on a GPU):
     all but `OFFLOAD_RESIDENT_INPUTS` leave the device, every one but the newest is copied into a
-    pinned host buffer until its layer's backward copies it back. Lowers `acts` in place; returns
-    the input bytes per rank held on the host (pinned; costs.host_memory adds the rounding)."""
+    pinned host buffer until its layer's backward copies it back, one buffer per input, each
+    rounded like any pinned allocation (DeepSpeed pools them across steps,
+    max_cpu_buffer_pool_count=64, so they stay). Lowers `acts` in place; returns the host bytes per
+    rank."""
     if not (cand.activation_offload and cand.grad_ckpt):
         return 0
     per_input = checkpoint_input_bytes(arch, cand, method)
     moved = max(0, arch.num_layers - OFFLOAD_RESIDENT_INPUTS) * per_input
     acts.saved -= moved
     acts.forward -= moved
-    return max(0, arch.num_layers - 1) * per_input
+    return max(0, arch.num_layers - 1) * (per_input + pinned_rounding(per_input))

@@ -283,8 +283,7 @@ def step_phases(
     host_device: bool = False,
 ) -> StepPhases:
     """Allocated bytes of every phase of a training step on one rank."""
-    # the ZeRO-3 reference keeps what it gathered for its next forward (states.zero3_reference_gathered)
-    static = states.params + states.grads + states.optimizer + states.buckets + states.ref_retained
+    static = states.params + states.grads + states.optimizer + states.buckets
     grads = _backward_gradients(arch, cand, trainable)
     forward_backward = _forward_backward(arch, cand, states, acts, grads)
     backward_end = forward_backward["backward_end"]  # before held gradients are added
@@ -292,8 +291,10 @@ def step_phases(
     optimizer_temporaries = _optimizer_temporaries(arch, cand, states, trainable, world, settings)
     resume, resume_copies = _resume(cand, states, trainable, world, settings, host_device)
     # DPO reference forward (no_grad) after the policy forward
-    ref_gather = states.ref_gathered - states.ref_retained  # what its forward gathers beyond that
-    reference = static + states.gathered + ref_gather + acts.saved + acts.ref_forward if acts.ref_forward else 0
+    # ZeRO-3: the reference engine gathers its own parameters (states.ref_gathered)
+    reference = (
+        static + states.gathered + states.ref_gathered + acts.saved + acts.ref_forward if acts.ref_forward else 0
+    )
     phases = StepPhases(
         static=static,
         gathered=states.gathered,
@@ -383,8 +384,6 @@ def peak_breakdown(
     breakdown["params"] -= reference
     breakdown["reference"] = reference
     where = phases.peak_phase
-    if where != "resume":  # the reference's parameters it keeps gathered (0 before its first forward)
-        breakdown["reference"] += states.ref_retained
     if where in phases.forward_backward:
         _forward_backward_breakdown(phases, states, acts, cand, breakdown)
     elif where == "optimizer_step":
@@ -398,7 +397,7 @@ def peak_breakdown(
             breakdown["temporaries"] = 0
         breakdown["optimizer"] += phases.resume_copies  # what the load holds beside the state
     else:  # reference_forward
-        breakdown["temporaries"] += phases.gathered + acts.ref_forward + states.ref_gathered - states.ref_retained
+        breakdown["temporaries"] += phases.gathered + acts.ref_forward + states.ref_gathered
         breakdown["activations"] = acts.saved - acts.logits_saved
         breakdown["logits"] = acts.logits_saved
     return breakdown

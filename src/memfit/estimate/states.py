@@ -48,7 +48,6 @@ class ModelStates:
     gathered: int = 0  # device: ZeRO-3 gathered full layer (weights + its grad) in flight
     buckets: int = 0  # device: ZeRO reduce/all-gather buckets, prefetch
     ref_gathered: int = 0  # device: the ZeRO-3 DPO reference's gathered parameters in its forward
-    ref_retained: int = 0  # ... of which it keeps gathered through the rest of the step
     host_optimizer: int = 0  # host per rank: offloaded master/m/v/fp32 grads
     host_params: int = 0  # host per rank: offloaded 16-bit params
     host_pinned: int = 0  # host per rank: bytes pinned buffers take beyond their size (rounding)
@@ -282,7 +281,7 @@ def _zero3_layer_units(arch: ModelArch, layer: int) -> list[tuple[int, bool]]:
     return units
 
 
-def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings) -> int:
+def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings, forward_only: bool = False) -> int:
     """Peak bytes of gathered (unpartitioned) parameters on a rank during a ZeRO-3 step.
 
     DeepSpeed does not release a module's gathered parameters after use when the module is used
@@ -304,18 +303,10 @@ def zero3_gathered_bytes(arch: ModelArch, cand: Candidate, settings: Settings) -
     backward (torch/distributed/fsdp/_runtime_utils.py `_post_forward_reshard`: the root is not
     resharded after forward), and BackwardPrefetch.BACKWARD_PRE holds "the current set of
     parameters, next set of parameters" (PyTorch FSDP docs): the root plus two layers.
+
+    `forward_only`: the DPO reference engine's (memfit.train.reference: ZeRO-3 with the policy's
+    bucket sizes), which only runs forwards; nothing of it stays gathered after its forward.
     """
-    return _zero3_walk(arch, cand, settings)[0]
-
-
-def zero3_reference_gathered(arch: ModelArch, cand: Candidate, settings: Settings) -> tuple[int, int]:
-    """(Peak, kept after its forward) bytes of the ZeRO-3 DPO reference engine's gathered
-    parameters (memfit.train.reference: ZeRO-3 with the policy's bucket sizes, forwards only)."""
-    return _zero3_walk(arch, cand, settings, reference=True)
-
-
-def _zero3_walk(arch: ModelArch, cand: Candidate, settings: Settings, reference: bool = False) -> tuple[int, int]:
-    """`_gathered_peak` over the model's ZeRO-3 units: (peak, gathered after the first pass)."""
     d = dtype_bytes(cand.precision)
     layout = param_layout(arch)
     if settings.zero3_impl == "fsdp":
@@ -323,7 +314,7 @@ def _zero3_walk(arch: ModelArch, cand: Candidate, settings: Settings, reference:
             sum(n // 2 if cand.finetune == "qlora" and q else d * n for n, q in _zero3_layer_units(arch, i))
             for i in range(arch.num_layers)
         )
-        return d * (layout.embed + layout.lm_head) + 2 * per_layer, 0
+        return d * (layout.embed + layout.lm_head) + 2 * per_layer
     threshold = settings.stage3_param_persistence_threshold
     if threshold is None:
         threshold = 10 * arch.hidden_size if settings.scaled_buckets else 100_000
@@ -340,7 +331,7 @@ def _zero3_walk(arch: ModelArch, cand: Candidate, settings: Settings, reference:
     head = (layout.lm_head, d * layout.lm_head) if layout.lm_head else None
     limits = (settings.stage3_max_reuse_distance, settings.stage3_max_live_parameters)
     return _gathered_peak(
-        layers, embed, head, cand.grad_ckpt, *limits, prefetch_bucket_elements(arch, settings), reference
+        layers, embed, head, cand.grad_ckpt, *limits, prefetch_bucket_elements(arch, settings), forward_only
     )
 
 
@@ -354,11 +345,11 @@ def _gathered_peak(
     max_live: int,
     prefetch: int,
     forward_only: bool = False,
-) -> tuple[int, int]:
-    """The replay of `zero3_gathered_bytes`: units are (ds_numel, bytes); returns (peak bytes,
-    bytes still gathered at the end). `forward_only`: an engine that only runs forwards (the DPO
-    reference), each a step of its own (parameter_offload.py `_start_of_forward_hook` resets the
-    step, and the reuse walk looks no further than the step's trace)."""
+) -> int:
+    """The replay of `zero3_gathered_bytes`: units are (ds_numel, bytes); returns peak bytes.
+    `forward_only`: an engine that only runs forwards (the DPO reference), each a step of its own
+    (parameter_offload.py `_start_of_forward_hook` resets the step, and the reuse walk looks no
+    further than the step's trace)."""
     E = ("embed", *embed)
     H = ("lm_head", *head) if head else E  # tied: the embedding's parameter again
     fwd = [[((i, k), n, b) for k, (n, b) in enumerate(units)] for i, units in enumerate(layers)]
@@ -368,9 +359,8 @@ def _gathered_peak(
         for units in reversed(fwd):
             seq += (units if ckpt else []) + units[::-1]  # recompute, then backward
         seq.append(E)
-    first = len(seq)
     live: dict = {}
-    numel = bytes_ = peak = after_first = 0
+    numel = bytes_ = peak = 0
     for i, (key, n, b) in enumerate(seq):
         if key not in live:
             live[key] = (n, b)
@@ -394,9 +384,7 @@ def _gathered_peak(
         if not keep:
             n0, b0 = live.pop(key)
             numel, bytes_ = numel - n0, bytes_ - b0
-        if i == first - 1:
-            after_first = bytes_
-    return peak, after_first
+    return peak
 
 
 def _stage3(arch: ModelArch, cand: Candidate, sizes: _Sizes, settings: Settings) -> ModelStates:
@@ -484,7 +472,7 @@ def model_states(
         states = _stage3(arch, cand, sizes, settings)
         if method == "dpo" and cand.ref == "model" and world > 1 and settings.zero3_impl == "deepspeed":
             ref = dataclasses.replace(cand, grad_ckpt=False)  # memfit.train.reference: no checkpointing
-            states.ref_gathered, states.ref_retained = zero3_reference_gathered(arch, ref, settings)
+            states.ref_gathered = zero3_gathered_bytes(arch, ref, settings, forward_only=True)
     # Reduce buckets (stage_1_and_2.py setup_buckets / stage3.py IPG buffer): one buffer of
     # reduce_bucket_size elements, two with overlap_comm; ZeRO-1 stages fp32. DeepSpeed allocates
     # the whole bucket with contiguous_gradients (its default), however few parameters train:

@@ -74,6 +74,10 @@ class StepRunner:
         loss = -logps.sum() / scored
         return loss * self.shard.loss_scale, float(self.shard.sum(loss))
 
+    def _rank_tokens(self, tokens: int) -> int:
+        """This rank's share of the sequences' own tokens, for its tokens/s (all of them without SP)."""
+        return tokens if self.shard is None else -(-tokens // self.shard.size)
+
     def _batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's inputs and labels on this rank's device: the batch, or its sequence shard."""
         if self.shard is not None:
@@ -92,16 +96,18 @@ class StepRunner:
             loss, value = self._sft(
                 batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
             )
-            tokens = sum(len(r["input_ids"]) for p in rows for r in p)
-            return loss, {"loss": value * len(rows)}, tokens if self.shard is None else -(-tokens // self.shard.size)
+            return (
+                loss,
+                {"loss": value * len(rows)},
+                self._rank_tokens(sum(len(r["input_ids"]) for p in rows for r in p)),
+            )
         full = collate(self.method, rows, self.pad_id, pad_to, self.loss_on)
-        tokens = int(full["attention_mask"].sum())  # the sequences' own tokens (all of a group's)
+        tokens = self._rank_tokens(int(full["attention_mask"].sum()))
         batch = self._batch(full)
         if self.shard is None:
             inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         else:  # Ulysses masks causally from the positions (right padding: exact)
             inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-            tokens = -(-tokens // self.shard.size)  # this rank's share, for its tokens/s
         if self.method == "sft":
             loss, value = self._sft(batch["labels"], **inputs, use_cache=False)
             return loss, {"loss": value * len(rows)}, tokens
