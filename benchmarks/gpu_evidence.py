@@ -803,6 +803,7 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
         # `step_tflops_of_probes` for the record.
         "tflops": {
             "matmul": round(m["matmul_tflops"], 1),
+            "gemm": round(statistics.median(s["tflops"] for s in m["gemm_shapes"]), 2),
             "attention": round(m["attention_tflops"], 1),
         },
         "measurements": {
@@ -815,6 +816,8 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
             f"TFLOP/s, median model FLOPs / step time of {[r['id'] for r in step_rows]}; not used as "
             "tflops.step (a reduced model at micro batch 1 is no whole model's step)",
             "tflops.matmul": "stage context: 8192^3 bf16 GEMM",
+            "tflops.gemm": "stage context: median of the Llama-3.1-8B step's GEMM shapes (x @ w.T, "
+            "1,024-8,192 rows; memfit.estimate.roofline prices every GEMM at it)",
             "tflops.attention": "stage context: causal SDPA 32x8192x128 bf16",
         },
     }

@@ -69,7 +69,8 @@ def test_every_comparable_row_gets_a_finite_positive_prediction():
         assert math.isfinite(res.tokens_per_s_per_gpu) and res.tokens_per_s_per_gpu > 0, r.id
         assert res.step_time_s == pytest.approx(sum(res.est.time_breakdown.values()), abs=1e-5), r.id
         assert res.dominant in res.est.time_breakdown, r.id
-        assert res.est.time_source.startswith("assumed"), r.id  # no GPU calibration exists
+        # no step-time calibration on a GPU exists: the per-operation roofline prices every row
+        assert res.est.time_source.startswith("modelled (each operation at its roofline"), r.id
         if r.unit:
             assert math.isfinite(res.predicted) and res.predicted > 0, r.id
             assert math.isfinite(res.error) and math.isfinite(res.time_error), r.id
@@ -106,18 +107,13 @@ def test_non_catalog_architectures_are_counted_exactly():
 
 
 def test_tokens_per_second_is_converted_as_documented():
-    """tune-llama3.2-3b-a100-noac by hand (1 GPU: no communication). Llama 3.2 3B: 3,212,749,824
-    parameters, 394,002,432 of them the tied embedding (a lookup, and the head's matmul), 28
-    layers, 24 heads of 128, seq 4096: forward FLOPs per token 2 x (2,818,747,392 + 394,002,432)
-    + 2 x 28 x 4096 x 24 x 128 = 7,130,142,720; x 3 (forward + backward) x 8192 tokens / (40% x
-    312e12) = 1.40409 s; AdamW over 16 bytes per parameter at 2039 GB/s = 0.02521 s; overhead
-    0.005 x 28/32 + 0.01 = 0.014375 s; step 1.44368 s, so 2 x 4096 / 1.44368 = 5674.4
-    tokens/s/GPU against the published 9174."""
+    """tokens/s/GPU = global_batch x seq_len / (step x GPUs): tune-llama3.2-3b-a100-noac (1 GPU,
+    2 x 4096 tokens per step) against its published 9174; the error on seconds per step is the
+    same comparison inverted."""
     r = RESULTS["tune-llama3.2-3b-a100-noac"]
     assert r.row.unit == "tokens_per_s_per_gpu" and r.published == 9174
-    assert r.step_time_s == pytest.approx(1.44368, rel=1e-4)
+    assert r.step_time_s == pytest.approx(sum(r.est.time_breakdown.values()), abs=1e-5)
     assert r.predicted == pytest.approx(2 * 4096 / r.step_time_s, rel=1e-12)
-    assert r.predicted == pytest.approx(5674.4, rel=1e-4)
     assert r.error == pytest.approx(r.predicted / 9174 - 1, rel=1e-12)
     # the same comparison on seconds per step: published 2 x 4096 / 9174 s
     assert r.time_error == pytest.approx(r.step_time_s / (2 * 4096 / 9174) - 1, rel=1e-12)
@@ -173,6 +169,18 @@ def test_order_agreement_counts_pairs_and_skips_ties():
         fast: dataclasses.replace(RESULTS[fast], tokens_per_s_per_gpu=RESULTS[slow].tokens_per_s_per_gpu),
     }
     assert v.sweep_order(sweep, equal).agree == 0  # a predicted tie is not the published order
+
+
+def test_the_roofline_meets_the_issue_bars_on_the_table():
+    """Issue #22's bars for published throughput: median |error| <= 15% over the rows with an
+    absolute figure, >= 90% of the sweeps' pairs in the published order. With the assumed 40%
+    MFU this table gave 24.7% and 96.6% (docs/time-measurements.md)."""
+    s = v.summarize(ROWS, RESULTS, SWEEP_RESULTS)
+    assert s.median_abs_error <= 0.15, s
+    assert s.order_share >= 0.9, s
+    # the rows torchtitan and NeMo AutoModel report (FSDP2 on 64 A100s, LoRA on an H100) within 15%
+    for rid in ("titan-llama2-13b-a100-ac-none", "automodel-lora-llama3.1-8b-h100", "automodel-lora-qwen2.5-7b-h100"):
+        assert abs(RESULTS[rid].error) < 0.15, (rid, RESULTS[rid].error)
 
 
 def test_summary_is_the_median_and_the_pooled_share():

@@ -103,7 +103,10 @@ def test_the_estimator_prices_from_the_calibration_where_it_applies(tmp_path):
     assert est.step_time_s == pytest.approx(4 * 32 * 0.1 + 0.2)  # 32 layers of 0.1 s, 4 micro steps
     # another world size than the calibration's: the assumed model, saying why
     est8 = estimate(arch, gpu, 8, 1, "sft", cand, settings=Settings(step_time_calibration=str(p)))
-    assert est8.time_source.startswith("assumed (40% MFU") and "ran 2 ranks, not 8" in est8.time_source
+    assert (
+        est8.time_source.startswith("modelled (each operation at its roofline")
+        and "ran 2 ranks, not 8" in est8.time_source
+    )
     other = dataclasses.replace(cand, micro_batch=2, grad_accum=8)
     est_missing = estimate(arch, gpu, 2, 1, "sft", other, settings=Settings(step_time_calibration=str(p)))
     assert "no computation measured" in est_missing.time_source
@@ -150,6 +153,6 @@ def test_memfit_estimate_prints_where_its_step_time_comes_from(tmp_path, capsys)
     assert "step time 3.720 s" in out and "compute 3.200, deepspeed 0.320, reference 0.000, boundary 0.200" in out
     assert "step time source: measured 2026-11-26 on cpu (x86_64), 1 ranks x 1 threads (gloo)" in out
     main([*argv, "--no-grad-ckpt"])
-    assert "step time source: assumed (40% MFU" in capsys.readouterr().out
+    assert "step time source: modelled (each operation at its roofline" in capsys.readouterr().out
     assert main([*argv, "--step-time-calibration", str(tmp_path / "nope.json")]) == 2
     assert f"--step-time-calibration {tmp_path / 'nope.json'}: no such file" in capsys.readouterr().err

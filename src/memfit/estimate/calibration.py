@@ -19,7 +19,9 @@ from typing import Any
 from memfit.units import MIB
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[3] / "config" / "calibration"
-KERNEL_CLASSES = ("step", "matmul", "attention")  # step: model FLOPs / measured step time
+# step: model FLOPs / measured step time; matmul: one 8192^3 GEMM; gemm: the median of a training
+# step's GEMM shapes (memfit.estimate.roofline); attention: causal SDPA
+KERNEL_CLASSES = ("step", "matmul", "gemm", "attention")
 UNCALIBRATED = "uncalibrated (stated heuristics)"
 
 
@@ -70,7 +72,8 @@ def default_for(gpu_name: str, compute_capability: str) -> Calibration:
       plus the NVLS buffers unless a measured calibration file states its own per-peer figures
       (a one-GPU measurement has none);
     - fragmentation: None = the share-of-transient heuristic of `estimate._fragmentation`;
-    - tflops: empty = the GPU's peak times `Settings.mfu` (Chowdhery et al. 2022)."""
+    - tflops: empty = the per-operation roofline (memfit.estimate.roofline) assumes the H100's
+      measured fractions of this GPU's dense peak for GEMMs and attention."""
     if gpu_name == "cpu":
         return Calibration(gpu_name, 0, 0)
     major = int(str(compute_capability).split(".")[0])

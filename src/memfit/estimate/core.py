@@ -14,6 +14,7 @@ from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.costs import (
     cached_logits_block,
+    compute_source,
     device_overheads,
     fragmentation,
     host_memory,
@@ -289,7 +290,7 @@ def _step_time(
         if not why:
             return timing.predict(cal, cand, job.method, arch.num_layers), cal.label()
     breakdown = step_time(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
-    return breakdown, f"assumed ({settings.mfu:.0%} MFU of the dense peak, Chowdhery et al. 2022): {why}"
+    return breakdown, f"{compute_source(arch, cand, gpu, settings)}: {why}"
 
 
 def estimate(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate import calibration
+from memfit.estimate import calibration, roofline
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.offload_activations import checkpoint_input_bytes
@@ -251,8 +251,29 @@ def step_flops(
     return cand.grad_accum * flops
 
 
+def uses_roofline(arch: ModelArch, gpu: GPU) -> bool:
+    """Whether the compute term is the per-operation roofline (memfit.estimate.roofline): on a
+    GPU, for a card whose operations memfit counts (not a generic traced card, and no measured
+    whole-step rate `tflops.step` in the GPU's calibration file, which takes precedence)."""
+    measured_step = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step")
+    return gpu.name != "cpu" and not arch.generic and not measured_step
+
+
+def compute_source(arch: ModelArch, cand: Candidate, gpu: GPU, settings: Settings) -> str:
+    """Where the compute term comes from, for `Estimate.time_source`."""
+    if uses_roofline(arch, gpu):
+        return f"modelled (each operation at its roofline; {roofline.rates(gpu, cand.precision).source})"
+    if calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step"):
+        return "measured whole-step TFLOP/s of this GPU (config/calibration)"
+    return f"assumed ({settings.mfu:.0%} MFU of the dense peak, Chowdhery et al. 2022)"
+
+
 def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
-    """The step's FLOPs (`step_flops`, recomputation included) at a fixed share of the GPU's peak."""
+    """The step's computation: per operation at its roofline on a GPU (`uses_roofline`), else
+    the step's FLOPs (`step_flops`, recomputation included) at a measured whole-step rate or a
+    fixed share of the peak (the cpu without a calibration, generic traced cards)."""
+    if uses_roofline(arch, gpu):
+        return sum(roofline.compute_seconds(arch, cand, gpu, method, settings).values())
     peak = gpu.tflops(cand.precision) * 1e12
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12
@@ -357,6 +378,22 @@ def activation_offload_seconds(
     return max(0.0, cand.grad_accum * moved / (gpu.host_link_gbs * 1e9) - compute_seconds)
 
 
+def _optimizer_seconds(cand: Candidate, gpu: GPU, trainable: int, world: int) -> float:
+    """The device optimizer's step, memory-bound: per parameter of the rank's partition (all of
+    them at ZeRO-0, 1 / world at ZeRO-1/2/3), FusedAdam reads the fp32 parameter, gradient,
+    exp_avg and exp_avg_sq and writes three of them back (28 bytes; DeepSpeed
+    ops/csrc/adam/multi_tensor_adam.cu), the gradient norm for clipping reads the gradients
+    (4; `get_grad_norm`). 16-bit training adds the gradient's conversion to fp32 (d + 4;
+    stage_1_and_2.py / stage3.py) and the updated master weights' copy into the 16-bit
+    parameters (4 + d); ZeRO-0's BF16_Optimizer accumulates every micro step's gradient into an
+    fp32 buffer that it clears after the step (runtime/bf16_optimizer.py `update_hp_grads`,
+    `clear_hp_grads`: 4 + 4 more)."""
+    d = dtype_bytes(cand.precision)
+    per_param = 28 + 4 + (0 if d == 4 else 2 * (d + 4) + (8 if cand.zero == 0 else 0))
+    partition = trainable if cand.zero == 0 else trainable / world
+    return per_param * partition / (gpu.memory_bandwidth_gbs * 1e9)
+
+
 def step_time(
     arch: ModelArch,
     cand: Candidate,
@@ -374,8 +411,7 @@ def step_time(
     trainable = trainable_params(arch, cand, settings)
     # a step's fixed overhead (launches, Python, optimizer bookkeeping)
     overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
-    # the device optimizer reads and writes 16 bytes per trainable parameter (memory bound)
-    optimizer = 0.0 if cand.offload_optimizer == "cpu" else 16 * trainable / world / (gpu.memory_bandwidth_gbs * 1e9)
+    optimizer = 0.0 if cand.offload_optimizer == "cpu" else _optimizer_seconds(cand, gpu, trainable, world)
     compute = _compute_seconds(arch, cand, gpu, method, settings)
     return {
         "compute": compute,
