@@ -28,6 +28,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
+from memfit.estimate import catalog, roofline
 from memfit.estimate import validation_time as v
 
 UNITS = {"tokens_per_s_per_gpu": "tok/s/GPU", "seconds_per_step": "s/step"}
@@ -37,7 +38,7 @@ def table_lines(results: Iterable[v.Result]) -> list[str]:
     """The comparison as fixed-width text lines."""
     head = (
         f"{'id':38} {'framework':15} {'unit':9} {'published':>10} {'memfit':>10} {'error':>7} "
-        f"{'t error':>7} {'MFU pub/memfit':>14}  dominant"
+        f"{'t error':>7} {'MFU pub/memfit':>14}  {'dominant':17} compute: GEMM/attn/memory"
     )
     out = [head, "-" * len(head)]
     for r in results:
@@ -48,7 +49,9 @@ def table_lines(results: Iterable[v.Result]) -> list[str]:
             cols = f"{UNITS[r.row.unit]:9} {r.published:10.5g} {r.predicted:10.5g} {r.error:+7.1%} {r.time_error:+7.1%}"
         mfu = f"{r.mfu_published:.1f}/{r.mfu_predicted:.1f}%" if r.mfu_predicted is not None else ""
         share = r.est.time_breakdown.get(r.dominant, 0.0) / r.step_time_s
-        out.append(f"{r.row.id:38} {fw:15} {cols} {mfu:>14}  {r.dominant} {share:.0%}")
+        split = roofline.compute_seconds(r.row.arch, r.row.cand, catalog.gpu(r.row.gpu), "sft", r.row.settings)
+        parts = "/".join(f"{x / sum(split.values()):.0%}" for x in split.values())
+        out.append(f"{r.row.id:38} {fw:15} {cols} {mfu:>14}  {f'{r.dominant} {share:.0%}':17} {parts}")
     return out
 
 
@@ -87,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, sweeps = v.load_table(args.table)
     results = v.compare_all(rows)
-    print("step time source: assumed (40% MFU of the dense peak + un-overlapped communication; no GPU calibration)")
+    sources = sorted({r.est.time_source.split("): ")[0] + ")" for r in results.values()})
+    print("step time source: " + "; ".join(sources))
     print("\n".join(table_lines(results.values())))
     swr = [v.sweep_order(s, results) for s in sweeps]
     s = v.summarize(rows, results, swr)

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from memfit.estimate import calibration, catalog, estimate
+from memfit.estimate.costs import step_flops
 from memfit.space import Candidate
 from memfit.units import MIB
 
@@ -50,7 +51,9 @@ def test_estimate_uses_a_measured_calibration_and_says_so(tmp_path, monkeypatch)
     assert after.peak_allocated_bytes == before.peak_allocated_bytes
     assert after.peak_reserved_bytes == after.peak_allocated_bytes  # fragmentation 0 measured
     assert after.device_total_bytes - after.peak_reserved_bytes == 632 * MIB
-    assert after.time_breakdown["compute"] < before.time_breakdown["compute"]  # 400 > 0.4 x 989
+    # a measured whole-step rate replaces the per-operation roofline: the step's FLOPs at 400 TFLOP/s
+    assert after.time_breakdown["compute"] == pytest.approx(step_flops(arch, cand, "sft") / 400e12)
+    assert after.time_source.startswith("measured whole-step TFLOP/s") and before.time_source.startswith("modelled")
 
 
 @pytest.mark.parametrize(

@@ -251,17 +251,18 @@ def step_flops(
     return cand.grad_accum * flops
 
 
-def uses_roofline(arch: ModelArch, gpu: GPU) -> bool:
+def uses_roofline(gpu: GPU) -> bool:
     """Whether the compute term is the per-operation roofline (memfit.estimate.roofline): on a
-    GPU, for a card whose operations memfit counts (not a generic traced card, and no measured
-    whole-step rate `tflops.step` in the GPU's calibration file, which takes precedence)."""
+    GPU, unless its calibration file holds a measured whole-step rate `tflops.step`, which
+    takes precedence. A catalog card's operations are counted by formula, a generic card's
+    from its traced step."""
     measured_step = calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step")
-    return gpu.name != "cpu" and not arch.generic and not measured_step
+    return gpu.name != "cpu" and not measured_step
 
 
 def compute_source(arch: ModelArch, cand: Candidate, gpu: GPU, settings: Settings) -> str:
     """Where the compute term comes from, for `Estimate.time_source`."""
-    if uses_roofline(arch, gpu):
+    if uses_roofline(gpu):
         return f"modelled (each operation at its roofline; {roofline.rates(gpu, cand.precision).source})"
     if calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step"):
         return "measured whole-step TFLOP/s of this GPU (config/calibration)"
@@ -271,8 +272,8 @@ def compute_source(arch: ModelArch, cand: Candidate, gpu: GPU, settings: Setting
 def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
     """The step's computation: per operation at its roofline on a GPU (`uses_roofline`), else
     the step's FLOPs (`step_flops`, recomputation included) at a measured whole-step rate or a
-    fixed share of the peak (the cpu without a calibration, generic traced cards)."""
-    if uses_roofline(arch, gpu):
+    fixed share of the peak (the cpu without a calibration)."""
+    if uses_roofline(gpu):
         return sum(roofline.compute_seconds(arch, cand, gpu, method, settings).values())
     peak = gpu.tflops(cand.precision) * 1e12
     if peak <= 0:

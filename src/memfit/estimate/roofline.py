@@ -23,12 +23,14 @@ Three classes of operation:
   by operation from the modules memfit trains (below, per token): RMSNorm (an fp32 upcast,
   pow, mean, rsqrt, scale, cast back, weight), rotary (rotate_half's neg and cat, two muls, an
   add), SwiGLU's act and mul, the residual adds, the attention output's reshape, peft's LoRA
-  (dropout, the skinny A and B GEMMs, scaling, the add: bandwidth-bound at rank << hidden), the
-  loss over the vocabulary in fp32, and a QLoRA weight's NF4 dequantisation per use
-  (bitsandbytes `matmul_4bit` dequantises the whole weight for a multi-row input). A backward
-  moves twice its forward's bytes (an element-wise op's backward reads the output gradient and
-  the saved inputs and writes an input gradient per input: mul reads 4 and writes 2 elements
-  where its forward read 2 and wrote 1).
+  (dropout, scaling, the add; its skinny A and B matmuls are GEMMs, bandwidth-bound at rank <<
+  hidden), the loss over the vocabulary in fp32, and a QLoRA weight's NF4 dequantisation per use
+  (bitsandbytes `matmul_4bit` dequantises the whole weight for a multi-row input). A layer's
+  backward moves twice its forward's bytes (an element-wise op's backward reads the output
+  gradient and the saved inputs and writes an input gradient per input: mul reads 4 and writes
+  2 elements where its forward read 2 and wrote 1); LoRA's and eager attention's backward are
+  counted op by op. tests/test_roofline.py checks these counts against the bytes of every
+  kernel of the model's own traced step (memfit.estimate.trace_flops, fake tensors).
 
 What the model leaves out: kernel launch and Python dispatch time (a small micro batch on a
 big GPU waits on the host), fused or compiled kernels of other frameworks (torch.compile,
@@ -132,15 +134,32 @@ def elementwise_bytes_per_token(arch: ModelArch, d: int, mlp_width: int) -> floa
     return norm * norms + 10 * d * (q + kv) + 2 * d * q + 2 * 3 * d * h + mlp * mlp_width
 
 
-def lora_bytes_per_token(arch: ModelArch, cand: Candidate, settings: Settings, d: int) -> float:
-    """peft's LoRA Linear.forward per token and adapted linear (peft/tuners/lora/layer.py):
-    `lora_dropout(x)` (with dropout: read d, write d and a 1-byte mask per input element),
-    `lora_A` reads the input (d; rank << width: bandwidth-bound), `lora_B` writes the output (d),
-    `* scaling` (d + d), `result + ...` (2d + d): per input element d (+ 2d + 1), per output 6d."""
+def lora_bytes_per_token(arch: ModelArch, cand: Candidate, settings: Settings, d: int) -> tuple[float, float]:
+    """(forward, backward) element-wise bytes per token of peft's LoRA layers (peft/tuners/lora/
+    layer.py Linear.forward: `result + lora_B(lora_A(dropout(x))) * scaling`) over the adapted
+    linears; the skinny A and B matmuls are GEMMs (`compute_seconds`). Forward per input element:
+    with dropout, the dropout (read d, write d and a 1-byte mask); per output element `* scaling`
+    (d + d) and the add (2d + d). Backward: the scaling's gradient (d + d per output), the
+    dropout's mask multiply (2d + 1 per input), and the input's gradient accumulated over the
+    base and the adapter paths (2d + d per input)."""
+    if cand.finetune == "full":
+        return 0.0, 0.0
+    drop = 2 * d + 1 if settings.lora_alpha_dropout else 0
+    shapes = lora_targets(arch, settings)
+    ins, outs = sum(i for _, i, _ in shapes), sum(o for _, _, o in shapes)
+    return float(drop * ins + 5 * d * outs), float(drop * ins + 2 * d * outs + 3 * d * ins)
+
+
+def _lora_gemm_seconds(
+    arch: ModelArch, cand: Candidate, settings: Settings, rows: float, d: int, r: Rates, forwards: int
+) -> float:
+    """LoRA's A (in -> rank) and B (rank -> out) per adapted linear: the forwards, the input
+    gradients and the weight gradients, each bandwidth-bound at rank << width."""
     if cand.finetune == "full":
         return 0.0
-    drop = 2 * d + 1 if settings.lora_alpha_dropout else 0
-    return float(sum((d + drop) * n_in + 6 * d * n_out for _, n_in, n_out in lora_targets(arch, settings)))
+    k = cand.lora_rank
+    one = sum(_gemm(rows, i, k, d, r) + _gemm(rows, k, o, d, r) for _, i, o in lora_targets(arch, settings))
+    return (forwards + 2) * one
 
 
 def loss_bytes_per_token(arch: ModelArch, cand: Candidate, d: int) -> float:
@@ -169,9 +188,11 @@ def _attention_seconds(arch: ModelArch, cand: Candidate, seqs: int, d: int, r: R
     # eager_attention_forward: the whole s x s score matrix per head. QK^T and PV (2 x 2 x
     # elements x head_dim FLOPs); per score element: the matmul's write (d), `* scaling` (d + d),
     # `+ causal_mask` (d + d + d), softmax in fp32 (d + 4), `.to(query.dtype)` (4 + d), PV's read (d)
+    # the backward: the two matmuls' gradients (twice their FLOPs) and the same traffic once more
+    # (softmax's and the casts' gradients; the mask takes none)
     elements = seqs * heads * cand.seq_len * attended
-    fwd = 4 * elements * arch.head_dim / r.gemm + elements * (9 * d + 8) / r.memory
-    return fwd, 2 * fwd
+    matmuls, traffic = 4 * elements * arch.head_dim / r.gemm, elements * (9 * d + 8) / r.memory
+    return matmuls + traffic, 2 * matmuls + traffic
 
 
 def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> dict[str, float]:
@@ -181,6 +202,8 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
     roofline (module docstring). Passes: the forward, its recompute under checkpointing, the
     backward, a DPO reference's forward (`ref: model` or `adapter`); x gradient accumulation."""
     r, d = rates(gpu, cand.precision), dtype_bytes(cand.precision)
+    if arch.generic:
+        return _traced_seconds(arch, cand, method, settings, r)
     seqs = cand.micro_batch * (2 if method == "dpo" else 1)
     tokens = seqs * cand.seq_len
     trained = cand.finetune == "full"
@@ -201,6 +224,7 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
         experts = arch.num_experts * sum(_gemm(rows, i, o, d, r) for i, o in arch.expert_linear_shapes().values())
         router = _gemm(tokens, *arch.router_shape(), d, r)
         gemm += len(arch.moe_layers()) * (experts + router) * (forwards + ref + 1 + (1 if trained else 0))
+    gemm += arch.num_layers * _lora_gemm_seconds(arch, cand, settings, tokens, d, r, forwards + ref)
     head = _gemm(tokens, h, V, d, r)
     head_forwards = 1 + (1 if cand.loss_impl == "chunked" else 0) + ref
     gemm += head * (head_forwards + 1 + (1 if trained else 0))
@@ -211,8 +235,9 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
     mlp_width = arch.intermediate_size
     if arch.is_moe:
         mlp_width = arch.moe_intermediate_size * arch.num_experts_per_tok + arch.shared_expert_intermediate_size
-    layer_bytes = elementwise_bytes_per_token(arch, d, mlp_width) + lora_bytes_per_token(arch, cand, settings, d)
-    moved = arch.num_layers * layer_bytes * (forwards + ref + 2)
+    base = elementwise_bytes_per_token(arch, d, mlp_width)
+    lora_fwd, lora_bwd = lora_bytes_per_token(arch, cand, settings, d)
+    moved = arch.num_layers * ((base + lora_fwd) * (forwards + ref) + 2 * base + lora_bwd)
     moved += rmsnorm_bytes(d) * h * (1 + ref + 2)  # the final norm (not recomputed)
     moved += loss_bytes_per_token(arch, cand, d) + ref * (d + 4 + 8) * V
     moved += 2 * d * h * (1 + ref)  # the embedding lookup (read a row, write it)
@@ -220,3 +245,28 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
     if trained:  # embedding_dense_backward: the V x h gradient zeroed, the tokens' rows added
         memory += d * (V * h + 3 * tokens * h) / r.memory
     return {k: cand.grad_accum * v for k, v in (("gemm", gemm), ("attention", attention), ("memory", memory))}
+
+
+def _traced_seconds(arch: ModelArch, cand: Candidate, method: str, settings: Settings, r: Rates) -> dict[str, float]:
+    """A generic card (no formulas: memfit.estimate.generic) from its traced step, the same
+    trace its activations come from (memfit.estimate.traced): the matmuls' FLOPs at the GEMM
+    rate, the attention kernels' at the attention rate, every other kernel's bytes at the
+    bandwidth (trace_flops `_op_bytes`), so linear attention, sliding windows, MLA and routing
+    cost what the model's code runs. The trace counts attention FLOPs over the whole s x s
+    square (torch's `sdpa_flop_count`); the kernel of a causal model skips the masked half, and
+    the measured rate counts only the computed half: halved here. The matmuls are taken as
+    compute-bound (the trace keeps no per-matmul shapes)."""
+    from memfit.estimate.traced import traced_run
+
+    traced = traced_run(arch, cand, settings)
+    seqs, L = cand.micro_batch * (2 if method == "dpo" else 1), arch.num_layers
+    names = ("flops", "attn_flops", "mem_bytes")
+    flops, attn, moved = (traced.at(n, L, seqs) for n in names)
+    if method == "dpo" and cand.ref in ("model", "adapter"):  # the reference's forward
+        flops, attn, moved = (
+            x + traced.at(f"fwd_{n}", L, seqs) for x, n in zip((flops, attn, moved), names, strict=True)
+        )
+    if cand.loss_impl == "chunked":  # the head's matmul again in the backward (costs.step_flops)
+        flops += 2 * arch.hidden_size * arch.vocab_size * seqs * cand.seq_len
+    terms = {"gemm": (flops - attn) / r.gemm, "attention": attn / 2 / r.attention, "memory": moved / r.memory}
+    return {k: cand.grad_accum * v for k, v in terms.items()}

@@ -27,11 +27,17 @@ MEASURES = (
     "top_attn_peak_bw",
     "bottom_peak_bw",
     # FLOPs (memfit.estimate.trace_flops), not bytes: the model forward, and the whole step
-    # (forward, loss, backward; with checkpointing the recomputed forward too)
+    # (forward, loss, backward; with checkpointing the recomputed forward too); of them the
+    # attention kernels'; and the bytes every kernel but the matmuls and attention reads and
+    # writes (memfit.estimate.roofline prices them)
     "fwd_flops",
     "flops",
+    "fwd_attn_flops",
+    "attn_flops",
+    "fwd_mem_bytes",
+    "mem_bytes",
 )
-_FLOPS = ("fwd_flops", "flops")
+_FLOPS = MEASURES[MEASURES.index("fwd_flops") :]
 
 
 class TraceError(ValueError):
@@ -225,7 +231,10 @@ def per_sequence(arch: ModelArch, **shape: Any) -> dict[str, int]:
     out = {m: m2[m] - m1[m] for m in MEASURES if m not in _PEAKS}
     # FLOPs are linear in the sequences (every matmul and attention scales with the batch; the
     # rotary table's few FLOPs do not), so they are counted in the 2-sequence run only: the FLOP
-    # run is a third of a trace's time (profile of qwen3.5-27b's cold estimate, 2026-11-26)
+    # run is a third of a trace's time (profile of qwen3.5-27b's cold estimate, 2026-11-26).
+    # The element-wise bytes are per token too, but for the embedding's V x h gradient, written
+    # once per step: halved here, it is counted b / 2 times for b sequences (about 1% of a
+    # 2,048-token sequence's bytes on Llama-3.1-8B)
     out.update({m: m1[m] // 2 for m in _FLOPS})
     for m, w in _PEAKS.items():
         lo, hi = w1[w]
@@ -321,8 +330,8 @@ def _step(model, tracker, ids, labels, loss_module) -> dict[str, int]:
 
 
 def _count_flops(model, ids, labels, loss_module) -> dict[str, int]:
-    """The FLOPs of the same step (trace_flops), in a run of its own: a second dispatch mode
-    inside MemTracker's would change what MemTracker attributes."""
+    """The FLOPs and bytes of the same step (trace_flops), forward and whole step, in a run of its
+    own: a second dispatch mode inside MemTracker's would change what MemTracker attributes."""
     from unittest import mock
 
     from transformers import masking_utils
@@ -332,11 +341,12 @@ def _count_flops(model, ids, labels, loss_module) -> dict[str, int]:
     flops = counter()
     with flops, mock.patch.object(masking_utils, "find_packed_sequence_indices", _not_packed):
         logits = model(input_ids=ids, use_cache=False).logits
-        fwd = flops.get_total_flops()
+        fwd = flops.measures()
         loss = loss_module(logits, labels)
         del logits
         loss.backward()
-    return {"fwd_flops": int(fwd), "flops": int(flops.get_total_flops())}
+    step = flops.measures()
+    return {**{f"fwd_{k}": int(v) for k, v in fwd.items()}, **{k: int(v) for k, v in step.items()}}
 
 
 def _backward_windows(model, tracker, layers, bw_start: int) -> dict[str, tuple[int, int]]:
