@@ -27,26 +27,32 @@ import argparse
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from unittest import mock
 
-from memfit.estimate import catalog, roofline
+from memfit.estimate import catalog, costs, roofline
 from memfit.estimate import validation_time as v
 
 UNITS = {"tokens_per_s_per_gpu": "tok/s/GPU", "seconds_per_step": "s/step"}
 
 
-def table_lines(results: Iterable[v.Result]) -> list[str]:
-    """The comparison as fixed-width text lines."""
+def table_lines(results: Iterable[v.Result], baseline: dict[str, v.Result] | None = None) -> list[str]:
+    """The comparison as fixed-width text lines (`baseline`: each row's error under the 40% MFU
+    compute term, in a column of its own)."""
     head = (
         f"{'id':38} {'framework':15} {'unit':9} {'published':>10} {'memfit':>10} {'error':>7} "
-        f"{'t error':>7} {'MFU pub/memfit':>14}  {'dominant':17} compute: GEMM/attn/memory"
+        f"{'t error':>7} {'40% MFU':>7} {'MFU pub/memfit':>14}  {'dominant':17} compute: GEMM/attn/memory"
     )
     out = [head, "-" * len(head)]
     for r in results:
         fw = r.row.framework.split(" (")[0].split(",")[0][:15]
         if r.predicted is None:
-            cols = f"{'order':9} {'-':>10} {r.tokens_per_s_per_gpu:10.0f} {'':7} {'':7}"
+            cols = f"{'order':9} {'-':>10} {r.tokens_per_s_per_gpu:10.0f} {'':7} {'':7} {'':7}"
         else:
-            cols = f"{UNITS[r.row.unit]:9} {r.published:10.5g} {r.predicted:10.5g} {r.error:+7.1%} {r.time_error:+7.1%}"
+            b = baseline[r.row.id].error if baseline else None
+            cols = (
+                f"{UNITS[r.row.unit]:9} {r.published:10.5g} {r.predicted:10.5g} {r.error:+7.1%} "
+                f"{r.time_error:+7.1%} {f'{b:+.1%}' if b is not None else '':>7}"
+            )
         mfu = f"{r.mfu_published:.1f}/{r.mfu_predicted:.1f}%" if r.mfu_predicted is not None else ""
         share = r.est.time_breakdown.get(r.dominant, 0.0) / r.step_time_s
         split = roofline.compute_seconds(r.row.arch, r.row.cand, catalog.gpu(r.row.gpu), "sft", r.row.settings)
@@ -90,11 +96,16 @@ def main(argv: list[str] | None = None) -> int:
 
     rows, sweeps = v.load_table(args.table)
     results = v.compare_all(rows)
+    # the baseline in the same run: the computation at a fixed 40% MFU of the dense peak (the
+    # model before the roofline, 2026-11-27), every other term as now
+    with mock.patch.object(costs, "uses_roofline", lambda gpu: False):
+        baseline = v.compare_all(rows)
     sources = sorted({r.est.time_source.split("): ")[0] + ")" for r in results.values()})
     print("step time source: " + "; ".join(sources))
-    print("\n".join(table_lines(results.values())))
+    print("\n".join(table_lines(results.values(), baseline)))
     swr = [v.sweep_order(s, results) for s in sweeps]
     s = v.summarize(rows, results, swr)
+    b = v.summarize(rows, baseline, [v.sweep_order(x, baseline) for x in sweeps])
     print()
     print(
         f"{len(rows)} rows: {s.n_absolute} compared in their published unit, {s.n_order_only} for order only, "
@@ -102,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"median |error| {s.median_abs_error:.1%} in the published unit "
-        f"({s.median_abs_time_error:.1%} on seconds per step) over {s.n_absolute} rows"
+        f"({s.median_abs_time_error:.1%} on seconds per step) over {s.n_absolute} rows; "
+        f"40% MFU baseline {b.median_abs_error:.1%} ({b.median_abs_time_error:.1%}), order {b.agree}/{b.pairs}"
     )
     print(f"\npairwise order agreement per sweep ({len(sweeps)} sweeps):")
     print("\n".join(sweep_lines(swr, results)))
