@@ -117,8 +117,17 @@ def test_estimates_say_where_the_step_time_comes_from():
     assert est.time_breakdown["compute"] == pytest.approx(
         sum(_compute(Candidate(finetune="lora", seq_len=2048), "a100-80gb").values()), rel=1e-6
     )
+    assert sum(est.compute_terms.values()) == pytest.approx(est.time_breakdown["compute"], abs=1e-5)
     cpu = estimate(catalog.model("llama-3.2-1b"), catalog.gpu("cpu"), 1, 1, "sft", Candidate(precision="fp32"))
-    assert cpu.time_source.startswith("assumed (40% MFU")  # no roofline on the CPU
+    assert cpu.time_source.startswith("assumed (40% MFU") and not cpu.compute_terms  # no roofline on the CPU
+
+
+def test_memfit_estimate_prints_the_compute_by_operation_class(capsys):
+    from memfit.estimate.cli import main
+
+    main(["--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--finetune", "lora", "--seq-len", "2048"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("compute by operation class:"))
+    assert "gemm" in line and "attention" in line and "memory" in line and line.endswith(" s")
 
 
 def test_the_formula_count_agrees_with_the_model_s_traced_step(tmp_path):

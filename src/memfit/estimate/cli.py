@@ -390,6 +390,11 @@ def render(
         + (f", MFU {result.mfu:.1%}" if result.mfu is not None else "")
         + "): "
         + ", ".join(f"{k} {v:.3f}" for k, v in result.time_breakdown.items()),
+        *(
+            ["compute by operation class: " + ", ".join(f"{k} {v:.3f}" for k, v in result.compute_terms.items()) + " s"]
+            if result.compute_terms
+            else []
+        ),
         f"step time source: {result.time_source}",
         f"GPU terms calibration: {result.calibration}",
     ]

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate import calibration, timing
+from memfit.estimate import calibration, roofline, timing
 from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
@@ -55,6 +55,8 @@ class Estimate:
     host_breakdown: dict[str, int] = field(default_factory=dict)  # per node at the host peak
     host_phases: dict[str, int] = field(default_factory=dict)
     time_breakdown: dict[str, float] = field(default_factory=dict)
+    # the compute term by class (gemm, attention, memory seconds) where the roofline priced it
+    compute_terms: dict[str, float] = field(default_factory=dict)
     time_source: str = ""  # "measured <date> on <device> ..." (a calibration) or "assumed: ..." (why)
     mfu: float | None = None  # model FLOPs per second / the GPU's dense peak (None on the cpu: no vendor peak)
     params_total: int = 0
@@ -262,6 +264,9 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     # verdict: fits or not, and how fast
     _verdict(job, est)
     est.time_breakdown, est.time_source = _step_time(job, arch, cand, gpu, states, settings)
+    if est.time_source.startswith("modelled (each operation"):
+        terms = roofline.compute_seconds(arch, cand, gpu, job.method, settings)
+        est.compute_terms = {k: round(v, 6) for k, v in terms.items()}
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
     sequences = full.micro_batch * (2 if job.method == "dpo" else 1)
     tokens = sequences * full.seq_len * full.grad_accum * full.data_parallel(world)
