@@ -433,6 +433,13 @@ for m in (1024, 2048, 4096, 8192):
 # host <-> device copies of 1 GiB, pinned and pageable host memory (offload transfers)
 copies = {}
 dev = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+# device memory bandwidth: a 1 GiB device-to-device copy reads and writes 1 GiB each
+# (memfit.estimate.roofline prices memory-bound kernels at it)
+dst = torch.empty_like(dev)
+dst.copy_(dev); torch.cuda.synchronize(); t = time.perf_counter()
+for _ in range(20): dst.copy_(dev)
+torch.cuda.synchronize(); hbm = 20 * 2 * 2**30 / (time.perf_counter() - t) / 1e9
+del dst
 for pinned in (True, False):
     host = torch.empty(2**30, dtype=torch.uint8, pin_memory=pinned)
     for d, fn in (("h2d", lambda: dev.copy_(host, non_blocking=pinned)), ("d2h", lambda: host.copy_(dev, non_blocking=pinned))):
@@ -441,7 +448,7 @@ for pinned in (True, False):
         torch.cuda.synchronize()
         copies[f"{d}_{'pinned' if pinned else 'pageable'}_gb_s"] = round(5 * 2**30 / (time.perf_counter() - t) / 1e9, 1)
 print(json.dumps({"cuda_context_bytes": base, "cublas_workspace_bytes": cublas, "matmul_tflops": mm,
-                  "attention_tflops": att, "gemm_shapes": shapes, "copies": copies,
+                  "attention_tflops": att, "gemm_shapes": shapes, "copies": copies, "hbm_gb_s": round(hbm, 1),
                   "device": torch.cuda.get_device_name()}))
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -801,6 +808,7 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
         # H100 step it put the public throughput table's median error at 36% (24.7% with the
         # assumed 40% MFU, benchmarks/bench_public_time.py, 2026-11-26). Its median stays in
         # `step_tflops_of_probes` for the record.
+        **({"hbm_gbs": m["hbm_gb_s"]} if "hbm_gb_s" in m else {}),  # evidence before 2026-11-27 has none
         "tflops": {
             "matmul": round(m["matmul_tflops"], 1),
             "gemm": round(statistics.median(s["tflops"] for s in m["gemm_shapes"]), 2),
@@ -815,6 +823,7 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
             "step_tflops_of_probes": f"{statistics.median(r['measured']['achieved_tflops'] for r in step_rows):.1f} "
             f"TFLOP/s, median model FLOPs / step time of {[r['id'] for r in step_rows]}; not used as "
             "tflops.step (a reduced model at micro batch 1 is no whole model's step)",
+            **({"hbm_gbs": "stage context: a 1 GiB device-to-device copy (read + write)"} if "hbm_gb_s" in m else {}),
             "tflops.matmul": "stage context: 8192^3 bf16 GEMM",
             "tflops.gemm": "stage context: median of the Llama-3.1-8B step's GEMM shapes (x @ w.T, "
             "1,024-8,192 rows; memfit.estimate.roofline prices every GEMM at it)",

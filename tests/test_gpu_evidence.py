@@ -62,6 +62,7 @@ def test_estimate_uses_a_measured_calibration_and_says_so(tmp_path, monkeypatch)
         ({"cuda_context_bytes": -1}, "cuda_context_bytes"),
         ({"tflops": {"conv": 1.0}}, "tflops.conv"),
         ({"fragmentation": 3}, "fragmentation"),
+        ({"hbm_gbs": -1}, "hbm_gbs"),
         ({"measured_on": ""}, "measured_on"),
         ({"colour": 1}, "colour"),
     ],

@@ -39,6 +39,21 @@ def test_rates_are_the_h100_measurement_and_its_fractions_elsewhere():
     assert a100.memory == 2039e9 and "assumed" in a100.source
 
 
+def test_a_measured_hbm_bandwidth_replaces_the_vendor_figure(tmp_path, monkeypatch):
+    from memfit.estimate import calibration
+
+    h100 = catalog.gpu("h100-80gb")
+    assert rl.rates(h100, "bf16").memory == h100.memory_bandwidth_gbs * 1e9  # the committed file has none
+    d = json.loads((calibration.CALIBRATION_DIR / "h100-80gb.json").read_text()) | {"hbm_gbs": 2900.0}
+    (tmp_path / "h100-80gb.json").write_text(json.dumps(d))
+    monkeypatch.setattr(calibration, "CALIBRATION_DIR", tmp_path)
+    r = rl.rates(h100, "bf16")
+    assert r.memory == 2900e9 and r.source.endswith("HBM 2,900 GB/s measured")
+    slower = _compute(Candidate(seq_len=2048))["memory"]
+    monkeypatch.undo()
+    assert slower == pytest.approx(_compute(Candidate(seq_len=2048))["memory"] * 3350 / 2900)
+
+
 def test_a_gemm_is_compute_bound_at_many_rows_and_memory_bound_at_few():
     r = rl.rates(catalog.gpu("h100-80gb"), "bf16")
     big = rl._gemm(8192, 4096, 4096, 2, r)

@@ -25,7 +25,8 @@ term says where it comes from:
 - `phases`: which phase of a step (forward, backward, optimizer step, resume, DPO reference
   forward) holds the peak, and its breakdown into components;
 - `costs`: fragmentation, CUDA context and workspaces (stated heuristics), host RAM per node,
-  the assumed step time (a fixed MFU);
+  the modelled step time: on a GPU its computation from `roofline` (each operation of the step
+  at the measured GEMM/attention rates or HBM bandwidth), on the cpu device a fixed MFU;
 - `timing`: the step time priced from a calibration measured on the machine (memfit.train.calibrate's
   calibration.json: the model's own micro steps under each DeepSpeed engine), used when
   `Settings.step_time_calibration` holds the candidate; the Estimate's `time_source` says which;

@@ -43,6 +43,7 @@ class Calibration:
     # None: not measured, the estimator counts no NCCL at one rank
     single_rank_extra_bytes: int | None = None
     fragmentation: float | None = None  # reserved/allocated - 1 at the peak; None: the heuristic
+    hbm_gbs: float | None = None  # device memory bandwidth, GB/s (a device-to-device copy); None: the vendor's
     tflops: dict[str, float] = field(default_factory=dict)  # achieved TFLOP/s per kernel class
     measured_on: str = ""  # "" (uncalibrated) or the ISO date of the measurement
     measured_device: str = ""  # torch.cuda.get_device_name of the measured GPU
@@ -102,6 +103,9 @@ def validate(d: dict[str, Any], where: str) -> Calibration:
             continue
         if not isinstance(v, int) or v < 0 or v > 64 * 1024 * MIB:
             raise CalibrationError(f"{where}: {k} must be bytes (int, 0..64 GiB), got {v!r}")
+    hbm = d.get("hbm_gbs")
+    if hbm is not None and not (isinstance(hbm, (int, float)) and 0 < hbm < 100_000):
+        raise CalibrationError(f"{where}: hbm_gbs must be a bandwidth in GB/s (0..100000), got {hbm!r}")
     frag = d.get("fragmentation")
     if frag is not None and not (isinstance(frag, (int, float)) and 0 <= frag < 2):
         raise CalibrationError(f"{where}: fragmentation must be a share in [0, 2), got {frag!r}")

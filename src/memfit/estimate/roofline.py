@@ -70,20 +70,23 @@ class Rates:
 def rates(gpu: GPU, precision: str) -> Rates:
     """The GPU's rates: its calibration file's measured TFLOP/s where one exists (benchmarks/
     gpu_evidence.py --write-calibration), else the H100's measured fractions of this GPU's
-    dense peak; memory at the vendor's HBM bandwidth (config/gpus.yaml; not measured)."""
+    dense peak; memory at the file's measured `hbm_gbs` (a device-to-device copy), else the
+    vendor's HBM bandwidth (config/gpus.yaml)."""
     peak = (gpu.tflops(precision) or gpu.tflops_fp32) * 1e12
     cal = calibration.for_gpu(gpu.name, gpu.compute_capability)
-    memory = gpu.memory_bandwidth_gbs * 1e9
+    memory, hbm = gpu.memory_bandwidth_gbs * 1e9, ""
+    if cal.measured and cal.hbm_gbs:  # a device-to-device copy measured on this GPU
+        memory, hbm = cal.hbm_gbs * 1e9, f", HBM {cal.hbm_gbs:,.0f} GB/s measured"
     gemm_tf = cal.tflops.get("gemm") or cal.tflops.get("matmul")
     if cal.measured and gemm_tf and precision != "fp32":  # the calibration measures bf16 kernels
         attention = cal.tflops.get("attention", gemm_tf)
-        return Rates(gemm_tf * 1e12, attention * 1e12, memory, f"GEMM and attention rates {cal.label()}")
+        return Rates(gemm_tf * 1e12, attention * 1e12, memory, f"GEMM and attention rates {cal.label()}{hbm}")
     return Rates(
         H100_GEMM_FRACTION * peak,
         H100_ATTENTION_FRACTION * peak,
         memory,
         f"GEMM {H100_GEMM_FRACTION:.0%} and attention {H100_ATTENTION_FRACTION:.0%} of the "
-        f"{precision} peak (fractions measured on an H100, assumed here)",
+        f"{precision} peak (fractions measured on an H100, assumed here){hbm}",
     )
 
 
