@@ -1,6 +1,6 @@
 """The calibrate stage: what a training step costs on this machine (memfit.train.calibrate runs
 on every rank), measured once per model and GPU type before the candidates are estimated, so
-that their step times (memfit.estimate.timing) are this machine's and not an assumed MFU."""
+that their step times (memfit.estimate.timing) are this machine's and not a model's."""
 
 from __future__ import annotations
 

@@ -89,7 +89,7 @@ def estimate_candidates(
     config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path, calibration: Any = None
 ) -> dict[str, Any]:
     """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes.
-    `calibration`: this machine's step-time calibration (the calibrate stage), else assumed times."""
+    `calibration`: this machine's step-time calibration (the calibrate stage), else modelled times."""
     cfg = WorkflowConfig.of(config)
     check_model(cfg, model)
     arch = catalog.model(cfg.arch_source(model), allow_moe=True)
