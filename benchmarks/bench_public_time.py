@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from unittest import mock
 
-from memfit.estimate import catalog, costs, roofline
+from memfit.estimate import costs
 from memfit.estimate import validation_time as v
 
 UNITS = {"tokens_per_s_per_gpu": "tok/s/GPU", "seconds_per_step": "s/step"}
@@ -55,7 +55,7 @@ def table_lines(results: Iterable[v.Result], baseline: dict[str, v.Result] | Non
             )
         mfu = f"{r.mfu_published:.1f}/{r.mfu_predicted:.1f}%" if r.mfu_predicted is not None else ""
         share = r.est.time_breakdown.get(r.dominant, 0.0) / r.step_time_s
-        split = roofline.compute_seconds(r.row.arch, r.row.cand, catalog.gpu(r.row.gpu), "sft", r.row.settings)
+        split = r.est.compute_terms
         parts = "/".join(f"{x / sum(split.values()):.0%}" for x in split.values())
         out.append(f"{r.row.id:38} {fw:15} {cols} {mfu:>14}  {f'{r.dominant} {share:.0%}':17} {parts}")
     return out

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate import calibration, roofline, timing
+from memfit.estimate import calibration, timing
 from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
@@ -18,8 +18,8 @@ from memfit.estimate.costs import (
     device_overheads,
     fragmentation,
     host_memory,
+    modelled_step,
     step_flops,
-    step_time,
 )
 from memfit.estimate.generic import generic_arch
 from memfit.estimate.offload_activations import offload_checkpoints
@@ -263,10 +263,8 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
     # verdict: fits or not, and how fast
     _verdict(job, est)
-    est.time_breakdown, est.time_source = _step_time(job, arch, cand, gpu, states, settings)
-    if est.time_source.startswith("modelled (each operation"):
-        terms = roofline.compute_seconds(arch, cand, gpu, job.method, settings)
-        est.compute_terms = {k: round(v, 6) for k, v in terms.items()}
+    est.time_breakdown, est.time_source, terms = _step_time(job, arch, cand, gpu, states, settings)
+    est.compute_terms = {k: round(v, 6) for k, v in terms.items()}
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
     sequences = full.micro_batch * (2 if job.method == "dpo" else 1)
     tokens = sequences * full.seq_len * full.grad_accum * full.data_parallel(world)
@@ -279,10 +277,11 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
 def _step_time(
     job, arch: ModelArch, cand: Candidate, gpu: GPU, states, settings: Settings
-) -> tuple[dict[str, float], str]:
-    """Seconds per optimizer step by term and where they come from: the machine's calibration
+) -> tuple[dict[str, float], str, dict[str, float]]:
+    """Seconds per optimizer step by term, where they come from, and the compute term by
+    operation class (empty unless the roofline priced it): the machine's calibration
     (memfit.estimate.timing) when `settings.step_time_calibration` has this candidate on this
-    world size, else the assumed model (costs.step_time: a fixed MFU, stated)."""
+    world size, else the modelled step (costs.modelled_step, its source stated)."""
     why = "no calibration measured (the calibrate stage measures one where probes run)"
     if settings.step_time_calibration:
         cal = timing.load(settings.step_time_calibration)
@@ -293,9 +292,9 @@ def _step_time(
             else ""
         )
         if not why:
-            return timing.predict(cal, cand, job.method, arch.num_layers), cal.label()
-    breakdown = step_time(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
-    return breakdown, f"{compute_source(arch, cand, gpu, settings)}: {why}"
+            return timing.predict(cal, cand, job.method, arch.num_layers), cal.label(), {}
+    breakdown, terms = modelled_step(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
+    return breakdown, f"{compute_source(arch, cand, gpu, settings)}: {why}", terms
 
 
 def estimate(

@@ -269,12 +269,10 @@ def compute_source(arch: ModelArch, cand: Candidate, gpu: GPU, settings: Setting
     return f"assumed ({settings.mfu:.0%} MFU of the dense peak, Chowdhery et al. 2022)"
 
 
-def _compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
-    """The step's computation: per operation at its roofline on a GPU (`uses_roofline`), else
-    the step's FLOPs (`step_flops`, recomputation included) at a measured whole-step rate or a
-    fixed share of the peak (the cpu without a calibration)."""
-    if uses_roofline(gpu):
-        return sum(roofline.compute_seconds(arch, cand, gpu, method, settings).values())
+def _flops_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
+    """The step's computation where the roofline does not price it (`uses_roofline`): the step's
+    FLOPs (`step_flops`, recomputation included) at a measured whole-step rate or a fixed share
+    of the peak (the cpu without a calibration)."""
     peak = gpu.tflops(cand.precision) * 1e12
     if peak <= 0:
         peak = gpu.tflops_fp32 * 1e12
@@ -407,14 +405,30 @@ def step_time(
 ) -> dict[str, float]:
     """Seconds per optimizer step, good enough to rank candidates (calibrated by probes later):
     compute, communication, offload, the optimizer's pass over its states, fixed overhead."""
+    return modelled_step(arch, cand, gpu, method, num_gpus, num_nodes, states, settings)[0]
+
+
+def modelled_step(
+    arch: ModelArch,
+    cand: Candidate,
+    gpu: GPU,
+    method: str,
+    num_gpus: int,
+    num_nodes: int,
+    states: ModelStates,
+    settings: Settings,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """`step_time`'s terms, and the compute term by operation class (gemm, attention, memory
+    seconds) where the roofline priced it (`uses_roofline`; else empty)."""
     world = num_gpus * num_nodes
     total = param_layout(arch).total
     trainable = trainable_params(arch, cand, settings)
     # a step's fixed overhead (launches, Python, optimizer bookkeeping)
     overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
     optimizer = 0.0 if cand.offload_optimizer == "cpu" else _optimizer_seconds(cand, gpu, trainable, world)
-    compute = _compute_seconds(arch, cand, gpu, method, settings)
-    return {
+    terms = roofline.compute_seconds(arch, cand, gpu, method, settings) if uses_roofline(gpu) else {}
+    compute = sum(terms.values()) if terms else _flops_seconds(arch, cand, gpu, method, settings)
+    breakdown = {
         "compute": compute,
         "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings)
         + ulysses_seconds(arch, cand, gpu, method, num_gpus, settings),
@@ -423,3 +437,4 @@ def step_time(
         "optimizer": optimizer,
         "overhead": overhead,
     }
+    return breakdown, terms

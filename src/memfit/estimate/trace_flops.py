@@ -51,8 +51,9 @@ def _is_attention(func) -> bool:
 def _op_bytes(func, args, kwargs, out) -> int:
     """Bytes a kernel reads and writes: its tensor inputs and outputs. A view (an output that
     aliases an input without writing it: view, transpose, expand, slice, detach ...) launches no
-    kernel and moves nothing, nor does an op without a tensor output; an in-place op reads and writes its tensor; a gather reads the rows
-    it returns (embedding, index_select, gather: twice its output, plus the index)."""
+    kernel and moves nothing, nor does an op without a tensor output; an in-place op reads and
+    writes its tensor; a gather reads the rows it returns (embedding, index_select, gather:
+    twice its output, plus the index)."""
     import torch
     from torch.utils._pytree import tree_flatten
 
