@@ -125,7 +125,7 @@ def _layer_model(spec: Spec, layers: int) -> str:
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(cfg, "dtype", None) or torch.float32)
         shutil.rmtree(path, ignore_errors=True)
         model.save_pretrained(path)
-    _barrier()
+    dist_env.barrier()
     return str(path)
 
 
@@ -133,13 +133,6 @@ def _num_layers(model_path: str) -> int:
     from transformers import AutoConfig
 
     return int(AutoConfig.from_pretrained(model_path).num_hidden_layers)
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
 
 
 class _Engine:
@@ -349,7 +342,7 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         "host": platform.node(),
         "world_size": dist_env.world(),
         "threads_per_rank": torch.get_num_threads(),
-        "backend": _backend(),
+        "backend": dist_env.backend(),
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
         "layers": sorted(set(layers)),
         "reps": spec.reps,
@@ -357,12 +350,6 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         "compute": result["compute"],
         "runtime": result["runtime"],
     }
-
-
-def _backend() -> str:
-    import torch.distributed as dist
-
-    return dist.get_backend() if dist.is_initialized() else "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -384,9 +371,5 @@ def main(argv: list[str] | None = None) -> int:
     result = calibrate(spec, log=lambda m: print(m, flush=True) if rank == 0 else None)
     if result is not None:
         write_json_atomic(Path(spec.out), result)
-    _barrier()
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    dist_env.finish()
     return 0

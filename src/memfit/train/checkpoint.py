@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from memfit.atomic import write_json_atomic, write_text_atomic
+from memfit.train import dist as dist_env
 from memfit.train.adam_steps import replay_adam_steps
 from memfit.train.adapter_state import adapter_only_state_dict, load_adapter_state
 from memfit.train.checkpoint_compat import SAME, UNIVERSAL_LOAD, check_compatible
@@ -58,17 +59,6 @@ LOADER_ENV = "MEMFIT_CHECKPOINT_LOADER"
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def rng_state() -> dict[str, Any]:
@@ -90,16 +80,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written; the previous one is left as it was."""
 
 
-def _min_over_ranks(value: float) -> float:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return float(t.item())
-
-
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
@@ -108,7 +88,7 @@ def ensure_free_space(root: Path, needed_bytes: int) -> None:
     """Refuse to start a save that cannot finish (every rank decides the same way)."""
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
-    if _min_over_ranks(free - needed_bytes) < 0:
+    if dist_env.min_over_ranks(free - needed_bytes) < 0:
         raise CheckpointError(
             f"not enough disk for a checkpoint under {root}: {gib(needed_bytes)} needed "
             f"(the last checkpoint's size + 10%), {gib(free)} free. The previous checkpoint "
@@ -135,15 +115,15 @@ def save(
     """
     root = Path(root)
     tag = tag_for(step)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist_env.world()
     done = complete_tags(root)
     previous = dir_bytes(root / done[-1]) if done else expected_bytes
     ensure_free_space(root, int(previous * 1.1))
-    if _rank() == 0:
+    if dist_env.rank() == 0:
         if (root / tag).exists():
             shutil.rmtree(root / tag)  # a stale copy of this step (a run resumed from an earlier one)
         shutil.rmtree(universal_root(root) / tag, ignore_errors=True)  # and its stale conversion
-    _barrier()
+    dist_env.barrier()
     if _adapter_only(run_config):  # QLoRA: the 4-bit base is rebuilt from the model, not saved
         with adapter_only_state_dict(engine.module):
             engine.save_checkpoint(
@@ -151,9 +131,9 @@ def save(
             )
     else:
         engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), root / tag / f"rng.rank{_rank()}.pt")
-    _barrier()
-    if _rank() == 0:
+    torch.save(rng_state(), root / tag / f"rng.rank{dist_env.rank()}.pt")
+    dist_env.barrier()
+    if dist_env.rank() == 0:
         if metrics is not None and Path(metrics).exists():
             shutil.copyfile(metrics, root / tag / "metrics.jsonl")  # the curve so far travels with the state
         manifest = {
@@ -166,7 +146,7 @@ def save(
         for old in complete_tags(root)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(root / old, ignore_errors=True)
             shutil.rmtree(universal_root(root) / old, ignore_errors=True)
-    _barrier()
+    dist_env.barrier()
     return root / tag
 
 
@@ -270,9 +250,9 @@ def load(
         raise RuntimeError(f"DeepSpeed could not load checkpoint {load_root / tag}")
     replay_adam_steps(engine.optimizer)  # the CPU Adam kernel's beta powers, as if never stopped
     if mode == SAME:
-        set_rng_state(torch.load(root / tag / f"rng.rank{_rank()}.pt", weights_only=False))
+        set_rng_state(torch.load(root / tag / f"rng.rank{dist_env.rank()}.pt", weights_only=False))
     else:
-        reseed(seed, int(meta["step"]), _rank())
+        reseed(seed, int(meta["step"]), dist_env.rank())
     # free what loading left behind before the first step, so resume peaks no higher than training
     import gc
 
@@ -329,14 +309,14 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
         needed = int(dir_bytes(src) * 1.1)
         universal_root(root).mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(universal_root(root)).free
-        if _min_over_ranks(free - needed) < 0:
+        if dist_env.min_over_ranks(free - needed) < 0:
             raise CheckpointError(
                 f"not enough disk to convert {src} to a universal checkpoint under {universal_root(root)}: "
                 f"{gib(needed)} needed (the checkpoint's size + 10%), {gib(free)} free. "
                 "Nothing was written; free space, or resume on the number of ranks that wrote it."
             )
     error: BaseException | None = None
-    if _rank() == 0 and convert:
+    if dist_env.rank() == 0 and convert:
         tmp = universal_root(root) / f".{tag}.tmp"
         try:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -352,7 +332,7 @@ def ensure_universal(root: Path, tag: str, log: Callable[[str], None] = print) -
         except BaseException as e:  # noqa: BLE001 - re-raised below, after telling the other ranks
             error = e
             shutil.rmtree(tmp, ignore_errors=True)
-    if _min_over_ranks(0.0 if error is not None else 1.0) < 1.0:
+    if dist_env.min_over_ranks(0.0 if error is not None else 1.0) < 1.0:
         if error is not None:
             raise CheckpointError(f"converting {src} to a universal checkpoint failed: {error}") from error
         raise CheckpointError(f"converting {src} to a universal checkpoint failed on rank 0 (see its log)")
@@ -375,7 +355,7 @@ def universal_for_stage(root: Path, tag: str, stage: int) -> None:
       (ds_to_universal.py `_save_optimizer_state`): they are copied into that key.
     """
     conv = universal_root(root) / tag
-    if _rank() == 0:
+    if dist_env.rank() == 0:
         z3_name, plain_name = "zero_pp_rank_0_mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"
         want, have = (z3_name, plain_name) if stage == 3 else (plain_name, z3_name)
         if not (conv / want).exists() and (conv / have).exists():
@@ -392,7 +372,7 @@ def universal_for_stage(root: Path, tag: str, stage: int) -> None:
                 sd["optimizer_state_dict"] = {"state": {0: {"step": steps.pop()}}, "param_groups": groups}
                 torch.save(sd, conv / "zero" / ".optimizer_state.pt.tmp")
                 os.replace(conv / "zero" / ".optimizer_state.pt.tmp", optim)
-    _barrier()
+    dist_env.barrier()
 
 
 def _convert_to_universal(src: Path, out: Path) -> None:

@@ -31,9 +31,9 @@ import math
 import types
 
 import torch
-import torch.distributed as dist
 
 from memfit.space import Candidate
+from memfit.train import dist as dist_env
 
 
 def _decoder_layers(model) -> list[torch.nn.Module]:
@@ -47,11 +47,8 @@ def tile_count(tokens_per_sequence: int, tile_tokens: int) -> int:
     all-reduce per MLP call, as TiledMLP's docstring does it (on a GPU `.item()` waits for the
     stream, nothing next to the MLP of the sequences the tiling is for)."""
     n = max(1, math.ceil(tokens_per_sequence / tile_tokens))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces device tensors only
-        t = torch.tensor([n], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n = int(t.item())
+    if dist_env.initialized() and dist_env.world() > 1:
+        n = int(dist_env.all_reduce([n], "max")[0])
     return n
 
 

@@ -77,12 +77,13 @@ def _merge_adapter(model, adapter_dir: str):
     if not any(hasattr(p, "ds_id") for p in model.parameters()):
         return peft_model.merge_and_unload()
     import deepspeed
-    import torch.distributed as dist
+
+    from memfit.train import dist as dist_env
 
     for m in peft_model.modules():
         if isinstance(m, LoraLayer):
             with deepspeed.zero.GatheredParameters([m.get_base_layer().weight], modifier_rank=0):
-                if dist.get_rank() == 0:
+                if dist_env.rank() == 0:
                     m.merge()
     return peft_model.unload()  # drops the (merged) adapter modules on every rank
 
@@ -263,7 +264,7 @@ def export_model(engine, tokenizer, out: Path, cand: Candidate, rank: int, fmt: 
 def _write_export(out: Path, rank: int, tokenizer, write) -> None:
     """Rank 0 writes (`write(tmp)`) the model and the tokenizer to out/model.tmp and renames it to
     out/model; every rank waits for it."""
-    import torch.distributed as dist
+    from memfit.train import dist as dist_env
 
     if rank == 0:
         tmp = out / "model.tmp"
@@ -274,8 +275,7 @@ def _write_export(out: Path, rank: int, tokenizer, write) -> None:
         write(tmp)
         tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out / "model")
-    if dist.is_initialized():
-        dist.barrier()
+    dist_env.barrier()
 
 
 def _adapter_state(engine, cand: Candidate, rank: int) -> dict[str, torch.Tensor] | None:

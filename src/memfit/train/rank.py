@@ -88,11 +88,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if dist_env.rank() == 0:
         name = "probe.rank0.json" if cfg.probe_steps else "summary.json"
         write_json_atomic(Path(cfg.out_dir) / name, summary)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    dist_env.finish()
     _exit_now()
 
 

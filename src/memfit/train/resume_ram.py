@@ -7,7 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from memfit.train.checkpoint import CheckpointError, _conversion_is_current, _min_over_ranks, universal_root
+from memfit.train import dist as dist_env
+from memfit.train.checkpoint import CheckpointError, _conversion_is_current, universal_root
 from memfit.train.checkpoint_compat import DIRECT, SAME
 from memfit.units import CHECKPOINT_CHUNK_BYTES, gib
 
@@ -83,7 +84,7 @@ def resume_host_bytes(root: Path, tag: str, mode: str, loader: str = "memfit") -
 def ensure_host_ram(needed_bytes: int, where: Path, what: str) -> None:
     """Refuse, before anything is loaded, a resume whose torch.load()s would not fit in this node's
     available RAM; every rank decides the same way (the smallest MemAvailable any rank saw)."""
-    available = _min_over_ranks(float(mem_available_bytes()))
+    available = dist_env.min_over_ranks(float(mem_available_bytes()))
     if available < needed_bytes:
         raise CheckpointError(
             f"not enough host RAM to resume from {where}: {what} needs {gib(needed_bytes)} on "

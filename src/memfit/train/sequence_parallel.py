@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from memfit.data import IGNORE_INDEX
 from memfit.space import Candidate
+from memfit.train import dist as dist_env
 from memfit.train.modeling import ATTN_IMPL
 
 
@@ -47,9 +47,7 @@ class SequenceShard:
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """The group's sum of a tensor (no gradient)."""
-        out = t.detach().clone()
-        dist.all_reduce(out, group=self.group)
-        return out
+        return dist_env.all_reduce_tensor(t, "sum", self.group)
 
     def sum_with_own_grad(self, t: torch.Tensor) -> torch.Tensor:
         """The group's sum, differentiable through this rank's own part only."""
