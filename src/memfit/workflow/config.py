@@ -308,9 +308,25 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
             msg = f"{msg} (allowed keys: {', '.join(allowed)})" if allowed else msg
         problems.append(f"{where}: {msg}")
     if not problems:
+        problems += _detect_gpus(config)
+    if not problems:
         problems += _semantic_problems(WorkflowConfig(config))
     if problems:
         raise ConfigError("invalid memfit config:\n  " + "\n  ".join(problems))
+
+
+def _detect_gpus(config: dict[str, Any]) -> list[str]:
+    """`gpus: [detect]` becomes the catalog name of this machine's GPU (nvidia-smi), in place, so
+    that the {gpu} wildcard and every stage see the name."""
+    from memfit.estimate.detect import DETECT, DetectError, detect_gpu
+
+    for i, name in enumerate(config["gpus"]):
+        if name == DETECT:
+            try:
+                config["gpus"][i] = detect_gpu()
+            except DetectError as e:
+                return [f"gpus[{i}]: {e} (on the command line: --config 'gpus=[h100-80gb]')"]
+    return []
 
 
 def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> Any:
