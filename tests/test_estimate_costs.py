@@ -25,14 +25,13 @@ from memfit.units import CHECKPOINT_CHUNK_BYTES, GIB, MIB
 
 def test_device_overheads_by_gpu_and_world():
     assert sum(device_overheads(catalog.gpu("cpu"), 8).values()) == 0
-    a100, h200 = catalog.gpu("a100-80gb"), catalog.gpu("h200")
+    a100, h100_pcie = catalog.gpu("a100-80gb"), catalog.gpu("h100-pcie")
     assert device_overheads(a100, 1) == {"cuda_context": 500 * MIB, "cublas": 9 * MIB, "nccl": 0}
-    assert device_overheads(h200, 2)["cublas"] == 32 * MIB  # Hopper's heuristic (no calibration file)
-    # the H100 is calibrated (config/calibration/h100-80gb.json, measured by benchmarks/gpu_evidence.py)
-    h100_cal = calibration.for_gpu("h100-80gb", "9.0")
-    assert (
-        h100_cal.measured and device_overheads(catalog.gpu("h100-80gb"), 2)["cublas"] == h100_cal.cublas_workspace_bytes
-    )
+    assert device_overheads(h100_pcie, 2)["cublas"] == 32 * MIB  # Hopper's heuristic (no calibration file)
+    # the H100 and the H200 are calibrated (config/calibration/<gpu>.json, measured by benchmarks/gpu_evidence.py)
+    for name in ("h100-80gb", "h200"):
+        cal = calibration.for_gpu(name, "9.0")
+        assert cal.measured and device_overheads(catalog.gpu(name), 2)["cublas"] == cal.cublas_workspace_bytes
     # NCCL >= 2.19 cuMem communicator: vLLM's measured 1.79 GiB per process, any world > 1
     assert device_overheads(a100, 2)["nccl"] == device_overheads(a100, 64)["nccl"] == NCCL_CUMEM_BYTES
     assert 1.7 * GIB < NCCL_CUMEM_BYTES < 1.8 * GIB
