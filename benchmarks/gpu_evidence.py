@@ -412,6 +412,11 @@ import json, time, torch, torch.nn.functional as F
 def used(): f, t = torch.cuda.mem_get_info(); return t - f
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
 base = used() - torch.cuda.memory_reserved()
+# what the caching allocator keeps after a forward and backward GEMM with every tensor freed: the
+# cuBLAS workspaces of the forward's and autograd's threads (calibration.allocator_workspaces)
+x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+(x @ x).sum().backward(); del x; torch.cuda.synchronize()
+workspaces = torch.cuda.memory_allocated()  # nothing else is alive: torch.zeros(1) was not kept
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
 (a @ b); torch.cuda.synchronize()
 cublas = used() - torch.cuda.memory_reserved() - base
@@ -447,7 +452,8 @@ for pinned in (True, False):
         for _ in range(5): fn()
         torch.cuda.synchronize()
         copies[f"{d}_{'pinned' if pinned else 'pageable'}_gb_s"] = round(5 * 2**30 / (time.perf_counter() - t) / 1e9, 1)
-print(json.dumps({"cuda_context_bytes": base, "cublas_workspace_bytes": cublas, "matmul_tflops": mm,
+print(json.dumps({"cuda_context_bytes": base, "cublas_workspace_bytes": cublas, "allocator_workspace_bytes": workspaces,
+                  "matmul_tflops": mm,
                   "attention_tflops": att, "gemm_shapes": shapes, "copies": copies, "hbm_gb_s": round(hbm, 1),
                   "device": torch.cuda.get_device_name()}))
 """
@@ -797,6 +803,12 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
         "cuda_context_bytes": int(m["cuda_context_bytes"]),
         "cublas_workspace_bytes": int(max(m["cublas_workspace_bytes"], 0)),
         "single_rank_extra_bytes": int(max(statistics.median(extra), 0)) if extra else None,
+        # evidence before 2026-11-27 has none: the estimator's default (two per-handle workspaces)
+        **(
+            {"allocator_workspace_bytes": int(m["allocator_workspace_bytes"])}
+            if "allocator_workspace_bytes" in m
+            else {}
+        ),
         "fragmentation": round(
             statistics.median(
                 r["measured"]["peak_reserved_bytes"] / r["measured"]["peak_allocated_bytes"] - 1 for r in frag_rows
@@ -817,6 +829,14 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
         "measurements": {
             "cuda_context_bytes": "stage context: mem_get_info used - memory_reserved after torch.zeros(1)",
             "cublas_workspace_bytes": "stage context: the same after the first bf16 GEMM",
+            **(
+                {
+                    "allocator_workspace_bytes": "stage context: memory_allocated after a GEMM's forward and backward, "
+                    "every tensor freed"
+                }
+                if "allocator_workspace_bytes" in m
+                else {}
+            ),
             "single_rank_extra_bytes": "median nvidia-smi total - reserved - context - cuBLAS of "
             f"{[r['id'] for r in extra_rows]} (one rank: its NCCL communicator and other non-torch memory)",
             "fragmentation": f"median reserved/allocated - 1 of {[r['id'] for r in frag_rows]}",

@@ -33,7 +33,10 @@ class CalibrationError(ValueError):
 class Calibration:
     device: str  # catalog GPU name this calibration is for
     cuda_context_bytes: int  # device memory of the CUDA context (nvidia-smi minus reserved)
-    cublas_workspace_bytes: int  # cuBLAS workspace(s), outside the caching allocator's count
+    # device memory beyond the allocator's reserved bytes that the first GEMM adds (the cuBLAS
+    # handle's state and the kernel images CUDA's lazy module loading brings in); the workspaces
+    # themselves are allocated tensors (`allocator_workspace_bytes`)
+    cublas_workspace_bytes: int
     # NCCL buffers per peer rank and their cap (world > 1), where the calibration measured them;
     # None: the estimator's NCCL figures (memfit.estimate.costs.device_overheads) stand
     nccl_bytes_per_peer: int | None = None
@@ -43,6 +46,9 @@ class Calibration:
     # None: not measured, the estimator counts no NCCL at one rank
     single_rank_extra_bytes: int | None = None
     fragmentation: float | None = None  # reserved/allocated - 1 at the peak; None: the heuristic
+    # what the caching allocator holds after a forward and backward GEMM with every tensor freed:
+    # the cuBLAS workspaces (one per handle and stream, `allocator_workspaces`); None: that default
+    allocator_workspace_bytes: int | None = None
     hbm_gbs: float | None = None  # device memory bandwidth, GB/s (a device-to-device copy); None: the vendor's
     tflops: dict[str, float] = field(default_factory=dict)  # achieved TFLOP/s per kernel class
     measured_on: str = ""  # "" (uncalibrated) or the ISO date of the measurement
@@ -85,6 +91,31 @@ def default_for(gpu_name: str, compute_capability: str) -> Calibration:
     )
 
 
+# PyTorch's cuBLAS workspace per (handle, stream), allocated through the CUDA caching allocator
+# (aten/src/ATen/cuda/CublasHandlePool.cpp `getNewWorkspace`, `parseChosenWorkspaceSize`: the
+# CUBLAS_WORKSPACE_CONFIG default ":4096:2:16:8", "32MiB for Hopper"; PyTorch 2.11 and 2.13)
+HOPPER_WORKSPACE_BYTES = 4096 * 8 * 1024
+PRE_HOPPER_WORKSPACE_BYTES = 4096 * 1024 * 2 + 16 * 1024 * 8  # 8,519,680
+
+
+def allocator_workspaces(cal: Calibration, compute_capability: str) -> int:
+    """Allocated bytes of the cuBLAS workspaces a training step leaves in the caching allocator:
+    measured (`allocator_workspace_bytes`), else two per-handle workspaces. cuBLAS handles are per
+    host thread (aten/src/ATen/cuda/detail/DeviceThreadHandles.h) and autograd runs the backward
+    on a thread of its own per CUDA device (torch/csrc/autograd/engine.cpp, "Allocating GPUs to
+    autograd threads"): the forward's GEMMs and the backward's hold one workspace each, never
+    freed. Both H100 and H200 probes at ZeRO-0 measured exactly 64 MiB above the tensors
+    (benchmarks/results/gpu_evidence_h100-80gb.json, sft-full-z0). PyTorch 2.11 adds 1 MiB per
+    handle where cuBLASLt runs (a Linear with a bias), which 2.13 no longer does (its Lt shares the
+    workspace): left out. 0 on the `cpu` device."""
+    if cal.device == "cpu":
+        return 0
+    if cal.allocator_workspace_bytes is not None:
+        return cal.allocator_workspace_bytes
+    major = int(str(compute_capability).split(".")[0])
+    return 2 * (HOPPER_WORKSPACE_BYTES if major >= 9 else PRE_HOPPER_WORKSPACE_BYTES)
+
+
 def validate(d: dict[str, Any], where: str) -> Calibration:
     """A Calibration from a file's dict; errors name the file and the key."""
     if not isinstance(d, dict):
@@ -96,7 +127,7 @@ def validate(d: dict[str, Any], where: str) -> Calibration:
     for k in ("device", "cuda_context_bytes", "cublas_workspace_bytes", "measured_on"):
         if k not in d:
             raise CalibrationError(f"{where}: missing key {k!r}")
-    optional = ("nccl_bytes_per_peer", "nccl_max_bytes", "single_rank_extra_bytes")
+    optional = ("nccl_bytes_per_peer", "nccl_max_bytes", "single_rank_extra_bytes", "allocator_workspace_bytes")
     for k in ("cuda_context_bytes", "cublas_workspace_bytes", *optional):
         v = d.get(k, 0)
         if v is None and k in optional:

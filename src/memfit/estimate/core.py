@@ -235,7 +235,11 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
             "offload skips a device without streams, offload_activations.py `_should_skip`)"
         )
     est.notes += states.notes
-    phases = step_phases(arch, cand, states, acts, trainable, world, settings, host_device=gpu.name == "cpu")
+    cal = calibration.for_gpu(gpu.name, gpu.compute_capability)
+    workspaces = calibration.allocator_workspaces(cal, gpu.compute_capability)
+    phases = step_phases(
+        arch, cand, states, acts, trainable, world, settings, host_device=gpu.name == "cpu", workspaces=workspaces
+    )
     est.phases = phases.allocated
     est.peak_phase = phases.peak_phase
     est.peak_allocated_bytes = phases.allocated[est.peak_phase]
@@ -243,11 +247,12 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     # breakdown: the peak's components; reserved adds fragmentation of the shape-varying part,
     # nvidia-smi's total the CUDA context, cuBLAS and NCCL
     breakdown = peak_breakdown(phases, states, acts, cand, job.method, trainable, world)
+    if est.peak_phase != "resume":  # a resumed process has run no GEMM before its first step
+        breakdown["temporaries"] += workspaces
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
     fragmented = fragmentation(transient, settings, gpu.name == "cpu")
     # plus the fp32 logits block the allocator keeps cached (costs.cached_logits_block)
     fragmented += cached_logits_block(fp32_logits_block(arch, cand, job.method, settings), settings, gpu.name == "cpu")
-    cal = calibration.for_gpu(gpu.name, gpu.compute_capability)
     if cal.fragmentation is not None and gpu.name != "cpu":  # measured reserved/allocated - 1 at the peak
         fragmented = int(cal.fragmentation * est.peak_allocated_bytes)
     est.calibration = cal.label()

@@ -42,7 +42,7 @@ class BackwardGradients:
 class StepPhases:
     """Allocated bytes of each phase, and the terms `peak_breakdown` splits the peak into."""
 
-    static: int  # params + grads + optimizer + buckets, present in every phase
+    static: int  # params + grads + optimizer + buckets (+ the cuBLAS workspaces), present in every phase but resume
     gathered: int  # ZeRO-3 gathered module, present in the forward/backward phases
     forward_backward: dict[str, int]  # each forward/backward phase beyond static + gathered
     grads: BackwardGradients
@@ -281,9 +281,12 @@ def step_phases(
     world: int,
     settings: Settings,
     host_device: bool = False,
+    workspaces: int = 0,
 ) -> StepPhases:
-    """Allocated bytes of every phase of a training step on one rank."""
-    static = states.params + states.grads + states.optimizer + states.buckets
+    """Allocated bytes of every phase of a training step on one rank; `workspaces`: the cuBLAS
+    workspaces the allocator holds from the first GEMMs on (calibration.allocator_workspaces), in
+    every phase but the resume's, which comes before any GEMM."""
+    static = states.params + states.grads + states.optimizer + states.buckets + workspaces
     grads = _backward_gradients(arch, cand, trainable)
     forward_backward = _forward_backward(arch, cand, states, acts, grads)
     backward_end = forward_backward["backward_end"]  # before held gradients are added
