@@ -256,7 +256,7 @@ def _traced_seconds(arch: ModelArch, cand: Candidate, method: str, settings: Set
     rate, the attention kernels' at the attention rate, every other kernel's bytes at the
     bandwidth (trace_flops `_op_bytes`), so linear attention, sliding windows, MLA and routing
     cost what the model's code runs. The trace counts attention FLOPs over the whole s x s
-    square (torch's `sdpa_flop_count`); the kernel of a causal model skips the masked half, and
+    square (as torch's `sdpa_flop_count` does: trace_flops `_attention_flops`); the kernel of a causal model skips the masked half, and
     the measured rate counts only the computed half: halved here. The matmuls are taken as
     compute-bound (the trace keeps no per-matmul shapes)."""
     from memfit.estimate.traced import traced_run

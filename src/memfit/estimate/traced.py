@@ -82,7 +82,7 @@ def traced_run(arch: ModelArch, cand: Candidate, settings: Settings):
 
 def traced_step_flops(arch: ModelArch, cand: Candidate, method: str, settings: Settings, recompute: bool) -> float:
     """FLOPs of one optimizer step on one rank from the traced step (trace_flops: torch's
-    FlopCounterMode on the model's own code): per sequence, 1 and 2 layers, scaled to the
+    FlopCounterMode formulas, memfit's own for every attention kernel, on the model's own code): per sequence, 1 and 2 layers, scaled to the
     candidate as the memory is; DPO's reference adds a forward; `recompute=False` takes the
     checkpointed layers' recomputed forward out (MFU's model FLOPs)."""
     traced = traced_run(arch, cand, settings)
