@@ -1,29 +1,37 @@
 #!/usr/bin/env bash
-# Download the wheels benchmarks/gpu_evidence.py needs beyond PyTorch, for the GPU machine's
-# Python and platform, into wheelhouse/ (git-ignored). Run where the network is; carry the folder.
+# Fetch the wheels a bare GPU machine lacks to run memfit (benchmarks/gpu_check.sh), into
+# wheelhouse/ (git-ignored): run here, where PyPI is reachable, after `make install`; carry the
+# folder to the GPU machine.
 #
-#   benchmarks/fetch_gpu_wheels.sh 3.11 manylinux_2_28_x86_64   # python version, platform tag
+#   benchmarks/fetch_gpu_wheels.sh [PYTHON_VERSION (default 3.12, the GPU image's)]
 #
-# On the device machine (no network, PyTorch with CUDA preinstalled):
-#   pip install --no-index --find-links wheelhouse deepspeed peft transformers accelerate \
-#       safetensors tokenizers pyarrow pyyaml tqdm bitsandbytes liger-kernel
-#   pip install --no-index --find-links wheelhouse flash-attn   # only if a wheel was found
+# What: benchmarks/gpu_wheels.py (memfit's runtime closure at the lock's versions, less what the
+# image holds: benchmarks/gpu_image_packages.txt), each with `pip download --no-deps` for that
+# Python on manylinux x86-64, so nothing the machine has comes twice. DeepSpeed publishes no
+# wheel on PyPI: it is built here from its sdist with DS_BUILD_OPS=0 (no op compiled ahead; the
+# GPU machine JIT-builds FusedAdam on first use, gpu_check.sh starts that at once). A package
+# published as an sdist only is built here into its (pure-Python) wheel the same way. The
+# folder must stay under about 59 MiB: a device call carries 64 MiB with the source.
 set -euo pipefail
-PY=${1:?usage: $0 PYTHON_VERSION (e.g. 3.11) [PLATFORM (default manylinux2014_x86_64)]}
-PLAT=${2:-manylinux2014_x86_64}
+cd "$(dirname "$0")/.."
+PY=${1:-3.12}
 DEST=${WHEELHOUSE:-wheelhouse}
+VENV_PY=${VENV_PY:-.venv/bin/python}
 mkdir -p "$DEST"
-common=(--only-binary=:all: --python-version "$PY" --platform "$PLAT" --platform manylinux_2_28_x86_64
-        --platform manylinux_2_17_x86_64 --platform any -d "$DEST")
-# required (torch itself is preinstalled there: --no-deps keeps pip from fetching another one,
-# the second line adds the pure-Python dependencies)
-pip download "${common[@]}" --no-deps deepspeed peft transformers accelerate safetensors tokenizers \
-    pyarrow pyyaml tqdm huggingface-hub regex packaging psutil py-cpuinfo ninja hjson msgpack \
-    numpy filelock fsspec requests pydantic pydantic-core annotated-types typing-extensions \
-    typing-inspection urllib3 idna certifi charset-normalizer hf-xet
-# optional: their rows are recorded as "skipped: <reason>" when absent
-pip download "${common[@]}" --no-deps bitsandbytes || echo "bitsandbytes: no wheel for $PY/$PLAT" >&2
-pip download "${common[@]}" --no-deps liger-kernel triton || echo "liger-kernel: no wheel" >&2
-# flash-attn publishes few PyPI wheels (mostly sdists); a wheel must match torch + CUDA + cxx11 ABI
-pip download "${common[@]}" --no-deps flash-attn || echo "flash-attn: no wheel for $PY/$PLAT (rows will be skipped)" >&2
-ls -1 "$DEST"
+rm -f "$DEST"/*.whl
+platforms=()
+for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
+    manylinux_2_17 manylinux2014 manylinux1; do platforms+=(--platform "${p}_x86_64"); done
+"$VENV_PY" benchmarks/gpu_wheels.py --python "$PY" >"$DEST/requirements.txt"
+while read -r req; do
+    name=${req%%==*}
+    if [ "$name" = deepspeed ] || ! "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: \
+        --python-version "$PY" --implementation cp "${platforms[@]}" --platform any -d "$DEST" "$req" 2>/dev/null; then
+        echo "building $req from its sdist" >&2
+        DS_BUILD_OPS=0 "$VENV_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "$req"
+    fi
+done <"$DEST/requirements.txt"
+n=$(ls "$DEST"/*.whl | wc -l)
+want=$(wc -l <"$DEST/requirements.txt")
+[ "$n" -eq "$want" ] || { echo "fetched $n wheels for $want requirements" >&2; exit 1; }
+du -sh "$DEST"

@@ -96,6 +96,8 @@ def estimate_settings(w):
         "probe": config["probe"],
         "global_batch": config["train"]["global_batch"],
         "max_len": config["data"]["max_len"],
+        # the probes (and so the selection) run with the kernels training will run
+        "deterministic": config["train"].get("deterministic", False),
     }
 
 
@@ -108,6 +110,7 @@ def train_settings(w):
         "keep_last",
         "eval_every",
         "log_every",
+        "deterministic",
     )
     return {k: config["train"].get(k) for k in common} | {
         w.method: config["train"][w.method]

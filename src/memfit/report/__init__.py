@@ -15,11 +15,13 @@ optional: when missing or unreadable the page says so and goes on.
 Modules: `inputs` (reading and checking the files into `RunOutputs`; each run's candidates as
 rows of the `memfit.results` table), `view` (what the page shows, as plain data), `charts`
 (figures), `fitmap`, `marks`, `facts` (their data), `fmt` (numbers and configurations in words),
-`page` (the Jinja2 environment: templates/*.html.j2, autoescaped, render the page).
+`page` (the Jinja2 environment: templates/*.html.j2, autoescaped, render the page);
+`run_summary`, the same outputs and Snakemake's log as one JSON a machine reads (each job's
+status and seconds, predicted vs measured, the resume verdicts: benchmarks/gpu_check.sh).
 
 May import `memfit.workflow` (the typed JSON it reads: `rows`), `memfit.estimate` (the fit map),
-`memfit.exports` (`FILES`) and the top-level vocabulary; only `memfit.cli` and scripts/report.py
-import it.
+`memfit.exports` (`FILES`) and the top-level vocabulary; only `memfit.cli`, scripts/report.py and
+benchmarks/gpu_check.sh (`python -m memfit.report.run_summary`) use it.
 """
 
 from __future__ import annotations

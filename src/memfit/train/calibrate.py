@@ -43,8 +43,8 @@ import torch
 
 from memfit.atomic import write_json_atomic
 from memfit.space import UNPARTITIONED, Candidate, compute_engine, compute_key, engine_key
+from memfit.train import determinism, dsconfig, long_context
 from memfit.train import dist as dist_env
-from memfit.train import dsconfig, long_context
 from memfit.train.batches import IGNORE_INDEX
 from memfit.train.memory import AllocationTracker
 from memfit.train.modeling import hidden_size, load_model
@@ -73,6 +73,7 @@ class Spec:
     loss_on: str = "response"
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
+    deterministic: bool = False  # train.deterministic: the kernels training runs (memfit.train.determinism)
     reps: int = 5  # repetitions per figure (median); 3 left single slow samples in the demo's figures
 
     @classmethod
@@ -366,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     spec = Spec.load(args.spec)
     memoize_cpu_info()
     defer_torch_compile()
+    if spec.deterministic:  # before the process group, as a training rank does
+        determinism.enable()
     dist_env.init_distributed()
     rank = dist_env.rank()
     result = calibrate(spec, log=lambda m: print(m, flush=True) if rank == 0 else None)

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import torch
 
 from memfit.atomic import write_json_atomic
+from memfit.train import determinism
 from memfit.train import dist as dist_env
 from memfit.train.loop import Run, request_stop
 from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
@@ -55,6 +56,8 @@ def run_rank(cfg: RunConfig) -> dict[str, Any]:
     if cfg.expandable_segments:
         # Read by the CUDA caching allocator at its first allocation, so set before any CUDA call.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    if cfg.deterministic:  # before the process group: ProcessGroupNCCL reads it when it is made
+        determinism.enable()
     if not cfg.probe_steps:
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, request_stop)

@@ -52,6 +52,7 @@ class RunConfig:
     ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
     probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
+    deterministic: bool = False  # deterministic kernels (memfit.train.determinism): bitwise resumes on CUDA too
     loss_chunk_tokens: int | None = (
         None  # candidate.loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     )

@@ -39,6 +39,7 @@ def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: 
         "loss_on": run.loss_on,
         "loss_chunk_tokens": run.loss_chunk_tokens,
         "mlp_tile_tokens": run.mlp_tile_tokens,
+        "deterministic": run.deterministic,
         "reps": reps,
     }
 

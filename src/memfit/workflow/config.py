@@ -200,6 +200,7 @@ class WorkflowConfig:
                 "log_every",
                 "loss_chunk_tokens",
                 "mlp_tile_tokens",
+                "deterministic",
             )
             if k in train
         }

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The one command that proves memfit on a GPU: on a bare machine with PyTorch (CUDA) preinstalled
+# and no network, install the carried wheels, run the whole workflow of config/gpu-demo.yaml
+# (calibrate, traced estimate, probes, select, SFT then DPO with checkpoints, verify_resume,
+# report), then the stages of benchmarks/gpu_evidence.py in the time left, and leave in DEST:
+#   gpu_check.json      each job's status and seconds, the selected configurations, predicted vs
+#                       measured peaks and step times, the resume verdicts, the report's path, ok
+#   gpu_check.log       everything this script printed (the workflow's own output included)
+#   gpu_evidence.json   the evidence (started from the committed benchmarks/results/ file of this
+#                       GPU, so stages already measured are not run again), gpu_evidence.log
+#   logs.tgz            the workflow's logs/, .snakemake/log/ and the run JSONs; report.html
+#
+#   benchmarks/fetch_gpu_wheels.sh                          # here, once: wheelhouse/ (about 47 MiB)
+#   benchmarks/gpu_check.sh wheelhouse DEST [BUDGET_S] [STAGE ...]   # there
+#
+# BUDGET_S (default 560) is the wall time it may take in all: the workflow is stopped at
+# BUDGET_S - 150 s and no evidence probe starts that would end after BUDGET_S - 20 s. STAGEs
+# default to every stage of gpu_evidence.py not yet in the committed evidence. WHEEL_DIR "-"
+# installs nothing (a machine that has memfit's dependencies); MEMFIT_GPU_CHECK_CONFIG and
+# MEMFIT_GPU_CHECK_ARGS (default: none) name another workflow config and extra snakemake
+# arguments, which is how it was tried on the CPU: MEMFIT_GPU_CHECK_CONFIG=config/config.yaml
+# benchmarks/gpu_check.sh - /tmp/check 1500 (docs/gpus.md#one-command-on-a-lent-gpu). The workflow
+# runs in MEMFIT_GPU_CHECK_RUN (default /tmp/memfit-gpu-check: a checkout of links, so this
+# clone's own results/ are left alone).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${1:?usage: $0 WHEEL_DIR|- DEST_DIR [BUDGET_S] [STAGE ...]}
+DEST=${2:?destination folder}
+BUDGET=${3:-560}
+shift $(($# < 3 ? $# : 3))
+STAGES=("$@")
+CONFIG=${MEMFIT_GPU_CHECK_CONFIG:-config/gpu-demo.yaml}
+read -r -a EXTRA <<<"${MEMFIT_GPU_CHECK_ARGS:-}"
+SECONDS=0
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
+exec > >(tee "$DEST/gpu_check.log") 2>&1
+say() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
+
+say "install"
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/memfit-torch-extensions}
+PY=python3
+if [ "$WHEELS" != "-" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/memfit-site \
+        "$WHEELS"/*.whl || exit 1
+    export PYTHONPATH=/tmp/memfit-site:$PWD/src PATH=/tmp/memfit-site/bin:$PATH
+else
+    [ -x .venv/bin/python ] && PY=$PWD/.venv/bin/python
+    export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+$PY - <<'EOF' || { echo "a dependency is missing: see benchmarks/gpu_wheels.py"; exit 1; }
+import sys, torch, deepspeed, transformers, peft, snakemake
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available(), "deepspeed", deepspeed.__version__,
+      "transformers", transformers.__version__, "peft", peft.__version__, "snakemake", snakemake.__version__)
+EOF
+CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
+if [ "$CUDA" = 1 ]; then
+    # the first engine JIT-builds FusedAdam (nvcc, about a minute): start it now, beside the model
+    # build and data preparation (torch's extension builder locks its folder: an engine waits)
+    $PY -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" \
+        >"$DEST/fused_adam_build.log" 2>&1 &
+fi
+
+say "workflow: $CONFIG ${EXTRA[*]}"
+# in a checkout of links, as CI runs its second workflow: this clone's results/ stay as they are
+REPO=$PWD
+RUN=${MEMFIT_GPU_CHECK_RUN:-/tmp/memfit-gpu-check}
+rm -rf "$RUN" && mkdir -p "$RUN" || exit 1
+for f in Snakefile workflow config data src envs scripts; do ln -s "$REPO/$f" "$RUN/$f"; done
+cd "$RUN" || exit 1
+timeout --signal=INT --kill-after=20 $((BUDGET - 150 - SECONDS)) \
+    $PY -m snakemake --cores all --configfile "$CONFIG" "${EXTRA[@]}"
+wf_rc=$?
+wf_s=$SECONDS
+log=$(ls -t .snakemake/log/*.snakemake.log 2>/dev/null | head -1)
+$PY -m memfit.report.run_summary --results results ${log:+--log "$log"} --out "$DEST/gpu_check.json"
+ok_rc=$?
+
+evidence=()
+left=$((BUDGET - 20 - SECONDS))
+if [ "$CUDA" = 1 ] && [ "$left" -gt 60 ]; then
+    cd "$REPO" || exit 1
+    gpu=$($PY -c "from memfit.estimate.detect import detect_gpu; print(detect_gpu())")
+    [ -f "benchmarks/results/gpu_evidence_$gpu.json" ] && cp "benchmarks/results/gpu_evidence_$gpu.json" "$DEST/gpu_evidence.json"
+    [ ${#STAGES[@]} -gt 0 ] || STAGES=(context dpo_ref sft_gc_lora qlora attention allocator long_context sft_zero step_time)
+    for s in "${STAGES[@]}"; do evidence+=(--stage "$s"); done
+    say "evidence: ${STAGES[*]} within ${left}s"
+    $PY benchmarks/gpu_evidence.py "${evidence[@]}" --gpu "$gpu" --out "$DEST/gpu_evidence.json" \
+        --work /tmp/memfit-gpu-work --deadline "$left" 2>&1 | tee "$DEST/gpu_evidence.log"
+else
+    say "evidence: skipped (CUDA $CUDA, ${left}s left)"
+fi
+
+say "pack"
+cd "$RUN" || exit 1
+tar czf "$DEST/logs.tgz" logs .snakemake/log $(find results -name '*.json' -not -path '*/exports/*' 2>/dev/null) \
+    2>/dev/null
+[ -f results/report.html ] && cp results/report.html "$DEST/report.html"
+$PY - "$DEST/gpu_check.json" "$wf_rc" "$wf_s" "$SECONDS" "$CONFIG" <<'EOF'
+import json, sys
+path, rc, wf_s, total_s, config = sys.argv[1:]
+doc = json.load(open(path))
+doc.update(config=config, workflow_exit_code=int(rc), workflow_s=int(wf_s), total_s=int(total_s))
+json.dump(doc, open(path, "w"), indent=1, default=str)
+print(f"workflow exit {rc} in {wf_s} s; ok={doc['ok']}; not finished: {doc['not_finished'] or 'none'}")
+for r in doc["runs"]:
+    sel, res = r.get("selected") or {}, r.get("resume") or {}
+    print(f"{r['model']}/{r['gpu']}/{r['method']}: selected {sel.get('id')} ({sel.get('source')}), "
+          f"resume passed={res.get('passed')} bitwise={res.get('weights_bitwise_equal')}")
+EOF
+say "done"
+exit $ok_rc
