@@ -239,3 +239,12 @@ def test_ranks_get_an_arch_list_deepspeeds_jit_builder_can_read(monkeypatch, arc
     assert env["TORCH_CUDA_ARCH_LIST"] == readable
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
     op.compute_capability_args()  # no error
+
+
+def test_the_cuda_arch_list_of_a_hopper_image_is_one_deepspeed_can_read():
+    from memfit.train.launch import deepspeed_arch_list
+
+    # CUDA images for Hopper set "9.0a": DeepSpeed 0.19.8 int()s each dotted part and fails FusedAdam's build
+    assert deepspeed_arch_list("9.0a") == "9.0"
+    assert deepspeed_arch_list("8.0 8.6;9.0a+PTX;10.0f") == "8.0;8.6;9.0+PTX;10.0"
+    assert deepspeed_arch_list("9.0;9.0a") == "9.0"
