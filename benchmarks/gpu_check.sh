@@ -59,6 +59,9 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
 EOF
 CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))")
 if [ "$CUDA" = 1 ]; then
+    # as the ranks will see it (memfit.train.launch.launch_env: Hopper images' "9.0a" is unreadable to DeepSpeed)
+    [ -n "${TORCH_CUDA_ARCH_LIST:-}" ] && export TORCH_CUDA_ARCH_LIST=$($PY -c \
+        "import os; from memfit.train.launch import deepspeed_arch_list as f; print(f(os.environ['TORCH_CUDA_ARCH_LIST']))")
     # the first engine JIT-builds FusedAdam (nvcc, about a minute): start it now, beside the model
     # build and data preparation (torch's extension builder locks its folder: an engine waits)
     $PY -c "from deepspeed.ops.op_builder import FusedAdamBuilder; FusedAdamBuilder().load()" \
