@@ -7,36 +7,51 @@
 #                       measured peaks and step times, the resume verdicts, the report's path, ok
 #   gpu_check.log       everything this script printed (the workflow's own output included)
 #   gpu_evidence.json   the evidence (started from the committed benchmarks/results/ file of this
-#                       GPU, so stages already measured are not run again), gpu_evidence.log
+#                       GPU, so stages already measured are not run again), gpu_evidence.log,
+#                       probe_logs.tgz
 #   logs.tgz            the workflow's logs/, .snakemake/log/ and the run JSONs; report.html
 #
 #   benchmarks/fetch_gpu_wheels.sh                          # here, once: wheelhouse/ (about 47 MiB)
-#   benchmarks/gpu_check.sh wheelhouse DEST [BUDGET_S] [STAGE ...]   # there
+#   benchmarks/gpu_check.sh wheelhouse DEST [BUDGET_S] [STAGE|--force ...]   # there
 #
 # BUDGET_S (default 560) is the wall time it may take in all: the workflow is stopped at
-# BUDGET_S - 90 s and no evidence probe starts that would end after BUDGET_S - 20 s. STAGEs
-# default to every stage of gpu_evidence.py not yet in the committed evidence. WHEEL_DIR "-"
+# BUDGET_S - 90 s and no evidence probe starts that would end after BUDGET_S - 80 s (a probe may
+# overrun by a minute). STAGEs default to every stage of gpu_evidence.py not yet in the committed
+# evidence, in its order; `--force` measures them again. Exit status: the workflow's summary
+# (0: ok), or with MEMFIT_GPU_CHECK_CONFIG=- gpu_evidence.py's. WHEEL_DIR "-"
 # installs nothing (a machine that has memfit's dependencies); MEMFIT_GPU_CHECK_CONFIG=- runs the
-# evidence stages alone (what benchmarks/results/gpu_evidence_*.json were measured with); it and
-# MEMFIT_GPU_CHECK_ARGS (default: none) name another workflow config and extra snakemake
-# arguments, which is how it was tried on the CPU: MEMFIT_GPU_CHECK_CONFIG=config/config.yaml
+# evidence stages alone (as benchmarks/gpu_evidence_device.sh, which measured the committed
+# benchmarks/results/gpu_evidence_*.json, did); it and
+# MEMFIT_GPU_CHECK_ARGS (default: none; split at whitespace) name another workflow config and
+# extra snakemake arguments, which is how it was tried on the CPU: MEMFIT_GPU_CHECK_CONFIG=config/config.yaml
 # benchmarks/gpu_check.sh - /tmp/check 1500 (docs/gpus.md#one-command-on-a-lent-gpu). The workflow
 # runs in MEMFIT_GPU_CHECK_RUN (default /tmp/memfit-gpu-check: a checkout of links, so this
 # clone's own results/ are left alone).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-WHEELS=${1:?usage: $0 WHEEL_DIR|- DEST_DIR [BUDGET_S] [STAGE ...]}
+WHEELS=${1:?usage: $0 WHEEL_DIR|- DEST_DIR [BUDGET_S] [STAGE|--force ...]}
 DEST=${2:?destination folder}
 BUDGET=${3:-560}
 shift $(($# < 3 ? $# : 3))
-STAGES=("$@")
+mkdir -p "$DEST" || exit 1
+DEST=$(cd "$DEST" && pwd)  # both named from the caller's directory
+[ "$WHEELS" = "-" ] || WHEELS=$(cd "$WHEELS" && pwd) || exit 1
+cd "$(dirname "$0")/.." || exit 1
 CONFIG=${MEMFIT_GPU_CHECK_CONFIG:-config/gpu-demo.yaml}
-read -r -a EXTRA <<<"${MEMFIT_GPU_CHECK_ARGS:-}"
+read -r -a EXTRA <<<"${MEMFIT_GPU_CHECK_ARGS:-}"  # split at whitespace
+evidence=()  # gpu_evidence.py's arguments: each STAGE as --stage, options (--force) as they are
+for s in "$@"; do
+    if [[ $s == --* ]]; then evidence+=("$s"); else evidence+=(--stage "$s"); fi
+done
 SECONDS=0
-mkdir -p "$DEST"
-DEST=$(cd "$DEST" && pwd)
 exec > >(tee "$DEST/gpu_check.log") 2>&1
+tee_pid=$!
 say() { printf '\n=== %s (%ds)\n' "$1" "$SECONDS"; }
+finish() {  # the verdict, then wait until tee has written every line of it to gpu_check.log
+    say "done"
+    exec >&- 2>&-
+    wait "$tee_pid" 2>/dev/null
+    exit "$1"
+}
 
 say "install"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -79,7 +94,9 @@ if [ "$CONFIG" != "-" ]; then
     rm -rf "$RUN" && mkdir -p "$RUN" || exit 1
     for f in Snakefile workflow config data src envs scripts; do ln -s "$REPO/$f" "$RUN/$f"; done
     cd "$RUN" || exit 1
-    timeout --signal=INT --kill-after=20 $((BUDGET - 90 - SECONDS)) \
+    limit=$((BUDGET - 90 - SECONDS))
+    [ "$limit" -ge 60 ] || limit=60  # timeout 0 would mean no limit
+    timeout --signal=INT --kill-after=20 "$limit" \
         $PY -m snakemake --cores all --configfile "$CONFIG" "${EXTRA[@]}"
     wf_rc=$?
     wf_s=$SECONDS
@@ -89,16 +106,17 @@ if [ "$CONFIG" != "-" ]; then
     cd "$REPO" || exit 1
 fi
 
-evidence=()
-left=$((BUDGET - 20 - SECONDS))
-if [ "$CUDA" = 1 ] && [ "$left" -gt 60 ]; then
+# gpu_evidence.py lets a probe run a minute past its deadline: the deadline leaves that minute
+left=$((BUDGET - 80 - SECONDS))
+ev_rc=0
+if [ "$CUDA" = 1 ] && [ "$left" -gt 30 ]; then
     gpu=$($PY -c "from memfit.estimate.detect import detect_gpu; print(detect_gpu())")
     [ -f "benchmarks/results/gpu_evidence_$gpu.json" ] && cp "benchmarks/results/gpu_evidence_$gpu.json" "$DEST/gpu_evidence.json"
-    [ ${#STAGES[@]} -gt 0 ] || STAGES=(context dpo_ref sft_gc_lora qlora attention allocator long_context sft_zero step_time)
-    for s in "${STAGES[@]}"; do evidence+=(--stage "$s"); done
-    say "evidence: ${STAGES[*]} within ${left}s"
+    say "evidence: ${evidence[*]:-every stage not yet measured} within ${left}s"
     $PY benchmarks/gpu_evidence.py "${evidence[@]}" --gpu "$gpu" --out "$DEST/gpu_evidence.json" \
         --work /tmp/memfit-gpu-work --deadline "$left" 2>&1 | tee "$DEST/gpu_evidence.log"
+    ev_rc=${PIPESTATUS[0]}
+    tar czf "$DEST/probe_logs.tgz" -C /tmp/memfit-gpu-work probe 2>/dev/null
 else
     say "evidence: skipped (CUDA $CUDA, ${left}s left)"
 fi
@@ -120,6 +138,6 @@ for r in doc["runs"]:
     print(f"{r['model']}/{r['gpu']}/{r['method']}: selected {sel.get('id')} ({sel.get('source')}), "
           f"resume {res.get('expected')}: passed={res.get('passed')} bitwise={res.get('weights_bitwise_equal')}")
 EOF
+    finish "$ok_rc"
 fi
-say "done"
-exit $ok_rc
+finish "$ev_rc"

@@ -50,14 +50,16 @@ def runtime_closure(root: str = "memfit", python: str = "3.12") -> dict[str, str
         "platform_machine": "x86_64",
     }
     out: dict[str, str] = {}
+    walked: dict[str, set[str]] = {}  # the extras each distribution was walked with
     todo = [(Requirement(r), ("",)) for r in distribution(root).requires or [] if "extra ==" not in r]
     while todo:
         req, extras = todo.pop()
         if req.marker and not any(req.marker.evaluate(env | {"extra": e}) for e in extras):
             continue
         name = norm(req.name)
-        if name in out:
+        if name in walked and set(req.extras) <= walked[name]:
             continue
+        walked.setdefault(name, set()).update(req.extras)
         try:
             dist = distribution(req.name)
         except PackageNotFoundError:

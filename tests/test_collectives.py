@@ -35,7 +35,12 @@ COLLECTIVES = frozenset(
     "reduce reduce_scatter reduce_scatter_tensor reduce_scatter_fn scatter scatter_object_list send recv "
     "isend irecv batch_isend_irecv inference_all_reduce".split()
 )
-COMM_MODULES = ("torch.distributed", "deepspeed.comm")
+COMM_MODULES = (
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+    "torch.distributed.nn.functional",  # the autograd-aware collectives
+    "deepspeed.comm",
+)
 
 
 def direct_collectives(source: str) -> list[str]:

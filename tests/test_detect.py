@@ -46,6 +46,9 @@ def test_each_product_nvidia_smi_names_is_its_catalog_entry(name, mib, expected)
 def test_a_gpu_the_catalog_lacks_is_refused_with_the_names_to_use():
     with pytest.raises(DetectError, match=r"no catalog GPU for 'NVIDIA GeForce RTX 4080'.*h100-80gb"):
         gpu_for_device("NVIDIA GeForce RTX 4080", 16376)
+    # a sibling of a known card with other memory is not given that card's budget
+    with pytest.raises(DetectError, match=r"'NVIDIA H100 NVL' \(95830 MiB\): the nearest, h100-pcie, has 81559 MiB"):
+        gpu_for_device("NVIDIA H100 NVL", 95830)
 
 
 def _fake_smi(tmp_path: Path, monkeypatch, lines: list[str]) -> None:
@@ -61,6 +64,9 @@ def test_detect_reads_nvidia_smi_and_respects_cuda_visible_devices(tmp_path, mon
     assert detect_gpu() == "h100-80gb"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     with pytest.raises(DetectError, match="several kinds"):
+        detect_gpu()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # CUDA sees no GPU: neither does detect
+    with pytest.raises(DetectError, match="lists no GPU"):
         detect_gpu()
 
 

@@ -22,8 +22,12 @@ def test_uncalibrated_defaults_are_the_stated_heuristics(tmp_path):
     h100 = calibration.for_gpu("h100-80gb", "9.0", directory=tmp_path)
     a100 = calibration.for_gpu("a100-80gb", "8.0", directory=tmp_path)
     assert not h100.measured and h100.label() == "uncalibrated (stated heuristics)"
-    assert (h100.cuda_context_bytes, h100.cublas_workspace_bytes) == (500 * MIB, 32 * MIB)
+    # cuBLAS beside the allocator on Hopper: what the H100 and the H200 both measured
+    assert (h100.cuda_context_bytes, h100.cublas_workspace_bytes) == (500 * MIB, 69_206_016)
     assert a100.cublas_workspace_bytes == 9 * MIB
+    # the workspaces inside it: two handles (forward and autograd's thread) of PyTorch's default size
+    assert calibration.allocator_workspaces(h100, "9.0") == 64 * MIB
+    assert calibration.allocator_workspaces(a100, "8.0") == 2 * 8_519_680
     assert calibration.for_gpu("cpu", "cpu", directory=tmp_path).cuda_context_bytes == 0
 
 

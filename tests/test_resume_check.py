@@ -57,8 +57,8 @@ def test_verify_resume_and_stale_checkpoints_on_a_real_run(shared_runs, tmp_path
     res = verify_resume(tmp_path / "run.json", 2, tmp_path / "verify_resume.json", tmp_path / "verify.log")
     assert json.loads((tmp_path / "verify_resume.json").read_text()) == res
     assert res["passed"] and res["losses_bitwise_equal"] and res["weights_bitwise_equal"], res
-    # the CPU's kernels repeat: bitwise is expected, one resume is enough, the tolerance is rtol
-    assert (res["expected"], res["tolerance"], res["device"]) == ("bitwise", 1e-5, "cpu") and "spread" not in res
+    # the CPU's kernels repeat: bitwise is expected and required, one resume is enough
+    assert (res["expected"], res["tolerance"], res["device"]) == ("bitwise", 0.0, "cpu") and "spread" not in res
     assert (res["from_step"], res["final_step"], res["missing_steps"]) == (3, 6, [])
     assert res["steps_compared"] == 4  # train steps 4, 5, 6 and the evaluation at 6
     assert res["resume_peak_allocated_bytes"] > 0

@@ -73,8 +73,11 @@ def default_for(gpu_name: str, compute_capability: str) -> Calibration:
     """Today's heuristics (previously inline in `estimate._device_overheads`):
     - CUDA context with lazy module loading (CUDA >= 11.7): 500 MiB on sm80+, 400 MiB before
       (PyTorch docs "CUDA semantics: memory management"; mem_get_info deltas in PyTorch issue 20532);
-    - cuBLAS workspace: 32 MiB on Hopper, 9 MiB before (PyTorch `getChosenWorkspaceSize`,
-      CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8);
+    - cuBLAS beside the allocator (its handle and the kernel images lazy module loading brings
+      in at the first GEMM; the workspaces are allocated tensors, `allocator_workspaces`):
+      69,206,016 bytes on Hopper and newer, measured to the byte on both the H100 (2026-11-26)
+      and the H200 (2026-11-27) by gpu_evidence's context stage; 9 MiB before, an unmeasured
+      guess kept from the estimator's first version;
     - NCCL: not from these defaults: `estimate.costs.device_overheads` uses NCCL_CUMEM_BYTES
       plus the NVLS buffers unless a measured calibration file states its own per-peer figures
       (a one-GPU measurement has none);
@@ -87,10 +90,13 @@ def default_for(gpu_name: str, compute_capability: str) -> Calibration:
     return Calibration(
         device=gpu_name,
         cuda_context_bytes=500 * MIB if major >= 8 else 400 * MIB,
-        cublas_workspace_bytes=32 * MIB if major >= 9 else 9 * MIB,
+        cublas_workspace_bytes=HOPPER_CUBLAS_OUTSIDE_BYTES if major >= 9 else 9 * MIB,
     )
 
 
+# what the first bf16 GEMM adds beside the allocator on an H100 and an H200 alike
+# (benchmarks/results/gpu_evidence_h100-80gb.json and _h200.json, stage context)
+HOPPER_CUBLAS_OUTSIDE_BYTES = 69_206_016
 # PyTorch's cuBLAS workspace per (handle, stream), allocated through the CUDA caching allocator
 # (aten/src/ATen/cuda/CublasHandlePool.cpp `getNewWorkspace`, `parseChosenWorkspaceSize`: the
 # CUBLAS_WORKSPACE_CONFIG default ":4096:2:16:8", "32MiB for Hopper"; PyTorch 2.11 and 2.13)

@@ -67,8 +67,9 @@ def device_overheads(gpu: GPU, world: int, settings: Settings = DEFAULT_SETTINGS
     - CUDA context with lazy module loading (CUDA >= 11.7): ~300-500 MiB; 500 MiB on sm80+,
       400 MiB before (PyTorch docs, "CUDA semantics: memory management" and measured
       torch.cuda.mem_get_info deltas reported in PyTorch issue 20532);
-    - cuBLAS workspace: CUBLAS_WORKSPACE_CONFIG default 4 MiB x 2 + 16 KiB x 8 per handle, 32 MiB
-      on Hopper (PyTorch `getChosenWorkspaceSize`); the allocator reserves it, counted here once;
+    - cuBLAS beside the allocator: its handle and kernel images, 69,206,016 bytes measured on
+      Hopper, 9 MiB assumed before (calibration.default_for; the cuBLAS workspaces are allocated
+      tensors, counted in the allocated peak: calibration.allocator_workspaces);
     - NCCL (world > 1): `NCCL_CUMEM_BYTES` per process plus the NVLS buffers on NVSwitch
       systems (`nvls_bytes`), or `Settings.nccl_bytes`, or a measured calibration's per-peer
       figure. The `cpu` device runs gloo: no NCCL, no CUDA context.

@@ -46,13 +46,19 @@ def gpu_for_device(device_name: str, memory_mib: int) -> str:
             f"no catalog GPU for {device_name!r} ({memory_mib} MiB): name one in `gpus:` "
             f"(config/gpus.yaml: {', '.join(sorted(g.name for g in gpus))}) or add it to the catalog"
         )
-    pcie = "pcie" in tokens
+    pcie = "pcie" in tokens or "nvl" in tokens  # NVL parts are PCIe cards (bridged in pairs)
 
     def distance(g: catalog.GPU) -> tuple[bool, bool, int]:
         off = abs(g.memory_bytes // 2**20 - memory_mib)
         return off > 0.1 * memory_mib, ("pcie" in g.name) != pcie, off  # memory first, then form factor
 
-    return min(same, key=distance).name
+    best = min(same, key=distance)
+    if distance(best)[0]:  # a sibling the catalog lacks (H100 NVL's 94 GB): not another card's budget
+        raise DetectError(
+            f"no catalog GPU for {device_name!r} ({memory_mib} MiB): the nearest, {best.name}, has "
+            f"{best.memory_bytes // 2**20} MiB; name the GPU in `gpus:` or add it to config/gpus.yaml"
+        )
+    return best.name
 
 
 def smi_devices() -> list[tuple[str, int]]:
@@ -69,10 +75,15 @@ def smi_devices() -> list[tuple[str, int]]:
         raise DetectError(f"gpus: [detect]: nvidia-smi failed ({p.stderr.strip()[:300]}); name the GPU instead")
     rows = [[c.strip() for c in line.split(",")] for line in p.stdout.splitlines() if line.strip()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible and all(v.strip().isdigit() for v in visible.split(",")):
-        keep = {v.strip() for v in visible.split(",")}
+    if visible is not None and all(v.strip().isdigit() for v in visible.split(",") if v.strip()):
+        keep = {v.strip() for v in visible.split(",")}  # "" hides every GPU, as it does from CUDA
         rows = [r for r in rows if r[0] in keep]
-    return [(r[1], int(float(r[2]))) for r in rows]
+    try:
+        return [(r[1], int(float(r[2]))) for r in rows]
+    except (IndexError, ValueError):
+        raise DetectError(
+            f"gpus: [detect]: cannot read nvidia-smi's answer {p.stdout.strip()[:200]!r}; name the GPU"
+        ) from None
 
 
 def detect_gpu() -> str:

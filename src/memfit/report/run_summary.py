@@ -35,7 +35,9 @@ FIGURES = ("peak_allocated_bytes", "peak_reserved_bytes", "step_time_s")
 
 
 def snakemake_jobs(log_text: str) -> dict[str, Any]:
-    """Every job of a Snakemake log (`.snakemake/log/*.snakemake.log`, Snakemake 8-9): rule,
+    """Every job of a Snakemake log (`.snakemake/log/*.snakemake.log`, in Snakemake 9.27's format:
+    "[date]", a "rule|localrule|checkpoint|localcheckpoint NAME:" block with "jobid:" and
+    "wildcards:", then "Finished jobid: N (Rule: NAME)" or "Error in rule NAME:"): rule,
     wildcards, status (done, failed, running: started and neither finished nor failed) and
     seconds between its start and its end; `planned`: the last "Job stats" table, by rule."""
     jobs: dict[str, dict[str, Any]] = {}

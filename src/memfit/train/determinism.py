@@ -23,12 +23,15 @@ so what is left is the kernels.
   stream makes cuBLAS reproducible without it (pytorch/pytorch#161749), and setting it would change
   the workspace's size, which the estimate counts. NCCL on one rank copies; on several ranks
   NVIDIA guarantees nothing, and results repeat where the world size, message sizes and topology
-  do (they do for a resume on the same machines). The deterministic kernels cost time, not
-  memory: the probes and the calibration run with the same setting as training.
+  do (they do for a resume on the same machines). The deterministic kernels cost time (and
+  `fill_uninitialized_memory` fills every new tensor), and FlashAttention-2's deterministic
+  backward ceil(SMs / (b x h)) fp32 dq accumulators where the default keeps one
+  (flash-attention csrc/flash_attn/flash_api.cpp `mha_bwd`: dq_accum of nsplits x b x s x h x d), which the estimator does not model: the probes and the
+  calibration run with the same setting as training, so the selection rests on measured peaks.
 - Without it (`false`, the default, as in transformers' Trainer and torchtitan) a CUDA run is not
   bitwise repeatable, and neither is the uninterrupted run itself: verify_resume then measures the
   spread a second resume from the same checkpoint shows and accepts the resumed run within four
-  times that spread (memfit.workflow.resume_check).
+  times that spread (memfit.workflow.resume_check; the factor is a heuristic).
 """
 
 from __future__ import annotations
