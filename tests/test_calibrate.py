@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
-from memfit.estimate import Settings, catalog, estimate
+from memfit.estimate import Settings, catalog, estimate, timing
 from memfit.estimate.hf_config import arch_from_hf_config
 from memfit.space import Candidate, compute_key, engine_key
 from memfit.train.launch import launch
@@ -42,10 +43,12 @@ def test_it_measures_every_engine_and_shape_with_one_and_four_layers(calibration
         assert 0 < fig["1"] < fig["4"], f"{key}: four decoder layers must cost more than one: {fig}"
     assert set(d["runtime"]) == {engine_key(Z0), engine_key(Z3)}
     z3 = d["runtime"][engine_key(Z3)]
-    # ZeRO-3 gathers every layer's parameters before its forward and backward: a cost per micro
-    # step that grows with the layers; its sharded DPO reference gathers again in its forward
-    assert 0 < z3["micro"]["4"] and z3["micro"]["1"] < z3["micro"]["4"], z3
-    assert "ref" in z3
+    # ZeRO-3's runtime figures are differences of two timings (the ZeRO-3 micro step less the
+    # ZeRO-0 one); on a tiny model their sign is the machine's noise (a busy 2-core CI runner
+    # measured -0.07 s at four layers), so the test asserts what was measured, not its size:
+    # that ZeRO-3's gathers cost more is benchmarks/gpu_evidence.py's calibrated-order check
+    for part in ("micro", "boundary", "ref"):  # its sharded DPO reference gathers in its forward
+        assert set(z3[part]) == {"1", "4"} and all(math.isfinite(v) for v in z3[part].values()), z3
     assert d["runtime"][engine_key(Z0)]["micro"] == {"1": 0.0, "4": 0.0}  # ZeRO-0 is the computation itself
 
 
@@ -61,6 +64,9 @@ def test_the_estimator_prices_the_demo_from_it(calibration, demo_model):
         assert est.step_time_s > 0
     z0 = estimate(arch, gpu, 2, 1, "sft", Z0, budget_bytes=2**30, settings=settings)
     z3 = estimate(arch, gpu, 2, 1, "sft", Z3, budget_bytes=2**30, settings=settings)
-    # the same computation; ZeRO-3 adds its gathers
+    # the same computation; ZeRO-3 adds what its engine measured beyond it (timing.predict, whose
+    # arithmetic tests/test_timing.py checks), ZeRO-0 nothing
     assert z0.time_breakdown["compute"] == z3.time_breakdown["compute"]
-    assert z3.time_breakdown["deepspeed"] > 0 == z0.time_breakdown["deepspeed"]
+    assert z0.time_breakdown["deepspeed"] == 0.0
+    cal = timing.load(calibration)
+    assert z3.time_breakdown == pytest.approx(timing.predict(cal, Z3, "sft", arch.num_layers))
