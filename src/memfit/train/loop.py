@@ -34,6 +34,7 @@ from memfit.train import checkpoint, dsconfig, long_context, sequence_parallel
 from memfit.train import dist as dist_env
 from memfit.train import resume as train_resume
 from memfit.train.batches import Schedule, rank_batches
+from memfit.train.device_info import device_identity
 from memfit.train.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.train.modeling import check_hardware, export_model, hidden_size, load_model, model_dir
 from memfit.train.reference import precompute_reference, reference_engine
@@ -422,6 +423,9 @@ class Run:
             "first_step_time_s": step_times[0] if step_times else None,
             "step_time_s": statistics.median(steady) if steady else None,
             "device": str(dist_env.device()),
+            **device_identity(dist_env.device()),  # the selection refuses another device's figures
+            # a probe's steps after the first: the spread the selection weighs (memfit.workflow.select)
+            **({"steady_step_times_s": [round(t, 6) for t in steady]} if self.cfg.probe_steps else {}),
             "memory_source": "torch.cuda.max_memory_allocated"
             if torch.cuda.is_available()
             else "AllocationTracker (live tensor storages)",
