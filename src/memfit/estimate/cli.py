@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
 from memfit.estimate import catalog
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
+from memfit.estimate.cli_checks import check_flags, fill_defaults, search_bound
 from memfit.estimate.core import Estimate, estimate, fit, fit_sequence_parallel
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS, EstimateError, Settings
 from memfit.space import Candidate
@@ -55,8 +55,8 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated linear names (default: every linear of the decoder layer)",
     )
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per GPU per micro step (default 1)")
     p.add_argument("--grad-accum", type=int, default=1)
 
 
@@ -190,62 +190,6 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
-def _check_flags(args) -> None:
-    """Refuse values that cannot be meant, and flags that would do nothing in this setup."""
-    positive = {
-        "--num-gpus": args.num_gpus,
-        "--num-nodes": args.num_nodes,
-        "--seq-len": args.seq_len,
-        "--micro-batch": args.micro_batch,
-        "--grad-accum": args.grad_accum,
-        "--sub-group-size": args.sub_group_size,
-        "--lora-rank": args.lora_rank,
-        "--host-memory-gib": args.host_memory_gib,
-        "--host-memory-gb": args.host_memory_gb,
-        "--budget-gib": args.budget_gib,
-        "--budget-gb": args.budget_gb,
-    }
-    for flag, value in positive.items():
-        if value is not None and not value > 0:
-            raise EstimateError(f"{flag} must be > 0, got {value:g}")
-    if not 0.0 < args.offload_ratio <= 1.0:
-        raise EstimateError(f"--offload-ratio must be in (0, 1], got {args.offload_ratio:g}")
-    if not 0.0 <= args.headroom < 1.0:
-        raise EstimateError(f"--headroom must be in [0, 1), got {args.headroom:g}")
-    if args.host_memory_gib is not None and args.host_memory_gb is not None:
-        raise EstimateError("give --host-memory-gib or --host-memory-gb (decimal GB), not both")
-    if args.budget_gib is not None and args.budget_gb is not None:
-        raise EstimateError("give --budget-gib or --budget-gb (decimal GB), not both")
-    if args.finetune == "full" and args.lora_rank is not None:
-        raise EstimateError("--lora-rank does nothing with --finetune full; use lora or qlora")
-    if args.finetune == "full" and args.lora_targets:
-        raise EstimateError("--lora-targets does nothing with --finetune full; use lora or qlora")
-    if args.method == "sft" and args.ref is not None:
-        raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
-    if args.pin_memory and args.offload_optimizer == "none" and args.offload_param == "none":
-        raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
-    cal = args.step_time_calibration
-    if cal is not None:
-        from memfit.estimate import timing
-
-        if not Path(cal).is_file():
-            raise EstimateError(f"--step-time-calibration {cal}: no such file")
-        try:
-            timing.load(cal)
-        except (timing.CalibrationFileError, UnicodeDecodeError) as exc:
-            raise EstimateError(f"--step-time-calibration {exc}") from None
-    if args.trace_cache is not None:
-        if args.activations != "traced":
-            raise EstimateError("--trace-cache does nothing without --activations traced")
-        cache = Path(args.trace_cache)
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise EstimateError(f"--trace-cache {cache}: cannot create it ({exc.strerror})") from None
-        if not cache.is_dir() or not os.access(cache, os.W_OK):
-            raise EstimateError(f"--trace-cache {cache}: not a writable directory")
-
-
 def _load_model(name: str) -> ModelArch:
     try:
         return catalog.model(name, allow_moe=True)
@@ -258,7 +202,8 @@ def _load_model(name: str) -> ModelArch:
 
 
 def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
-    _check_flags(args)
+    check_flags(args)
+    fill_defaults(args)
     arch = _load_model(args.model)
     context = arch.max_position_embeddings
     searched = getattr(args, "maximize", None) == "seq_len"  # fit searches up to the context
@@ -297,12 +242,6 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
-    if args.nccl_mib is not None and args.nccl_mib < 0:
-        raise EstimateError(f"--nccl-mib must be >= 0, got {args.nccl_mib}")
-    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
-        raise EstimateError(f"--loss-chunk-tokens must be >= 1, got {args.loss_chunk_tokens}")
-    if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 1:
-        raise EstimateError(f"--mlp-tile-tokens must be >= 1, got {args.mlp_tile_tokens}")
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     settings = dataclasses.replace(
         DEFAULT_SETTINGS,
@@ -452,6 +391,7 @@ def fit_main(argv: list[str] | None = None) -> int:
     args = _parser("memfit fit", True).parse_args(argv)
     try:
         arch, gpu, cand, settings = _from_args(args)
+        bound, bound_by = search_bound(args, arch)
         best, result = fit(
             arch,
             gpu,
@@ -463,6 +403,7 @@ def fit_main(argv: list[str] | None = None) -> int:
             _host_memory_gb(args),
             _budget_bytes(args),
             settings,
+            upper=bound,
             headroom=args.headroom,
         )
     except EstimateError as exc:
@@ -481,13 +422,16 @@ def fit_main(argv: list[str] | None = None) -> int:
         )
     if args.json:
         extra = {"seq_len_by_sequence_parallel": {str(k): v for k, v in sweep.items()}} if sweep else {}
+        # what stopped the search: memory, or the bound (then a larger value may fit in memory)
+        extra["limited_by"] = f"{bound_by}: {bound}" if best == bound else "memory"
         print(json.dumps({args.maximize: best, **extra, **(result.to_dict() if result else {})}, indent=2))
         return 0 if best > 0 else 1
     if best == 0:
         print(f"nothing fits: even {args.maximize}=1 needs more memory")
     else:
         kept = f" with {args.headroom:.0%} headroom" if args.headroom else ""
-        print(f"largest {args.maximize} that fits{kept}: {best}")
+        capped = f" (the search's bound, {bound_by}; not a memory limit)" if best == bound else ""
+        print(f"largest {args.maximize} that fits{kept}: {best}{capped}")
     if len(sweep) > 1:
         print(
             "with Ulysses sequence parallelism (--sequence-parallel; GPUs that split each sequence): "

@@ -1,0 +1,156 @@
+"""What `memfit estimate` and `memfit fit` refuse before estimating anything: values that cannot be
+meant (zero, negative, infinite, beyond a stated bound) and flags that would do nothing in the
+setup the other flags describe. Each refusal is one sentence naming the flag (EstimateError: exit 2).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from memfit.estimate.settings import EstimateError
+
+# The most GPUs one node holds: NVIDIA's largest single-node systems, DGX-2/HGX-2 (16 V100 on
+# NVSwitch; the DGX-2 datasheet), hold 16; DGX/HGX A100, H100, H200 and B200 hold 8, and a rack
+# such as GB200 NVL72 is 18 nodes of 4. More GPUs than this are more nodes: --num-nodes.
+MAX_GPUS_PER_NODE = 16
+
+# The largest micro batch memfit answers for: FlashAttention-2 launches its kernels on a grid of
+# (query blocks, batch, heads) (flash_attn csrc flash_fwd_launch_template.h, `dim3 grid(num_m_block,
+# params.b, params.h)`), and a CUDA grid's y dimension is at most 65,535 (CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability"), so a larger micro batch cannot launch there.
+# Above it no run trains, so `fit --maximize micro_batch` stops at this bound and says so.
+MAX_MICRO_BATCH = 65_535
+
+# Flags given as defaults of None in the parser so that "given" can be told from "default".
+SEQ_LEN_DEFAULT = 2048
+MICRO_BATCH_DEFAULT = 1
+
+
+def check_flags(args) -> None:
+    """Refuse values that cannot be meant, and flags that would do nothing in this setup."""
+    _check_numbers(args)
+    _check_levers(args)
+    _check_files(args)
+
+
+def _check_numbers(args) -> None:
+    floats = {
+        "--host-memory-gib": args.host_memory_gib,
+        "--host-memory-gb": args.host_memory_gb,
+        "--budget-gib": args.budget_gib,
+        "--budget-gb": args.budget_gb,
+        "--headroom": args.headroom,
+        "--offload-ratio": args.offload_ratio,
+        "--nccl-mib": args.nccl_mib,
+    }
+    for flag, value in floats.items():
+        if value is not None and not math.isfinite(value):
+            raise EstimateError(f"{flag} must be a finite number, got {value:g}")
+    positive = {
+        "--num-gpus": args.num_gpus,
+        "--num-nodes": args.num_nodes,
+        "--seq-len": args.seq_len,
+        "--micro-batch": args.micro_batch,
+        "--grad-accum": args.grad_accum,
+        "--sub-group-size": args.sub_group_size,
+        "--lora-rank": args.lora_rank,
+        "--host-memory-gib": args.host_memory_gib,
+        "--host-memory-gb": args.host_memory_gb,
+        "--budget-gib": args.budget_gib,
+        "--budget-gb": args.budget_gb,
+    }
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise EstimateError(f"{flag} must be > 0, got {value:g}")
+    if args.num_gpus > MAX_GPUS_PER_NODE and args.gpu != "cpu":
+        raise EstimateError(
+            f"--num-gpus {args.num_gpus} is more than one node holds (at most {MAX_GPUS_PER_NODE}, "
+            "NVIDIA DGX-2/HGX-2); --num-gpus counts GPUs per node: give the nodes with --num-nodes"
+        )
+    if args.micro_batch is not None and args.micro_batch > MAX_MICRO_BATCH:
+        raise EstimateError(
+            f"--micro-batch {args.micro_batch} is above {MAX_MICRO_BATCH:,}, the largest micro batch "
+            "memfit answers for (FlashAttention-2 puts the batch on CUDA's grid y dimension, at most "
+            "65,535); use --grad-accum for larger batches"
+        )
+    if not 0.0 < args.offload_ratio <= 1.0:
+        raise EstimateError(f"--offload-ratio must be in (0, 1], got {args.offload_ratio:g}")
+    if not 0.0 <= args.headroom < 1.0:
+        raise EstimateError(f"--headroom must be in [0, 1), got {args.headroom:g}")
+    if args.host_memory_gib is not None and args.host_memory_gb is not None:
+        raise EstimateError("give --host-memory-gib or --host-memory-gb (decimal GB), not both")
+    if args.budget_gib is not None and args.budget_gb is not None:
+        raise EstimateError("give --budget-gib or --budget-gb (decimal GB), not both")
+    if args.nccl_mib is not None and args.nccl_mib < 0:
+        raise EstimateError(f"--nccl-mib must be >= 0, got {args.nccl_mib:g}")
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 1:
+        raise EstimateError(f"--loss-chunk-tokens must be >= 1, got {args.loss_chunk_tokens}")
+    if args.mlp_tile_tokens is not None and args.mlp_tile_tokens < 1:
+        raise EstimateError(f"--mlp-tile-tokens must be >= 1, got {args.mlp_tile_tokens}")
+
+
+def _check_levers(args) -> None:
+    """A flag whose lever is off, or that `fit` searches over, would be silently ignored."""
+    maximize = getattr(args, "maximize", None)
+    if maximize == "seq_len" and args.seq_len is not None:
+        raise EstimateError("--seq-len does nothing with --maximize seq_len (fit searches it); drop --seq-len")
+    if maximize == "micro_batch" and args.micro_batch is not None:
+        raise EstimateError(
+            "--micro-batch does nothing with --maximize micro_batch (fit searches it); drop --micro-batch"
+        )
+    if args.finetune == "full" and args.lora_rank is not None:
+        raise EstimateError("--lora-rank does nothing with --finetune full; use lora or qlora")
+    if args.finetune == "full" and args.lora_targets:
+        raise EstimateError("--lora-targets does nothing with --finetune full; use lora or qlora")
+    if args.method == "sft" and args.ref is not None:
+        raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
+    if args.pin_memory and args.offload_optimizer == "none" and args.offload_param == "none":
+        raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
+    if args.loss_chunk_tokens is not None and args.loss_impl != "chunked":
+        raise EstimateError("--loss-chunk-tokens does nothing with --loss-impl full; add --loss-impl chunked")
+    if args.mlp_tile_tokens is not None and not args.tiled_mlp:
+        raise EstimateError("--mlp-tile-tokens does nothing without --tiled-mlp; add --tiled-mlp")
+
+
+def _check_files(args) -> None:
+    cal = args.step_time_calibration
+    if cal is not None:
+        from memfit.estimate import timing
+
+        if not Path(cal).is_file():
+            raise EstimateError(f"--step-time-calibration {cal}: no such file")
+        try:
+            timing.load(cal)
+        except (timing.CalibrationFileError, UnicodeDecodeError) as exc:
+            raise EstimateError(f"--step-time-calibration {exc}") from None
+    if args.trace_cache is not None:
+        if args.activations != "traced":
+            raise EstimateError("--trace-cache does nothing without --activations traced")
+        cache = Path(args.trace_cache)
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EstimateError(f"--trace-cache {cache}: cannot create it ({exc.strerror})") from None
+        if not cache.is_dir() or not os.access(cache, os.W_OK):
+            raise EstimateError(f"--trace-cache {cache}: not a writable directory")
+
+
+def fill_defaults(args) -> None:
+    """After the checks: --seq-len and --micro-batch as the estimate reads them."""
+    if args.seq_len is None:
+        args.seq_len = SEQ_LEN_DEFAULT
+    if args.micro_batch is None:
+        args.micro_batch = MICRO_BATCH_DEFAULT
+
+
+def search_bound(args, arch) -> tuple[int, str]:
+    """`fit`'s upper bound and what sets it: the model's context for seq_len (65,536 for a model
+    that states none, core.fit's default), MAX_MICRO_BATCH for the micro batch."""
+    if args.maximize == "seq_len":
+        context = arch.max_position_embeddings
+        if context:
+            return context, f"{arch.name}'s context (max_position_embeddings)"
+        return 65_536, "the search's cap (the model states no context length)"
+    return MAX_MICRO_BATCH, "memfit's micro batch bound (CUDA's grid y dimension, FlashAttention-2)"
