@@ -291,6 +291,16 @@ def selected_json(path, rows):
     path.write_text(json.dumps(sel))
 
 
+def start_dirs(tmp_path):
+    """A model and a prepared data directory as the train stage checks and hashes them (memfit.train.identity)."""
+    model, data = tmp_path / "m", tmp_path / "d"
+    model.mkdir()
+    data.mkdir()
+    (model / "config.json").write_text("{}")
+    (data / "train.parquet").write_bytes(b"rows")
+    return str(model), str(data)
+
+
 def ranks_that(monkeypatch, behaviour):
     """Replace the launcher: `behaviour[candidate id](run, out_dir)` does what the ranks would and
     returns the exit code; the calls are recorded as (run config file name, candidate id)."""
@@ -317,7 +327,8 @@ def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(t
     first = cand(zero=2, micro_batch=8, grad_accum=1)
     other = cand(zero=2, micro_batch=8, grad_accum=1, precision="bf16")
     second = cand(zero=2, micro_batch=4, grad_accum=2)
-    base = RunConfig(method="sft", model_path="m", data_dir="d", out_dir=str(out), candidate=first)
+    model, data = start_dirs(tmp_path)
+    base = RunConfig(method="sft", model_path=model, data_dir=data, out_dir=str(out), candidate=first)
     job.mkdir()
     base.save(job / "run.json")
     selected_json(job / "selected.json", [row(first), row(other), row(second)])
@@ -364,13 +375,16 @@ def test_pipeline_train_falls_back_records_it_and_continues_a_crashed_fallback(t
     with pytest.raises(RuntimeError, match=r"training failed \(exit code 1\)"):
         pipeline.train(job / "run.json", 1, job / "train.log")
     ids = [Candidate.from_dict(c).id for c in (first, other, second)]
-    assert calls == [("run.json", ids[0]), ("run.fallback-1.json", ids[2])]
+    # the ranks read a copy of run.json with the content digests (run.json, select_config's output, stays)
+    assert calls == [("run.resolved.json", ids[0]), ("run.fallback-1.json", ids[2])]
     line = f"memfit: OOM fallback 1: {ids[0]} ran out of device memory at step 6 (checkpoint save, 101 B live > 100 B); continuing with {ids[2]} from step 3"
     assert line in capfd.readouterr().err and line in (job / "train.log").read_text()
     assert not (out / "checkpoints/step00000006").exists()  # the half-written save is gone
     nxt = RunConfig.load(out / "run.fallback-1.json")
     assert (
-        nxt.candidate == second and nxt.fallback == 1 and dataclasses.replace(nxt, candidate=first, fallback=0) == base
+        nxt.candidate == second
+        and nxt.fallback == 1
+        and dataclasses.replace(nxt, candidate=first, fallback=0, inputs={}) == base
     )
 
     # the job is re-run (crash, preemption): it continues with the fallback, not with run.json
@@ -415,10 +429,11 @@ def test_without_an_oom_marker_a_failed_training_is_not_a_fallback(tmp_path, mon
     from memfit.workflow import pipeline
 
     job = tmp_path / "sft"
+    model, data = start_dirs(tmp_path)
     base = RunConfig(
         method="sft",
-        model_path="m",
-        data_dir="d",
+        model_path=model,
+        data_dir=data,
         out_dir=str(job / "train"),
         candidate=cand(zero=2),
     )

@@ -172,7 +172,7 @@ def test_precomputed_reference_trains_the_same_with_less_memory(demo_model, dpo_
     _, with_model = dpo_ref_runs[(zero, "model")]
     assert losses(pre) == pytest.approx(losses(with_model), rel=1e-5)
     assert losses(pre, "eval") == pytest.approx(losses(with_model, "eval"), rel=1e-5)
-    assert (pre_dir / "ref_logps.pt").exists()
+    assert (pre_dir / "ref_logps.safetensors").exists()
     peak = {
         name: max(r["peak_allocated_bytes"] for r in rows if r["split"] == "train")
         for name, rows in (("model", with_model), ("pre", pre))

@@ -1,4 +1,5 @@
-"""Whether a checkpoint continues this run, and how it loads: the run-config fields that must
+"""Whether a checkpoint continues this run, and how it loads: the content it started from
+(`inputs`: model, reference and data digests, `input_changes`), the run-config fields that must
 match (`MUST_MATCH`), what may differ when the number of ranks changes (`RESHARD_MAY_DIFFER`) or
 after an OOM fallback (`LEVERS`), and the load mode (`SAME`, `DIRECT`, `UNIVERSAL_LOAD`) each
 difference needs (`check_compatible`, `resume_mode`). Pure functions of the checkpoint's
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.space import Candidate
+from memfit.train.run_config import RunRefused
 
 # Fields of the run config that must match for a checkpoint to continue the same run.
 MUST_MATCH = (
@@ -28,6 +30,8 @@ MUST_MATCH = (
     "loss_on",
     "packing",
 )
+# What a run starts from: compared by content (RunConfig.inputs), by path only where a side has no digests.
+PATHS = ("model_path", "ref_model_path")
 # Candidate fields that may differ when the number of ranks changes: gradient accumulation absorbs
 # the change so that the global batch (micro x accum x ranks), hence the data order, stays the same.
 RESHARD_MAY_DIFFER = ("grad_accum",)
@@ -69,7 +73,8 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
     then, now = meta["run_config"], run_config
     resharded = then_world != world
     levers = bool(now.get("fallback"))  # an OOM fallback: the levers may differ (memfit.workflow.fallback)
-    diffs = [
+    diffs = input_changes(then, now)
+    diffs += [
         f"{k}: checkpoint {then.get(k)!r} != now {now.get(k)!r}"
         for k in MUST_MATCH
         if k != "candidate" and then.get(k) != now.get(k)
@@ -104,7 +109,7 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
                 f"\n(written by {then_world} ranks, now {world}, ZeRO-{c_then.get('zero')}: on another number "
                 "of ranks only grad_accum may change, keeping the global batch)"
             )
-        raise ValueError(
+        raise RunRefused(
             f"checkpoint {where} belongs to a different run and was not loaded:\n  "
             + "\n  ".join(diffs)
             + note
@@ -115,6 +120,22 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
     if not resharded:
         return SAME
     return resume_mode(c_then, then_world, world, where)
+
+
+def input_changes(then: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What the run starts from, compared by content (`inputs`, memfit.train.identity): the policy
+    model, the DPO reference and the prepared data. A checkpoint that predates the digests (or a
+    run started without a launcher, which records none) is compared by the model paths instead."""
+    from memfit.train import identity
+
+    then_in, now_in = then.get("inputs") or {}, now.get("inputs") or {}
+    if then_in and now_in:
+        return identity.changes(then_in, now_in)
+    return [
+        f"{k}: checkpoint {then.get(k)!r} != now {now.get(k)!r} (the checkpoint records no content digest)"
+        for k in PATHS
+        if k in then and k in now and then[k] != now[k]
+    ]
 
 
 def _defaults() -> dict[str, Any]:
@@ -136,13 +157,13 @@ def layout_change_mode(c_then: dict[str, Any], c_now: dict[str, Any], where: Pat
     """
     z_then, z_now = int(c_then.get("zero", 2)), int(c_now.get("zero", 2))
     if z_then == 0 or z_now == 0:
-        raise ValueError(
+        raise RunRefused(
             f"checkpoint {where} was written with ZeRO-{z_then} and cannot continue under ZeRO-{z_now}: "
             "DeepSpeed converts only ZeRO-1/2/3 optimizer shards into a universal checkpoint, and the "
             "Adam moments would restart from zero otherwise"
         )
     if z_then == 3 and z_now != 3:
-        raise ValueError(
+        raise RunRefused(
             f"checkpoint {where} was written with ZeRO-3 and cannot continue under ZeRO-{z_now}: DeepSpeed's "
             "ZeRO-3 conversion keeps no per-parameter Adam step (ds_to_universal.py `extract_zero_shards_stage3`), "
             "so Adam's bias correction would restart"
@@ -153,7 +174,7 @@ def layout_change_mode(c_then: dict[str, Any], c_now: dict[str, Any], where: Pat
             and c.get("offload_optimizer", "none") != "none"
             and float(c.get("offload_ratio", 1.0)) < 1.0
         ):
-            raise ValueError(
+            raise RunRefused(
                 f"checkpoint {where} cannot change ZeRO stage or offload: {when} with ZeRO-3 partial optimizer "
                 f"offload (offload_ratio {c.get('offload_ratio')}), which has no universal-checkpoint load in "
                 "DeepSpeed (the device-resident optimizer state would be lost)"
@@ -184,7 +205,7 @@ def resume_mode(cand: dict[str, Any], then_world: int, world: int, where: Path) 
         # `load_hp_checkpoint_state_from_checkpoint_dir_stage3`): the device part's moments would
         # silently restart from zero. Which sub-groups stay on the device also depends on the
         # number of partitions (`subgroup_to_device`, stage3.py 1099-1108).
-        raise ValueError(
+        raise RunRefused(
             f"checkpoint {where} was written by {then_world} ranks and cannot be resumed on {world}: "
             f"ZeRO-{stage} with partial optimizer offload (offload_ratio {cand.get('offload_ratio')}) "
             "has no universal-checkpoint load in DeepSpeed (the device-resident optimizer state would be "

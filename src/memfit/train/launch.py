@@ -246,10 +246,16 @@ def launch(
     timeout_s: float | None = None,
     nnodes: int = 1,
     rank_command: str = "train",
+    resolve: bool = False,
 ) -> int:
-    """Run all ranks; stdout/stderr go to `log` (appended) or are inherited. Returns the exit code.
+    """Run all ranks; stdout/stderr go to `log` (appended) or to the console. Returns the exit code.
     `rank_command` train (`config` is a run.json) or calibrate (`config` is a calibration spec,
-    memfit.train.calibrate; one node).
+    memfit.train.calibrate; one node). `resolve`: the ranks get a copy of the run config with the
+    content digests of what it starts from (memfit.train.identity `resolve_launch_config`; paths
+    checked before any rank starts).
+
+    On the console (no `log`, one node) a refusal every rank raises (RunRefused) is printed once,
+    as `memfit: error: ...`, and the exit code is REFUSED_EXIT_CODE (memfit.train.rank_output).
 
     Inside a SLURM job of `nnodes` > 1 nodes started as one task (a Snakemake rule under the
     executor plugin, or a batch script), this starts one launcher per node with `srun`
@@ -264,6 +270,10 @@ def launch(
     rank._die_with_parent).
     """
 
+    if resolve and rank_command == "train":
+        from memfit.train.identity import resolve_launch_config
+
+        config = resolve_launch_config(Path(config))
     srun = per_node_srun(nnodes, os.environ) if rank_command == "train" else None
     rdzv = None
     if srun is not None:
@@ -285,13 +295,23 @@ def launch(
         out.write("$ " + ranks + " ".join(cmd) + "\n")
         out.flush()
     env = launch_env(threads)
+    console = None
+    if port is not None and out is None and rank_command == "train":
+        from memfit.train.rank_output import RankOutput
+
+        console = RankOutput(sys.stdout, sys.stderr)
     proc: subprocess.Popen | LocalRanks
     if port is not None:
-        proc = LocalRanks(cmd, nproc, env, port, stdout=out, preexec_fn=_ignore_sigusr1)
+        stdout = subprocess.PIPE if console is not None else out
+        proc = LocalRanks(cmd, nproc, env, port, stdout=stdout, preexec_fn=_ignore_sigusr1)
+        for p in proc.procs if console is not None else ():
+            console.attach(p.stdout)
     else:
+        from memfit.train.identity import RESOLVED_ENV
+
         proc = subprocess.Popen(
             cmd,
-            env=env if srun is None else srun_env(env),
+            env=env if srun is None else srun_env(env) | {RESOLVED_ENV: "1"},
             stdout=out,
             stderr=subprocess.STDOUT if out else None,
             preexec_fn=None if srun is not None else _ignore_sigusr1,
@@ -302,10 +322,16 @@ def launch(
             forwarded[sig] = signal.signal(sig, lambda signum, _frame: _forward(proc, signum, to_ranks=srun is None))
     try:
         rc = proc.wait(timeout=timeout_s)
+        if console is not None:
+            console.join()
         if rc != 0 and _preempted(config):
             from memfit.train.run_config import PREEMPTED_EXIT_CODE
 
             return PREEMPTED_EXIT_CODE  # stopped by the signal (torchrun exits 1); the ranks saved
+        if rc != 0 and console is not None and console.refused:
+            from memfit.train.run_config import REFUSED_EXIT_CODE
+
+            return REFUSED_EXIT_CODE
         return rc
     except subprocess.TimeoutExpired:
         proc.kill()
@@ -373,4 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--nproc must be >= 1, got {args.nproc}")
     if args.nnodes < 1:
         ap.error(f"--nnodes must be >= 1, got {args.nnodes}")
-    return launch(args.config, args.nproc, nnodes=args.nnodes)
+    from memfit.train.identity import resolve_launch_config
+    from memfit.train.run_config import REFUSED_EXIT_CODE
+
+    try:  # before any rank starts: the run config, the model and data directories, their digests
+        config = resolve_launch_config(args.config)
+    except (ValueError, TypeError) as e:
+        print(f"memfit launch: error: {e}", file=sys.stderr)
+        return REFUSED_EXIT_CODE
+    return launch(config, args.nproc, nnodes=args.nnodes)

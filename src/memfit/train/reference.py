@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import time
 import weakref
@@ -125,19 +126,60 @@ def reference_logps(
     return torch.tensor(totals, dtype=torch.float64).view(len(rows), 2)
 
 
+CACHE = "ref_logps.safetensors"  # in out_dir: {split: [rows, 2] float64}, its key in the metadata
+LEGACY_CACHE = "ref_logps.pt"  # a pickle (memfit < issue 41): never loaded, removed
+
+
+def cache_key(cfg, sizes: dict[str, int]) -> dict[str, str] | None:
+    """What the cached log-probs were computed from: the reference model's and the prepared data's
+    SHA-256 (RunConfig.inputs, memfit.train.identity) and the rows per split. None without digests
+    (a run not started by memfit's launcher): nothing is reused then."""
+    ref, data = cfg.inputs.get("ref"), cfg.inputs.get("data")
+    if not ref or not data:
+        return None
+    return {"ref_sha256": ref, "data_sha256": data, "sizes": json.dumps(sizes, sort_keys=True)}
+
+
+def load_cached(path, key: dict[str, str] | None) -> dict[str, torch.Tensor] | None:
+    """The cached log-probs when `path` was written for `key`, else None. safetensors holds
+    tensors and string metadata only: reading it runs no code from the run folder."""
+    from safetensors import SafetensorError, safe_open
+
+    if key is None or not path.exists():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if f.metadata() != key:
+                return None
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except (SafetensorError, OSError, ValueError):  # torn or foreign: computed again
+        return None
+
+
+def save_cached(path, key: dict[str, str], values: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in values.items()}, str(tmp), metadata=key)
+    os.replace(tmp, path)
+
+
 def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
     """ref=precomputed (`run` is the memfit.train.loop.Run at hand): one inference pass of the reference over every row (only the worst-case
     rows for a probe) before the policy exists, so training holds no reference model. The
-    log-probs are cached in out_dir/ref_logps.pt and reused on resume."""
-    cache = run.out / "ref_logps.pt"
+    log-probs are cached in out_dir/ref_logps.safetensors, keyed on the reference model's and the
+    data's content (`cache_key`), and reused on resume; another SFT model computes them again."""
+    cache = run.out / CACHE
     ref_path = run.cfg.ref_model_path or run.cfg.model_path
     # the probe's rows are the very objects probe() runs (they receive the log-probs below)
     splits = (
         {"probe": run._worst_case_units()} if run.cfg.probe_steps else {"train": run.train_rows, "eval": run.eval_rows}
     )
     sizes = {k: len(v) for k, v in splits.items()}
-    stored = torch.load(cache, weights_only=False) if cache.exists() else None
-    if stored is None or stored["ref_path"] != ref_path or stored["sizes"] != sizes:
+    key = None if run.cfg.probe_steps else cache_key(run.cfg, sizes)
+    values = load_cached(cache, key)
+    if values is None:
         engine = reference_engine(run.cand, ref_path, ds_cfg, run.cfg.qlora_quant_type, run.cfg.mlp_tile_tokens)
         t0 = time.perf_counter()
         values = {
@@ -163,11 +205,9 @@ def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
             torch.cuda.empty_cache()
         left = sum(n for ref, n in weights if ref() is not None)
         run.log(f"reference model released: {left / MIB:.1f} MiB of its parameters still allocated")
-        stored = {"ref_path": ref_path, "sizes": sizes, "values": values}
-        if run.rank == 0 and not run.cfg.probe_steps:
-            run.out.mkdir(parents=True, exist_ok=True)
-            torch.save(stored, run.out / "ref_logps.pt.tmp")
-            os.replace(run.out / "ref_logps.pt.tmp", cache)
+        if run.rank == 0 and key is not None:
+            save_cached(cache, key, values)
+            (run.out / LEGACY_CACHE).unlink(missing_ok=True)
     for k, rows in splits.items():
-        for row, (chosen, rejected) in zip(rows, stored["values"][k].tolist(), strict=True):
+        for row, (chosen, rejected) in zip(rows, values[k].tolist(), strict=True):
             row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected

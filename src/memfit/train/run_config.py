@@ -15,6 +15,13 @@ from memfit.space import Candidate
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
 PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
 PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; the stopped ranks exit 1
+METHODS = ("sft", "dpo")  # what the trainer runs (memfit.train.losses)
+REFUSED_EXIT_CODE = 2  # `memfit launch`: the ranks refused the run (RunRefused), as for any bad input
+
+
+class RunRefused(ValueError):
+    """A clear refusal a rank raises (every rank alike): `memfit launch` prints its message once,
+    without the ranks' tracebacks (memfit.train.rank_output), and exits with REFUSED_EXIT_CODE."""
 
 
 @dataclass
@@ -59,6 +66,9 @@ class RunConfig:
     mlp_tile_tokens: int | None = None  # candidate.tiled_mlp: tokens per sequence in a tile (None: hidden size)
     device_capacity_bytes: int | None = None  # without CUDA: live tensor bytes per rank above this raise OOM
     fallback: int = 0  # n > 0: the n-th OOM fallback (memfit.workflow.fallback): resumes checkpoints of earlier candidates that differ in levers only
+    # SHA-256 of what the run starts from, {"model", "ref" (DPO), "data"} (memfit.train.identity): set
+    # by the launcher in a copy of the run config; checkpoints and the DPO reference cache are tied to it
+    inputs: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> RunConfig:
@@ -70,6 +80,11 @@ class RunConfig:
         return cls(**d)
 
     def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            allowed = ", ".join(repr(m) for m in METHODS)
+            raise ValueError(
+                f"invalid run config: method {self.method!r} is not one memfit trains (allowed: {allowed})"
+            )
         problems = option_problems(self.method, self.loss_on, self.packing, self.export_format, [self.cand.finetune])
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))

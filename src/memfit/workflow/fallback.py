@@ -156,18 +156,38 @@ def load_state(base: Any) -> list[dict[str, Any]]:
     return []
 
 
+def clear_state(out_dir: str | Path) -> None:
+    """Forget the fallbacks of a run that was set aside (its checkpoints belong to other inputs)."""
+    out = Path(out_dir)
+    (out / STATE).unlink(missing_ok=True)
+    for p in out.glob("run.fallback-*.json"):
+        p.unlink()
+
+
 def save_state(base: Any, records: list[dict[str, Any]]) -> None:
     write_json_atomic(Path(base.out_dir) / STATE, {"base": dataclasses.asdict(base), "fallbacks": records})
 
 
 def effective_run_json(run_json: str | Path) -> Path:
     """The run config the run in run.json's directory last trained with: run.json, or after OOM
-    fallbacks the newest `train/run.fallback-<n>.json` (what verify_resume must resume with)."""
+    fallbacks the newest `train/run.fallback-<n>.json` (what verify_resume must resume with); the
+    copy with the content digests the train stage launched (`<out_dir>/run.resolved.json`,
+    memfit.train.identity) where it is that config's, so the resume continues the same inputs."""
+    from memfit.train.identity import resolved_path
     from memfit.train.run_config import RunConfig
 
     base = RunConfig.load(run_json)
     records = load_state(base)
-    return fallback_config_path(base.out_dir, len(records)) if records else Path(run_json)
+    path = fallback_config_path(base.out_dir, len(records)) if records else Path(run_json)
+    resolved = resolved_path(path, base.out_dir)
+    if resolved != path and resolved.exists():
+        try:
+            copy = RunConfig.load(resolved)
+        except (ValueError, TypeError):
+            return path
+        if dataclasses.replace(copy, inputs={}) == dataclasses.replace(RunConfig.load(path), inputs={}):
+            return resolved
+    return path
 
 
 def oom_markers(out_dir: str | Path) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 Every Snakemake `script:` calls one function here with paths and the config (a
 `memfit.workflow.config.WorkflowConfig`, or the validated dict Snakemake holds); this is where the
 config meets the library (catalog, estimate, probe, select, train), so the stages can be run
-and tested without Snakemake. The resume check (`verify_resume`) lives in `memfit.workflow.resume_check`.
+and tested without Snakemake. The train stage lives in `memfit.workflow.training`. The resume check (`verify_resume`) lives in `memfit.workflow.resume_check`.
 """
 
 from __future__ import annotations
@@ -11,18 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-import shutil
 from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
 from memfit.estimate import catalog
-from memfit.train import checkpoint
-from memfit.train.run_config import RunConfig
 from memfit.workflow.config import WorkflowConfig
 from memfit.workflow.none_fits import export_files, write_none_fits
 from memfit.workflow.rows import Budget
 from memfit.workflow.select import NoneFits, choose, judge
+from memfit.workflow.training import set_aside_stale_checkpoints, train  # noqa: F401 - the train stage
 
 
 # --------------------------------------------------------------------------- stages
@@ -54,8 +52,8 @@ def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = Non
     """The config's `estimate:`, with this machine's step-time calibration (the calibrate stage) if any."""
     from memfit.estimate import Settings
 
-    est, train = cfg.estimate, cfg.raw.get("train") or {}  # and the tile sizes the trainer will use
-    kw = {k: train.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")} | {"trace_cache": est.get("trace_cache")}
+    est, train_cfg = cfg.estimate, cfg.raw.get("train") or {}  # and the tile sizes the trainer will use
+    kw = {k: train_cfg.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")} | {"trace_cache": est.get("trace_cache")}
     cal = str(calibration) if calibration else None
     return Settings(activations=est.get("activations", "analytic"), step_time_calibration=cal, **kw)
 
@@ -356,123 +354,6 @@ def _nodes_that_fit(cfg: WorkflowConfig, model: str, gpu: str, method: str, b: B
             best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
             return f"would fit on {nodes} nodes (estimate; {cfg.num_gpus} {gpu} per node, fastest there: {best.id})"
     return f"would not fit on up to {MAX_NODES_HINT} nodes of {cfg.num_gpus} {gpu} either (estimate)"
-
-
-def train(run_json: Path, nproc: int, log: Path, nnodes: int = 1, selected_json: Path | None = None) -> dict[str, Any]:
-    """Train run.json's candidate; after a device OOM fall back to the next candidate of
-    selected.json's ranking that keeps the training dynamics, from the newest complete
-    checkpoint (memfit.workflow.fallback), until the run completes or no candidate is left.
-
-    Writes train/summary.json with `fallbacks`: one record per switch (empty without any)."""
-    from memfit.train.launch import launch
-    from memfit.workflow import fallback
-
-    run_json, log = Path(run_json), Path(log)
-    base = RunConfig.load(run_json)
-    records = fallback.load_state(base)  # a re-run after a crash continues with the last fallback
-    run_path = fallback.fallback_config_path(base.out_dir, len(records)) if records else run_json
-    run = RunConfig.load(run_path)
-    set_aside_stale_checkpoints(run, log)
-    out = Path(run.out_dir)
-    ranking: list[dict[str, Any]] | None = None
-    while True:
-        fallback.clear_oom_markers(out)
-        rc = launch(run_path, nproc, log=log, nnodes=nnodes)
-        if rc == 0:
-            break
-        markers = fallback.oom_markers(out)
-        if not markers:
-            raise RuntimeError(
-                f"training failed (exit code {rc}); see {log}. Re-running resumes from the newest checkpoint."
-            )
-        if ranking is None:
-            ranking = fallback.load_ranking(
-                Path(selected_json) if selected_json else run_json.with_name("selected.json")
-            )
-        record, run = _fall_back(base, run, records, markers[0], ranking, nproc * nnodes, log)
-        records.append(record)
-        run_path = fallback.fallback_config_path(out, len(records))
-        run.save(run_path)
-        fallback.save_state(base, records)  # after the run config it names: a re-run finds both
-    fallback.clear_oom_markers(out)
-    summary = json.loads((out / "summary.json").read_text())
-    summary["fallbacks"] = records
-    summary["trained_candidate"] = run.cand.id
-    write_json_atomic(out / "summary.json", summary)
-    return summary
-
-
-def _fall_back(
-    base: RunConfig,
-    run: RunConfig,
-    records: list[dict[str, Any]],
-    marker: dict[str, Any],
-    ranking: list[dict[str, Any]],
-    world: int,
-    log: Path,
-) -> tuple[dict[str, Any], RunConfig]:
-    """After `run` ran out of device memory: the fallback record and the next run config, or a
-    RuntimeError naming every candidate tried and why the others were refused."""
-    import sys
-
-    from memfit.workflow import fallback
-
-    ckpts = Path(run.out_dir) / "checkpoints"
-    checkpoint.remove_incomplete(ckpts, log=lambda msg: _say(log, msg))  # a save the OOM cut short
-    found = checkpoint.latest_valid(ckpts, log=lambda msg: _say(log, msg))
-    writer, step = None, 0
-    if found is not None:
-        meta = json.loads((found[0] / found[1] / "memfit.json").read_text())
-        writer, step = meta["run_config"]["candidate"], int(meta["step"])
-    tried = [base.cand.id] + [r["to"] for r in records]
-    where = f"at step {marker.get('step')} ({marker.get('phase', 'unknown phase')}"
-    if marker.get("live_bytes") and marker.get("capacity_bytes"):
-        where += f", {marker['live_bytes']} B live > {marker['capacity_bytes']} B"
-    where += ")"
-    row, refused = fallback.next_candidate(ranking, base.candidate, run.candidate, writer, tried, world)
-    if row is None:
-        raise RuntimeError(
-            f"training ran out of device memory with {run.cand.id} {where}, and no candidate is left to fall back to.\n"
-            f"Tried: {', '.join(tried)}.\nRefused (fitting candidates of selected.json):\n  "
-            + ("\n  ".join(refused) or "none")
-            + f"\nSee {log}. Raise the budget's headroom (or widen the search space) and re-run select_config."
-        )
-    rec = fallback.record(marker, step, run.cand.id, row["id"])
-    nxt = dataclasses.replace(base, candidate=row["candidate"], fallback=len(records) + 1)
-    msg = (
-        f"memfit: OOM fallback {len(records) + 1}: {run.cand.id} ran out of device memory {where}; "
-        f"continuing with {row['id']} from {'step ' + str(step) if found else 'the start (no checkpoint yet)'}"
-    )
-    _say(log, msg)
-    print(msg, file=sys.__stderr__, flush=True)  # the console, also when stderr goes to the rule's log
-    return rec, nxt
-
-
-def _say(log: Path, msg: str) -> None:
-    with open(log, "a") as f:
-        f.write(msg + "\n")
-
-
-def set_aside_stale_checkpoints(run: RunConfig, log: Path) -> None:
-    """Snakemake re-runs `train` when the selected configuration changed: checkpoints of the
-    previous configuration cannot continue this run, so they move to `checkpoints.previous`
-    (replacing an older one) instead of blocking the run; a crash of the same run resumes."""
-    ckpts = Path(run.out_dir) / "checkpoints"
-    found = checkpoint.latest_valid(ckpts, log=lambda _msg: None)
-    if found is None:
-        return
-    meta = json.loads((found[0] / found[1] / "memfit.json").read_text())
-    try:
-        checkpoint.check_compatible(meta, dataclasses.asdict(run), found[0] / found[1], world=int(meta["world_size"]))
-        return
-    except ValueError as e:
-        reason = str(e).splitlines()[1:-1]
-    dest = ckpts.with_name("checkpoints.previous")
-    shutil.rmtree(dest, ignore_errors=True)
-    ckpts.rename(dest)
-    (Path(run.out_dir) / "metrics.jsonl").unlink(missing_ok=True)
-    with open(log, "a") as f:
-        f.write(f"configuration changed; moved old checkpoints to {dest}:\n" + "\n".join(reason) + "\n")
 
 
 def log_to(path: str | Path) -> None:
