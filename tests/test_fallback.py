@@ -460,6 +460,10 @@ def test_a_zero2_universal_checkpoint_is_made_loadable_by_zero3(tmp_path, monkey
     for name in ("a.weight", "b.weight"):
         torch.save(3, conv / "zero" / name / "step.pt")
     torch.save({"global_steps": 3}, conv / "mp_rank_00_model_states.pt")
+    src = tmp_path / "checkpoints/step00000003"  # a source and the manifest ensure_universal writes
+    src.mkdir()
+    (src / "memfit.json").write_text("{}")
+    checkpoint.record_conversion(conv, src)
     checkpoint.universal_for_stage(tmp_path / "checkpoints", "step00000003", 3)
     sd = torch.load(conv / "zero/optimizer_state.pt", weights_only=False)
     assert sd["optimizer_state_dict"] == {
@@ -471,6 +475,7 @@ def test_a_zero2_universal_checkpoint_is_made_loadable_by_zero3(tmp_path, monkey
     assert sorted(p.name for p in conv.rglob(".*")) == []  # no temporary left
     torch.save(4, conv / "zero/b.weight/step.pt")  # parameters disagree: refused, not guessed
     torch.save({"ds_version": "0.19.8", "param_groups": groups}, conv / "zero/optimizer_state.pt")
+    checkpoint.record_conversion(conv, src)
     with pytest.raises(
         checkpoint.CheckpointError,
         match=r"expected one Adam step over all parameters, found \[3, 4\]",

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from memfit.train import checkpoint, resume_ram
+from memfit.train import checkpoint, checkpoint_digest, resume_ram
 from memfit.train.modeling import DTYPE
 from memfit.units import gib
 
@@ -42,18 +42,27 @@ def checkpoint_bytes(run) -> int:
 
 def plan_resume(run) -> tuple[Path, str, str] | None:
     """(checkpoint root, tag, how it loads: checkpoint.SAME/DIRECT/UNIVERSAL_LOAD) or None for
-    a fresh start. Raises when the checkpoint is another run's or cannot follow this world size."""
+    a fresh start. `resume: auto` takes the newest checkpoint whose manifest, step (within the
+    run's `total_steps`) and every file's SHA-256 check out, passing over the others with a
+    warning; an explicit `resume: <path>` that fails them is refused. Raises when the checkpoint
+    is another run's or cannot follow this world size."""
     cfg = run.cfg
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
-        found = checkpoint.latest_valid(run.ckpt_root, log=run.log)
+        found = checkpoint.latest_valid(run.ckpt_root, log=run.log, digests=True, max_step=run.total_steps)
         if found is None:
             return None
         root, tag = found
     else:
         p = Path(cfg.resume)
         root, tag = p.parent, p.name
+        _meta, problem = checkpoint_digest.verify(p, max_step=run.total_steps)
+        if problem is not None:
+            raise checkpoint.CheckpointError(
+                f"resume: {p} cannot be resumed from: {problem}. Nothing was loaded; name another "
+                "checkpoint, or `resume: auto` to take the newest sound one."
+            )
     meta = json.loads((root / tag / "memfit.json").read_text())
     run.step_now = int(meta["step"])  # an OOM while loading it is recorded at its step
     return root, tag, checkpoint.check_compatible(meta, dataclasses.asdict(cfg), root / tag, world=run.world)

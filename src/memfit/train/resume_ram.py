@@ -48,7 +48,9 @@ def resume_host_bytes(root: Path, tag: str, mode: str, loader: str = "memfit") -
       shard plus the largest module-states file, what `ds_to_universal` holds with one worker.
     """
     src = Path(root) / tag
-    files: dict[str, int] = json.loads((src / "memfit.json").read_text())["files"]
+    # memfit.json's manifest, {name: {"size", "sha256"}} (a bare size before digests were recorded)
+    manifest = json.loads((src / "memfit.json").read_text())["files"]
+    files = {f: e["size"] if isinstance(e, dict) else int(e) for f, e in manifest.items()}
     shards = {int(m.group(1)): size for f, size in files.items() if (m := _OPTIM_SHARD.search(f))}
     z3_models = {int(m.group(1)): size for f, size in files.items() if (m := _Z3_MODEL.search(f))}
     mp_model = max((size for f, size in files.items() if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)), default=0)

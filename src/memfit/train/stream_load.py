@@ -19,6 +19,10 @@ again is still correct). A rank thus maps at most one chunk of a checkpoint at a
 what it holds for training. The checkpoint format and DeepSpeed's call path are unchanged; only
 files in torch's zip format (DeepSpeed's default, `checkpoint_serialization: true`) are mapped,
 others load as before.
+
+Every file loads with `weights_only=True` and the allow-list of DeepSpeed's own classes
+(memfit.train.checkpoint_digest `load_weights_only`): a file of a run folder never runs code, and
+`memfit.train.checkpoint.load` has checked its SHA-256 against memfit's manifest before.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from memfit.train.checkpoint_digest import load_weights_only
 from memfit.units import CHECKPOINT_CHUNK_BYTES as CHUNK_BYTES
 
 _MADV_DONTNEED = 4  # <asm-generic/mman-common.h>
@@ -79,17 +84,18 @@ def release(ptr: int, nbytes: int) -> None:
 
 
 def load(path: str, map_location: Any = None) -> Any:
-    """`torch.load(path, map_location, weights_only=False)` with the file mapped where torch's zip
-    format allows it (its tensors registered as file-backed until `streamed_loading` ends)."""
+    """`torch.load(path, map_location, weights_only=True)` (DeepSpeed's classes allow-listed) with
+    the file mapped where torch's zip format allows it (its tensors registered as file-backed until
+    `streamed_loading` ends)."""
     with open(path, "rb") as fh:
         zipped = torch.serialization._is_zipfile(fh)
     if not zipped:
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return load_weights_only(path, map_location=map_location)
     global _mapping
     before = len(_mapped)
     _mapping = True  # the tensors torch.load sets onto the mapping count as file-backed at once
     try:
-        obj = torch.load(path, map_location=map_location, weights_only=False, mmap=True)
+        obj = load_weights_only(path, map_location=map_location, mmap=True)
     finally:
         _mapping = False
     ranges = _mapped[before:] + [r for r in map(_storage_range, tree_flatten(obj)[0]) if r is not None]

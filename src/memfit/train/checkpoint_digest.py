@@ -1,0 +1,304 @@
+"""What is checked before any file of a checkpoint is read, and how memfit reads it without
+running code from the run folder (a run folder is not a trusted place: cluster file systems are
+shared, and a pickle runs whatever its author put in it).
+
+Digests. At save time every file of a checkpoint is hashed (SHA-256, hashlib, read in
+`BLOCK_BYTES` blocks) into memfit.json's `files` manifest, `{name: {"size", "sha256"}}`, and the
+COMPLETE mark records the SHA-256 of memfit.json itself. `manifest_problem` reads COMPLETE and
+memfit.json (cheap: sizes only); `verify` also hashes every listed file. Either returns what is
+wrong in words naming the file, or None. Ranks share the hashing: each hashes its part of the
+files (largest first, to the least loaded rank), the verdicts are reduced over the ranks, so every
+rank chooses the same checkpoint. A file this process hashed and found matching is not hashed
+again while its inode, size, mtime and ctime are unchanged (ctime cannot be set back by a user
+process: any write to the file moves it).
+
+No pickle executed. `safe_loads()` makes every `torch.load` inside it (memfit's and DeepSpeed's:
+the shards, the universal conversion and its loader) a `weights_only=True` load with
+`_allowed_globals()`, the classes DeepSpeed 0.19's shards hold besides tensors and containers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import pickle
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.train import dist as dist_env
+
+BLOCK_BYTES = 8 << 20  # 8 MiB per read while hashing
+MANIFEST = "memfit.json"
+COMPLETE = "COMPLETE"
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_COMPLETE_LINE = re.compile(r"memfit\.json sha256 ([0-9a-f]{64})")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the previous one is left as it was."""
+
+
+def sha256_file(path: Path) -> str:
+    """The file's SHA-256, read `BLOCK_BYTES` at a time into one buffer."""
+    h = hashlib.sha256()
+    buf = bytearray(BLOCK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _signature(path: Path) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+# resolved path -> (signature, sha256) of files this process hashed and found as the manifest says
+_verified: dict[str, tuple[tuple[int, ...], str]] = {}
+
+
+def _shares(sizes: list[int], world: int) -> list[int]:
+    """Which rank hashes each file: largest first, to the rank with the fewest bytes so far."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+def _ranks() -> tuple[int, int]:
+    if dist_env.initialized():
+        import torch.distributed as tdist
+
+        return tdist.get_rank(), tdist.get_world_size()
+    return 0, 1
+
+
+def file_entries(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """`{name: {"size", "sha256"}}` of files under `directory`, hashed here."""
+    return {
+        n: {"size": (Path(directory) / n).stat().st_size, "sha256": sha256_file(Path(directory) / n)} for n in names
+    }
+
+
+def hash_files(directory: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """`file_entries` hashed by the ranks together: collective where a process group exists (the
+    names rank 0 listed are the ones every rank hashes its part of)."""
+    rank, world = _ranks()
+    if world == 1:
+        return file_entries(directory, names)
+    import torch.distributed as tdist
+
+    box: list[Any] = [names]
+    tdist.broadcast_object_list(box, src=0)
+    names = box[0]
+    sizes = [(Path(directory) / n).stat().st_size for n in names]
+    mine = file_entries(directory, [n for n, r in zip(names, _shares(sizes, world), strict=True) if r == rank])
+    gathered: list[Any] = [None] * world
+    tdist.all_gather_object(gathered, mine)
+    merged = {n: e for part in gathered for n, e in part.items()}
+    return {n: merged[n] for n in names}
+
+
+def complete_text(tag: str, manifest_sha256: str) -> str:
+    """The COMPLETE mark: the tag, and the SHA-256 of the memfit.json it publishes."""
+    return f"{tag}\n{MANIFEST} sha256 {manifest_sha256}\n"
+
+
+def manifest_problem(path: Path, max_step: int | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """(memfit.json's content, None) when the checkpoint's COMPLETE mark and manifest are sound and
+    every listed file has its recorded size; (None, what is wrong, naming the file) otherwise.
+    `max_step`: the run's last step; a checkpoint beyond it is not this run's."""
+    path = Path(path)
+    try:
+        mark = (path / COMPLETE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None, f"{path / COMPLETE} is missing or unreadable (the save never finished)"
+    m = _COMPLETE_LINE.search(mark)
+    if not m:
+        return None, (
+            f"{path / COMPLETE} records no SHA-256 of {MANIFEST}: a checkpoint written before memfit "
+            "checked digests (or an edited mark); its files cannot be verified"
+        )
+    try:
+        raw = (path / MANIFEST).read_bytes()
+    except OSError:
+        return None, f"{path / MANIFEST} is missing"
+    if hashlib.sha256(raw).hexdigest() != m.group(1):
+        return (
+            None,
+            f"{path / MANIFEST} was changed after the checkpoint was published (its SHA-256 differs from COMPLETE's)",
+        )
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        return None, f"{path / MANIFEST} is not valid JSON ({e})"
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not files:
+        return None, f"{path / MANIFEST} has no `files` manifest"
+    for name, entry in files.items():
+        ok = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and _HEX64.fullmatch(str(entry.get("sha256")))
+        )
+        if not ok or Path(name).is_absolute() or ".." in Path(name).parts:
+            return None, f"{path / MANIFEST}: malformed `files` entry {name!r} (needs a size and a SHA-256)"
+    step, world = meta.get("step"), meta.get("world_size")
+    if not isinstance(step, int) or isinstance(step, bool) or f"step{step:08d}" != path.name:
+        return None, f"{path / MANIFEST}: step {step!r} does not match the checkpoint's directory {path.name}"
+    if max_step is not None and step > max_step:
+        return None, f"{path / MANIFEST}: step {step} is beyond the run's end ({max_step} steps)"
+    if not isinstance(world, int) or world < 1:
+        return None, f"{path / MANIFEST}: world_size {world!r} is not a number of ranks"
+    for name, entry in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return None, f"{f} is missing"
+        if f.stat().st_size != entry["size"]:
+            return (
+                None,
+                f"{f} is {f.stat().st_size} bytes, the manifest says {entry['size']} (truncated or overwritten)",
+            )
+    return meta, None
+
+
+def rng_problem(path: Path, meta: dict[str, Any]) -> str | None:
+    """A checkpoint must list every writing rank's RNG state (a resume on as many ranks reads them)."""
+    world = meta["world_size"]
+    missing = [r for r in range(world) if f"rng.rank{r}.pt" not in meta["files"]]
+    return (
+        f"{Path(path) / MANIFEST} lists no rng.rank{missing[0]}.pt for rank {missing[0]} of {world}"
+        if missing
+        else None
+    )
+
+
+def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """Every file of `files` ({name: {"size", "sha256"}}) under `directory` has its recorded size and
+    SHA-256: None, or what is wrong naming the first bad file. Collective where a process group
+    exists (every rank calls it with the same `files`); every rank gets the same answer."""
+    directory = Path(directory)
+    names = sorted(files)
+    rank, world = _ranks()
+    before = [_signature(directory / n) for n in names]
+    owner = _shares([files[n]["size"] for n in names], world)
+    dist_env.barrier()  # every rank took its `before` before any hashing starts
+    # per file: 0 fine, 1 missing, 2 size differs, 3 SHA-256 differs, 4 changed while being read
+    codes = [0.0] * len(names)
+    for i, n in enumerate(names):
+        sig = before[i]
+        if sig is None:
+            codes[i] = 1
+        elif sig[2] != files[n]["size"]:
+            codes[i] = 2
+        elif owner[i] == rank:
+            key = str((directory / n).resolve())
+            cached = _verified.get(key)
+            if cached != (sig, files[n]["sha256"]):
+                got = sha256_file(directory / n)
+                if got != files[n]["sha256"]:
+                    codes[i] = 3
+                elif _signature(directory / n) != sig:
+                    codes[i] = 4
+    after = [_signature(directory / n) for n in names]
+    codes = [max(c, 4.0 if a != b else 0.0) for c, a, b in zip(codes, before, after, strict=True)]
+    codes = dist_env.all_reduce(codes, "max") if world > 1 else codes
+    for n, c in zip(names, codes, strict=True):
+        f = directory / n
+        if c == 1:
+            return f"{f} is missing"
+        if c == 2:
+            return f"{f} is not {files[n]['size']} bytes as the manifest says (truncated or overwritten)"
+        if c == 3:
+            return f"{f}: its SHA-256 differs from the manifest's (the file changed since it was saved)"
+        if c == 4:
+            return f"{f} changed while it was being verified"
+    for n, sig in zip(names, after, strict=True):
+        _verified[str((directory / n).resolve())] = (sig, files[n]["sha256"])
+    return None
+
+
+def verify(path: Path, max_step: int | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """`manifest_problem`, then the SHA-256 of every listed file (`verify_files`). Collective."""
+    meta, problem = manifest_problem(path, max_step)
+    if world_agrees(problem is None):
+        return meta, verify_files(path, meta["files"])
+    return None, problem or "another rank found this checkpoint's manifest unsound (see its log)"
+
+
+def world_agrees(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (itself without a process group)."""
+    return dist_env.min_over_ranks(1.0 if ok else 0.0) == 1.0
+
+
+# --------------------------------------------------------------------------- no pickle executed
+def _allowed_globals() -> list[Any]:
+    """Classes DeepSpeed 0.19.8 pickles into its checkpoint shards besides tensors, containers and
+    numbers (found by loading the demo's ZeRO-0/1/2/3, bf16/fp32, offload and LoRA checkpoints with
+    weights_only=True and reading the refusal; the source lines that save them):
+
+    - LossScaler, DynamicLossScaler: the optimizer shard's `loss_scaler` (stage_1_and_2.py and
+      stage3.py `state_dict`: `state_dict[LOSS_SCALER] = self.loss_scaler`; static for bf16/fp32,
+      dynamic for fp16); plain numbers inside, restored by setting attributes;
+    - ZeroStageEnum: stage3.py `state_dict[ZERO_STAGE] = ZeroStageEnum.weights` (an IntEnum);
+    - fragment_address: the `param_slice_mappings` of ZeRO-1/2 and BF16 optimizer shards
+      (utils/tensor_fragment.py, a dataclass of two ints: numel, start).
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def load_weights_only(path: Any, **kwargs: Any) -> Any:
+    """`torch.load(path, weights_only=True)` with `_allowed_globals()`; a refusal names the file."""
+    kwargs["weights_only"] = True
+    try:
+        with torch.serialization.safe_globals(_allowed_globals()):
+            return _torch_load(path, **kwargs)
+    except pickle.UnpicklingError as e:  # what torch raises for a refused global
+        first = str(e).split("\n\n")[-1].strip().splitlines()
+        raise CheckpointError(
+            f"{path} holds more than tensors and numbers ({' '.join(first[:2])[:300]}): refused without "
+            "running it. A checkpoint file from a run folder is loaded with weights_only=True; this one "
+            "was made by something other than memfit and DeepSpeed, or altered. Delete the checkpoint "
+            "(or resume from an earlier one) and re-run."
+        ) from e
+
+
+_torch_load = torch.load
+
+
+@contextlib.contextmanager
+def safe_loads() -> Iterator[None]:
+    """While active, every `torch.load(...)` (memfit's, DeepSpeed's loader and converter, whatever
+    `weights_only` they pass) loads with weights_only=True and the allow-list."""
+
+    @functools.wraps(_torch_load)
+    def load(f, *args, **kwargs):
+        kwargs.pop("weights_only", None)
+        if args:  # torch.load(f, map_location, pickle_module, ...): only map_location is ever positional
+            kwargs.setdefault("map_location", args[0])
+        return load_weights_only(f, **kwargs)
+
+    previous = torch.load
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = previous
