@@ -1,9 +1,12 @@
 """Snakemake script: select_config -> memfit.workflow.pipeline.select_config."""
 
 from memfit.workflow.pipeline import log_to, select_config
+from memfit.workflow.select import check_probe_files
 
 log_to(snakemake.log[0])
 w = snakemake.wildcards
+# a probe counts only for the GPU it ran on (memfit.workflow.select.WrongDevice names both)
+check_probe_files(snakemake.input.probes, w.gpu)
 select_config(
     snakemake.config,
     w.model,

@@ -196,3 +196,85 @@ def test_nothing_fits_names_the_closest_and_round_trips_as_a_selection():
     assert sel.selected is None and sel.none_fits == e.reason and sel.to_json() == doc
     with pytest.raises(RowError, match="selected: missing"):
         Selection.from_json(doc | {"none_fits": None})
+
+
+# -- measurements belong to what they measured (issue #41) ------------------------------------
+def write_probes(tmp_path, **devices):
+    """Probe files as the probe_candidate rule writes them, each with the device it ran on."""
+    paths = []
+    for cid, (name, total) in devices.items():
+        p = tmp_path / f"{cid}.json"
+        d = probe(cid, alloc_mib=40) | {"device": "cpu" if name == "cpu" else "cuda:0"}
+        p.write_text(json.dumps(d | {"device_name": name, "device_total_bytes": total}))
+        paths.append(str(p))
+    return paths
+
+
+def test_a_probe_of_another_device_is_refused_naming_both(tmp_path):
+    from memfit.workflow.select import WrongDevice, check_probe_files
+
+    cpu = write_probes(tmp_path, a=("cpu", 16 * 2**30))
+    with pytest.raises(WrongDevice) as e:
+        check_probe_files(cpu, "h100-80gb")
+    msg = str(e.value)
+    assert msg.startswith("gpus: [h100-80gb]: a probe counts only for the device it ran on")
+    assert "probes/a.json ran on the CPU, not on h100-80gb" in msg and "plan_only: true" in msg
+    a100 = write_probes(tmp_path, b=("NVIDIA A100-SXM4-80GB", 81920 * MiB))
+    with pytest.raises(WrongDevice, match=r"probes/b.json ran on NVIDIA A100-SXM4-80GB \(a100-80gb\), not on h100"):
+        check_probe_files(a100, "h100-80gb")
+    h100 = write_probes(tmp_path, c=("NVIDIA H100 80GB HBM3", 81559 * MiB))
+    check_probe_files(h100 + cpu[:0], "h100-80gb")  # the configured GPU: accepted
+    check_probe_files(cpu, "cpu")
+    # judge refuses the same way when it is told the GPU
+    with pytest.raises(WrongDevice):
+        judge([est("a", 1, 40, 1.0)], {"a": json.loads(Path(cpu[0]).read_text())}, BUDGET, 1, "sft", gpu="a100-80gb")
+
+
+def test_no_gpu_here_stops_a_gpu_config_before_it_measures(monkeypatch):
+    import torch
+
+    from memfit.workflow.probe import NoTargetDevice, require_target_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(NoTargetDevice) as e:
+        require_target_device("h100-80gb", plan_only=False, stage="probe_candidate")
+    msg = str(e.value)
+    assert msg.startswith("gpus: [h100-80gb] asks for a GPU, but this machine has none that CUDA can use")
+    assert "probe_candidate would measure the CPU" in msg
+    assert "`plan_only: true`" in msg and "`gpus: [cpu]`" in msg and "`gpus: [detect]`" in msg
+    require_target_device("h100-80gb", plan_only=True, stage="probe_candidate")  # a plan measures nothing
+    require_target_device("cpu", plan_only=False, stage="probe_candidate")
+
+
+def timed_probe(cid, alloc_mib, step_s, steady=None):
+    return probe(cid, alloc_mib=alloc_mib, step_s=step_s) | {
+        "device": "cpu",
+        "device_name": "cpu",
+        "steady_step_times_s": steady or [step_s, step_s],
+    }
+
+
+def test_within_the_noise_the_tie_rule_decides_and_selected_json_says_so():
+    # b is 10% faster than a but uses more memory: within the CPU's 15%, so less memory wins
+    estimates = [est("a", 1, 40, 1.0), est("b", 1, 60, 1.0)]
+    probes = {"a": timed_probe("a", 42, 1.1), "b": timed_probe("b", 70, 1.0)}
+    best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
+    assert best.id == "a"
+    d = best.to_json()["decision"]
+    assert d["by"] == "tie rule" and d["runner_up"] == "b" and d["tied"] == ["a", "b"]
+    assert d["margin"] == pytest.approx(1.0 / 1.1 - 1, abs=1e-6) and d["noise"] == 0.15
+    assert d["tie_rule"].startswith("less device memory, then fewer levers")
+    assert next(r for r in ranked if r.id == "b").reason.startswith("tied: ")
+    # 30% apart: speed decides, with its margin over the runner-up
+    probes["a"] = timed_probe("a", 42, 1.3)
+    best, _ = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
+    assert best.id == "b" and best.reason == "selected: fastest that fits"
+    assert best.decision["by"] == "speed" and best.decision["margin"] == pytest.approx(0.3)
+
+
+def test_a_probe_spread_wider_than_the_stated_noise_widens_the_tie():
+    estimates = [est("a", 1, 40, 1.0), est("b", 1, 60, 1.0)]
+    # 30% apart, but b's own steps ranged 1.0 .. 1.5 s: a 50% spread, so not told apart
+    probes = {"a": timed_probe("a", 42, 1.3), "b": timed_probe("b", 70, 1.0, steady=[1.0, 1.0, 1.5])}
+    best, _ = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
+    assert best.id == "a" and best.decision["by"] == "tie rule" and best.decision["noise"] == pytest.approx(0.5)

@@ -15,8 +15,15 @@ from memfit.train.calibrate import plan
 CAND = Candidate(zero=3, grad_ckpt=True, micro_batch=4, grad_accum=4, seq_len=24, precision="fp32", attn="sdpa")
 
 
-def _write(tmp_path, compute, runtime, **meta):
+LLAMA = catalog.model("llama-2-7b")
+A100 = {"device_name": "NVIDIA A100-SXM4-80GB", "device_total_bytes": 81920 * 2**20, "backend": "nccl"}
+H100 = {"device_name": "NVIDIA H100 80GB HBM3", "device_total_bytes": 81559 * 2**20, "backend": "nccl"}
+
+
+def _write(tmp_path, compute, runtime, arch=LLAMA, **meta):
+    """A calibration file as memfit.train.calibrate writes it: of `arch` on 2 CPU ranks unless `meta` says otherwise."""
     d = {"format": timing.FORMAT, "measured_on": "2026-11-26T07:00:00+00:00", "device": "cpu (x86_64)", "world_size": 2}
+    d |= {"device_name": "cpu", "device_total_bytes": 16 * 2**30, "model": timing.model_identity(arch)}
     d |= {"threads_per_rank": 1, "backend": "gloo", "layers": [1, 4], **meta, "compute": compute, "runtime": runtime}
     p = tmp_path / "calibration.json"
     p.write_text(json.dumps(d))
@@ -96,10 +103,10 @@ def test_the_estimator_prices_from_the_calibration_where_it_applies(tmp_path):
     cand = dataclasses.replace(CAND, precision="bf16", seq_len=512)
     compute = {compute_key("sft", cand): {"1": 0.1, "4": 0.4}}
     runtime = {engine_key(cand): {"micro": {"1": 0.0, "4": 0.0}, "boundary": {"1": 0.2, "4": 0.2}}}
-    p = _write(tmp_path, compute, runtime)
+    p = _write(tmp_path, compute, runtime, device="NVIDIA A100-SXM4-80GB", **A100)
     gpu = catalog.gpu("a100-80gb")
     est = estimate(arch, gpu, 2, 1, "sft", cand, settings=Settings(step_time_calibration=str(p)))
-    assert est.time_source.startswith("measured 2026-11-26 on cpu (x86_64), 2 ranks x 1 threads (gloo)")
+    assert est.time_source.startswith("measured 2026-11-26 on NVIDIA A100-SXM4-80GB, 2 ranks x 1 threads (nccl)")
     assert est.step_time_s == pytest.approx(4 * 32 * 0.1 + 0.2)  # 32 layers of 0.1 s, 4 micro steps
     # another world size than the calibration's: the assumed model, saying why
     est8 = estimate(arch, gpu, 8, 1, "sft", cand, settings=Settings(step_time_calibration=str(p)))
@@ -145,14 +152,72 @@ def test_memfit_estimate_prints_where_its_step_time_comes_from(tmp_path, capsys)
     cand = Candidate(zero=2, micro_batch=1, grad_accum=1, seq_len=512, precision="bf16", attn="sdpa")
     compute = {compute_key("sft", cand): {"1": 0.1, "4": 0.4}}
     runtime = {engine_key(cand): {"micro": {"1": 0.01, "4": 0.04}, "boundary": {"1": 0.2, "4": 0.2}}}
-    p = _write(tmp_path, compute, runtime, world_size=1)
+    p = _write(tmp_path, compute, runtime, world_size=1, device="NVIDIA A100-SXM4-80GB", **A100)
     argv = ["--model", "llama-2-7b", "--gpu", "a100-80gb", "--zero", "2", "--seq-len", "512", "--attn", "sdpa"]
     main([*argv, "--no-grad-ckpt", "--step-time-calibration", str(p)])
     out = capsys.readouterr().out
     # 32 layers: compute 0.1 + 31 x 0.1, DeepSpeed 0.01 + 31 x 0.01, the boundary once
     assert "step time 3.720 s" in out and "compute 3.200, deepspeed 0.320, reference 0.000, boundary 0.200" in out
-    assert "step time source: measured 2026-11-26 on cpu (x86_64), 1 ranks x 1 threads (gloo)" in out
+    assert "step time source: measured 2026-11-26 on NVIDIA A100-SXM4-80GB, 1 ranks x 1 threads (nccl)" in out
     main([*argv, "--no-grad-ckpt"])
     assert "step time source: modelled (each operation at its roofline" in capsys.readouterr().out
     assert main([*argv, "--step-time-calibration", str(tmp_path / "nope.json")]) == 2
     assert f"--step-time-calibration {tmp_path / 'nope.json'}: no such file" in capsys.readouterr().err
+
+
+def _modelled(p, arch=LLAMA, gpu="cpu", world=2):
+    """The estimate's time source with calibration `p` (a 512-token ZeRO-3 SFT step)."""
+    cand = dataclasses.replace(CAND, precision="bf16" if gpu != "cpu" else "fp32", seq_len=512)
+    est = estimate(arch, catalog.gpu(gpu), world, 1, "sft", cand, settings=Settings(step_time_calibration=str(p)))
+    return est.time_source
+
+
+def _priced(tmp_path, **kw):
+    """A calibration that measured every figure the step of `_modelled` needs."""
+    cands = [dataclasses.replace(CAND, precision=prec, seq_len=512) for prec in ("bf16", "fp32")]
+    compute = {compute_key("sft", c): {"1": 0.1, "4": 0.4} for c in cands}
+    runtime = {engine_key(c): {"micro": {"1": 0.0, "4": 0.0}, "boundary": {"1": 0.2, "4": 0.2}} for c in cands}
+    return _write(tmp_path, compute, runtime, **kw)
+
+
+def test_a_calibration_of_another_model_is_refused_naming_both(tmp_path):
+    """Issue #41: the 3M-parameter demo's calibration priced a 1.2B model "measured"."""
+    demo = catalog.model("llama-3.2-1b")
+    p = _priced(tmp_path, arch=dataclasses.replace(demo, hidden_size=64, intermediate_size=128, num_layers=2))
+    src = _modelled(p, arch=demo)
+    assert not src.startswith("measured"), src
+    assert f"the calibration {p} measured another model" in src and "hidden_size 64 vs 2048" in src
+    assert "re-run calibrate for this model" in src
+    # the same layer shape at another depth is priced per layer, and the source says so
+    deeper = _priced(tmp_path, arch=dataclasses.replace(LLAMA, num_layers=4))
+    assert "scaled from 4 to 32 decoder layers" in _modelled(deeper)
+
+
+@pytest.mark.parametrize(
+    ("meta", "gpu", "reason"),
+    [
+        ({}, "h100-80gb", "ran on the CPU, not on h100-80gb"),
+        (
+            H100 | {"device": "NVIDIA H100 80GB HBM3"},
+            "a100-80gb",
+            "ran on NVIDIA H100 80GB HBM3 (h100-80gb), not on a100-80gb",
+        ),
+        (A100, "h100-80gb", "ran on NVIDIA A100-SXM4-80GB (a100-80gb), not on h100-80gb"),
+        ({"backend": "mpi"}, "cpu", "the calibration ran the mpi backend, not gloo"),
+    ],
+)
+def test_a_calibration_of_another_device_or_backend_is_refused(tmp_path, meta, gpu, reason):
+    src = _modelled(_priced(tmp_path, **meta), gpu=gpu)
+    assert not src.startswith("measured") and reason in src, src
+    assert _modelled(_priced(tmp_path, **H100), gpu="h100-80gb").startswith("measured")
+
+
+def test_a_calibration_recorded_before_identities_is_refused_with_the_way_out(tmp_path):
+    p = _priced(tmp_path)
+    d = json.loads(p.read_text())
+    for key in ("model", "device_name", "device_total_bytes"):
+        del d[key]
+    p.write_text(json.dumps(d))
+    src = _modelled(p)
+    assert not src.startswith("measured") and f"the calibration {p} was recorded before memfit recorded" in src
+    assert "re-run calibrate" in src

@@ -291,13 +291,10 @@ def _step_time(
     if settings.step_time_calibration:
         cal = timing.load(settings.step_time_calibration)
         world = job.num_gpus * job.num_nodes
-        why = timing.missing(cal, cand, job.method) or (
-            f"the calibration ran {cal.meta.get('world_size')} ranks, not {world}"
-            if cal.meta.get("world_size") != world
-            else ""
-        )
+        # a calibration of another model shape, GPU, world size or backend is not this one's (#41)
+        why = timing.refusal(cal, arch, gpu.name, world) or timing.missing(cal, cand, job.method) or ""
         if not why:
-            return timing.predict(cal, cand, job.method, arch.num_layers), cal.label(), {}
+            return timing.predict(cal, cand, job.method, arch.num_layers), cal.label(arch.num_layers), {}
     breakdown, terms = modelled_step(arch, cand, gpu, job.method, job.num_gpus, job.num_nodes, states, settings)
     return breakdown, f"{compute_source(arch, cand, gpu, settings)}: {why}", terms
 

@@ -16,16 +16,28 @@ collectives run on the compute thread (gloo has no streams to overlap with: `ove
 no-op there), so nothing of a step overlaps. On a GPU with `overlap_comm`, DeepSpeed overlaps
 ZeRO-2/3's gradient reduce with the backward (stage_1_and_2.py `reduce_ipg_grads` on the
 reduction stream); there the sum bounds the step from above.
+
+A calibration belongs to what it measured (issue #41): the file records the model (`model`: its
+name, depth and a SHA-256 of its layer shape, `model_identity`), the device (`device_name`,
+`device_total_bytes`: memfit.train.device_info), the world size and the backend. `refusal` says why
+it does not price an estimate of another model shape, GPU, world size or backend, and the estimator
+falls back to the modelled step time with that reason in `time_source`. Another depth of the same
+layer shape is priced by the affine layer model above, and the label says so. A file recorded
+before these fields existed is refused the same way ("recorded before ...: re-run calibrate").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfit.estimate import device_match
+from memfit.estimate.arch import ModelArch
 from memfit.space import Candidate, compute_key, engine_key
 
 FORMAT = 1  # memfit.train.calibrate.FORMAT of the files this reads
@@ -42,12 +54,71 @@ class StepTimeCalibration:
     runtime: dict[str, dict[str, dict[str, float]]]  # engine_key -> {micro|boundary|ref: {"1": s, "<n>": s}}
     meta: dict[str, Any]  # measured_on, device, world_size, threads_per_rank, backend, versions
 
-    def label(self) -> str:
+    def label(self, num_layers: int | None = None) -> str:
+        """Where a priced step time comes from; with `num_layers` other than the model measured,
+        the depth it was scaled to."""
         m = self.meta
-        return (
+        out = (
             f"measured {m.get('measured_on', '?')[:10]} on {m.get('device', '?')}, "
             f"{m.get('world_size', '?')} ranks x {m.get('threads_per_rank', '?')} threads ({m.get('backend', '?')})"
         )
+        measured = (m.get("model") or {}).get("num_layers") if isinstance(m.get("model"), dict) else None
+        if num_layers is not None and measured is not None and measured != num_layers:
+            out += f", scaled from {measured} to {num_layers} decoder layers (per-layer figures)"
+        return out
+
+
+# Fields of a model card that do not change what one decoder layer costs: names and sources, the
+# depth (priced per layer, above), the context length a config allows, and per-layer lists.
+_NOT_SHAPE = ("name", "source", "hf_repo", "aliases", "num_layers", "max_position_embeddings", "layer_kind")
+_NOT_SHAPE += ("dense_layer_mask", "hf_config")
+# Keys of a generic card's config.json (`hf_config`) that are depth, provenance or dtype, not shape.
+_NOT_SHAPE_HF = ("num_hidden_layers", "layer_types", "_name_or_path", "transformers_version", "architectures")
+_NOT_SHAPE_HF += ("torch_dtype", "dtype", "max_position_embeddings", "use_cache")
+
+
+def model_identity(arch: ModelArch) -> dict[str, Any]:
+    """What a calibration records of its model: name, depth, the layer shape and its SHA-256."""
+    shape = {k: v for k, v in dataclasses.asdict(arch).items() if k not in _NOT_SHAPE}
+    if arch.hf_config:
+        hf = json.loads(arch.hf_config)
+        shape["hf_config"] = {k: v for k, v in sorted(hf.items()) if k not in _NOT_SHAPE_HF}
+    canonical = json.dumps(shape, sort_keys=True, separators=(",", ":"), default=str)
+    return {
+        "name": arch.name,
+        "num_layers": arch.num_layers,
+        "shape_sha256": hashlib.sha256(canonical.encode()).hexdigest(),
+        "shape": json.loads(canonical),
+    }
+
+
+def refusal(cal: StepTimeCalibration, arch: ModelArch, gpu: str, world: int) -> str | None:
+    """Why `cal` does not price a step of `arch` on `world` ranks of `gpu` (a catalog name): it
+    measured another model shape, device, world size or backend, or it predates those records."""
+    m = cal.meta
+    if not isinstance(m.get("model"), dict) or "device_name" not in m:
+        return (
+            f"the calibration {cal.path} was recorded before memfit recorded the model and device it "
+            "measured: re-run calibrate (delete the file; the workflow measures it again)"
+        )
+    ours = model_identity(arch)
+    theirs = m["model"]
+    if theirs.get("shape_sha256") != ours["shape_sha256"]:
+        shape = theirs.get("shape") if isinstance(theirs.get("shape"), dict) else {}
+        differ = [f"{k} {shape.get(k)!r} vs {v!r}" for k, v in ours["shape"].items() if shape.get(k) != v][:3]
+        return (
+            f"the calibration {cal.path} measured another model, {theirs.get('name', '?')}, not {arch.name} "
+            f"({'; '.join(differ) or 'another layer shape'}): re-run calibrate for this model"
+        )
+    why = device_match.mismatch(m.get("device_name"), m.get("device_total_bytes"), gpu)
+    if why:
+        return f"the calibration {cal.path} {why}: re-run calibrate on the {gpu}"
+    if m.get("world_size") != world:
+        return f"the calibration ran {m.get('world_size')} ranks, not {world}"
+    backend = "gloo" if gpu == device_match.CPU else "nccl"  # memfit.train.dist: gloo on the CPU, NCCL on GPUs
+    if m.get("backend") != backend:
+        return f"the calibration ran the {m.get('backend')} backend, not {backend}"
+    return None
 
 
 def load(path: str | Path) -> StepTimeCalibration:

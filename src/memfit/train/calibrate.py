@@ -46,6 +46,7 @@ from memfit.space import UNPARTITIONED, Candidate, compute_engine, compute_key, 
 from memfit.train import determinism, dsconfig, long_context
 from memfit.train import dist as dist_env
 from memfit.train.batches import IGNORE_INDEX
+from memfit.train.device_info import device_identity
 from memfit.train.memory import AllocationTracker
 from memfit.train.modeling import hidden_size, load_model
 from memfit.train.reference import reference_engine
@@ -75,6 +76,10 @@ class Spec:
     mlp_tile_tokens: int | None = None
     deterministic: bool = False  # train.deterministic: the kernels training runs (memfit.train.determinism)
     reps: int = 5  # repetitions per figure (median); 3 left single slow samples in the demo's figures
+    # what the figures are of (memfit.estimate.timing.model_identity: name, depth, layer-shape SHA-256),
+    # written by memfit.workflow.calibrate; recorded in the file, and the estimator refuses the
+    # figures for another model shape (#41). {}: not recorded, and the estimator refuses the file.
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path) -> Spec:
@@ -340,6 +345,10 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         "device": torch.cuda.get_device_name()
         if torch.cuda.is_available()
         else f"cpu ({platform.processor() or platform.machine()})",
+        # the device as torch names it and its memory (memfit.train.device_info): the estimator
+        # matches them to the GPU it prices (memfit.estimate.device_match) and refuses another (#41)
+        **device_identity(dist_env.device()),
+        "model": spec.model or None,
         "host": platform.node(),
         "world_size": dist_env.world(),
         "threads_per_rank": torch.get_num_threads(),

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from memfit.estimate import catalog, timing
 from memfit.train.launch import launch
 from memfit.workflow.config import WorkflowConfig
 
@@ -41,16 +42,27 @@ def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: 
         "mlp_tile_tokens": run.mlp_tile_tokens,
         "deterministic": run.deterministic,
         "reps": reps,
+        # what the figures are of, as the estimator of this model sees it (it refuses another shape)
+        "model": timing.model_identity(catalog.model(cfg.arch_source(model), allow_moe=True)),
     }
 
 
 def calibrate(
-    cfg: WorkflowConfig | dict[str, Any], model: str, out_json: Path, log: Path, timeout_s: float = 1800
+    cfg: WorkflowConfig | dict[str, Any],
+    model: str,
+    out_json: Path,
+    log: Path,
+    timeout_s: float = 1800,
+    gpu: str | None = None,
 ) -> dict[str, Any]:
-    """Run the calibration on `cfg.num_gpus` ranks of this node; write and return calibration.json."""
+    """Run the calibration on `cfg.num_gpus` ranks of this node; write and return calibration.json.
+    With `gpu` (the `{gpu}` it is for), a GPU this machine lacks stops it before any rank starts."""
     from memfit.workflow.pipeline import check_model
+    from memfit.workflow.probe import require_target_device
 
     cfg = WorkflowConfig.of(cfg)
+    if gpu is not None:
+        require_target_device(gpu, cfg.plan_only, "calibrate")
     check_model(cfg, model)  # a broken model directory named before the ranks start
     out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)

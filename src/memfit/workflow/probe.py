@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
+from memfit.train.device_info import device_identity
 from memfit.train.launch import launch
 from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
 
@@ -59,6 +61,8 @@ def run_probe(
             result |= {"status": "oom", "error": detail, "oom": where or None}
         else:
             result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
+        if "device_name" not in result:  # no rank summary (OOM, timeout): where the launcher ran the ranks
+            result |= device_identity()
         if prediction is not None:
             result["predicted"] = {
                 k: prediction.get(k)
@@ -68,6 +72,32 @@ def run_probe(
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+class NoTargetDevice(RuntimeError):
+    """The config names a GPU this machine does not have, and it is not a plan: probes and the
+    calibration would measure the CPU (the launcher runs DeepSpeed there without CUDA) and the
+    selection would take that for the GPU. Raised before any rank starts."""
+
+
+def require_target_device(gpu: str, plan_only: bool, stage: str) -> None:
+    """Stop `stage` (calibrate, probe_candidate) before it measures anything when the config's
+    `gpus` entry `gpu` is a GPU, CUDA sees none here and `plan_only` is off. Checked in the rule
+    that measures, not when the config is read: under `--profile slurm` the DAG is built on a
+    login node without GPUs, and only the job on a GPU node measures."""
+    if gpu == "cpu" or plan_only:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    hidden = " (CUDA_VISIBLE_DEVICES is empty)" if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else ""
+    raise NoTargetDevice(
+        f"gpus: [{gpu}] asks for a GPU, but this machine has none that CUDA can use{hidden}, and plan_only is "
+        f"off: {stage} would measure the CPU and record it as {gpu}. Run it where the {gpu} is (a GPU node; "
+        "`gpus: [detect]` names the GPU a machine has), or set `plan_only: true` to estimate and select "
+        "without measuring, or `gpus: [cpu]` to run on this machine's CPU."
+    )
 
 
 class ProbeFailed(RuntimeError):

@@ -178,6 +178,9 @@ class CandidateRow:
     reason: str
     probe: dict[str, Any] | None = None  # the probe's JSON (memfit.workflow.probe) as written
     figures: Figures | None = None
+    # the selected row only: how it was chosen (memfit.workflow.select._decide): by speed or the
+    # tie rule, the runner-up, the margin over it and the measured noise
+    decision: dict[str, Any] | None = None
 
     @property
     def device_bytes(self) -> int | None:
@@ -212,6 +215,8 @@ class CandidateRow:
             out["probe"] = self.probe
         if self.figures is not None:
             out |= asdict(self.figures)
+        if self.decision is not None:
+            out["decision"] = self.decision
         return out
 
     @classmethod
@@ -240,6 +245,7 @@ class CandidateRow:
             reason=_get(d, "reason", where, "str"),
             probe=probe,
             figures=figures,
+            decision=_get(d, "decision", where, "object", required=False),
         )
 
 

@@ -5,16 +5,37 @@ device budget and its host memory within the node's RAM. Measured figures (probe
 win over predicted ones: a probed candidate is judged on what it used, an unprobed one
 can only be chosen when no probe ran (`plan_only`), and then on its prediction.
 Speed is training throughput at the fixed global batch: tokens per second per node.
+
+Measurements belong to what they measured (issue #41): with the configured `gpu`, `judge` refuses
+a probe that ran on another device (`WrongDevice`, naming both). Speed decides only beyond the
+measured noise: candidates whose throughput is within `noise` of the fastest are tied, and the
+tie rule (less device memory, then fewer levers, then the candidate id) picks among them instead
+of a coin flip of timing; the selected row records its margin over the runner-up, the noise and
+whether the tie rule decided (`decision`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memfit.estimate import device_match
 from memfit.units import fmt_bytes
 from memfit.workflow.rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
 
-__all__ = ["Budget", "NoneFits", "choose", "judge"]
+__all__ = ["Budget", "NoneFits", "WrongDevice", "choose", "judge"]
+
+# The noise of a measured step time, relative, below which two candidates' speeds are not told
+# apart (a stated tolerance; a probe's own spread counts where it is larger, `noise`). CPU: two
+# runs of the same config on the 2-core development machine measured step times 8-12% apart
+# (tests/slurm/run.sh, 2026-11-27: 0.458 vs 0.422 s, 0.476 vs 0.425 s, issue #41), so 15%. GPU:
+# the same kernels repeat far closer (clocks, other tenants on the node); 5% is a stated
+# allowance, not a measurement of this project's.
+NOISE_RTOL = {"cpu": 0.15, "gpu": 0.05}
+TIE_RULE = "less device memory, then fewer levers, then candidate id"
+
+
+class WrongDevice(RuntimeError):
+    """A probe measured another device than the configured GPU (the CPU, or another GPU)."""
 
 
 class NoneFits(RuntimeError):
@@ -51,14 +72,57 @@ def _tokens_per_step(cand: dict[str, Any], world: int, method: str) -> int:
     return seqs * cand["seq_len"]
 
 
+def probe_device(probe: dict[str, Any]) -> str | None:
+    """The device a probe ran on (memfit.train.device_info); "cpu" for a CPU probe recorded before
+    device names were (its `device` field), None when it does not say."""
+    return probe.get("device_name") or ("cpu" if probe.get("device") == "cpu" else None)
+
+
+def check_probe_devices(probes: dict[str, dict[str, Any]], gpu: str) -> None:
+    """Raise `WrongDevice` when a probe did not run on `gpu` (a catalog name). A failed probe
+    recorded before devices were recorded is let pass: it is never selected."""
+    bad = []
+    for cid, p in sorted(probes.items()):
+        name = probe_device(p)
+        if name is None and p.get("status") != "ok":
+            continue
+        why = device_match.mismatch(name, p.get("device_total_bytes"), gpu)
+        if why:
+            bad.append(f"probes/{cid}.json {why}")
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise WrongDevice(
+            f"gpus: [{gpu}]: a probe counts only for the device it ran on, and {bad[0]}{more}. Run the "
+            f"probes where the {gpu} is (delete the probes/ folder to probe again), or set `plan_only: true` "
+            "to select from the estimate, or `gpus: [cpu]` to run on this machine's CPU."
+        )
+
+
+def check_probe_files(paths: list[str], gpu: str) -> None:
+    """`check_probe_devices` on the probe JSON files the select_config rule reads (before any
+    other check of theirs: a probe of another device is refused whatever it says)."""
+    import json
+    from pathlib import Path
+
+    probes = {}
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        probes[str(d.get("id", Path(p).stem))] = d
+    check_probe_devices(probes, gpu)
+
+
 def judge(
     estimates: list[dict[str, Any]],
     probes: dict[str, dict[str, Any]],
     budget: Budget,
     world: int,
     method: str,
+    gpu: str | None = None,
 ) -> list[CandidateRow]:
-    """One verdict row per candidate (the `rows` of candidates.json): source of the figures, fits, throughput, reason."""
+    """One verdict row per candidate (the `rows` of candidates.json): source of the figures, fits,
+    throughput, reason. With `gpu`, a probe of another device raises `WrongDevice` first."""
+    if gpu is not None:
+        check_probe_devices(probes, gpu)
     rows = []
     for i, raw in enumerate(estimates):
         est = EstimateRow.from_json(raw, f"candidates.json rows[{i}]")
@@ -117,10 +181,15 @@ def choose(rows: list[CandidateRow], budget: Budget | None = None) -> tuple[Cand
     fitting = [r for r in pool if r.fits and r.tokens_per_s]
     if not fitting:
         raise none_fits(rows, budget)
-    best = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
+    best, tied = _decide(fitting)
     for r in rows:
         if r is best:
-            r.reason = "selected: fastest that fits"
+            r.reason = "selected: fastest that fits" if len(tied) == 1 else f"selected: tie rule ({TIE_RULE})"
+        elif r in tied:
+            r.reason = (
+                f"tied: {r.tokens_per_s:.0f} tok/s vs {best.tokens_per_s:.0f} tok/s selected, within the noise "
+                f"({noise(best, r):.0%}); the tie rule ({TIE_RULE}) chose {best.id}"
+            )
         elif r.fits and r in pool:
             r.reason = f"slower: {r.tokens_per_s:.0f} tok/s vs {best.tokens_per_s:.0f} tok/s selected"
         elif r.fits:
@@ -129,6 +198,61 @@ def choose(rows: list[CandidateRow], budget: Budget | None = None) -> tuple[Cand
     order = {"measured": 0, "probe": 1, "predicted": 2, "rule": 3}
     ranked = sorted(rows, key=lambda r: (r is not best, order[r.source], not r.fits, -(r.tokens_per_s or 0)))
     return best, ranked
+
+
+def spread(row: CandidateRow) -> float:
+    """A probe's own relative spread of step times: (max - min) / median of its steady steps
+    (memfit.train.loop records them); 0 without a probe or with fewer than two steps."""
+    times = [float(t) for t in ((row.probe or {}).get("steady_step_times_s") or []) if t]
+    if len(times) < 2:
+        return 0.0
+    times.sort()
+    return (times[-1] - times[0]) / times[len(times) // 2]
+
+
+def noise(a: CandidateRow, b: CandidateRow) -> float:
+    """The relative difference of throughput that two rows' figures cannot tell from noise: the
+    stated tolerance of their device kind (NOISE_RTOL) or either probe's own spread if larger."""
+    on_cpu = all(probe_device(r.probe or {}) == "cpu" for r in (a, b) if r.probe)
+    floor = NOISE_RTOL["cpu" if on_cpu and (a.probe or b.probe) else "gpu"]
+    return max(floor, spread(a), spread(b))
+
+
+def levers(cand: dict[str, Any]) -> int:
+    """How many memory levers a candidate turns on (each adds time or risk when memory is no issue)."""
+    on = (
+        cand.get("zero", 0) > 0,
+        cand.get("offload_optimizer", "none") != "none",
+        cand.get("offload_param", "none") != "none",
+        bool(cand.get("grad_ckpt")),
+        cand.get("finetune", "full") != "full",
+        cand.get("loss_impl", "full") != "full",
+        cand.get("sequence_parallel", 1) > 1,
+        bool(cand.get("tiled_mlp")),
+        bool(cand.get("activation_offload")),
+    )
+    return sum(on)
+
+
+def _decide(fitting: list[CandidateRow]) -> tuple[CandidateRow, list[CandidateRow]]:
+    """The selected row and the rows tied with the fastest (within their noise of it; the
+    fastest alone when speed decides); sets the selected row's `decision`."""
+    fastest = max(fitting, key=lambda r: r.tokens_per_s or 0.0)
+    tps = {id(r): r.tokens_per_s or 0.0 for r in fitting}
+    tied = [r for r in fitting if tps[id(fastest)] / tps[id(r)] - 1 <= noise(fastest, r)]
+    best = min(tied, key=lambda r: (r.device_bytes or 0, levers(r.candidate), r.id))
+    others = [r for r in fitting if r is not best]
+    runner = max(others, key=lambda r: tps[id(r)]) if others else None
+    best.decision = {
+        "by": "speed" if len(tied) == 1 else "tie rule",
+        "runner_up": runner.id if runner else None,
+        # the selected candidate's throughput over the runner-up's, less 1 (negative: the tie rule took a slower one)
+        "margin": round(tps[id(best)] / tps[id(runner)] - 1, 6) if runner else None,
+        "noise": round(noise(best, runner), 6) if runner else None,
+        "tied": sorted(r.id for r in tied) if len(tied) > 1 else [],
+        "tie_rule": TIE_RULE,
+    }
+    return best, tied
 
 
 def none_fits(rows: list[CandidateRow], budget: Budget | None) -> NoneFits:

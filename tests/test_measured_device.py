@@ -1,0 +1,41 @@
+"""Measurements belong to what they measured (issue #41), as a user meets it: a config that asks
+for a GPU, run on a machine without one, stops before anything is measured, naming `gpus`."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+CHECKOUT = ("Snakefile", "workflow", "config", "data", "src", "envs")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_a_gpu_config_on_a_machine_without_one_stops_before_measuring(repo, tmp_path, calibrate):
+    for name in CHECKOUT:
+        (tmp_path / name).symlink_to(repo / name)
+    cfg = yaml.safe_load((repo / "config" / "config.yaml").read_text())
+    cfg.update(gpus=["h100-80gb"], methods=["sft"], estimate={"activations": "analytic"})
+    cfg["probe"]["calibrate"] = calibrate
+    (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(cfg))
+    res = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--nolock", "--cores", "2", "--configfile", "gpu.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out[-3000:]
+    stage = "calibrate" if calibrate else "probe_candidate"
+    assert (
+        f"memfit: NoTargetDevice: gpus: [h100-80gb] asks for a GPU, but this machine has none that CUDA can use, "
+        f"and plan_only is off: {stage} would measure the CPU" in out
+    ), out[-3000:]
+    assert "`plan_only: true`" in out and "`gpus: [cpu]`" in out
+    run = tmp_path / "results" / "demo-tiny" / "h100-80gb"
+    assert not (run / "calibration.json").exists()
+    assert not list(run.glob("sft/probes/*.json")) and not (run / "sft" / "selected.json").exists()
