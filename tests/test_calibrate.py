@@ -27,6 +27,8 @@ def calibration(demo_model, tmp_path_factory):
         "candidates": {"sft": [Z0.to_dict(), Z3.to_dict()], "dpo": [DPO_Z3.to_dict()]},
         "dpo": {"beta": 0.1},
         "reps": 2,
+        # what memfit.workflow.calibrate puts in the spec: the model the figures are of
+        "model": timing.model_identity(catalog.model(str(demo_model))),
     }
     (out / "spec.json").write_text(json.dumps(spec))
     rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
@@ -35,9 +37,12 @@ def calibration(demo_model, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_it_measures_every_engine_and_shape_with_one_and_four_layers(calibration):
+def test_it_measures_every_engine_and_shape_with_one_and_four_layers(calibration, demo_model):
     d = json.loads(calibration.read_text())
     assert (d["world_size"], d["backend"], d["threads_per_rank"], d["layers"]) == (2, "gloo", 1, [1, 4])
+    # what it measured, recorded (#41): the device as torch names it, and the model's identity
+    assert d["device_name"] == "cpu" and d["device_total_bytes"] > 2**30
+    assert d["model"] == json.loads(json.dumps(timing.model_identity(catalog.model(str(demo_model)))))
     assert set(d["compute"]) == {compute_key("sft", Z0), compute_key("dpo", DPO_Z3)}
     for key, fig in d["compute"].items():
         assert 0 < fig["1"] < fig["4"], f"{key}: four decoder layers must cost more than one: {fig}"
@@ -70,3 +75,8 @@ def test_the_estimator_prices_the_demo_from_it(calibration, demo_model):
     assert z0.time_breakdown["deepspeed"] == 0.0
     cal = timing.load(calibration)
     assert z3.time_breakdown == pytest.approx(timing.predict(cal, Z3, "sft", arch.num_layers))
+    # the same calibration does not price another model or another device (#41)
+    other = estimate(catalog.model("llama-3.2-1b"), gpu, 2, 1, "sft", Z0, budget_bytes=2**30, settings=settings)
+    assert "measured another model" in other.time_source and "hidden_size" in other.time_source
+    on_h100 = estimate(arch, catalog.gpu("h100-80gb"), 2, 1, "sft", Z0, settings=settings)
+    assert "ran on the CPU, not on h100-80gb" in on_h100.time_source
