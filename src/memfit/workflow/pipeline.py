@@ -262,7 +262,7 @@ def select_config(
     probes = _read_probes(probe_jsons)
     b = Budget(**table["budget"])
     try:
-        best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method), b)
+        best, ranked = choose(judge(table["rows"], probes, b, table["world_size"], method, gpu=gpu), b)
     except NoneFits as e:
         more = _nodes_that_fit(cfg, model, gpu, method, b)
         e = NoneFits(e.rows, e.what, more) if more else e
