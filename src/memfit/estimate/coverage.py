@@ -162,7 +162,9 @@ def _consistent(d: dict[str, Any], layers: int, vocab: int) -> None:
     if isinstance(d.get("axial_pos_embds_dim"), list):
         d["axial_pos_embds_dim"] = [hidden // 2, hidden - hidden // 2]  # Reformer: they sum to hidden
     if "is_decoder" in d:
-        d["is_decoder"] = True  # Reformer's LM head needs it
+        d["is_decoder"] = True  # Reformer's LM head needs it; BERT-like types are causal only so
+    if d.get("causal") is False:
+        d["causal"] = True  # XLM: a causal LM only with causal attention (config_fields.check_decoder)
     if isinstance(d.get("num_kv_shared_layers"), int):
         d["num_kv_shared_layers"] = 0  # Gemma-3n: the shared-KV tail needs more layers than 4
 

@@ -9,6 +9,7 @@ from dataclasses import MISSING
 from typing import Any
 
 from memfit.estimate.arch import ModelArch, UnsupportedArchitecture
+from memfit.estimate.config_fields import check_decoder, check_heads, check_values
 from memfit.estimate.generic import generic_arch
 
 # Class defaults transformers fills in when a config.json omits a field. The published Gemma-3
@@ -198,6 +199,7 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source:
     transformers does not build as a causal LM, a config its constructor rejects.
     """
     where = where or name
+    check_values(cfg, where)  # sizes that are whole positive numbers, or the key and value named
     model_type = str(cfg.get("model_type", "")).lower()
     if model_type == "chatglm" or (not model_type and ("padded_vocab_size" in cfg or "multi_query_group_num" in cfg)):
         return _from_chatglm(cfg, name, where, source)
@@ -209,10 +211,12 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source:
         if not model_type:
             raise
         # no hand-written card for it: the parameters from transformers' own model, the
-        # activations traced (memfit.estimate.generic)
+        # activations traced (memfit.estimate.generic); not an encoder (BERT) read as a causal LM
+        check_decoder(raw, model_type, where)
         return generic_arch(raw, name, where, source)
     defaults = _HF_DEFAULTS.get(model_type, {})
     get = _field_getter(cfg, defaults, where)
+    check_heads(get, where)
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     layers = int(get("num_hidden_layers"))
