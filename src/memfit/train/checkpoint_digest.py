@@ -272,13 +272,19 @@ def load_weights_only(path: Any, **kwargs: Any) -> Any:
         with torch.serialization.safe_globals(_allowed_globals()):
             return _torch_load(path, **kwargs)
     except pickle.UnpicklingError as e:  # what torch raises for a refused global
-        first = str(e).split("\n\n")[-1].strip().splitlines()
         raise CheckpointError(
-            f"{path} holds more than tensors and numbers ({' '.join(first[:2])[:300]}): refused without "
+            f"{path} holds more than tensors and numbers ({_refusal(e)}): refused without "
             "running it. A checkpoint file from a run folder is loaded with weights_only=True; this one "
             "was made by something other than memfit and DeepSpeed, or altered. Delete the checkpoint "
             "(or resume from an earlier one) and re-run."
         ) from e
+
+
+def _refusal(e: BaseException) -> str:
+    """The line of torch's weights_only refusal that names what was refused."""
+    parts = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+    named = [p for p in parts if "GLOBAL" in p or "got <class" in p or "Unsupported" in p]
+    return (named or parts[-1:] or ["unknown"])[0].splitlines()[0][:300]
 
 
 _torch_load = torch.load
