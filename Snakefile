@@ -3,14 +3,23 @@
 #   snakemake --cores all --profile slurm  the same DAG on a SLURM cluster
 
 
+import sys
+
 from snakemake.utils import min_version
 
 min_version("8.20")
 
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from memfit.workflow.config import load_yaml  # noqa: E402
+
 
 # The embedded default, unless the user names their own with --configfile (which then
 # replaces it instead of being merged into it: a cluster config must not inherit the demo model).
+# Snakemake's own reader says only "not valid JSON or YAML": read it first, so that a syntax error
+# names the file, line and column (a --configfile is read by Snakemake before this file runs:
+# `memfit check-config FILE` names its line and column).
 if not workflow.overwrite_configfiles:
+    load_yaml(Path(workflow.basedir) / "config" / "config.yaml")
 
     configfile: "config/config.yaml"
 

@@ -1,8 +1,11 @@
-"""Snakemake script: prepare_data -> memfit.workflow.pipeline.prepare_data (model check, then tokenize)."""
+"""Snakemake script: prepare_data -> memfit.workflow.pipeline.prepare_data (model check, then tokenize),
+then the rows it kept against one global batch (before calibration and probes need them)."""
 
 from pathlib import Path
 
+from memfit.workflow.config import ConfigError, WorkflowConfig
 from memfit.workflow.pipeline import log_to, prepare_data
+from memfit.workflow.search_checks import rows_problem
 
 log_to(snakemake.log[0])
 prepare_data(
@@ -15,3 +18,7 @@ prepare_data(
     seed=snakemake.params.seed,
     progress=True,
 )
+# a failed job's outputs are removed by Snakemake: nothing half-checked stays behind
+problem = rows_problem(WorkflowConfig.of(snakemake.config), snakemake.wildcards.method, snakemake.output.stats)
+if problem:
+    raise ConfigError(problem)

@@ -21,6 +21,7 @@ COMMANDS = {
     "train": ("memfit.train.rank", "main", "run one training rank from a run config (JSON)"),
     "launch": ("memfit.train.launch", "main", "start all ranks of a run on this node"),
     "calibrate": ("memfit.train.calibrate", "main", "one rank of a step-time calibration (see `launch`)"),
+    "check-config": ("memfit.workflow.check_config", "main", "validate a workflow config (YAML line and column)"),
     "compare-results": (
         "memfit.workflow.compare_results",
         "main",

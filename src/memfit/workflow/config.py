@@ -482,9 +482,9 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
                 list(raw["search"].get("finetune", ["full"])),
             )
     if not out:
-        try:
-            for method in cfg.methods:
-                cfg.candidates(method)
-        except ValueError as e:
-            out.append(f"train.global_batch: {e}")
+        from memfit.workflow.search_checks import search_problems
+
+        # no trainable combination (each real reason once), a GPU that can run none of them,
+        # a search key that does nothing
+        out += search_problems(cfg)
     return out
