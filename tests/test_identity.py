@@ -154,8 +154,17 @@ def fake_ranks(monkeypatch, code: str) -> None:
     )
 
 
-REFUSE = (
-    "import sys; print('rank starting'); sys.stdout.flush()\n"
+# each rank ignores the launcher's SIGTERM (sent when the first one fails) and waits for the other
+# before it fails, so that both fail by themselves, as ranks running the same check do
+BOTH = (
+    "import os, signal, sys, time, pathlib\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "out = pathlib.Path(sys.argv[1]).parent\n"
+    "(out / ('up' + os.environ['RANK'])).touch()\n"
+    "while not all((out / f'up{r}').exists() for r in (0, 1)): time.sleep(0.01)\n"
+)
+REFUSE = BOTH + (
+    "print('rank starting'); sys.stdout.flush()\n"
     "from memfit.train.run_config import RunRefused\n"
     "raise RunRefused('checkpoint /x/step3 belongs to a different run and was not loaded:\\n"
     "  the policy model\\'s content changed: sha256 ab.. -> cd..\\nDelete it (or the run directory) to start fresh.')"
@@ -175,9 +184,7 @@ def test_a_refusal_every_rank_raises_is_printed_once(tmp_path, monkeypatch, capf
 
 def test_a_crash_keeps_every_ranks_traceback(tmp_path, monkeypatch, capfd):
     (tmp_path / "run.json").write_text(json.dumps({"out_dir": str(tmp_path / "out")}))
-    # each rank fails by itself (the launcher's SIGTERM to the other rank is ignored here)
-    code = "import os, signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); raise RuntimeError('rank ' + os.environ['RANK'] + ' broke')"
-    fake_ranks(monkeypatch, code)
+    fake_ranks(monkeypatch, BOTH + "raise RuntimeError('rank ' + os.environ['RANK'] + ' broke')")
     assert launch_mod.launch(tmp_path / "run.json", 2) == 1
     err = capfd.readouterr().err
     assert err.count("Traceback (most recent call last):") == 2

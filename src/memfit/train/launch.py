@@ -250,12 +250,9 @@ def launch(
 ) -> int:
     """Run all ranks; stdout/stderr go to `log` (appended) or to the console. Returns the exit code.
     `rank_command` train (`config` is a run.json) or calibrate (`config` is a calibration spec,
-    memfit.train.calibrate; one node). `resolve`: the ranks get a copy of the run config with the
-    content digests of what it starts from (memfit.train.identity `resolve_launch_config`; paths
-    checked before any rank starts).
-
-    On the console (no `log`, one node) a refusal every rank raises (RunRefused) is printed once,
-    as `memfit: error: ...`, and the exit code is REFUSED_EXIT_CODE (memfit.train.rank_output).
+    memfit.train.calibrate; one node). `resolve`: the ranks read a copy of the run config with the
+    digests of its inputs (memfit.train.identity). On the console (no `log`, one node) a refusal
+    every rank raises is printed once, exit code REFUSED_EXIT_CODE (memfit.train.rank_output).
 
     Inside a SLURM job of `nnodes` > 1 nodes started as one task (a Snakemake rule under the
     executor plugin, or a batch script), this starts one launcher per node with `srun`
@@ -294,28 +291,12 @@ def launch(
         ranks = f"[{nproc} rank(s), MASTER_PORT={port}] " if port is not None else ""
         out.write("$ " + ranks + " ".join(cmd) + "\n")
         out.flush()
-    env = launch_env(threads)
     console = None
     if port is not None and out is None and rank_command == "train":
         from memfit.train.rank_output import RankOutput
 
         console = RankOutput(sys.stdout, sys.stderr)
-    proc: subprocess.Popen | LocalRanks
-    if port is not None:
-        stdout = subprocess.PIPE if console is not None else out
-        proc = LocalRanks(cmd, nproc, env, port, stdout=stdout, preexec_fn=_ignore_sigusr1)
-        for p in proc.procs if console is not None else ():
-            console.attach(p.stdout)
-    else:
-        from memfit.train.identity import RESOLVED_ENV
-
-        proc = subprocess.Popen(
-            cmd,
-            env=env if srun is None else srun_env(env) | {RESOLVED_ENV: "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT if out else None,
-            preexec_fn=None if srun is not None else _ignore_sigusr1,
-        )
+    proc = _start(cmd, nproc, launch_env(threads), port, out, console, srun is not None)
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -324,15 +305,7 @@ def launch(
         rc = proc.wait(timeout=timeout_s)
         if console is not None:
             console.join()
-        if rc != 0 and _preempted(config):
-            from memfit.train.run_config import PREEMPTED_EXIT_CODE
-
-            return PREEMPTED_EXIT_CODE  # stopped by the signal (torchrun exits 1); the ranks saved
-        if rc != 0 and console is not None and console.refused:
-            from memfit.train.run_config import REFUSED_EXIT_CODE
-
-            return REFUSED_EXIT_CODE
-        return rc
+        return _exit_code(rc, config, console)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -342,6 +315,36 @@ def launch(
             signal.signal(sig, handler)
         if out is not None:
             out.close()
+
+
+def _exit_code(rc: int, config: Path, console) -> int:
+    from memfit.train.run_config import PREEMPTED_EXIT_CODE, REFUSED_EXIT_CODE
+
+    if rc != 0 and _preempted(config):
+        return PREEMPTED_EXIT_CODE  # stopped by the signal (torchrun exits 1); the ranks saved
+    if rc != 0 and console is not None and console.refused:
+        return REFUSED_EXIT_CODE  # every rank refused the run: bad input
+    return rc
+
+
+def _start(cmd: list[str], nproc: int, env: dict[str, str], port: int | None, out, console, srun: bool):
+    """The ranks (one node: LocalRanks, their output through `console` when given) or the one
+    process that starts them (torchrun; srun, whose per-node launchers take the resolved config)."""
+    if port is not None:
+        stdout = subprocess.PIPE if console is not None else out
+        ranks = LocalRanks(cmd, nproc, env, port, stdout=stdout, preexec_fn=_ignore_sigusr1)
+        for p in ranks.procs if console is not None else ():
+            console.attach(p.stdout)
+        return ranks
+    from memfit.train.identity import RESOLVED_ENV
+
+    return subprocess.Popen(
+        cmd,
+        env=srun_env(env) | {RESOLVED_ENV: "1"} if srun else env,
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+        preexec_fn=None if srun else _ignore_sigusr1,
+    )
 
 
 def _ignore_sigusr1() -> None:
