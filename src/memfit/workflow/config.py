@@ -12,6 +12,7 @@ size, a GPU's memory budget, the sequence length, the search space of a method, 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,6 +315,10 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
         problems += _semantic_problems(WorkflowConfig(config))
     if problems:
         raise ConfigError("invalid memfit config:\n  " + "\n  ".join(problems))
+    from memfit.workflow.search_checks import search_warnings
+
+    for warning in search_warnings(WorkflowConfig(config)):
+        print(f"memfit: warning: {warning}", file=sys.stderr)
 
 
 def _detect_gpus(config: dict[str, Any]) -> list[str]:

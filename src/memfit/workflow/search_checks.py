@@ -2,7 +2,7 @@
 (`memfit.workflow.config.validate_config`), and the prepared data's row count against the global
 batch (after prepare_data, before any probe).
 
-- a key that does nothing (`search.lora_rank` with `finetune: [full]`);
+- a key that does nothing (`search.lora_rank` with `finetune: [full]`): a warning (`search_warnings`);
 - no combination of `search:` a method can train: every distinct reason once (offload_param
   without ZeRO-3, activation_offload without grad_ckpt, a sequence-parallel size that does not
   divide the ranks, a global batch no micro batch makes), with the keys involved;
@@ -26,18 +26,15 @@ if TYPE_CHECKING:
     from memfit.workflow.config import WorkflowConfig
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
-_HARDWARE_KEYS = {"bf16": ("precision",), "FlashAttention-2": ("attn",), "offloading": ("offload_optimizer", "offload_param")}
+_HARDWARE_KEYS = {
+    "bf16": ("precision",),
+    "FlashAttention-2": ("attn",),
+    "offloading": ("offload_optimizer", "offload_param"),
+}
 
 
 def search_problems(cfg: WorkflowConfig) -> list[str]:
     """Every problem of `search:` for the configured methods and GPUs, one line each."""
-    search = cfg.raw["search"]
-    finetunes = list(search.get("finetune", ["full"]))
-    if "lora_rank" in search and set(finetunes) == {"full"}:
-        return [
-            f"search.lora_rank: {list(search['lora_rank'])} does nothing with search.finetune {finetunes} "
-            "(a full fine-tune has no adapter); drop lora_rank or add lora or qlora to search.finetune"
-        ]
     out: list[str] = []
     untrainable: dict[str, list[str]] = {}  # the reasons -> the methods they stop
     for method in cfg.methods:
@@ -50,6 +47,19 @@ def search_problems(cfg: WorkflowConfig) -> list[str]:
         where = f" for {' and '.join(methods)}" if len(untrainable) > 1 else ""
         out.insert(0, f"search: no combination can be trained{where}: {reasons}")
     return list(dict.fromkeys(out))  # a GPU's problem once, whichever method found it
+
+
+def search_warnings(cfg: WorkflowConfig) -> list[str]:
+    """Keys of `search:` that do nothing in this config: said, not refused (a template keeps
+    `lora_rank` ready for the day `finetune` lists lora, as config/cluster-example.yaml does)."""
+    search = cfg.raw["search"]
+    finetunes = list(search.get("finetune", ["full"]))
+    if "lora_rank" in search and set(finetunes) == {"full"}:
+        return [
+            f"search.lora_rank: {list(search['lora_rank'])} does nothing with search.finetune {finetunes} "
+            "(a full fine-tune has no adapter): no candidate uses it; add lora or qlora to search.finetune to search it"
+        ]
+    return []
 
 
 def _axes(cfg: WorkflowConfig, method: str) -> dict[str, list[Any]]:
