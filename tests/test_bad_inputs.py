@@ -81,6 +81,23 @@ CLI_CASES = [
     (["train", "--config", "{tmp}"], "is a directory"),
     (["launch", "--config", "{tmp}/latin1.json"], "{tmp}/latin1.json: not UTF-8"),
     (["launch", "--config", "{tmp}/broken.json", "--nproc", "2"], "not valid JSON"),
+    # issue 41: hidden caps, non-finite numbers, flags silently ignored
+    (EST + ["--host-memory-gib", "inf"], "--host-memory-gib must be a finite number, got inf"),
+    (EST + ["--budget-gib", "nan"], "--budget-gib must be a finite number, got nan"),
+    (EST + ["--headroom", "nan"], "--headroom must be a finite number"),
+    (EST + ["--nccl-mib", "-1"], "--nccl-mib must be >= 0"),
+    (EST + ["--num-gpus", "100000"], "--num-gpus 100000 is more than one node holds (at most 16"),
+    (EST + ["--micro-batch", "200000"], "--micro-batch 200000 is above 65,535"),
+    (EST + ["--loss-chunk-tokens", "1024"], "--loss-chunk-tokens does nothing with --loss-impl full"),
+    (EST + ["--loss-impl", "chunked", "--loss-chunk-tokens", "0"], "--loss-chunk-tokens must be >= 1"),
+    (EST + ["--mlp-tile-tokens", "512"], "--mlp-tile-tokens does nothing without --tiled-mlp"),
+    (FIT + ["--seq-len", "1024"], "--seq-len does nothing with --maximize seq_len"),
+    (
+        ["fit", "--maximize", "micro_batch", "--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--micro-batch", "4"],
+        "--micro-batch does nothing with --maximize micro_batch",
+    ),
+    (FIT + ["--host-memory-gb", "inf"], "--host-memory-gb must be a finite number"),
+    (EST + ["--step-time-calibration", "{tmp}/absent.json"], "--step-time-calibration {tmp}/absent.json: no such file"),
 ]
 
 
@@ -224,6 +241,14 @@ def _set(path: str, value):
     return edit
 
 
+def _edits(*pairs):
+    def edit(raw, tmp):
+        for path, value in pairs:
+            _set(path, value)(raw, tmp)
+
+    return edit
+
+
 WEIRD = json.loads(TINY.read_text()) | {"model_type": "weirdnet"}
 CONFIG_CASES = [
     (_set("headroom", -0.1), "headroom"),
@@ -242,6 +267,36 @@ CONFIG_CASES = [
     (_with_model(tokenizer=False), "models.mymodel.path: no tokenizer"),
     (_with_model(weights=False), "models.mymodel.path: no weights"),
     (_with_model(config=WEIRD), "model_type 'weirdnet' is not in transformers' AutoModelForCausalLM mapping"),
+    # issue 41: the real reason when no combination of search: can be trained, and hardware refused up front
+    (
+        _edits(("search.zero", [0, 2]), ("search.offload_param", ["cpu"])),
+        "search: no combination can be trained: search.zero [0, 2], search.offload_param ['cpu']: "
+        "parameter offload (offload_param=cpu) needs ZeRO-3",
+    ),
+    (
+        _edits(("search.activation_offload", [True]), ("search.grad_ckpt", [False])),
+        "search.activation_offload [True]: activation_offload needs grad_ckpt",
+    ),
+    (
+        _set("search.sequence_parallel", [3]),
+        "search: no combination can be trained: search.sequence_parallel: 3 does not divide the 2 ranks",
+    ),
+    (_set("train.global_batch", 30), "train.global_batch: 30 is not a multiple of micro_batch x data-parallel ranks"),
+    (
+        _set("search.attn", ["flash"]),
+        "gpus[0]: every candidate of search: is one cpu cannot run: search.attn ['flash']",
+    ),
+    (
+        _edits(("gpus", ["v100-32gb"]), ("plan_only", True), ("search.precision", ["bf16"])),
+        "gpus[0]: every candidate of search: is one v100-32gb cannot run: search.precision ['bf16']: v100-32gb has no bf16",
+    ),
+    (
+        _edits(("gpus", ["v100-32gb"]), ("plan_only", True), ("search.attn", ["flash"])),
+        "search.attn ['flash']: FlashAttention-2 does not run on v100-32gb",
+    ),
+    (_set("search.offload_optimizer", ["cpu"]), "offloading to the host from the host (gpu=cpu) has no meaning"),
+    (_with_model(config=json.loads(TINY.read_text()) | {"hidden_size": -64}), "hidden_size = -64 must be positive"),
+    (_with_model(config=json.loads(TINY.read_text()) | {"model_type": "bert"}), "model_type 'bert' is an encoder-only"),
 ]
 
 
@@ -347,3 +402,146 @@ def test_data_missing_file(tok_dir, tmp_path):
     with pytest.raises(data.DataError, match="no such file"):
         data.prepare("sft", tmp_path / "absent.jsonl", tok_dir, tmp_path / "out", max_len=32)
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ issue 41: the rest of the answers
+# config.json values (`memfit estimate --model <dir>`): (the edit, what the message must name)
+HF_CASES = [
+    ({"hidden_size": -64}, "hidden_size = -64 must be positive"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers = 0 must be positive"),
+    ({"intermediate_size": 0}, "intermediate_size = 0 must be positive"),
+    ({"max_position_embeddings": -1}, "max_position_embeddings = -1 must be positive"),
+    ({"num_attention_heads": 2.5}, "num_attention_heads = 2.5 is not a whole number (float)"),
+    ({"hidden_size": 256.0}, "hidden_size = 256.0 is not a whole number (float)"),
+    ({"vocab_size": "many"}, "vocab_size = 'many' is not a whole number (a string)"),
+    ({"vocab_size": "1000"}, "vocab_size = '1000' is not a whole number (a string)"),
+    ({"hidden_size": True}, "hidden_size = True is not a whole number (bool)"),
+    ({"num_key_value_heads": 3}, "num_attention_heads = 4 is not a multiple of num_key_value_heads = 3"),
+    ({"hidden_size": 250, "head_dim": None}, "hidden_size = 250 is not a multiple of num_attention_heads = 4"),
+    ({"num_experts_per_tok": -1}, "num_experts_per_tok = -1 must be 0 or more"),
+    ({"model_type": "gpt_neox", "vocab_size": -5}, "vocab_size = -5 must be positive"),
+    ({"model_type": "bert"}, "model_type 'bert' is an encoder-only model"),
+    ({"model_type": "roberta"}, "model_type 'roberta' is an encoder-only model"),
+    ({"model_type": "bart", "is_encoder_decoder": True}, "model_type 'bart' is an encoder-decoder"),
+    ({"model_type": "xlm"}, "model_type 'xlm' without causal: true is an encoder"),
+    (
+        {"text_config": {"model_type": "gemma3_text", "hidden_size": 0}, "model_type": "gemma3"},
+        "text_config.hidden_size = 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(("edit", "needle"), HF_CASES, ids=[n[:40] for _, n in HF_CASES])
+def test_config_json_values_named(edit, needle, tmp_path, capsys):
+    """A model directory whose config.json holds a value transformers refuses (or builds as an
+    encoder): exit 2, the file, the key and the value named, never 'lacks ...' or int()'s error."""
+    (tmp_path / "config.json").write_text(json.dumps(json.loads(TINY.read_text()) | edit))
+    rc = cli.main(["estimate", "--model", str(tmp_path), "--gpu", "a100-80gb", "--seq-len", "64"])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and str(tmp_path / "config.json") in err, err
+    assert "invalid literal" not in err and "lacks" not in err and "Traceback" not in err
+
+
+def test_encoder_set_as_decoder_is_estimated(tmp_path, capsys):
+    """The refusal is about what the config says: a BERT config with is_decoder: true is a causal LM."""
+    (tmp_path / "config.json").write_text(
+        json.dumps(json.loads(TINY.read_text()) | {"model_type": "bert", "is_decoder": True})
+    )
+    rc = cli.main(["estimate", "--model", str(tmp_path), "--gpu", "a100-80gb", "--seq-len", "64", "--attn", "sdpa"])
+    assert rc == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "value", "bound"),
+    [
+        (["--maximize", "micro_batch", "--seq-len", "1"], 65535, "memfit's micro batch bound"),
+        (["--maximize", "seq_len"], 128, "context (max_position_embeddings)"),
+    ],
+)
+def test_fit_says_when_the_answer_is_the_search_bound(argv, value, bound, capsys):
+    """`fit` on a tiny model: the answer is the bound of the search, and the output says so."""
+    rc = cli.main(["fit", *argv, "--model", str(TINY), "--gpu", "a100-80gb"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"that fits with 10% headroom: {value} (the search's bound" in out and bound in out
+    assert "not a memory limit" in out
+    cli.main(["fit", *argv, "--model", str(TINY), "--gpu", "a100-80gb", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got[argv[1]] == value and got["limited_by"].endswith(f": {value}") and bound in got["limited_by"]
+
+
+def test_fit_limited_by_memory_says_memory(capsys):
+    assert (
+        cli.main(
+            [
+                "fit",
+                "--maximize",
+                "seq_len",
+                "--model",
+                "llama-3.1-8b",
+                "--gpu",
+                "a100-80gb",
+                "--num-gpus",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["limited_by"] == "memory"
+
+
+def test_lora_rank_with_full_finetune_warns(capsys):
+    """search.lora_rank with finetune [full]: the config is valid (a template may keep it ready),
+    and the user is told that no candidate uses it."""
+    raw = _base()
+    raw["search"]["lora_rank"] = [8, 32]
+    WorkflowConfig.load(raw)
+    err = capsys.readouterr().err
+    assert "memfit: warning: search.lora_rank: [8, 32] does nothing with search.finetune ['full']" in err
+    raw["search"]["finetune"] = ["full", "lora"]
+    WorkflowConfig.load(raw)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_too_few_rows_for_one_global_batch(tok_dir, tmp_path):
+    """prepare_data kept fewer rows than train.global_batch: refused after prepare_data (before
+    calibration and probes), naming the rows, the global batch and both keys to change."""
+    from memfit.workflow.search_checks import rows_problem
+
+    src = tmp_path / "few.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"{i} + 1", "response": str(i + 1)}) + "\n" for i in range(10)))
+    data.prepare("sft", src, tok_dir, tmp_path / "prepared", max_len=32, eval_fraction=0.0)
+    cfg = WorkflowConfig(_base())  # train.global_batch: 32
+    problem = rows_problem(cfg, "sft", tmp_path / "prepared" / "stats.json")
+    assert "10 training rows" in problem and "fewer than one global batch (train.global_batch: 32)" in problem
+    assert "add rows to data.sft or lower train.global_batch" in problem
+    raw = _base()
+    raw["train"]["global_batch"] = 8
+    assert rows_problem(WorkflowConfig(raw), "sft", tmp_path / "prepared" / "stats.json") is None
+
+
+def test_snakemake_names_line_of_a_broken_default_config(tmp_path):
+    """The default config/config.yaml with a YAML syntax error: file, line and column on the console."""
+    wf = tmp_path / "wf"
+    (wf / "config").mkdir(parents=True)
+    (wf / "Snakefile").write_text((ROOT / "Snakefile").read_text())
+    for name in ("workflow", "src", "scripts", "envs"):
+        (wf / name).symlink_to(ROOT / name)
+    (wf / "config" / "config.yaml").write_text("models:\n  x: {path: [a\nheadroom: 0.1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n"], capture_output=True, text=True, cwd=wf, timeout=300
+    )
+    assert proc.returncode != 0
+    assert f"{wf / 'config' / 'config.yaml'}: YAML syntax error at line 3, column 9" in proc.stdout + proc.stderr
+
+
+def test_check_config_names_line_of_a_configfile(tmp_path, capsys):
+    """`memfit check-config FILE`: what Snakemake's --configfile reader cannot say."""
+    bad = tmp_path / "c.yaml"
+    bad.write_text("models:\n\t- x\n")
+    assert cli.main(["check-config", str(bad)]) == 2
+    assert f"memfit check-config: {bad}: YAML syntax error at line 2, column 1" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump(_base()))
+    assert cli.main(["check-config", str(good)]) == 0
+    assert capsys.readouterr().out == f"{good}: valid\n"
