@@ -39,3 +39,24 @@ def test_a_gpu_config_on_a_machine_without_one_stops_before_measuring(repo, tmp_
     run = tmp_path / "results" / "demo-tiny" / "h100-80gb"
     assert not (run / "calibration.json").exists()
     assert not list(run.glob("sft/probes/*.json")) and not (run / "sft" / "selected.json").exists()
+
+
+@pytest.mark.slow
+def test_a_real_probe_records_its_device_and_the_selection_holds_it_to_the_gpu(demo_model, demo_data, tmp_path):
+    """2 CPU ranks probe the demo model: the result names the device ("cpu", host memory) and the
+    steady steps; select_config takes it for `gpus: [cpu]` and refuses it for an H100."""
+    from deepspeed_runs import base_run
+
+    from memfit.workflow.probe import run_probe
+    from memfit.workflow.select import WrongDevice, check_probe_files
+
+    cfg = base_run(demo_model, demo_data, tmp_path / "run", zero=0, micro_batch=4, grad_accum=1)
+    out = tmp_path / "probes" / "z0.json"
+    out.parent.mkdir()
+    res = run_probe(cfg, nproc=2, out_json=out, log=tmp_path / "probe.log", steps=3)
+    assert res["status"] == "ok", res
+    assert res["device_name"] == "cpu" and res["device_total_bytes"] > 2**30
+    assert len(res["steady_step_times_s"]) == 2 and all(t > 0 for t in res["steady_step_times_s"])
+    check_probe_files([str(out)], "cpu")
+    with pytest.raises(WrongDevice, match=r"probes/.*\.json ran on the CPU, not on h100-80gb"):
+        check_probe_files([str(out)], "h100-80gb")

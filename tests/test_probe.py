@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from memfit.space import Candidate
 from memfit.train.run_config import OOM_EXIT_CODE, RunConfig
@@ -111,6 +112,8 @@ def test_a_timeout_and_a_crash_are_results_too(tmp_path, monkeypatch):
     ranks_that(monkeypatch, too_slow)
     res = probe.run_probe(run_config(tmp_path), nproc=2, out_json=tmp_path / "p.json", timeout_s=5)
     assert res["status"] == "timeout" and "within 5 s" in res["error"]
+    # no rank summary: the device the launcher ran the ranks on (#41), as the selection checks it
+    assert res["device_name"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name())
 
     def crash(_out, log):
         Path(log).write_text("line\n" * 50 + "ValueError: bad data\n")

@@ -61,7 +61,7 @@ def run_probe(
             result |= {"status": "oom", "error": detail, "oom": where or None}
         else:
             result |= {"status": "error", "error": f"exit code {rc}; see {log}", "log_tail": _tail(log)}
-        if "device_name" not in result:  # no rank summary (OOM, timeout): where the launcher ran the ranks
+        if result["status"] != "ok":  # no rank summary (OOM, timeout): where the launcher ran the ranks
             result |= device_identity()
         if prediction is not None:
             result["predicted"] = {
