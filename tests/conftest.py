@@ -12,6 +12,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # user's ~/.cache/memfit/traces: every run starts cold, as on a fresh CI machine.
 _TRACE_CACHE = tempfile.TemporaryDirectory(prefix="memfit-test-traces-")
 os.environ["MEMFIT_TRACE_CACHE"] = _TRACE_CACHE.name
+# and content digests of models and data (memfit.train.identity) likewise
+os.environ["MEMFIT_DIGEST_CACHE"] = os.path.join(_TRACE_CACHE.name, "sha256.json")
 
 
 def pytest_configure(config):
