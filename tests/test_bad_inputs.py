@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -545,3 +546,35 @@ def test_check_config_names_line_of_a_configfile(tmp_path, capsys):
     good.write_text(yaml.safe_dump(_base()))
     assert cli.main(["check-config", str(good)]) == 0
     assert capsys.readouterr().out == f"{good}: valid\n"
+
+
+# ------------------------------------------------------------------------------ the docs' table
+def _docs_rows() -> list[list[str]]:
+    text = (ROOT / "docs" / "errors.md").read_text()
+    table = text.split("## Bad inputs and the answers they get", 1)[1].split("<!-- rows from other parts of #41 -->")[0]
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("| ") and not line.startswith("| input") and "`tests/" in line:
+            cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+            rows.append(cells)
+    return rows
+
+
+def _needles() -> set[str]:
+    cases = [n for _, n in CLI_CASES] + [n for _, n in CONFIG_CASES] + [n for _, n in HF_CASES]
+    return {n.replace("{tmp}", "DIR") for n in cases} | {p for *_, p in DATA_CASES}
+
+
+def test_docs_table_rows_are_tested():
+    """docs/errors.md's table of bad inputs cannot drift: at least 100 rows, each naming a test
+    that exists and a message that test asserts (a case's needle, or text in the test's file)."""
+    rows = _docs_rows()
+    assert len(rows) >= 100, len(rows)
+    needles = _needles()
+    for inp, where, message, exit_code, test in rows:
+        path, name = test.strip("`").split("::")
+        source = (ROOT / path).read_text()
+        assert f"def {name}(" in source, test
+        said = message.strip("`").replace("\\|", "|")
+        assert any(said in n for n in needles) or said.replace("DIR", "{tmp}") in source, (said, test)
+        assert inp and where and exit_code
