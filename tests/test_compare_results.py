@@ -215,3 +215,10 @@ def test_a_broken_file_exits_2_naming_it(tmp_path, capsys):
     assert cli(["compare-results", str(a), str(b)]) == 2
     err = capsys.readouterr().err
     assert f"{b / RUN / 'verify_resume.json'}: not JSON" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("rtol", ["-1", "nan", "inf"])
+def test_a_bad_rtol_exits_2_naming_the_flag(tmp_path, capsys, rtol):
+    a, b = write_tree(tmp_path / "a"), write_tree(tmp_path / "b")
+    assert cli(["compare-results", str(a), str(b), "--rtol", rtol]) == 2
+    assert "must be a finite number >= 0" in capsys.readouterr().err
