@@ -44,7 +44,9 @@ COUNTS = (
 
 
 def check_values(cfg: dict[str, Any], where: str) -> None:
-    """ValueError naming the first key whose value cannot be a size (in `cfg` or its text_config)."""
+    """ValueError naming the first key whose value cannot be a size (in `cfg` or its text_config);
+    UnsupportedArchitecture for an encoder (`check_decoder`)."""
+    check_decoder(cfg, str(cfg.get("model_type", "") or "").lower(), where)
     for section, prefix in ((cfg, ""), (cfg.get("text_config"), "text_config.")):
         if not isinstance(section, dict):
             continue

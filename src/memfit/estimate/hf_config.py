@@ -9,7 +9,7 @@ from dataclasses import MISSING
 from typing import Any
 
 from memfit.estimate.arch import ModelArch, UnsupportedArchitecture
-from memfit.estimate.config_fields import check_decoder, check_heads, check_values
+from memfit.estimate.config_fields import check_heads, check_values
 from memfit.estimate.generic import generic_arch
 
 # Class defaults transformers fills in when a config.json omits a field. The published Gemma-3
@@ -195,11 +195,10 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source:
     space without building anything. Every other model_type in transformers' causal-LM mapping
     (and a listed type with a field its card does not model) gets a generic card
     (memfit.estimate.generic): parameters from the model transformers builds, activations
-    traced. Refused (UnsupportedArchitecture, naming the reason): no model_type, a type
-    transformers does not build as a causal LM, a config its constructor rejects.
-    """
+    traced. Refused, naming the reason: no model_type, a type transformers does not build as a
+    causal LM (or an encoder: config_fields), a config its constructor rejects, a size that is not one."""
     where = where or name
-    check_values(cfg, where)  # sizes that are whole positive numbers, or the key and value named
+    check_values(cfg, where)  # whole positive sizes, a decoder (not BERT), or the key and value named
     model_type = str(cfg.get("model_type", "")).lower()
     if model_type == "chatglm" or (not model_type and ("padded_vocab_size" in cfg or "multi_query_group_num" in cfg)):
         return _from_chatglm(cfg, name, where, source)
@@ -211,12 +210,10 @@ def arch_from_hf_config(cfg: dict[str, Any], name: str, where: str = "", source:
         if not model_type:
             raise
         # no hand-written card for it: the parameters from transformers' own model, the
-        # activations traced (memfit.estimate.generic); not an encoder (BERT) read as a causal LM
-        check_decoder(raw, model_type, where)
+        # activations traced (memfit.estimate.generic)
         return generic_arch(raw, name, where, source)
     defaults = _HF_DEFAULTS.get(model_type, {})
     get = _field_getter(cfg, defaults, where)
-    check_heads(get, where)
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     layers = int(get("num_hidden_layers"))
@@ -303,6 +300,7 @@ def _field_getter(cfg: dict[str, Any], defaults: dict[str, Any], where: str) -> 
             return default
         raise ValueError(f"{where}: config.json is missing {key!r} (the estimate needs it)")
 
+    check_heads(get, where)  # key/value heads that split the query heads, a hidden size that splits
     return get
 
 

@@ -16,14 +16,11 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memfit.estimate import catalog
 from memfit.estimate.validity import hardware_problems
 from memfit.space import Candidate, enumerate_space
-
-if TYPE_CHECKING:
-    from memfit.workflow.config import WorkflowConfig
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
 _HARDWARE_KEYS = {
@@ -33,8 +30,9 @@ _HARDWARE_KEYS = {
 }
 
 
-def search_problems(cfg: WorkflowConfig) -> list[str]:
-    """Every problem of `search:` for the configured methods and GPUs, one line each."""
+def search_problems(cfg: Any) -> list[str]:
+    """Every problem of `search:` for the configured methods and GPUs, one line each (`cfg`: a
+    memfit.workflow.config.WorkflowConfig, which imports this module)."""
     out: list[str] = []
     untrainable: dict[str, list[str]] = {}  # the reasons -> the methods they stop
     for method in cfg.methods:
@@ -49,7 +47,7 @@ def search_problems(cfg: WorkflowConfig) -> list[str]:
     return list(dict.fromkeys(out))  # a GPU's problem once, whichever method found it
 
 
-def search_warnings(cfg: WorkflowConfig) -> list[str]:
+def search_warnings(cfg: Any) -> list[str]:
     """Keys of `search:` that do nothing in this config: said, not refused (a template keeps
     `lora_rank` ready for the day `finetune` lists lora, as config/cluster-example.yaml does)."""
     search = cfg.raw["search"]
@@ -62,7 +60,7 @@ def search_warnings(cfg: WorkflowConfig) -> list[str]:
     return []
 
 
-def _axes(cfg: WorkflowConfig, method: str) -> dict[str, list[Any]]:
+def _axes(cfg: Any, method: str) -> dict[str, list[Any]]:
     axes = {k: list(v) for k, v in cfg.raw["search"].items() if k != "seq_len"}
     if method != "dpo":
         axes.pop("ref", None)
@@ -75,7 +73,7 @@ def _keys(axes: dict[str, list[Any]], text: str) -> str:
     return ", ".join(f"search.{k} {axes[k]}" for k in keys)
 
 
-def _trainable(cfg: WorkflowConfig, method: str) -> tuple[list[Candidate], list[str]]:
+def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
     """(the candidates `WorkflowConfig.candidates` keeps, each distinct reason a combination was dropped)."""
     axes = _axes(cfg, method)
     fixed = {"seq_len": cfg.seq_len}
@@ -114,7 +112,7 @@ def _trainable(cfg: WorkflowConfig, method: str) -> tuple[list[Candidate], list[
     return [], list(reasons)
 
 
-def _hardware(cfg: WorkflowConfig, cands: list[Candidate]) -> list[str]:
+def _hardware(cfg: Any, cands: list[Candidate]) -> list[str]:
     out = []
     for i, name in enumerate(cfg.gpus):
         try:
@@ -133,7 +131,7 @@ def _hardware(cfg: WorkflowConfig, cands: list[Candidate]) -> list[str]:
     return out
 
 
-def rows_problem(cfg: WorkflowConfig, method: str, stats_json: str | Path) -> str | None:
+def rows_problem(cfg: Any, method: str, stats_json: str | Path) -> str | None:
     """The prepared training rows against one global batch (`train.global_batch` rows, or packed
     sequences, per optimizer step: packing can only make fewer of them); None when they suffice."""
     stats = json.loads(Path(stats_json).read_text())
