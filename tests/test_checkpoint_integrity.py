@@ -293,3 +293,22 @@ def test_a_manifest_step_edited_to_600_is_not_trusted_and_the_run_trains_its_ste
     assert "step00000006/memfit.json was changed after the checkpoint was published" in log
     assert [r["step"] for r in rows if r["split"] == "train"][-3:] == [4, 5, 6]
     _same_end(src, out, rows)
+
+
+@pytest.mark.slow
+def test_a_crafted_deepspeed_shard_with_a_rewritten_manifest_does_not_run(shared_runs, tmp_path):
+    """DeepSpeed's real loader (memfit's streamed load) meets a model-states file with a payload
+    and a manifest rewritten to match: the run stops naming the file; the payload never ran."""
+    marker = tmp_path / "pwned"
+
+    def craft(ck):
+        with checkpoint_digest.safe_loads():
+            sd = torch.load(ck / "mp_rank_00_model_states.pt")
+        torch.save({**sd, "extra": Payload(marker)}, ck / "mp_rank_00_model_states.pt")
+        republish(ck)
+
+    with pytest.raises(AssertionError) as failed:  # deepspeed_runs.run asserts the launch's exit code 0
+        _rerun_copy(shared_runs, tmp_path, craft)
+    assert "mp_rank_00_model_states.pt holds more than tensors and numbers" in str(failed.value)
+    assert "refused without running it" in str(failed.value)
+    assert not marker.exists()

@@ -308,3 +308,40 @@ def safe_loads() -> Iterator[None]:
         yield
     finally:
         torch.load = previous
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m memfit.train.checkpoint_digest CHECKPOINT_DIR...`: check each checkpoint as a
+    resume does (manifest, then every file's SHA-256) and print what the hashing cost. Exit 0
+    when all are sound, 1 when one is not (the reason printed), 2 for a path that is no directory."""
+    import argparse
+    import sys
+    import time
+
+    ap = argparse.ArgumentParser(prog="python -m memfit.train.checkpoint_digest", description=main.__doc__)
+    ap.add_argument("checkpoints", nargs="+", type=Path, help="checkpoint directories (…/checkpoints/stepNNNNNNNN)")
+    args = ap.parse_args(argv)
+    missing = [str(p) for p in args.checkpoints if not p.is_dir()]
+    if missing:
+        print(f"memfit: error: not a checkpoint directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    bad = 0
+    for path in args.checkpoints:
+        t0 = time.perf_counter()
+        meta, problem = verify(path)
+        seconds = time.perf_counter() - t0
+        if problem is not None:
+            print(f"{path}: NOT SOUND: {problem}")
+            bad += 1
+            continue
+        size = sum(e["size"] for e in meta["files"].values())
+        rate = size / max(seconds, 1e-9) / 2**30
+        print(
+            f"{path}: sound, {len(meta['files'])} files, {size / 2**30:.3f} GiB hashed in {seconds:.2f} s "
+            f"({rate:.2f} GiB/s, {1 / max(rate, 1e-9):.2f} s per GiB)"
+        )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
