@@ -255,14 +255,14 @@ def timed_probe(cid, alloc_mib, step_s, steady=None):
 
 
 def test_within_the_noise_the_tie_rule_decides_and_selected_json_says_so():
-    # b is 10% faster than a but uses more memory: within the CPU's 15%, so less memory wins
+    # b is 10% faster than a but uses more memory: within the CPU's 20%, so less memory wins
     estimates = [est("a", 1, 40, 1.0), est("b", 1, 60, 1.0)]
     probes = {"a": timed_probe("a", 42, 1.1), "b": timed_probe("b", 70, 1.0)}
     best, ranked = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
     assert best.id == "a"
     d = best.to_json()["decision"]
     assert d["by"] == "tie rule" and d["runner_up"] == "b" and d["tied"] == ["a", "b"]
-    assert d["margin"] == pytest.approx(1.0 / 1.1 - 1, abs=1e-6) and d["noise"] == 0.15
+    assert d["margin"] == pytest.approx(1.0 / 1.1 - 1, abs=1e-6) and d["noise"] == 0.2
     assert d["tie_rule"].startswith("less device memory, then fewer levers")
     assert next(r for r in ranked if r.id == "b").reason.startswith("tied: ")
     # 30% apart: speed decides, with its margin over the runner-up

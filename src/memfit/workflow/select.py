@@ -26,11 +26,13 @@ __all__ = ["Budget", "NoneFits", "WrongDevice", "choose", "judge"]
 
 # The noise of a measured step time, relative, below which two candidates' speeds are not told
 # apart (a stated tolerance; a probe's own spread counts where it is larger, `noise`). CPU: two
-# runs of the same config on the 2-core development machine measured step times 8-12% apart
-# (tests/slurm/run.sh, 2026-11-27: 0.458 vs 0.422 s, 0.476 vs 0.425 s, issue #41), so 15%. GPU:
-# the same kernels repeat far closer (clocks, other tenants on the node); 5% is a stated
-# allowance, not a measurement of this project's.
-NOISE_RTOL = {"cpu": 0.15, "gpu": 0.05}
+# runs of the same config on the shared 2-core development machine measured step times 8-18%
+# apart (tests/slurm/run.sh, 2026-11-27: calibrated 0.458 vs 0.422 s and 0.476 vs 0.425 s in
+# issue #41; the probe 0.582 vs 0.479 s and calibrated -10.4% in the pass after it), so 20%; a
+# machine loaded differently between runs can differ more (two demo runs' calibrations: a median
+# 26-32%), which compare-results reports and never fails on. GPU: the same kernels repeat far
+# closer (clocks, other tenants on the node); 5% is a stated allowance, not measured here.
+NOISE_RTOL = {"cpu": 0.20, "gpu": 0.05}
 TIE_RULE = "less device memory, then fewer levers, then candidate id"
 
 
@@ -244,7 +246,7 @@ def _decide(fitting: list[CandidateRow]) -> tuple[CandidateRow, list[CandidateRo
     others = [r for r in fitting if r is not best]
     runner = max(others, key=lambda r: tps[id(r)]) if others else None
     best.decision = {
-        "by": "speed" if len(tied) == 1 else "tie rule",
+        "by": "tie rule" if len(tied) > 1 else "speed" if runner else "only candidate that fits",
         "runner_up": runner.id if runner else None,
         # the selected candidate's throughput over the runner-up's, less 1 (negative: the tie rule took a slower one)
         "margin": round(tps[id(best)] / tps[id(runner)] - 1, 6) if runner else None,
