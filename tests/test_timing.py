@@ -221,3 +221,19 @@ def test_a_calibration_recorded_before_identities_is_refused_with_the_way_out(tm
     src = _modelled(p)
     assert not src.startswith("measured") and f"the calibration {p} was recorded before memfit recorded" in src
     assert "re-run calibrate" in src
+
+
+def test_memfit_estimate_names_a_calibration_of_another_model_instead_of_pricing_from_it(tmp_path, capsys):
+    """As issue #41 met it: the demo's calibration given to `memfit estimate` for a 1.2B model."""
+    from memfit.estimate.cli import main
+
+    demo = dataclasses.replace(catalog.model("llama-3.2-1b"), name="demo-tiny", hidden_size=64, num_layers=2)
+    cand = Candidate(zero=2, micro_batch=1, grad_accum=1, seq_len=512, precision="bf16", attn="sdpa")
+    compute = {compute_key("sft", cand): {"1": 0.1, "2": 0.2}}
+    runtime = {engine_key(cand): {"micro": {"1": 0.0, "2": 0.0}, "boundary": {"1": 0.2, "2": 0.2}}}
+    p = _write(tmp_path, compute, runtime, arch=demo, world_size=1, device="NVIDIA A100-SXM4-80GB", **A100)
+    argv = ["--model", "llama-3.2-1b", "--gpu", "a100-80gb", "--zero", "2", "--seq-len", "512", "--attn", "sdpa"]
+    assert main([*argv, "--no-grad-ckpt", "--step-time-calibration", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert f"the calibration {p} measured another model, demo-tiny, not llama-3.2-1b (hidden_size 64 vs 2048" in out
+    assert "step time source: measured" not in out
