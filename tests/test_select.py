@@ -278,3 +278,26 @@ def test_a_probe_spread_wider_than_the_stated_noise_widens_the_tie():
     probes = {"a": timed_probe("a", 42, 1.3), "b": timed_probe("b", 70, 1.0, steady=[1.0, 1.0, 1.5])}
     best, _ = choose(judge(estimates, probes, BUDGET, world=1, method="sft"))
     assert best.id == "a" and best.decision["by"] == "tie rule" and best.decision["noise"] == pytest.approx(0.5)
+
+
+def test_a_gpu_of_another_kind_stops_a_config_before_it_measures(monkeypatch):
+    import torch
+
+    from memfit.estimate import detect
+    from memfit.workflow.probe import NoTargetDevice, require_target_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(detect, "smi_devices", lambda: [("NVIDIA A100-SXM4-80GB", 81920)])
+    with pytest.raises(NoTargetDevice) as e:
+        require_target_device("h100-80gb", plan_only=False, stage="calibrate")
+    assert str(e.value).startswith(
+        "gpus: [h100-80gb] names a GPU this machine does not have: its GPU is NVIDIA A100-SXM4-80GB (a100-80gb, "
+        "81920 MiB), and calibrate would measure it"
+    )
+    require_target_device("a100-80gb", plan_only=False, stage="calibrate")  # the GPU it has
+
+    def no_smi():
+        raise detect.DetectError("no nvidia-smi")
+
+    monkeypatch.setattr(detect, "smi_devices", no_smi)
+    require_target_device("h100-80gb", plan_only=False, stage="calibrate")  # cannot tell: the selection checks

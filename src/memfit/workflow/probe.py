@@ -90,6 +90,7 @@ def require_target_device(gpu: str, plan_only: bool, stage: str) -> None:
     import torch
 
     if torch.cuda.is_available():
+        _require_gpu_kind(gpu, stage)
         return
     hidden = " (CUDA_VISIBLE_DEVICES is empty)" if os.environ.get("CUDA_VISIBLE_DEVICES") == "" else ""
     raise NoTargetDevice(
@@ -97,6 +98,30 @@ def require_target_device(gpu: str, plan_only: bool, stage: str) -> None:
         f"off: {stage} would measure the CPU and record it as {gpu}. Run it where the {gpu} is (a GPU node; "
         "`gpus: [detect]` names the GPU a machine has), or set `plan_only: true` to estimate and select "
         "without measuring, or `gpus: [cpu]` to run on this machine's CPU."
+    )
+
+
+def _require_gpu_kind(gpu: str, stage: str) -> None:
+    """A GPU of another kind than the configured one (nvidia-smi's answer, no CUDA context in this
+    process): stop before measuring it. Where nvidia-smi cannot tell, the selection still refuses
+    a probe of another device (memfit.workflow.select.check_probe_devices)."""
+    from memfit.estimate import detect, device_match
+
+    try:
+        devices = detect.smi_devices()
+    except (detect.DetectError, OSError, subprocess.SubprocessError):
+        return
+    if not devices or device_match.mismatch(devices[0][0], devices[0][1] * 2**20, gpu) is None:
+        return
+    name, mib = devices[0]
+    try:
+        kind = device_match.catalog_name(name, mib * 2**20)
+    except detect.DetectError:
+        kind = "not in config/gpus.yaml"
+    raise NoTargetDevice(
+        f"gpus: [{gpu}] names a GPU this machine does not have: its GPU is {name} ({kind}, {mib} MiB), "
+        f"and {stage} would measure it and record it as {gpu}. Run it where the {gpu} is, or name this "
+        "GPU in `gpus:` (`gpus: [detect]` does), or set `plan_only: true` to estimate and select without measuring."
     )
 
 
