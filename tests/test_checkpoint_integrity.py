@@ -124,6 +124,7 @@ def test_a_flipped_4k_block_in_a_shard_is_named_and_the_previous_checkpoint_take
             r"COMPLETE records no SHA-256 of memfit.json: a checkpoint written before memfit checked digests",
         ),
         ("rng.rank0.pt truncated", r"rng.rank0.pt is \d+ bytes, the manifest says \d+ \(truncated or overwritten\)"),
+        ("shard truncated, its manifest size too", r"memfit.json was changed after the checkpoint was published"),
     ],
 )
 def test_an_edited_or_broken_manifest_falls_back_naming_the_file(tmp_path, edit, reason):
@@ -141,8 +142,12 @@ def test_an_edited_or_broken_manifest_falls_back_naming_the_file(tmp_path, edit,
         manifest.write_bytes(manifest.read_bytes()[:40] + b"\x00\xff garbled")
     elif edit == "old COMPLETE":
         (ckpt / "COMPLETE").write_text("step00000020\n")  # what memfit wrote before digests
-    else:
+    elif edit.startswith("rng"):
         (ckpt / "rng.rank0.pt").write_bytes((ckpt / "rng.rank0.pt").read_bytes()[:100])
+    else:  # a torn shard whose size someone wrote into the manifest
+        (ckpt / SHARD).write_bytes((ckpt / SHARD).read_bytes()[:100])
+        meta["files"][SHARD]["size"] = 100
+        manifest.write_text(json.dumps(meta))
     if edit.endswith("republished"):
         (ckpt / "COMPLETE").write_text(
             checkpoint_digest.complete_text(ckpt.name, checkpoint_digest.sha256_file(manifest))
@@ -235,6 +240,23 @@ def test_a_crafted_shard_with_a_matching_manifest_does_not_run(tmp_path):
     ):
         checkpoint.load(FakeEngine(), tmp_path, "step00000020", run_config={"seed": 0})
     assert not marker.exists()
+
+
+def test_the_offline_check_names_each_checkpoints_verdict_and_cost(tmp_path, capsys):
+    save(tmp_path, 10)
+    save(tmp_path, 20)
+    assert checkpoint_digest.main([str(tmp_path / "step00000010"), str(tmp_path / "step00000020")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"step00000010: sound, 3 files, 0.000 GiB hashed in [\d.]+ s \([\d.]+ GiB/s, [\d.]+ s per GiB\)", out
+    )
+    flip_4k(tmp_path / "step00000020" / SHARD)
+    assert checkpoint_digest.main([str(tmp_path / "step00000020")]) == 1
+    assert (
+        f"step00000020: NOT SOUND: {tmp_path / 'step00000020' / SHARD}: its SHA-256 differs" in capsys.readouterr().out
+    )
+    assert checkpoint_digest.main([str(tmp_path / "step00000099")]) == 2
+    assert "not a checkpoint directory: " in capsys.readouterr().err
 
 
 def test_honest_rng_states_round_trip_exactly(tmp_path):
