@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate import calibration, roofline
+from memfit.estimate import calibration, roofline, runtime_costs
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.offload_activations import checkpoint_input_bytes
@@ -263,11 +263,13 @@ def uses_roofline(gpu: GPU) -> bool:
 
 def compute_source(arch: ModelArch, cand: Candidate, gpu: GPU, settings: Settings) -> str:
     """Where the compute term comes from, for `Estimate.time_source`."""
+    adam = f"; {runtime_costs.cpu_adam_label(settings)}" if cand.offload_optimizer == "cpu" else ""
     if uses_roofline(gpu):
-        return f"modelled (each operation at its roofline; {roofline.rates(gpu, cand.precision).source})"
+        runtime = f"; {runtime_costs.RUNTIME_LABEL}" if gpu.name != "cpu" else ""
+        return f"modelled (each operation at its roofline; {roofline.rates(gpu, cand.precision).source}{runtime}{adam})"
     if calibration.for_gpu(gpu.name, gpu.compute_capability).tflops.get("step"):
-        return "measured whole-step TFLOP/s of this GPU (config/calibration)"
-    return f"assumed ({settings.mfu:.0%} MFU of the dense peak, Chowdhery et al. 2022)"
+        return f"measured whole-step TFLOP/s of this GPU (config/calibration{adam})"
+    return f"assumed ({settings.mfu:.0%} MFU of the dense peak, Chowdhery et al. 2022{adam})"
 
 
 def _flops_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> float:
@@ -350,14 +352,15 @@ def _offload_seconds(
     states: ModelStates,
     settings: Settings,
 ) -> float:
-    """Gradients down and parameters up over the host link, DeepSpeedCPUAdam's step."""
+    """Gradients down and parameters up over the host link, DeepSpeedCPUAdam's step over the rank's
+    partition at `runtime_costs.cpu_adam_rate` (each rank steps its own partition on its cores)."""
     d = dtype_bytes(cand.precision)
     link = gpu.host_link_gbs * 1e9
     seconds = 0.0
     if cand.offload_optimizer == "cpu":
         fraction = states.offload_fraction if cand.zero == 3 else 1.0
         seconds += fraction * (4 + d) * trainable / world / link  # fp32 grads down, 16-bit params up
-        seconds += fraction * trainable * num_gpus / world / settings.cpu_adam_params_per_s
+        seconds += fraction * trainable / world / runtime_costs.cpu_adam_rate(settings)
     if cand.offload_param == "cpu":
         passes = 3 if cand.grad_ckpt else 2
         seconds += cand.grad_accum * passes * d * total / world / link
@@ -376,22 +379,6 @@ def activation_offload_seconds(
         return 0.0
     moved = 2 * max(0, arch.num_layers - 1) * checkpoint_input_bytes(arch, cand, method)
     return max(0.0, cand.grad_accum * moved / (gpu.host_link_gbs * 1e9) - compute_seconds)
-
-
-def _optimizer_seconds(cand: Candidate, gpu: GPU, trainable: int, world: int) -> float:
-    """The device optimizer's step, memory-bound: per parameter of the rank's partition (all of
-    them at ZeRO-0, 1 / world at ZeRO-1/2/3), FusedAdam reads the fp32 parameter, gradient,
-    exp_avg and exp_avg_sq and writes three of them back (28 bytes; DeepSpeed
-    ops/csrc/adam/multi_tensor_adam.cu), the gradient norm for clipping reads the gradients
-    (4; `get_grad_norm`). 16-bit training adds the gradient's conversion to fp32 (d + 4;
-    stage_1_and_2.py / stage3.py) and the updated master weights' copy into the 16-bit
-    parameters (4 + d); ZeRO-0's BF16_Optimizer accumulates every micro step's gradient into an
-    fp32 buffer that it clears after the step (runtime/bf16_optimizer.py `update_hp_grads`,
-    `clear_hp_grads`: 4 + 4 more)."""
-    d = dtype_bytes(cand.precision)
-    per_param = 28 + 4 + (0 if d == 4 else 2 * (d + 4) + (8 if cand.zero == 0 else 0))
-    partition = trainable if cand.zero == 0 else trainable / world
-    return per_param * partition / (gpu.memory_bandwidth_gbs * 1e9)
 
 
 def step_time(
@@ -424,11 +411,15 @@ def modelled_step(
     world = num_gpus * num_nodes
     total = param_layout(arch).total
     trainable = trainable_params(arch, cand, settings)
-    # a step's fixed overhead (launches, Python, optimizer bookkeeping)
+    # a step's fixed overhead (launches, Python, the engine's bookkeeping)
     overhead = 0.005 * arch.num_layers / 32 * cand.grad_accum + 0.01
-    optimizer = 0.0 if cand.offload_optimizer == "cpu" else _optimizer_seconds(cand, gpu, trainable, world)
+    bandwidth = roofline.rates(gpu, cand.precision).memory
+    optimizer = 0.0
+    if cand.offload_optimizer != "cpu":
+        optimizer = runtime_costs.optimizer_seconds(arch, cand, gpu, trainable, world, settings, bandwidth)
     terms = roofline.compute_seconds(arch, cand, gpu, method, settings) if uses_roofline(gpu) else {}
     compute = sum(terms.values()) if terms else _flops_seconds(arch, cand, gpu, method, settings)
+    zero = runtime_costs.zero_runtime_seconds(arch, cand, gpu, method, trainable, total, bandwidth, settings, compute)
     breakdown = {
         "compute": compute,
         "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings)
@@ -436,6 +427,8 @@ def modelled_step(
         "offload": _offload_seconds(cand, gpu, num_gpus, world, total, trainable, states, settings)
         + activation_offload_seconds(arch, cand, gpu, method, compute),
         "optimizer": optimizer,
+        "zero_reduce": zero["reduce"],
+        "zero3_gather": zero["gather"],
         "overhead": overhead,
     }
     return breakdown, terms

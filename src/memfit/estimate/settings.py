@@ -48,7 +48,15 @@ class Settings:
     padding_mask: bool = True
     optimizer_impl: str | None = None  # "fused" (DS FusedAdam), "foreach" or "single" (torch)
     mfu: float = 0.40  # model FLOPs utilisation of the GPU's dense peak (Chowdhery et al. 2022)
-    cpu_adam_params_per_s: float = 1.0e9  # DeepSpeedCPUAdam throughput per node (AVX512, ~32 cores)
+    # DeepSpeedCPUAdam (offload_optimizer: cpu), parameters per second per core, times the cores a rank
+    # has: the default measured by benchmarks/bench_cpu_adam.py (50M fp32 parameters, one thread,
+    # an AVX-512 Xeon, 2026-11-27: 5.4e8; 7.6e8 at 10M, in cache); DeepSpeed publishes no per-core
+    # figure (ops/adam/cpu_adam.py: "5x to 7x speedup over torch.optim.adam(W)"). 4 cores per rank:
+    # 8 ranks of a node then step at 1.7e10 parameters/s, about 480 GB/s of the node's memory (28
+    # bytes a parameter), what a two-socket DDR5 node sustains; more cores stop helping there.
+    # Workflow config: estimate.cpu_adam_params_per_s_per_core, estimate.cpu_cores_per_rank.
+    cpu_adam_params_per_s_per_core: float = 5.4e8
+    cpu_cores_per_rank: int = 4
     internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
     # a step-time calibration measured on the machine (memfit.train.calibrate's calibration.json):
     # step times from it (memfit.estimate.timing) instead of the assumed MFU; None: assumed
