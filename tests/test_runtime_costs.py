@@ -1,0 +1,71 @@
+"""The modelled (uncalibrated) step time against the H100 and H200 evidence rows (issue #42), and
+the DeepSpeedCPUAdam rate as a setting the estimate names."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from memfit.estimate import Settings, catalog, estimate, runtime_costs
+from memfit.estimate.settings import EstimateError
+from memfit.space import Candidate
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+EVIDENCE = {"h100-80gb": "gpu_evidence_h100-80gb.json", "h200": "gpu_evidence_h200.json"}
+
+
+def _rows(gpu: str) -> dict[str, tuple[float, float]]:
+    """Every measured evidence row of `gpu`: (measured, modelled) seconds per step."""
+    doc = json.loads((RESULTS / EVIDENCE[gpu]).read_text())
+    arch = dataclasses.replace(catalog.model("llama-3.1-8b"), num_layers=4)  # the evidence's reduced model
+    out = {}
+    for stage in doc["stages"].values():
+        for r in stage["rows"]:
+            if r.get("status") != "ok" or "candidate" not in r:
+                continue
+            s = Settings(expandable_segments=r["expandable_segments"], variable_length=False)
+            est = estimate(arch, catalog.gpu(gpu), 1, 1, r["method"], Candidate.from_dict(r["candidate"]), settings=s)
+            out[r["id"]] = (r["measured"]["step_time_s"], est.step_time_s)
+    return out
+
+
+@pytest.mark.parametrize("gpu", sorted(EVIDENCE))
+def test_uncalibrated_step_time_meets_the_issue_bars_on_the_evidence_rows(gpu):
+    """#42: median |error| <= 20%, worst <= 40%, and ZeRO-0/2/3 in the measured order. The H100's
+    z3 row fitted ZERO3_MODULE_S and the H200's ZeRO-0 calibration the optimizer constants: each GPU
+    is also checked on rows the other fitted (runtime_costs' docstring)."""
+    rows = _rows(gpu)
+    errors = [abs(pred / meas - 1) for meas, pred in rows.values()]
+    assert statistics.median(errors) <= 0.20 and max(errors) <= 0.40, rows
+    zero = [rows[f"sft-full-z{z}"] for z in (0, 2, 3)]
+    assert sorted(zero) == zero and [p for _, p in zero] == sorted(p for _, p in zero), zero
+
+
+def test_cpu_adam_rate_is_a_setting_and_the_estimate_names_it():
+    arch, gpu = catalog.model("qwen2.5-7b"), catalog.gpu("h100-80gb")
+    cand = Candidate(zero=2, offload_optimizer="cpu", seq_len=2048)
+    slow = estimate(arch, gpu, 8, 1, "sft", cand, settings=Settings(cpu_adam_params_per_s_per_core=1e8))
+    fast = estimate(arch, gpu, 8, 1, "sft", cand)
+    assert slow.time_breakdown["offload"] > fast.time_breakdown["offload"]
+    assert "DeepSpeedCPUAdam at 5.4e+08 params/s per core x 4 cores per rank (default" in fast.time_source
+    assert "1e+08 params/s per core x 4 cores per rank (set by estimate." in slow.time_source
+    plain = estimate(arch, gpu, 8, 1, "sft", Candidate(zero=2, seq_len=2048))
+    assert "DeepSpeedCPUAdam" not in plain.time_source
+
+
+@pytest.mark.parametrize(
+    ("cfg", "words"),
+    [
+        ({"cpu_cores_per_rank": 0}, "estimate.cpu_cores_per_rank: 0 is not a positive whole number"),
+        ({"cpu_cores_per_rank": 2.5}, "estimate.cpu_cores_per_rank: 2.5 is not a positive whole number"),
+        ({"cpu_adam_params_per_s_per_core": "fast"}, "estimate.cpu_adam_params_per_s_per_core: 'fast' is not a"),
+    ],
+)
+def test_bad_cpu_adam_config_values_name_their_key(cfg, words):
+    with pytest.raises(EstimateError, match=words):
+        runtime_costs.cpu_adam_settings(cfg)
+    assert runtime_costs.cpu_adam_settings({"cpu_cores_per_rank": 16}) == {"cpu_cores_per_rank": 16}
