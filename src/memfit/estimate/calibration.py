@@ -45,7 +45,15 @@ class Calibration:
     # still creates an NCCL communicator: memfit's trainer all-reduces its metrics and peaks);
     # None: not measured, the estimator counts no NCCL at one rank
     single_rank_extra_bytes: int | None = None
-    fragmentation: float | None = None  # reserved/allocated - 1 at the peak; None: the heuristic
+    # reserved/allocated - 1 at the peak, as measured; kept for the record: the estimator's reserved
+    # comes from the allocator's mechanisms (memfit.estimate.allocator), not from this ratio
+    fragmentation: float | None = None
+    # the share of the fp32 logits block the caching allocator keeps cached beyond the loss
+    # backward's allocated peak (allocator.LOGITS_CACHED_SHARE); None: that default
+    logits_cached_share: float | None = None
+    # the device-memory margin selection keeps free when the user states no headroom: derived from
+    # the spread of memfit's own device-total error on this GPU (`margin_for`); None: the default
+    device_margin: float | None = None
     # what the caching allocator holds after a forward and backward GEMM with every tensor freed:
     # the cuBLAS workspaces (one per handle and stream, `allocator_workspaces`); None: that default
     allocator_workspace_bytes: int | None = None
@@ -70,9 +78,12 @@ class Calibration:
 
 
 def default_for(gpu_name: str, compute_capability: str) -> Calibration:
-    """Today's heuristics (previously inline in `estimate._device_overheads`):
-    - CUDA context with lazy module loading (CUDA >= 11.7): 500 MiB on sm80+, 400 MiB before
-      (PyTorch docs "CUDA semantics: memory management"; mem_get_info deltas in PyTorch issue 20532);
+    """The stated defaults of a GPU without a calibration file:
+    - CUDA context with lazy module loading (CUDA >= 11.7): measured on Hopper (HOPPER_CONTEXT_BYTES,
+      the same on the H100 and the H200); 500 MiB on sm80, 400 MiB before (PyTorch docs "CUDA
+      semantics: memory management"; mem_get_info deltas in PyTorch issue 20532);
+    - one rank's NCCL communicator and other non-torch memory: measured on Hopper
+      (HOPPER_SINGLE_RANK_EXTRA_BYTES), none counted before;
     - cuBLAS beside the allocator (its handle and the kernel images lazy module loading brings
       in at the first GEMM; the workspaces are allocated tensors, `allocator_workspaces`):
       69,206,016 bytes on Hopper and newer, measured to the byte on both the H100 (2026-11-26)
@@ -81,19 +92,38 @@ def default_for(gpu_name: str, compute_capability: str) -> Calibration:
     - NCCL: not from these defaults: `estimate.costs.device_overheads` uses NCCL_CUMEM_BYTES
       plus the NVLS buffers unless a measured calibration file states its own per-peer figures
       (a one-GPU measurement has none);
-    - fragmentation: None = the share-of-transient heuristic of `estimate._fragmentation`;
+    - reserved memory: the caching allocator's mechanisms (memfit.estimate.allocator), with its
+      default share of the fp32 logits block left cached (`logits_cached_share` None);
+    - device margin: UNCALIBRATED_MARGIN (`device_margin` None);
     - tflops: empty = the per-operation roofline (memfit.estimate.roofline) assumes the H100's
       measured fractions of this GPU's dense peak for GEMMs and attention."""
     if gpu_name == "cpu":
         return Calibration(gpu_name, 0, 0)
     major = int(str(compute_capability).split(".")[0])
+    if major >= 9:
+        return Calibration(
+            device=gpu_name,
+            cuda_context_bytes=HOPPER_CONTEXT_BYTES,
+            cublas_workspace_bytes=HOPPER_CUBLAS_OUTSIDE_BYTES,
+            single_rank_extra_bytes=HOPPER_SINGLE_RANK_EXTRA_BYTES,
+        )
     return Calibration(
         device=gpu_name,
         cuda_context_bytes=500 * MIB if major >= 8 else 400 * MIB,
-        cublas_workspace_bytes=HOPPER_CUBLAS_OUTSIDE_BYTES if major >= 9 else 9 * MIB,
+        cublas_workspace_bytes=9 * MIB,
     )
 
 
+# The CUDA context of a torch process on Hopper (CUDA 12, lazy module loading): 648,871,936 bytes,
+# measured to the byte on an H100 (2026-11-26) and an H200 (2026-11-27) by gpu_evidence's context
+# stage (mem_get_info used - memory_reserved after torch.zeros(1)); the 500 MiB of the PyTorch
+# docs' range stays for older GPUs
+HOPPER_CONTEXT_BYTES = 648_871_936
+# nvidia-smi's total of a one-rank memfit run beyond reserved, context and cuBLAS on Hopper (the
+# rank's NCCL communicator: memfit's trainer all-reduces its metrics): the median of the H100's 10
+# probes, 1,077,084,160 bytes (config/calibration/h100-80gb.json, 2026-11-26; the H200's 5 probes
+# measured 1,070,792,704 on 2026-11-27). Not measured before Hopper: none counted there.
+HOPPER_SINGLE_RANK_EXTRA_BYTES = 1_077_084_160
 # what the first bf16 GEMM adds beside the allocator on an H100 and an H200 alike
 # (benchmarks/results/gpu_evidence_h100-80gb.json and _h200.json, stage context)
 HOPPER_CUBLAS_OUTSIDE_BYTES = 69_206_016
@@ -146,6 +176,16 @@ def validate(d: dict[str, Any], where: str) -> Calibration:
     frag = d.get("fragmentation")
     if frag is not None and not (isinstance(frag, (int, float)) and 0 <= frag < 2):
         raise CalibrationError(f"{where}: fragmentation must be a share in [0, 2), got {frag!r}")
+    share = d.get("logits_cached_share")
+    if share is not None and not (isinstance(share, (int, float)) and 0 <= share <= 2):
+        raise CalibrationError(
+            f"{where}: logits_cached_share must be a share of the fp32 logits block in [0, 2], got {share!r}"
+        )
+    margin = d.get("device_margin")
+    if margin is not None and not (isinstance(margin, (int, float)) and 0 <= margin < 0.5):
+        raise CalibrationError(
+            f"{where}: device_margin must be a fraction of device memory in [0, 0.5), got {margin!r}"
+        )
     tflops = d.get("tflops", {})
     if not isinstance(tflops, dict):
         raise CalibrationError(f"{where}: tflops must be an object {{kernel class: TFLOP/s}}")
@@ -191,3 +231,30 @@ def for_gpu(gpu_name: str, compute_capability: str, directory: str | Path | None
     if cal.device != gpu_name:
         raise CalibrationError(f"{path}: device is {cal.device!r}, expected {gpu_name!r}")
     return cal
+
+
+# The device-memory margin selection keeps free when the user states no headroom (issue #42): the
+# worst under-prediction of nvidia-smi's device total measured on the GPU's evidence rows
+# (benchmarks/bench_reserved.py prints it per GPU and path) plus MARGIN_SAFETY for what a probe
+# of a few steps does not show: nvidia-smi's 0.1 s polls can miss a short spike, and a longer run
+# meets more batch shapes than the probes' padded ones.
+MARGIN_SAFETY = 0.02
+# uncalibrated: the worst device-total under-prediction of the H100 and H200 rows estimated without
+# their calibration files (-11.2%, sft-lora-z2, benchmarks/bench_reserved.py), plus MARGIN_SAFETY,
+# rounded up to a whole percent
+UNCALIBRATED_MARGIN = 0.14
+
+
+def margin_for(worst_under: float) -> float:
+    """The margin from a measured worst device-total error (negative: under-predicted): its size
+    plus MARGIN_SAFETY, rounded up to a whole percent."""
+    import math
+
+    return math.ceil((max(-worst_under, 0.0) + MARGIN_SAFETY) * 100 - 1e-9) / 100
+
+
+def device_margin(cal: Calibration) -> tuple[float, str]:
+    """(fraction of device memory to keep free, where it comes from) when no headroom is given."""
+    if cal.measured and cal.device_margin is not None:
+        return cal.device_margin, f"derived: memfit's device-total error measured {cal.measured_on} on {cal.device}"
+    return UNCALIBRATED_MARGIN, "derived: memfit's uncalibrated device-total error on the H100 and H200 rows"

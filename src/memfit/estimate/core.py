@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate import calibration, timing
+from memfit.estimate import allocator, calibration, timing
 from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
@@ -40,6 +40,8 @@ class Estimate:
 
     peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
     peak_reserved_bytes: int = 0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
+    # what makes reserved exceed the allocated bytes of its phase (memfit.estimate.allocator.Reserved.terms)
+    reserved_terms: dict[str, int] = field(default_factory=dict)
     device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
     device_memory_bytes: int = 0  # the device's whole memory (or the budget)
     host_bytes: int = 0  # host RAM per node at its peak
@@ -70,6 +72,8 @@ class Estimate:
     # headroom, as the workflow's selection applies it (memfit.workflow.rows.Budget): the fraction of
     # device memory kept free; `fits_with_headroom` compares device_total to the usable part
     headroom: float = 0.0
+    # "given" (the caller's headroom) or where the derived margin comes from (calibration.device_margin)
+    headroom_source: str = "given"
     usable_device_bytes: int = 0
     fits_with_headroom: bool = False
 
@@ -95,7 +99,7 @@ class Job:
     host_memory_gb: float | None
     budget_bytes: int | None
     settings: Settings
-    headroom: float = 0.0
+    headroom: float | None = 0.0  # None: the margin derived from memfit's measured error (calibration.device_margin)
 
     @property
     def world(self) -> int:
@@ -117,7 +121,7 @@ def _check_inputs(job: Job, cand: Candidate) -> None:
         raise EstimateError(f"method must be sft or dpo, got {job.method!r}")
     if job.num_gpus < 1 or job.num_nodes < 1:
         raise EstimateError(f"num_gpus and num_nodes must be >= 1, got {job.num_gpus} and {job.num_nodes}")
-    if not 0.0 <= job.headroom < 1.0:
+    if job.headroom is not None and not 0.0 <= job.headroom < 1.0:
         raise EstimateError(f"headroom must be in [0, 1), got {job.headroom}")
     if job.method == "dpo" and cand.ref == "adapter" and cand.finetune == "full":
         raise EstimateError("ref=adapter needs finetune=lora or qlora")
@@ -189,7 +193,10 @@ def _verdict(job: Job, est: Estimate) -> None:
         est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
     # the same rule as memfit.workflow.rows.Budget.device_limit_bytes
     est.headroom = job.headroom
-    est.usable_device_bytes = int(est.device_memory_bytes * (1.0 - job.headroom))
+    if job.headroom is None:  # no headroom given: the margin memfit's own device-total error calls for
+        cal = calibration.for_gpu(job.gpu.name, job.gpu.compute_capability)
+        est.headroom, est.headroom_source = calibration.device_margin(cal)
+    est.usable_device_bytes = int(est.device_memory_bytes * (1.0 - est.headroom))
     used = est.device_memory_bytes - est.margin_bytes
     est.fits_with_headroom = est.fits and used <= est.usable_device_bytes and est.host_margin_bytes >= 0
 
@@ -249,15 +256,29 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     breakdown = peak_breakdown(phases, states, acts, cand, job.method, trainable, world)
     if est.peak_phase != "resume":  # a resumed process has run no GEMM before its first step
         breakdown["temporaries"] += workspaces
+    # reserved: the caching allocator's segments at the peak, from its mechanisms (memfit.estimate.allocator)
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
-    fragmented = fragmentation(transient, settings, gpu.name == "cpu")
-    # plus the fp32 logits block the allocator keeps cached (costs.cached_logits_block)
-    fragmented += cached_logits_block(fp32_logits_block(arch, cand, job.method, settings), settings, gpu.name == "cpu")
-    if cal.fragmentation is not None and gpu.name != "cpu":  # measured reserved/allocated - 1 at the peak
-        fragmented = int(cal.fragmentation * est.peak_allocated_bytes)
+    logits_block = fp32_logits_block(arch, cand, job.method, settings)
+    if gpu.name == "cpu":  # no caching allocator on the host
+        est.peak_reserved_bytes = est.peak_allocated_bytes
+    elif not cal.measured:
+        # a GPU without a calibration keeps the stated heuristic (8%/30% of the shape-varying bytes
+        # plus the whole fp32 logits block): the public rows of other trainers on A100/RTX 4090 need
+        # it (the mechanism model below under-predicts them by up to 14%, docs/measurements.md)
+        est.peak_reserved_bytes = (
+            est.peak_allocated_bytes
+            + fragmentation(transient, settings, False)
+            + cached_logits_block(logits_block, settings, False)
+        )
+    else:
+        held = allocator.reserved(
+            phases, states, cand, world, logits_block, transient, settings, cal.logits_cached_share
+        )
+        est.peak_reserved_bytes = max(held.bytes, est.peak_allocated_bytes)
+        est.reserved_terms = held.terms
+    fragmented = est.peak_reserved_bytes - est.peak_allocated_bytes
     est.calibration = cal.label()
     overheads = sum(device_overheads(gpu, world, settings).values())
-    est.peak_reserved_bytes = est.peak_allocated_bytes + fragmented
     est.device_total_bytes = est.peak_reserved_bytes + overheads
     breakdown["overheads"] = fragmented + overheads
     est.breakdown = {k: int(v) for k, v in breakdown.items()}
@@ -309,14 +330,15 @@ def estimate(
     host_memory_gb: float | None = None,
     budget_bytes: int | None = None,
     settings: Settings = DEFAULT_SETTINGS,
-    headroom: float = 0.0,
+    headroom: float | None = 0.0,
 ) -> Estimate:
     """Predict one configuration on `num_gpus` GPUs per node x `num_nodes` nodes.
 
     `budget_bytes` replaces the device's memory (the demo's `cpu` entry). `headroom` is the
-    fraction of it kept free, as in `memfit.workflow.rows.Budget`: `fits_with_headroom` applies it.
-    Invalid hardware combinations return `Estimate(invalid=True, reason=...)`; bad input raises
-    `EstimateError`.
+    fraction of it kept free, as in `memfit.workflow.rows.Budget`: `fits_with_headroom` applies it;
+    None keeps the margin memfit's own measured device-total error calls for on this GPU
+    (`calibration.device_margin`, said in `headroom_source`). Invalid hardware combinations return
+    `Estimate(invalid=True, reason=...)`; bad input raises `EstimateError`.
     """
     job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
     return _estimate(job, cand or Candidate())
@@ -359,7 +381,7 @@ def fit(
     budget_bytes: int | None = None,
     settings: Settings = DEFAULT_SETTINGS,
     upper: int | None = None,
-    headroom: float = 0.0,
+    headroom: float | None = 0.0,
 ) -> tuple[int, Estimate | None]:
     """Binary search for the largest `maximize` value that fits with `headroom` kept free
     (memory grows monotonically in both). Returns (0, estimate at 1) when even 1 does not fit

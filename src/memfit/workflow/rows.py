@@ -23,6 +23,9 @@ class Budget:
     device_bytes: int  # usable memory of one device (rank)
     host_bytes: int  # usable RAM of one node
     headroom: float  # fraction of device memory kept free (fragmentation, spikes)
+    # "given" (the config's or the user's value) or where a derived margin comes from
+    # (`derived_budget`, memfit.estimate.calibration.device_margin)
+    headroom_source: str = "given"
 
     @property
     def device_limit_bytes(self) -> int:
@@ -130,7 +133,18 @@ def budget_from_json(d: Any, where: str = "budget") -> Budget:
         device_bytes=_get(d, "device_bytes", where, "int"),
         host_bytes=_get(d, "host_bytes", where, "int"),
         headroom=_get(d, "headroom", where, "number"),
+        headroom_source=_get(d, "headroom_source", where, "str", required=False) or "given",
     )
+
+
+def derived_budget(device_bytes: int, host_bytes: int, gpu_name: str, compute_capability: str) -> Budget:
+    """The budget when no headroom is given: the margin derived from the spread of memfit's own
+    device-total error on this GPU (its calibration file's `device_margin`, else the uncalibrated
+    one), named in `headroom_source` (docs/estimator.md, "The margin")."""
+    from memfit.estimate import calibration
+
+    margin, source = calibration.device_margin(calibration.for_gpu(gpu_name, compute_capability))
+    return Budget(device_bytes=device_bytes, host_bytes=host_bytes, headroom=margin, headroom_source=source)
 
 
 # --------------------------------------------------------------------------- selected.json
@@ -271,7 +285,8 @@ class Selection:
             "method": self.method,
             "selected": None if self.selected is None else self.selected.to_json(),
             **({"none_fits": self.none_fits} if self.none_fits is not None else {}),
-            "budget": asdict(self.budget),
+            # headroom_source only where the margin was derived (the files' keys are unchanged otherwise)
+            "budget": {k: v for k, v in asdict(self.budget).items() if (k, v) != ("headroom_source", "given")},
             "plan_only": self.plan_only,
             "launch": self.launch,
             "candidates": [r.to_json() for r in self.candidates],
