@@ -201,7 +201,8 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> str | Non
     before = [_signature(directory / n) for n in names]
     owner = _shares([files[n]["size"] for n in names], world)
     dist_env.barrier()  # every rank took its `before` before any hashing starts
-    # per file: 0 fine, 1 missing, 2 size differs, 3 SHA-256 differs, 4 changed while being read
+    # per file: 0 fine, 1 missing, 2 size differs, 3 SHA-256 differs, 4 changed while being read,
+    # 5 unreadable
     codes = [0.0] * len(names)
     for i, n in enumerate(names):
         sig = before[i]
@@ -213,13 +214,18 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> str | Non
             key = str((directory / n).resolve())
             cached = _verified.get(key)
             if cached != (sig, files[n]["sha256"]):
-                got = sha256_file(directory / n)
-                if got != files[n]["sha256"]:
+                try:
+                    got = sha256_file(directory / n)
+                except OSError:
+                    got = None
+                if got is None:
+                    codes[i] = 5
+                elif got != files[n]["sha256"]:
                     codes[i] = 3
                 elif _signature(directory / n) != sig:
                     codes[i] = 4
     after = [_signature(directory / n) for n in names]
-    codes = [max(c, 4.0 if a != b else 0.0) for c, a, b in zip(codes, before, after, strict=True)]
+    codes = [c or (4.0 if a != b else 0.0) for c, a, b in zip(codes, before, after, strict=True)]
     codes = dist_env.all_reduce(codes, "max") if world > 1 else codes
     for n, c in zip(names, codes, strict=True):
         f = directory / n
@@ -231,6 +237,8 @@ def verify_files(directory: Path, files: dict[str, dict[str, Any]]) -> str | Non
             return f"{f}: its SHA-256 differs from the manifest's (the file changed since it was saved)"
         if c == 4:
             return f"{f} changed while it was being verified"
+        if c == 5:
+            return f"{f} cannot be read (permissions?)"
     for n, sig in zip(names, after, strict=True):
         _verified[str((directory / n).resolve())] = (sig, files[n]["sha256"])
     return None
