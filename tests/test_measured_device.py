@@ -14,11 +14,12 @@ CHECKOUT = ("Snakefile", "workflow", "config", "data", "src", "envs")
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
 @pytest.mark.parametrize("calibrate", [True, False])
-def test_a_gpu_config_on_a_machine_without_one_stops_before_measuring(repo, tmp_path, calibrate):
+def test_a_gpu_config_on_a_machine_without_one_stops_before_measuring(repo, tmp_path, demo_model, calibrate):
     for name in CHECKOUT:
         (tmp_path / name).symlink_to(repo / name)
     cfg = yaml.safe_load((repo / "config" / "config.yaml").read_text())
     cfg.update(gpus=["h100-80gb"], methods=["sft"], estimate={"activations": "analytic"})
+    cfg["models"] = {"demo-tiny": {"path": str(demo_model)}}  # built once per session (conftest), not by the DAG
     cfg["probe"]["calibrate"] = calibrate
     (tmp_path / "gpu.yaml").write_text(yaml.safe_dump(cfg))
     res = subprocess.run(
