@@ -18,12 +18,21 @@ def results():
 
 
 def test_the_headline_alst_lengths_are_answered_within_10_percent(results):
-    """Llama-3.1-8B: 500K tokens on 1 H100, 3.7M on 8, 15M on 32 (every ALST lever on). A published
-    length is a round number the authors ran (the 1-GPU recipe's 555,000 stopped on a Triton
-    illegal memory access, not an out-of-memory)."""
+    """Llama-3.1-8B: 3.7M tokens on 8 H100 and 15M on 32 (every ALST lever on), within 10%."""
     by_id = {r.row.id: r for r in results}
-    for rid in ("alst-1gpu", "alst-8gpu", "alst-32gpu"):
+    for rid in ("alst-8gpu", "alst-32gpu"):
         assert abs(by_id[rid].error) <= 0.10, (rid, by_id[rid].predicted, by_id[rid].row.published)
+
+
+def test_memfit_says_the_500k_alst_trained_on_one_h100_fits(results):
+    """500K on one H100 is a length that trained, not a memory limit, so memfit must not refuse it.
+    The recipe (ArcticTraining run-sp1-llama-8b.yml, quoted in the row's notes) marks
+    `max_length: 500000` "ok" and its next try, 555,000, stopped on a Triton illegal memory access,
+    not an out-of-memory; nothing longer was tried, so no published figure bounds memfit's answer
+    from above (the 8- and 32-GPU rows and the table's median do)."""
+    row = next(r for r in results if r.row.id == "alst-1gpu")
+    assert "NOT a memory limit" in row.row.notes
+    assert row.predicted >= row.row.published, (row.predicted, row.row.published)
 
 
 def test_every_row_within_30_percent_and_the_median_within_10(results):
