@@ -3,7 +3,7 @@ running code from the run folder (a run folder is not a trusted place: cluster f
 shared, and a pickle runs whatever its author put in it).
 
 Digests. At save time every file of a checkpoint is hashed (SHA-256, hashlib, read in
-`BLOCK_BYTES` blocks) into memfit.json's `files` manifest, `{name: {"size", "sha256"}}`, and the
+8 MiB blocks, memfit.digest) into memfit.json's `files` manifest, `{name: {"size", "sha256"}}`, and the
 COMPLETE mark records the SHA-256 of memfit.json itself. `manifest_problem` reads COMPLETE and
 memfit.json (cheap: sizes only); `verify` also hashes every listed file. Either returns what is
 wrong in words naming the file, or None. Ranks share the hashing: each hashes its part of the
@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from memfit.digest import sha256_file, stat_signature
 from memfit.train import dist as dist_env
 
-BLOCK_BYTES = 8 << 20  # 8 MiB per read while hashing
 MANIFEST = "memfit.json"
 COMPLETE = "COMPLETE"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -45,23 +45,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the previous one is left as it was."""
 
 
-def sha256_file(path: Path) -> str:
-    """The file's SHA-256, read `BLOCK_BYTES` at a time into one buffer."""
-    h = hashlib.sha256()
-    buf = bytearray(BLOCK_BYTES)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def _signature(path: Path) -> tuple[int, ...] | None:
     try:
-        st = os.stat(path)
+        return stat_signature(os.stat(path))
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 # resolved path -> (signature, sha256) of files this process hashed and found as the manifest says

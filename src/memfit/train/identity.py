@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
+from memfit.digest import sha256_file, stat_signature
 
-CHUNK = 8 * 2**20  # bytes per read while hashing
 # The files of a model directory that make the model: weights, configs, tokenizer files
 # (tokenizer.json, tokenizer.model, vocab/merges .txt, .tiktoken), a chat template, remote code.
 # Top level only: a hub clone's original/ (the same weights in another format), README and
@@ -53,10 +53,6 @@ def cache_path() -> Path:
     return Path(base) / "memfit" / "sha256.json"
 
 
-def _identity(st: os.stat_result) -> list[int]:
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
 def _load_cache(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -74,17 +70,6 @@ def _save_cache(path: Path, cache: dict[str, Any]) -> None:
         pass
 
 
-def sha256_file(path: Path) -> str:
-    """The SHA-256 of one file, read in CHUNK-sized pieces."""
-    h = hashlib.sha256()
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 def file_digests(files: list[Path], use_cache: bool = True) -> dict[Path, str]:
     """SHA-256 of each file, from the cache where the file's identity is unchanged."""
     where = cache_path()
@@ -92,13 +77,13 @@ def file_digests(files: list[Path], use_cache: bool = True) -> dict[Path, str]:
     out, changed = {}, False
     for p in files:
         real = os.path.realpath(p)
-        ident = _identity(os.stat(real))
+        ident = list(stat_signature(os.stat(real)))
         hit = cache.get(real)
         if isinstance(hit, dict) and hit.get("id") == ident and isinstance(hit.get("sha256"), str):
             out[p] = hit["sha256"]
             continue
         out[p] = sha256_file(Path(real))
-        if _identity(os.stat(real)) == ident:  # not written while it was read
+        if list(stat_signature(os.stat(real))) == ident:  # not written while it was read
             cache.pop(real, None)
             cache[real] = {"id": ident, "sha256": out[p]}
             changed = True
