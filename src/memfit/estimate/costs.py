@@ -419,7 +419,7 @@ def modelled_step(
         optimizer = runtime_costs.optimizer_seconds(arch, cand, gpu, trainable, world, settings, bandwidth)
     terms = roofline.compute_seconds(arch, cand, gpu, method, settings) if uses_roofline(gpu) else {}
     compute = sum(terms.values()) if terms else _flops_seconds(arch, cand, gpu, method, settings)
-    zero = runtime_costs.zero_runtime_seconds(arch, cand, gpu, method, trainable, total, bandwidth, settings, compute)
+    zero = runtime_costs.zero_runtime_seconds(arch, cand, gpu, method, trainable, total, bandwidth, settings)
     breakdown = {
         "compute": compute,
         "communication": _communication_seconds(cand, gpu, num_gpus, num_nodes, total, trainable, settings)

@@ -98,6 +98,9 @@ def _gemm(rows: float, n_in: int, n_out: int, d: int, r: Rates) -> float:
     return max(2 * rows * n_in * n_out / r.gemm, moved / r.memory)
 
 
+gemm_seconds = _gemm  # one linear's pass, for runtime_costs' per-module ZeRO-3 overlap
+
+
 def _linears_seconds(shapes, rows: float, cand: Candidate, d: int, r: Rates, trained: bool, forwards: int) -> float:
     """A layer's linears: `forwards` forwards (2 with recompute), the input gradient, the weight
     gradient when `trained`. QLoRA's NF4 weight (0.5 byte per element; bitsandbytes

@@ -4,26 +4,28 @@ per-tensor host work, ZeRO-2/3's gradient reduce path per micro step, ZeRO-3's g
 every module's parameters per pass, and DeepSpeedCPUAdam's step when the optimizer is offloaded.
 
 Each term is a mechanism of DeepSpeed 0.19 (the source file is named at each term) priced by
-bytes at the device's bandwidth or by a host cost per call. Three constants are fitted, each on
-named measurements and checked on others it was not fitted on (benchmarks/bench_evidence_time.py
-prints both, docs/time-measurements.md "Uncalibrated step time on the evidence rows"):
+bytes at the device's bandwidth or by a host cost per call. Four constants are fitted, all on the
+H200's step-time calibration (benchmarks/results/gpu_evidence_h200.json, stage step_time: a
+separate process from the evidence rows, 1 and 4 layers of the evidence's model), and checked on
+rows never used in a fit: the H100's ten evidence rows, the H200's five, the public table's
+(benchmarks/bench_evidence_time.py, benchmarks/bench_public_time.py, docs/time-measurements.md
+"Uncalibrated step time on the evidence rows"):
 
-- `ELEMENTWISE_SHARE` and `OPTIMIZER_TENSOR_S`: fitted on the H200's step-time calibration
-  (benchmarks/results/gpu_evidence_h200.json, stage step_time, `runtime.boundary` of the ZeRO-0
-  engines, full and LoRA, 1 and 4 layers: a separate process from the evidence rows), checked on
-  the H100's ten evidence rows (never used in the fit) and the H200's five;
-- `ZERO3_MODULE_S`: fitted on the H100's sft-full-z3 row (benchmarks/results/
-  gpu_evidence_h100-80gb.json, step 0.1891 s), checked on the H200's sft-full-z3 row (0.1672 s).
+- `ELEMENTWISE_SHARE` and `OPTIMIZER_TENSOR_S`: `runtime.boundary` of the ZeRO-0 engines, full
+  and LoRA;
+- `ZERO3_MODULE_S` and `ZERO3_MICRO_S`: `runtime.micro` of the ZeRO-3 engine.
 
 Where the device and the host serialise: DeepSpeed's ZeRO-3 coordinator waits on its fetch
 events (partitioned_param_coordinator.py `fetch_sub_module`: `__ongoing_fetch_events` ...
-`.synchronize()` beyond `__max_ongoing_fetch_events` = 2), and the optimizer's gradient norm is
-read on the host (runtime/utils.py `get_global_norm_of_tensors`, `is_invalid_grad_norm`), so the
-host costs below add to the kernels' time instead of hiding under them.
+`.synchronize()` beyond `__max_ongoing_fetch_events` = 2), so a module's hooks overlap only with
+kernels near it (priced per module, `zero3_exposed_host_seconds`); the optimizer's gradient norm
+is read on the host (runtime/utils.py `get_global_norm_of_tensors`, `is_invalid_grad_norm`), so
+the optimizer's host cost adds to its kernels' time.
 """
 
 from __future__ import annotations
 
+from memfit.estimate import roofline
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.params import lora_targets, param_layout
@@ -44,15 +46,25 @@ ELEMENTWISE_SHARE = 0.73
 # tensor; the parameters are too few to cost bandwidth).
 OPTIMIZER_TENSOR_S = 2.07e-4
 
-# Host seconds per module with parameters per pass (forward, recompute, backward) under ZeRO-3:
-# DeepSpeed's pre/post hooks fetch the module's parameters and release them again
-# (runtime/zero/parameter_offload.py `_pre_forward_module_hook`, partitioned_param_coordinator.py
-# `fetch_sub_module` / `release_sub_module`, the trace bookkeeping of `record_module`), and the
-# backward's gradient hooks hand each gradient to `__reduce_and_partition_ipg_grads` (stage3.py).
-# Fitted on the H100's sft-full-z3 row (0.1891 s measured; the other terms of this model predict
-# 0.1094 s, leaving 0.0797 s of host time beyond the 0.0325 s of kernels the hooks overlap with
-# (`zero_runtime_seconds`): (0.0797 + 0.0325) s over 39 modules x 2 passes, 1.44 ms each). Checked on the H200's sft-full-z3 (never fitted there).
-ZERO3_MODULE_S = 1.44e-3
+# ZeRO-3's fetch/release of every module's parameters, on the host, per module and pass (forward,
+# recompute, backward): DeepSpeed's pre/post hooks (runtime/zero/parameter_offload.py
+# `_pre_forward_module_hook`, partitioned_param_coordinator.py `fetch_sub_module` /
+# `release_sub_module`, the trace bookkeeping of `record_module`), the backward's gradient hooks
+# handing each gradient to `__reduce_and_partition_ipg_grads` (stage3.py). `fetch_sub_module` waits
+# on its fetch events beyond `__max_ongoing_fetch_events` (= 2), so the host runs at most a couple
+# of modules ahead of the device: a module's host time hides under that module's own kernels and
+# only the part beyond them adds (`zero3_exposed_host_seconds`). Short kernels (small models, short
+# sequences, norms, LoRA's frozen linears) leave it exposed; long ones (a 7B model's MLP at 1K+
+# tokens) hide it. Both constants fitted on the H200's step-time calibration (benchmarks/results/
+# gpu_evidence_h200.json, stage step_time, ZeRO-3 `runtime.micro`: what a plain micro step costs
+# beyond the ZeRO-0 engine's, 0.02101 s with 1 layer and 0.03890 s with 4 layers of the evidence's
+# Llama-3.1-8B, seq 2048, after the gathered copies below): 0.475 ms a module-pass beyond its
+# kernels, and 10.4 ms a micro step that hides under nothing (the 1-layer intercept: the epilogue of
+# the backward, stage3.py `independent_gradient_partition_epilogue`, synchronises the device).
+# Checked on the H100 and H200 sft-full-z3 evidence rows (never fitted) and the public table's
+# Qwen-7B ZeRO-3 rows (2 A100s, G = 8; their ~4 s floor at 256 and 512 tokens is this term).
+ZERO3_MODULE_S = 4.75e-4
+ZERO3_MICRO_S = 1.04e-2
 
 
 # Bytes per trainable parameter of ZeRO-2/3's gradient reduce path in every micro step, 16-bit
@@ -94,15 +106,53 @@ def trainable_tensors(arch: ModelArch, cand: Candidate, settings: Settings) -> i
 
 
 def gathered_modules(arch: ModelArch) -> int:
-    """Modules ZeRO-3 fetches and releases in one pass: per decoder layer its linears, its norms
-    (q/k norms too) and, in an MoE layer, the router and the experts module; the embedding, the
-    final norm and the head. A generic card's inventory lists them (`units`)."""
+    """Modules ZeRO-3 fetches and releases in one pass (`module_kernels`)."""
+    return len(module_kernels(arch, Candidate(), "sft", None))
+
+
+def module_kernels(
+    arch: ModelArch, cand: Candidate, method: str, r: roofline.Rates | None
+) -> list[tuple[float, float]]:
+    """(forward, backward) kernel seconds of each module ZeRO-3 fetches and releases in a pass of
+    one micro step: per decoder layer its linears (roofline GEMMs; the backward's input gradient,
+    and the weight gradient when the weights train), its norms (q/k norms too; no kernel worth
+    hiding behind) and, in an MoE layer, the experts module and the router; the embedding, the
+    final norm and the head. A generic card's inventory (`units`) lists the modules without shapes:
+    every one priced as kernel-free (its whole host time exposed). `r` None: the count only."""
     layout = param_layout(arch)
     if layout.units:
-        return sum(len(u) for u in layout.units) + 3
-    norms = arch.norms_per_layer + (2 if arch.qk_norm else 0)
-    moe = len(arch.moe_layers()) * 2 if arch.is_moe else 0
-    return arch.num_layers * (len(arch.linear_shapes()) + norms) + moe + 3
+        return [(0.0, 0.0)] * (sum(len(u) for u in layout.units) + 3)
+    d = dtype_bytes(cand.precision)
+    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    grads = 2 if cand.finetune == "full" else 1
+
+    def gemm(rows: float, n_in: int, n_out: int) -> tuple[float, float]:
+        c = roofline.gemm_seconds(rows, n_in, n_out, d, r) if r else 0.0
+        return c, grads * c
+
+    norms = [(0.0, 0.0)] * (arch.norms_per_layer + (2 if arch.qk_norm else 0))
+    moe = set(arch.moe_layers()) if arch.is_moe else set()
+    out: list[tuple[float, float]] = []
+    for layer in range(arch.num_layers):
+        out += [gemm(tokens, i, o) for _, i, o in layout.layer_linear_shapes(arch, layer)] + norms
+        if layer in moe:
+            rows = tokens * arch.num_experts_per_tok / arch.num_experts
+            per = [gemm(rows, i, o) for i, o in arch.expert_linear_shapes().values()]
+            out += [
+                tuple(arch.num_experts * sum(x) for x in zip(*per, strict=True)),
+                gemm(tokens, *arch.router_shape()),
+            ]
+    return out + [(0.0, 0.0), (0.0, 0.0), gemm(tokens, arch.hidden_size, arch.vocab_size)]
+
+
+def zero3_exposed_host_seconds(arch: ModelArch, cand: Candidate, method: str, r: roofline.Rates) -> float:
+    """ZeRO-3's fetch/release host time one micro step adds beyond the kernels: per module and
+    pass, `ZERO3_MODULE_S` less that module's own kernels (never below 0), in each forward (the
+    recompute and a DPO reference's forward too) and the backward, plus `ZERO3_MICRO_S`."""
+    forwards = 1 + (1 if cand.grad_ckpt else 0) + (1 if method == "dpo" and cand.ref in ("model", "adapter") else 0)
+    h = ZERO3_MODULE_S
+    exposed = sum(forwards * max(0.0, h - f) + max(0.0, h - b) for f, b in module_kernels(arch, cand, method, r))
+    return ZERO3_MICRO_S + exposed
 
 
 def optimizer_seconds(
@@ -142,7 +192,6 @@ def zero_runtime_seconds(
     total: int,
     bandwidth: float,
     settings: Settings,
-    compute: float,
 ) -> dict[str, float]:
     """Per optimizer step, what ZeRO-2/3's engine adds to the kernels, by mechanism:
 
@@ -150,12 +199,10 @@ def zero_runtime_seconds(
       (`reduce_bytes_per_param` per trainable parameter at `ELEMENTWISE_SHARE` of the bandwidth);
       ZeRO-0 and 1 reduce once, at the boundary, inside the optimizer's passes;
     - `gather`: ZeRO-3 fetches and releases every module's parameters in each pass (forward, the
-      recompute under checkpointing, backward, a DPO reference's forward): `ZERO3_MODULE_S` a
-      module on the host, and the 16-bit parameters written into the gathered buffer and read
-      (2 d per parameter; partition_parameters.py `_allgather_params_coalesced`, also on one rank).
-      The host runs ahead of the device by at most two fetches (`__max_ongoing_fetch_events`), so
-      over a step the hooks' host time and the kernels' `compute` overlap: only the host time
-      beyond the compute adds (a small model is host-bound, a large one hides the hooks).
+      recompute under checkpointing, backward, a DPO reference's forward): the 16-bit parameters
+      written into the gathered buffer and read (2 d per parameter; partition_parameters.py
+      `_allgather_params_coalesced`, also on one rank) and the hooks' host time beyond each
+      module's kernels (`zero3_exposed_host_seconds`), every micro step.
     The collectives' wire time between ranks is costs._communication_seconds'."""
     if gpu.name == "cpu" or cand.zero < 2 or not deepspeed_engine(cand, settings):
         return {"reduce": 0.0, "gather": 0.0}
@@ -165,9 +212,8 @@ def zero_runtime_seconds(
     if cand.zero == 3:
         passes = 2 + (1 if cand.grad_ckpt else 0) + (1 if method == "dpo" and cand.ref in ("model", "adapter") else 0)
         d = dtype_bytes(cand.precision)
-        host = g * passes * ZERO3_MODULE_S * gathered_modules(arch)
-        copies = g * passes * 2 * d * total / (bandwidth * ELEMENTWISE_SHARE)
-        gather = copies + max(0.0, host - compute)
+        copies = passes * 2 * d * total / (bandwidth * ELEMENTWISE_SHARE)
+        gather = g * (copies + zero3_exposed_host_seconds(arch, cand, method, roofline.rates(gpu, cand.precision)))
     return {"reduce": reduce, "gather": gather}
 
 

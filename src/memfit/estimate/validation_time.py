@@ -14,9 +14,9 @@ The error is `predicted / published - 1` in that unit, `time_error` the same on 
 (negative: predicted faster). A row with only `throughput_unitless` or `gpu_mismatch` (not the
 catalog GPU) is compared for ORDER only: `sweep_order` counts a sweep's pairs ordered as published.
 
-Every GPU time here is memfit's ASSUMED model (`costs.step_time`: 40% MFU of the dense peak plus
-un-overlapped communication): no GPU calibration exists. A row memfit cannot represent faithfully
-is `not_comparable`, with the reason; nothing is approximated silently.
+Every GPU time here is memfit's modelled step (`costs.step_time`: rooflines plus `runtime_costs`;
+a stage-0 row runs DeepSpeed's engine only where its framework names DeepSpeed, `zero0_engine`), no
+calibration. A row memfit cannot represent is `not_comparable`, with the reason: never approximated.
 """
 
 from __future__ import annotations
@@ -321,9 +321,9 @@ def _candidate(
     notes += [said] if said else []
     # every row trains full-length samples (the table's header): fixed shapes, variable_length False
     settings = Settings(
-        lora_targets=targets, lora_alpha_dropout=bool(d.get("lora_dropout")), variable_length=False,
-        padding_mask=False,
+        lora_targets=targets, lora_alpha_dropout=bool(d.get("lora_dropout")), variable_length=False, padding_mask=False,
         zero3_impl="fsdp" if d["sharding"] == "fsdp" else "deepspeed", internode_gbs=internode,
+        zero0_engine="deepspeed" if "DeepSpeed" in str(d["framework"]) else "torch",
     )  # fmt: skip
     return cand, settings, notes, ""
 
