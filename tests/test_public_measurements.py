@@ -142,7 +142,9 @@ def _with(row: v.Row, **settings) -> v.Row:
 def test_a_rows_trainer_reaches_the_estimate():
     """The row's loss_impl is the estimator's Settings.logits_handling: torchtune's held fp32
     logits add 4 t V to the reserved peak, transformers >= 4.46's loss 2 t V (bf16) at the loss
-    forward; memfit's own trainer (the default) counts neither."""
+    forward; memfit's own trainer (the default) counts neither. Compared on the allocated peak: on
+    a GPU without a calibration the reserved rule differs too (another trainer's loss keeps the
+    stated heuristic, memfit's the allocator's mechanisms: memfit.estimate.core, issue #42)."""
     for rid, extra in (
         ("torchtune-llama2-7b-lora-4090", 4),
         ("unsloth-hf-fa2-llama3.1-8b-maxctx-24gb", 2),
@@ -150,8 +152,8 @@ def test_a_rows_trainer_reaches_the_estimate():
         row = next(r for r in ROWS if r.id == rid)
         tv = row.cand.micro_batch * row.cand.seq_len * v.model_card(row.model).vocab_size
         assert row.settings.logits_handling == row.raw["loss_impl"]
-        own = v.compare(_with(row, logits_handling="memfit")).predicted_bytes
-        assert v.compare(row).predicted_bytes - own == extra * tv, rid
+        own = v.predict(_with(row, logits_handling="memfit")).peak_allocated_bytes
+        assert v.predict(row).peak_allocated_bytes - own == extra * tv, rid
 
 
 def test_device_level_terms_only_in_device_level_figures():

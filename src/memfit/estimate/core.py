@@ -261,16 +261,19 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     logits_block = fp32_logits_block(arch, cand, job.method, settings)
     if gpu.name == "cpu":  # no caching allocator on the host
         est.peak_reserved_bytes = est.peak_allocated_bytes
-    elif not cal.measured:
-        # a GPU without a calibration keeps the stated heuristic (8%/30% of the shape-varying bytes
-        # plus the whole fp32 logits block): the public rows of other trainers on A100/RTX 4090 need
-        # it (the mechanism model below under-predicts them by up to 14%, docs/measurements.md)
+    elif not cal.measured and settings.logits_handling != "memfit":
+        # another trainer's loss code (public rows) on a GPU without a calibration keeps the stated
+        # heuristic (8%/30% of the shape-varying bytes plus the whole fp32 logits block): the
+        # allocator's logits mechanism is memfit's trainer's allocation order (the next forward's
+        # 16-bit logits carved out of the freed fp32 block); other trainers allocate more [t, V]
+        # blocks in another order, and the mechanism model put their A100/RTX 4090 rows up to 15%
+        # low (docs/measurements.md)
         est.peak_reserved_bytes = (
             est.peak_allocated_bytes
             + fragmentation(transient, settings, False)
             + cached_logits_block(logits_block, settings, False)
         )
-    else:
+    else:  # memfit's trainer, or a calibrated GPU: the mechanisms (cited defaults where no file measured them)
         held = allocator.reserved(
             phases, states, cand, world, logits_block, transient, settings, cal.logits_cached_share
         )
