@@ -102,3 +102,52 @@ def test_zero3_hooks_hide_under_long_kernels():
     small = dataclasses.replace(arch, num_layers=4)
     modules = runtime_costs.gathered_modules(small)
     assert gather(256, small) >= 3 * modules * runtime_costs.ZERO3_MODULE_S * 0.8
+
+
+def _plan(repo, tmp_path, monkeypatch, estimate_cfg: dict) -> dict:
+    """The cluster example's plan-only estimate of Qwen2.5-7B on A100s with `estimate_cfg`."""
+    import yaml
+
+    from memfit.workflow import pipeline
+    from memfit.workflow.config import WorkflowConfig
+
+    monkeypatch.chdir(repo)
+    raw = yaml.safe_load((repo / "config/cluster-example.yaml").read_text())
+    raw.update(plan_only=True, estimate={"activations": "analytic", **estimate_cfg})
+    out = tmp_path / f"c{len(estimate_cfg)}.json"
+    return pipeline.estimate_candidates(WorkflowConfig.load(raw), "qwen2.5-7b", "a100-80gb", "sft", out)
+
+
+def test_workflow_config_cpu_adam_rate_reaches_the_estimates(repo, tmp_path, monkeypatch):
+    """`estimate.cpu_adam_params_per_s_per_core` / `estimate.cpu_cores_per_rank` in the workflow
+    config price every offload_optimizer: cpu candidate of the plan and are named in its time
+    source; candidates without offload are untouched."""
+    default = {r["id"]: r for r in _plan(repo, tmp_path, monkeypatch, {})["rows"]}
+    slow = _plan(repo, tmp_path, monkeypatch, {"cpu_adam_params_per_s_per_core": 1e8, "cpu_cores_per_rank": 2})
+    offloaded = [r for r in slow["rows"] if r["candidate"]["offload_optimizer"] == "cpu" and not r["invalid"]]
+    assert offloaded
+    for r in offloaded:
+        assert "1e+08 params/s per core x 2 cores per rank (set by estimate." in r["time_source"], r["id"]
+        assert r["time_breakdown"]["offload"] > default[r["id"]]["time_breakdown"]["offload"], r["id"]
+    for r in slow["rows"]:
+        if r["candidate"]["offload_optimizer"] != "cpu" and not r["invalid"]:
+            assert r["step_time_s"] == default[r["id"]]["step_time_s"], r["id"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [("cpu_cores_per_rank", 0, "cpu_cores_per_rank"), ("cpu_adam_params_per_s_per_core", -1, "cpu_adam_params_per_s")],
+)
+def test_check_config_refuses_a_bad_cpu_adam_value_naming_the_key(repo, tmp_path, capsys, key, value, words):
+    """`memfit check-config` (what the Snakefile runs first) exits 2 naming the offending key."""
+    import yaml
+
+    from memfit.workflow import check_config
+
+    raw = yaml.safe_load((repo / "config/cluster-example.yaml").read_text())
+    raw["estimate"] = {"activations": "analytic", key: value}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    assert check_config.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "estimate" in err and words in err and "Traceback" not in err, err

@@ -49,12 +49,14 @@ def check_model(cfg: WorkflowConfig, model: str) -> None:
 
 
 def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = None) -> Any:
-    """The config's `estimate:`, with this machine's step-time calibration (the calibrate stage) if any."""
-    from memfit.estimate import Settings
+    """The config's `estimate:` (the CPU-Adam rate and cores per rank among it), with this machine's
+    step-time calibration (the calibrate stage) if any."""
+    from memfit.estimate import Settings, runtime_costs
 
     est, train_cfg = cfg.estimate, cfg.raw.get("train") or {}  # and the tile sizes the trainer will use
     kw = {k: train_cfg.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")} | {"trace_cache": est.get("trace_cache")}
     cal = str(calibration) if calibration else None
+    kw |= runtime_costs.cpu_adam_settings(est)
     return Settings(activations=est.get("activations", "analytic"), step_time_calibration=cal, **kw)
 
 
