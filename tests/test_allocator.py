@@ -139,3 +139,18 @@ def test_a_bad_calibration_key_names_the_file_and_the_key(tmp_path, key, value, 
     with pytest.raises(CalibrationError) as err:
         calibration.for_gpu("h100-80gb", "9.0", tmp_path)
     assert str(path) in str(err.value) and words in str(err.value)
+
+
+def test_the_workflow_budget_derives_the_margin_when_headroom_is_auto_or_absent():
+    """config's `headroom: auto` or no headroom key: the derived margin, its source in the budget
+    (selected.json); a number is kept as given. (Read past the schema, which still requires a
+    number: workflow/schemas/config.schema.yaml is another engineer's change.)"""
+    from memfit.workflow.config import WorkflowConfig, load_yaml
+
+    raw = load_yaml(Path(__file__).resolve().parents[1] / "config" / "gpu-demo.yaml")
+    given = WorkflowConfig({**raw, "headroom": 0.10}).budget("h100-80gb")
+    assert (given.headroom, given.headroom_source) == (0.10, "given")
+    auto = WorkflowConfig({**raw, "headroom": "auto"}).budget("h100-80gb")
+    assert auto.headroom == 0.05 and "h100-80gb" in auto.headroom_source
+    absent = WorkflowConfig({k: v for k, v in raw.items() if k != "headroom"}).budget("a100-80gb")
+    assert absent.headroom == 0.07 and "uncalibrated" in absent.headroom_source

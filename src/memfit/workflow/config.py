@@ -21,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 from memfit.estimate import catalog
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
-from memfit.workflow.rows import Budget
+from memfit.workflow.rows import Budget, derived_budget
 
 if TYPE_CHECKING:
     from memfit.train.run_config import RunConfig
 
 SCHEMA = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
+AUTO = "auto"  # headroom auto or absent: the derived margin (memfit.workflow.rows.derived_budget)
 RESULTS = "results"  # every output of the workflow lives under this directory
 
 
@@ -119,8 +120,10 @@ class WorkflowConfig:
             device = int(float(self.raw["cpu_memory_mib"]) * MIB)
         else:
             device = gpu.memory_bytes
-        host_gib = self.raw.get("host_memory_gib") or gpu.typical_host_memory_gb * 1e9 / GIB
-        return Budget(device_bytes=device, host_bytes=int(float(host_gib) * GIB), headroom=float(self.raw["headroom"]))
+        host = int(float(self.raw.get("host_memory_gib") or gpu.typical_host_memory_gb * 1e9 / GIB) * GIB)
+        if self.raw.get("headroom", AUTO) == AUTO:  # the margin memfit's measured error calls for (issue #42)
+            return derived_budget(device, host, gpu.name, gpu.compute_capability)
+        return Budget(device_bytes=device, host_bytes=host, headroom=float(self.raw["headroom"]))
 
     @property
     def slurm(self) -> dict[str, Any]:
@@ -432,6 +435,8 @@ def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
     from memfit.train.run_config import option_problems
 
     raw, out = cfg.raw, _gpu_problems(cfg)
+    if raw.get("headroom", AUTO) == AUTO and "cpu" in raw["gpus"]:  # the margin is a GPU's measured error
+        out.append("headroom: 'auto' (or omitted) has no measured margin for the cpu device: give one, e.g. 0.10")
     for name in cfg.models:
         m = cfg.model(name)
         if m.build is not None and not Path(m.build).exists():
