@@ -143,8 +143,7 @@ def test_a_bad_calibration_key_names_the_file_and_the_key(tmp_path, key, value, 
 
 def test_the_workflow_budget_derives_the_margin_when_headroom_is_auto_or_absent():
     """config's `headroom: auto` or no headroom key: the derived margin, its source in the budget
-    (selected.json); a number is kept as given. (Read past the schema, which still requires a
-    number: workflow/schemas/config.schema.yaml is another engineer's change.)"""
+    (selected.json); a number is kept as given."""
     from memfit.workflow.config import WorkflowConfig, load_yaml
 
     raw = load_yaml(Path(__file__).resolve().parents[1] / "config" / "gpu-demo.yaml")
@@ -154,3 +153,17 @@ def test_the_workflow_budget_derives_the_margin_when_headroom_is_auto_or_absent(
     assert auto.headroom == 0.05 and "h100-80gb" in auto.headroom_source
     absent = WorkflowConfig({k: v for k, v in raw.items() if k != "headroom"}).budget("a100-80gb")
     assert absent.headroom == 0.07 and "uncalibrated" in absent.headroom_source
+
+
+@pytest.mark.parametrize("headroom", ["auto", None])
+def test_the_schema_takes_auto_or_no_headroom_and_refuses_it_for_the_cpu(headroom):
+    """The shipped GPU configs say `headroom: auto`; the CPU has no measured margin, so a CPU
+    config must give a number, and the refusal names the key."""
+    from memfit.workflow.config import ConfigError, load_yaml, validate_config
+
+    root = Path(__file__).resolve().parents[1]
+    validate_config(load_yaml(root / "config" / "gpu-demo.yaml") | {"gpus": ["h100-80gb"]})  # says auto
+    raw = load_yaml(root / "config" / "config.yaml")
+    raw = {k: v for k, v in raw.items() if k != "headroom"} | ({"headroom": headroom} if headroom else {})
+    with pytest.raises(ConfigError, match=r"headroom: 'auto' \(or omitted\) has no measured margin for the cpu device"):
+        validate_config(raw)
