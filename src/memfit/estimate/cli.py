@@ -17,7 +17,8 @@ from memfit.estimate import catalog
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.cli_checks import check_flags, fill_defaults, search_bound
-from memfit.estimate.core import Estimate, estimate, fit, fit_sequence_parallel
+from memfit.estimate.core import Estimate, estimate
+from memfit.estimate.fit import maximize
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS, EstimateError, Settings
 from memfit.space import Candidate
 from memfit.units import GIB, MIB, gib
@@ -34,6 +35,13 @@ def _parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
     )
     if maximize:
         p.add_argument("--maximize", required=True, choices=["seq_len", "micro_batch"])
+        p.add_argument(
+            "--max-seq-len",
+            type=int,
+            default=None,
+            help="seq_len: the longest length searched (default: the model's context, or with "
+            "--allow-beyond-context as long as memory allows)",
+        )
     _add_job_args(p)
     _add_lever_args(p)
     _add_budget_args(p)
@@ -387,12 +395,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def fit_main(argv: list[str] | None = None) -> int:
-    """`memfit fit --maximize seq_len|micro_batch`: the largest value that fits."""
+    """`memfit fit --maximize seq_len|micro_batch`: the largest value that fits; a line per search
+    step on stderr (stdout holds only the answer, or only the JSON with --json)."""
     args = _parser("memfit fit", True).parse_args(argv)
+
+    def say(line: str) -> None:
+        print(f"memfit fit: {line}", file=sys.stderr, flush=True)
+
     try:
         arch, gpu, cand, settings = _from_args(args)
         bound, bound_by = search_bound(args, arch)
-        best, result = fit(
+        answer = maximize(
             arch,
             gpu,
             args.num_gpus,
@@ -400,37 +413,40 @@ def fit_main(argv: list[str] | None = None) -> int:
             args.method,
             cand,
             args.maximize,
+            bound,
+            bound_by,
             _host_memory_gb(args),
             _budget_bytes(args),
             settings,
-            upper=bound,
             headroom=args.headroom,
+            say=say,
         )
     except EstimateError as exc:
         print(f"memfit fit: error: {exc}", file=sys.stderr)
         return 2
+    best, result, sweep = answer.value, answer.estimate, answer.sweep
     if result is not None and result.invalid:
         print(f"memfit fit: invalid: {result.reason}", file=sys.stderr)
         if args.json:
             print(json.dumps({args.maximize: 0, **result.to_dict()}, indent=2))
         return 2
-    sweep = {}
-    if args.maximize == "seq_len":  # how far splitting each sequence over more GPUs goes (Ulysses)
-        kw = {"host_memory_gb": _host_memory_gb(args), "budget_bytes": _budget_bytes(args), "settings": settings}
-        sweep = fit_sequence_parallel(
-            arch, gpu, args.num_gpus, args.num_nodes, args.method, cand, headroom=args.headroom, **kw
-        )
+    if result is not None:
+        result.notes += answer.notes
+    smallest = 2 if args.maximize == "seq_len" else 1
     if args.json:
         extra = {"seq_len_by_sequence_parallel": {str(k): v for k, v in sweep.items()}} if sweep else {}
         # what stopped the search: memory, or the bound (then a larger value may fit in memory)
-        extra["limited_by"] = f"{bound_by}: {bound}" if best == bound else "memory"
+        extra["limited_by"] = answer.limited_by
+        if answer.traced_lengths:
+            extra["traced_lengths"] = answer.traced_lengths
         print(json.dumps({args.maximize: best, **extra, **(result.to_dict() if result else {})}, indent=2))
         return 0 if best > 0 else 1
     if best == 0:
-        print(f"nothing fits: even {args.maximize}=1 needs more memory")
+        print(f"nothing fits: even {args.maximize}={smallest} needs more memory")
     else:
         kept = f" with {args.headroom:.0%} headroom" if args.headroom else ""
-        capped = f" (the search's bound, {bound_by}; not a memory limit)" if best == bound else ""
+        stop = answer.limited_by.rsplit(": ", 1)[0]
+        capped = f" (the search's bound, {stop}; not a memory limit)" if answer.limited_by != "memory" else ""
         print(f"largest {args.maximize} that fits{kept}: {best}{capped}")
     if len(sweep) > 1:
         print(
@@ -439,6 +455,6 @@ def fit_main(argv: list[str] | None = None) -> int:
         )
     print()
     if result is not None:
-        shown = dataclasses.replace(cand, **{args.maximize: max(best, 1)})
+        shown = dataclasses.replace(cand, **{args.maximize: max(best, smallest)})
         print(render(result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method, settings.trainer_loader))
     return 0 if best > 0 else 1

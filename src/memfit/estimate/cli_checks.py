@@ -96,6 +96,11 @@ def _check_levers(args) -> None:
     maximize = getattr(args, "maximize", None)
     if maximize == "seq_len" and args.seq_len is not None:
         raise EstimateError("--seq-len does nothing with --maximize seq_len (fit searches it); drop --seq-len")
+    max_seq_len = getattr(args, "max_seq_len", None)
+    if max_seq_len is not None and maximize != "seq_len":
+        raise EstimateError("--max-seq-len does nothing with --maximize micro_batch (it bounds the seq_len search)")
+    if max_seq_len is not None and max_seq_len < 2:
+        raise EstimateError(f"--max-seq-len must be >= 2 (the next-token loss needs two tokens), got {max_seq_len}")
     if maximize == "micro_batch" and args.micro_batch is not None:
         raise EstimateError(
             "--micro-batch does nothing with --maximize micro_batch (fit searches it); drop --micro-batch"
@@ -145,12 +150,22 @@ def fill_defaults(args) -> None:
         args.micro_batch = MICRO_BATCH_DEFAULT
 
 
-def search_bound(args, arch) -> tuple[int, str]:
-    """`fit`'s upper bound and what sets it: the model's context for seq_len (65,536 for a model
-    that states none, core.fit's default), MAX_MICRO_BATCH for the micro batch."""
-    if args.maximize == "seq_len":
-        context = arch.max_position_embeddings
-        if context:
-            return context, f"{arch.name}'s context (max_position_embeddings)"
-        return 65_536, "the search's cap (the model states no context length)"
-    return MAX_MICRO_BATCH, "memfit's micro batch bound (CUDA's grid y dimension, FlashAttention-2)"
+def search_bound(args, arch) -> tuple[int | None, str]:
+    """`fit`'s upper bound and what sets it (None: memory alone, the search doubles until it stops
+    fitting). seq_len: --max-seq-len; else the model's context (max_position_embeddings); with
+    --allow-beyond-context, or for a model that states no context, memory. --max-seq-len beyond
+    the context needs --allow-beyond-context. micro_batch: MAX_MICRO_BATCH."""
+    if args.maximize != "seq_len":
+        return MAX_MICRO_BATCH, "memfit's micro batch bound (CUDA's grid y dimension, FlashAttention-2)"
+    context = arch.max_position_embeddings
+    given = args.max_seq_len
+    if given is not None:
+        if context and given > context and not args.allow_beyond_context:
+            raise EstimateError(
+                f"--max-seq-len {given} is beyond {arch.name}'s context of {context} tokens "
+                "(max_position_embeddings); pass --allow-beyond-context to search beyond it"
+            )
+        return given, "--max-seq-len"
+    if context and not args.allow_beyond_context:
+        return context, f"{arch.name}'s context (max_position_embeddings)"
+    return None, "memory"

@@ -6,6 +6,8 @@ space's architectures ahead, in parallel (`prefetch_traces`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from memfit.estimate.activation_memory import Activations, padding_mask_extra
 from memfit.estimate.arch import ModelArch
@@ -52,29 +54,44 @@ def trace_attn(arch: ModelArch, attn: str) -> str:
     return traced
 
 
-def traced_run(arch: ModelArch, cand: Candidate, settings: Settings):
-    """The cached trace of this candidate's shape (trace.LayerTrace; trace.MixedTrace for a
-    model whose layers differ, each kind traced on its own: generic.layer_groups)."""
+# Set by memfit.estimate.fit while it searches a length: (layer card, trace_request with seq_len 0,
+# cache dir) -> a function of seq_len giving the LayerTrace its fitted form predicts from traces
+# at a few lengths, so a search step does not trace its own length.
+EXTRAPOLATED: dict[tuple, Callable[[int], Any]] = {}
+
+
+def trace_request(arch: ModelArch, cand: Candidate, settings: Settings, seq_len: int | None = None):
+    """The trace.TraceRequest this candidate's estimate reads (at `seq_len`, default the candidate's)."""
     from memfit.estimate import trace
 
+    return trace.TraceRequest(
+        cand.seq_len if seq_len is None else seq_len,
+        trace_attn(arch, cand.attn),
+        cand.precision,
+        cand.grad_ckpt,
+        trace.traced_finetune(cand.finetune),
+        cand.lora_rank,
+        settings.lora_targets,
+    )
+
+
+def traced_run(arch: ModelArch, cand: Candidate, settings: Settings):
+    """The cached trace of this candidate's shape (trace.LayerTrace; trace.MixedTrace for a
+    model whose layers differ, each kind traced on its own: generic.layer_groups); while
+    memfit.estimate.fit searches, the fitted form it registered in EXTRAPOLATED."""
+    from memfit.estimate import trace
+
+    req = trace_request(arch, cand, settings)
+    shape = dataclasses.replace(req, seq_len=0)
     try:
-        runs = [
-            (
-                n,
-                trace.layer_trace(
-                    card,
-                    cand.seq_len,
-                    trace_attn(arch, cand.attn),
-                    cand.precision,
-                    cand.grad_ckpt,
-                    cand.finetune,
-                    cand.lora_rank,
-                    settings.lora_targets,
-                    cache_dir=settings.trace_cache,
-                ),
-            )
-            for n, card, _ in layer_groups(arch)
-        ]
+        runs = []
+        for n, card, _ in layer_groups(arch):
+            form = EXTRAPOLATED.get((card, shape, str(settings.trace_cache)))
+            if form is not None:
+                runs.append((n, form(cand.seq_len)))
+                continue
+            fields = dataclasses.astuple(req)
+            runs.append((n, trace.layer_trace(card, *fields, cache_dir=settings.trace_cache)))
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None
     return runs[0][1] if len(runs) == 1 else trace.MixedTrace(tuple(runs))

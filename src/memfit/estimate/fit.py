@@ -1,0 +1,284 @@
+"""`memfit fit`'s search: the largest seq_len (from 2 tokens: the next-token loss needs two) or
+micro batch that fits, for every model memfit estimates, with a line of progress per step.
+
+    best = maximize(arch, gpu, 8, 1, "sft", cand, "seq_len", bound=None, say=print)
+    best.value, best.limited_by, best.sweep   # 548_124, "memory", {1: ..., 2: ..., 8: ...}
+
+Memory grows with both (every activation has a token and a batch dimension), so the search is a
+bisection between the smallest value and the bound; with no bound (`--allow-beyond-context`
+without `--max-seq-len`) the value doubles until it stops fitting, then bisects.
+
+A model whose activations are traced (memfit.estimate.trace: a catalog entry without a
+hand-written card, a config.json transformers builds, `--activations traced`) is not traced at
+every step of the search. Each measure of a trace (bytes and FLOPs per sequence) is a polynomial
+of degree <= 2 in the length: activations are linear in the tokens, eager attention's scores and
+every attention's FLOPs quadratic (Korthikanti et al. 2022, sec. 4.1; Dao 2023, FlashAttention-2,
+sec. 3.2). So the model is traced at TRACE_LENGTHS (one batch of child processes per kind of
+layer, all at once) and a step reads the quadratic through the three traced lengths nearest its
+own, exact at a traced length (smollm3-3b: traced at 3,000 and 300,000 tokens, every measure as
+the quadratic through 4,096, 16,384 and 65,536 predicts it, to the byte). A chunked linear
+attention (Qwen3.5, Qwen3-Next) pads to whole 64-token chunks: between multiples of 64 the form is
+off by less than one chunk's share of that layer (0.13% of its peak at 1,531 tokens, measured).
+An answer below the traced lengths (where a sliding window or a chunk may change the shapes) is
+traced itself, with the length above it, and the search runs again until both are real traces
+(at most MAX_ROUNDS rounds; else a note says the answer is the fitted form's). The longest
+sequence at each sequence-parallel size (`sweep`) reads the same form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from memfit.estimate import traced as traced_mod
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.catalog import GPU
+from memfit.estimate.core import Estimate, Job, _estimable, _estimate, per_rank, sequence_parallel_sizes
+from memfit.estimate.generic import layer_groups
+from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.estimate.validity import model_problems
+from memfit.space import Candidate
+from memfit.units import GIB
+
+MIN_SEQ_LEN = 2  # the next-token loss needs two tokens (trace.trace_key refuses fewer)
+# Lengths traced first. Short: a linear-attention layer (Qwen3.5, Qwen3-Next's gated delta rule)
+# runs a Python loop over 64-token chunks, so its trace takes time in proportion to the length
+# (12 s to 32 s a trace here); fake tensors make the other layers cost about the same at any length.
+TRACE_LENGTHS = (512, 1024, 2048)
+MAX_ROUNDS = 4  # trace-and-search rounds before the fitted form's answer stands (with a note)
+SEARCH_CAP = 2**34  # no bound given: the doubling stops here (17 billion tokens) and says so
+
+
+@dataclass
+class Answer:
+    """What the search found: the value (0: even the smallest does not fit), the estimate there
+    (at the smallest when nothing fits), what stopped it, and how it was reached."""
+
+    value: int
+    estimate: Estimate | None
+    limited_by: str  # "memory", or "<the bound's label>: <bound>"
+    sweep: dict[int, int] = field(default_factory=dict)  # seq_len: {sequence parallel size: longest}
+    traced_lengths: list[int] = field(default_factory=list)  # per-rank lengths traced (traced models)
+    notes: list[str] = field(default_factory=list)
+
+
+class FittedTraces:
+    """Traces of one model at a few lengths per layer kind and trace shape, read at any length
+    as the quadratic through the three traced lengths nearest it (registered in
+    memfit.estimate.traced.EXTRAPOLATED while the search runs)."""
+
+    def __init__(self, arch: ModelArch, shapes, settings: Settings, say: Callable[[str], None]):
+        self.cards = [card for _, card, _ in layer_groups(arch)]
+        self.shapes = list(shapes)  # TraceRequests with seq_len 0
+        self.settings, self.say, self.name = settings, say, arch.name
+        self.points: dict[tuple, dict[int, object]] = {(c, s): {} for c in self.cards for s in self.shapes}
+
+    @property
+    def lengths(self) -> list[int]:
+        return sorted({n for pts in self.points.values() for n in pts})
+
+    def add(self, lengths) -> None:
+        """Trace every (layer kind, shape) at `lengths` not traced yet: one batch per layer kind."""
+        from memfit.estimate import trace
+
+        new = sorted({int(n) for n in lengths if n >= MIN_SEQ_LEN} - set(self.lengths))
+        if not new:
+            return
+        kinds = f" ({len(self.cards)} kinds of layer)" if len(self.cards) > 1 else ""
+        self.say(f"tracing {self.name} at {', '.join(f'{n:,}' for n in new)} tokens{kinds}")
+        reqs = [dataclasses.replace(s, seq_len=n) for s in self.shapes for n in new]
+
+        def one(card):  # each kind of layer in its own child processes, all at once
+            return trace.layer_traces(card, reqs, cache_dir=self.settings.trace_cache)
+
+        try:
+            with ThreadPoolExecutor(len(self.cards)) as pool:
+                done = list(pool.map(one, self.cards))
+        except trace.TraceError as exc:
+            raise EstimateError(str(exc)) from None
+        for card, got in zip(self.cards, done, strict=True):
+            for r, t in zip(reqs, got, strict=True):
+                self.points[(card, dataclasses.replace(r, seq_len=0))][r.seq_len] = t
+
+    def form(self, card, shape) -> Callable[[int], object]:
+        def at(seq_len: int):
+            pts = self.points[(card, shape)]
+            if not pts:
+                self.add(TRACE_LENGTHS)
+            return pts[seq_len] if seq_len in pts else _quadratic(pts, seq_len)
+
+        return at
+
+    def __enter__(self) -> FittedTraces:
+        cache = str(self.settings.trace_cache)
+        for card, shape in self.points:
+            traced_mod.EXTRAPOLATED[(card, shape, cache)] = self.form(card, shape)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        cache = str(self.settings.trace_cache)
+        for card, shape in self.points:
+            traced_mod.EXTRAPOLATED.pop((card, shape, cache), None)
+
+
+def _quadratic(points: dict[int, object], seq_len: int):
+    """The LayerTrace at `seq_len` that the polynomial through the (up to) three traced lengths
+    nearest it (in ratio) gives, measure by measure, in exact rational arithmetic."""
+    from memfit.estimate.trace import LayerTrace
+
+    near = sorted(points, key=lambda n: abs(math.log(n / seq_len)))[:3]
+    runs = {}
+    for layers, measures in points[near[0]].runs.items():
+        runs[layers] = {}
+        for m in measures:
+            value = Fraction(0)
+            for i in near:
+                term = Fraction(points[i].runs[layers][m])
+                for j in near:
+                    if j != i:
+                        term *= Fraction(seq_len - j, i - j)
+                value += term
+            runs[layers][m] = round(value)
+    first = points[near[0]]
+    return LayerTrace(key={**first.key, "seq_len": int(seq_len), "fitted_from": sorted(near)}, runs=runs, seconds=0.0)
+
+
+def _uses_traces(job: Job, cand: Candidate) -> bool:
+    settings = job.settings
+    return (settings.activations == "traced" or job.arch.generic) and not traced_mod.traced_fallback_reason(
+        job.arch, cand, settings
+    )
+
+
+def _shapes(job: Job, cand: Candidate) -> list:
+    """The trace shapes an estimate of `cand` reads: its own attention's, and SDPA's where an
+    eager estimate prices its scores against a fused kernel (core._eager_attention_cost)."""
+    shapes = [dataclasses.replace(traced_mod.trace_request(job.arch, cand, job.settings), seq_len=0)]
+    sdpa = dataclasses.replace(cand, attn="sdpa")
+    if cand.attn == "eager" and not model_problems(job.arch, sdpa):
+        shapes.append(dataclasses.replace(traced_mod.trace_request(job.arch, sdpa, job.settings), seq_len=0))
+    return list(dict.fromkeys(shapes))
+
+
+def _step_line(what: str, value: int, est: Estimate) -> str:
+    if est.invalid:
+        return f"{what} {value:,}: invalid ({est.reason})"
+    used = est.device_memory_bytes - est.margin_bytes
+    usable = est.usable_device_bytes or est.device_memory_bytes
+    verdict = "fits" if est.fits_with_headroom else "does not fit"
+    host = f", host {est.host_bytes / GIB:,.1f} of {est.host_memory_bytes / GIB:,.1f} GiB"
+    return f"{what} {value:,}: {verdict} (device {used / GIB:,.2f} of {usable / GIB:,.2f} GiB usable{host})"
+
+
+def _bisect(at: Callable[[int], Estimate], lo: int, hi: int | None) -> tuple[int, Estimate]:
+    """The largest value in [lo, hi] whose estimate fits with headroom (0 and the estimate at lo
+    when none does); hi None: doubling from lo until a value does not fit (or SEARCH_CAP)."""
+    first = at(lo)
+    if first.invalid or not first.fits_with_headroom:
+        return 0, first
+    best, good = lo, first
+    if hi is None:
+        hi = lo
+        while True:
+            hi = min(hi * 2, SEARCH_CAP)
+            e = at(hi)
+            if not e.fits_with_headroom:
+                break
+            best, good = hi, e
+            if hi == SEARCH_CAP:
+                return hi, e
+    else:
+        top = at(hi)
+        if top.fits_with_headroom:
+            return hi, top
+    while hi - best > 1:
+        mid = (best + hi) // 2
+        e = at(mid)
+        if e.fits_with_headroom:
+            best, good = mid, e
+        else:
+            hi = mid
+    return best, good
+
+
+def maximize(
+    arch: ModelArch,
+    gpu: GPU,
+    num_gpus: int,
+    num_nodes: int,
+    method: str,
+    cand: Candidate,
+    what: str,
+    bound: int | None,
+    bound_label: str = "the search's bound",
+    host_memory_gb: float | None = None,
+    budget_bytes: int | None = None,
+    settings: Settings = DEFAULT_SETTINGS,
+    headroom: float = 0.0,
+    say: Callable[[str], None] = lambda line: None,
+    sweep: bool = True,
+) -> Answer:
+    """The largest `what` ("seq_len" or "micro_batch") in [smallest, bound] that fits with
+    `headroom` kept free (bound None: up to memory, at most SEARCH_CAP); for seq_len also the
+    longest at every sequence-parallel size the ranks and heads allow (`sweep`). `say` gets one
+    line per search step."""
+    if what not in ("seq_len", "micro_batch"):
+        raise EstimateError(f"--maximize must be seq_len or micro_batch, got {what!r}")
+    lo = MIN_SEQ_LEN if what == "seq_len" else 1
+    if bound is not None and bound < lo:
+        raise EstimateError(f"the search's bound {bound} is below the smallest {what}, {lo}")
+    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
+
+    def search(c: Candidate, prefix: str = "") -> tuple[int, Estimate]:
+        def at(value: int) -> Estimate:
+            e = _estimate(job, dataclasses.replace(c, **{what: value}))
+            say(prefix + _step_line(what, value, e))
+            return e
+
+        return _bisect(at, lo, bound)
+
+    if what != "seq_len" or not _uses_traces(job, cand):
+        best, est = search(cand)
+        sizes = sequence_parallel_sizes(job.arch, job.world) if (what == "seq_len" and sweep) else []
+        swept = {sp: search(dataclasses.replace(cand, sequence_parallel=sp), f"SP={sp}: ")[0] for sp in sizes}
+        return Answer(best, est, _limited(best, bound, bound_label), swept)
+
+    answer = Answer(0, None, "memory")
+    with FittedTraces(job.arch, _shapes(job, cand), settings, say) as traces:
+        for _ in range(MAX_ROUNDS):
+            best, est = search(cand)
+            if per_rank(dataclasses.replace(cand, seq_len=max(best, lo))).seq_len >= min(TRACE_LENGTHS):
+                break  # at or beyond the traced lengths, where the quadratic holds
+            # the answer and the length above it, as the rank computes them, traced for real
+            check = [best, best + 1] if best else [lo]
+            if bound is not None:
+                check = [n for n in check if n <= bound]
+            lengths = {per_rank(dataclasses.replace(cand, seq_len=n)).seq_len for n in check}
+            if lengths <= set(traces.lengths):
+                break
+            say(f"checking {', '.join(f'{n:,}' for n in check)} with real traces")
+            traces.add(lengths)
+        else:
+            answer.notes.append(
+                f"the answer comes from the traces' fitted form: after {MAX_ROUNDS} rounds the traced "
+                "lengths still moved it"
+            )
+        answer.value, answer.estimate = best, est
+        if sweep:
+            for sp in sequence_parallel_sizes(job.arch, job.world):
+                answer.sweep[sp] = search(dataclasses.replace(cand, sequence_parallel=sp), f"SP={sp}: ")[0]
+        answer.traced_lengths = traces.lengths
+    answer.limited_by = _limited(best, bound, bound_label)
+    return answer
+
+
+def _limited(best: int, bound: int | None, label: str) -> str:
+    if bound is not None and best == bound:
+        return f"{label}: {bound}"
+    if bound is None and best == SEARCH_CAP:
+        return f"the search's cap: {SEARCH_CAP}"
+    return "memory"
