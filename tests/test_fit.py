@@ -1,0 +1,110 @@
+"""`memfit fit --maximize` (memfit.estimate.fit) as a user runs it: a traced model answers (the
+search starts at 2 tokens and reads the traces' fitted form), the answer is the boundary under
+real traces, --allow-beyond-context searches past the context up to memory, --max-seq-len bounds
+it, `limited_by` says what stopped the search, progress goes to stderr and stdout holds only the
+JSON. The tiny demo Llama (config/models/demo-tiny.json) traced in this process on the CPU budget
+the demo uses: seconds per test."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memfit import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = json.loads((ROOT / "config" / "models" / "demo-tiny.json").read_text())
+LEVERS = ["--gpu", "cpu", "--attn", "sdpa", "--zero", "0", "--headroom", "0"]
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """The demo model with an 8,192-token context, and a trace cache of this test's own."""
+    monkeypatch.setenv("MEMFIT_TRACE_IN_PROCESS", "1")  # a tiny model traces faster than a child starts
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY | {"max_position_embeddings": 8192}))
+    return ["--model", str(path), "--activations", "traced", "--trace-cache", str(tmp_path / "traces"), *LEVERS]
+
+
+def _fit(argv, capsys):
+    rc = cli.main(["fit", "--maximize", "seq_len", *argv, "--json"])
+    out, err = capsys.readouterr()
+    return rc, json.loads(out), err  # stdout is the JSON and nothing else
+
+
+def _estimate(argv, seq_len, capsys) -> dict:
+    rc = cli.main(["estimate", *argv, "--seq-len", str(seq_len), "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert rc in (0, 1) and got["activations_source"] == "traced"
+    return got
+
+
+# an answer above the traced lengths (read on the fitted form), one below them (traced itself)
+@pytest.mark.parametrize("extra", [[], ["--micro-batch", "16"]])
+def test_traced_model_fit_answers_and_is_the_boundary(tiny, extra, capsys):
+    """Traced activations: `fit` answers (it used to fail on seq_len 1), and `memfit estimate` with a
+    real trace says the answer fits and one token more does not."""
+    argv = [*tiny, "--budget-gib", "0.07", *extra]
+    rc, got, err = _fit(argv, capsys)
+    best = got["seq_len"]
+    assert rc == 0 and best >= 2 and got["limited_by"] == "memory" and got["activations_source"] == "traced"
+    assert "seq_len must be >= 2" not in err
+    assert _estimate(argv, best, capsys)["fits_with_headroom"]
+    assert not _estimate(argv, best + 1, capsys)["fits_with_headroom"]
+    if best >= 512:
+        assert got["traced_lengths"] == [512, 1024, 2048]
+    else:  # below the traced lengths: the answer and the length above it traced for real
+        assert {best, best + 1} <= set(got["traced_lengths"]) and "checking " in err
+
+
+def test_progress_goes_to_stderr_a_line_per_step(tiny, capsys):
+    rc, got, err = _fit([*tiny, "--budget-gib", "0.07"], capsys)
+    steps = [ln for ln in err.splitlines() if ln.startswith("memfit fit: seq_len ")]
+    assert rc == 0 and len(steps) >= 10  # a bisection over 2..8,192
+    assert steps[0].startswith("memfit fit: seq_len 2: fits (device ")
+    assert steps[1].startswith("memfit fit: seq_len 8,192: does not fit (device ")
+    assert any(ln.startswith("memfit fit: tracing ") for ln in err.splitlines())
+    assert f"memfit fit: seq_len {got['seq_len']:,}: fits" in err
+
+
+def test_limited_by_context_then_memory_beyond_it(tiny, capsys):
+    """A budget the whole context fits in: the context stopped it. With --allow-beyond-context the
+    search goes past the context until memory stops it; --max-seq-len bounds it."""
+    argv = [*tiny, "--budget-gib", "0.5"]
+    rc, got, _ = _fit(argv, capsys)
+    assert rc == 0 and got["seq_len"] == 8192
+    assert got["limited_by"] == f"{tiny[1]}'s context (max_position_embeddings): 8192"
+
+    rc, beyond, err = _fit([*argv, "--allow-beyond-context"], capsys)
+    assert rc == 0 and beyond["seq_len"] > 8192 and beyond["limited_by"] == "memory"
+    assert "memfit fit: seq_len 16,384: " in err  # doubling past the context
+    assert not _estimate([*argv, "--allow-beyond-context"], beyond["seq_len"] + 1, capsys)["fits_with_headroom"]
+
+    rc, capped, _ = _fit([*argv, "--allow-beyond-context", "--max-seq-len", "10000"], capsys)
+    assert rc == 0 and capped["seq_len"] == 10000 and capped["limited_by"] == "--max-seq-len: 10000"
+
+
+def test_table_says_what_stopped_it(tiny, capsys):
+    rc = cli.main(["fit", "--maximize", "seq_len", *tiny, "--budget-gib", "0.5", "--max-seq-len", "4000"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "largest seq_len that fits: 4000 (the search's bound, --max-seq-len; not a memory limit)" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--maximize", "seq_len", "--max-seq-len", "9000"], "--max-seq-len 9000 is beyond"),
+        (["--maximize", "seq_len", "--max-seq-len", "1"], "--max-seq-len must be >= 2"),
+        (
+            ["--maximize", "micro_batch", "--max-seq-len", "4096"],
+            "--max-seq-len does nothing with --maximize micro_batch",
+        ),
+    ],
+)
+def test_bad_max_seq_len_is_refused_before_tracing(tiny, extra, needle, tmp_path, capsys):
+    rc = cli.main(["fit", *extra, *tiny])
+    out, err = capsys.readouterr()
+    assert rc == 2 and f"memfit fit: error: {needle}" in err and "Traceback" not in err and not out
+    assert not (tmp_path / "traces").exists() or not any((tmp_path / "traces").iterdir())
