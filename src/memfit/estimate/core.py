@@ -256,29 +256,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     breakdown = peak_breakdown(phases, states, acts, cand, job.method, trainable, world)
     if est.peak_phase != "resume":  # a resumed process has run no GEMM before its first step
         breakdown["temporaries"] += workspaces
-    # reserved: the caching allocator's segments at the peak, from its mechanisms (memfit.estimate.allocator)
-    transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
-    logits_block = fp32_logits_block(arch, cand, job.method, settings)
-    if gpu.name == "cpu":  # no caching allocator on the host
-        est.peak_reserved_bytes = est.peak_allocated_bytes
-    elif not cal.measured and settings.logits_handling != "memfit":
-        # another trainer's loss code (public rows) on a GPU without a calibration keeps the stated
-        # heuristic (8%/30% of the shape-varying bytes plus the whole fp32 logits block): the
-        # allocator's logits mechanism is memfit's trainer's allocation order (the next forward's
-        # 16-bit logits carved out of the freed fp32 block); other trainers allocate more [t, V]
-        # blocks in another order, and the mechanism model put their A100/RTX 4090 rows up to 15%
-        # low (docs/measurements.md)
-        est.peak_reserved_bytes = (
-            est.peak_allocated_bytes
-            + fragmentation(transient, settings, False)
-            + cached_logits_block(logits_block, settings, False)
-        )
-    else:  # memfit's trainer, or a calibrated GPU: the mechanisms (cited defaults where no file measured them)
-        held = allocator.reserved(
-            phases, states, cand, world, logits_block, transient, settings, cal.logits_cached_share
-        )
-        est.peak_reserved_bytes = max(held.bytes, est.peak_allocated_bytes)
-        est.reserved_terms = held.terms
+    _reserved(job, cand, est, phases, states, acts, cal)
     fragmented = est.peak_reserved_bytes - est.peak_allocated_bytes
     est.calibration = cal.label()
     overheads = sum(device_overheads(gpu, world, settings).values())
@@ -302,6 +280,33 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     if gpu.name != "cpu" and peak > 0 and est.step_time_s > 0:  # the cpu entry's peak is a placeholder
         est.mfu = step_flops(arch, cand, job.method, recompute=False, settings=job.settings) / (est.step_time_s * peak)
     return est
+
+
+def _reserved(job: Job, cand: Candidate, est: Estimate, phases, states, acts, cal) -> None:
+    """Reserved memory at the peak: the caching allocator's segments, from its mechanisms
+    (memfit.estimate.allocator); the host has no caching allocator."""
+    transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
+    logits_block = fp32_logits_block(job.arch, cand, job.method, job.settings)
+    if job.gpu.name == "cpu":  # no caching allocator on the host
+        est.peak_reserved_bytes = est.peak_allocated_bytes
+    elif not cal.measured and job.settings.logits_handling != "memfit":
+        # another trainer's loss code (public rows) on a GPU without a calibration keeps the stated
+        # heuristic (8%/30% of the shape-varying bytes plus the whole fp32 logits block): the
+        # allocator's logits mechanism is memfit's trainer's allocation order (the next forward's
+        # 16-bit logits carved out of the freed fp32 block); other trainers allocate more [t, V]
+        # blocks in another order, and the mechanism model put their A100/RTX 4090 rows up to 15%
+        # low (docs/measurements.md)
+        est.peak_reserved_bytes = (
+            est.peak_allocated_bytes
+            + fragmentation(transient, job.settings, False)
+            + cached_logits_block(logits_block, job.settings, False)
+        )
+    else:  # memfit's trainer, or a calibrated GPU: the mechanisms (cited defaults where no file measured them)
+        held = allocator.reserved(
+            phases, states, cand, job.world, logits_block, transient, job.settings, cal.logits_cached_share
+        )
+        est.peak_reserved_bytes = max(held.bytes, est.peak_allocated_bytes)
+        est.reserved_terms = held.terms
 
 
 def _step_time(
