@@ -17,33 +17,15 @@ figures): none of these rows informed a constant.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
-from memfit.estimate import Settings, catalog, estimate
-from memfit.space import Candidate
+from memfit.estimate import catalog
+from memfit.estimate.validation import EVIDENCE_FILES, evidence_rows
 
 RESULTS = Path(__file__).resolve().parent / "results"
-GPUS = {"h100-80gb": "gpu_evidence_h100-80gb.json", "h200": "gpu_evidence_h200.json"}
-
-
-def rows(results: Path, gpu: str) -> list[tuple[str, float, object]]:
-    """(row id, measured seconds per step, memfit's Estimate) for every measured row of `gpu`."""
-    path = results / GPUS[gpu]
-    doc = json.loads(path.read_text())
-    arch = dataclasses.replace(catalog.model("llama-3.1-8b"), num_layers=4)  # the evidence's reduced model
-    out = []
-    for stage in doc["stages"].values():
-        for r in stage["rows"]:
-            if r.get("status") != "ok" or "candidate" not in r:
-                continue
-            s = Settings(expandable_segments=r["expandable_segments"], variable_length=False)
-            est = estimate(arch, catalog.gpu(gpu), 1, 1, r["method"], Candidate.from_dict(r["candidate"]), settings=s)
-            out.append((r["id"], r["measured"]["step_time_s"], est))
-    return out
+GPUS = EVIDENCE_FILES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ok = True
     for gpu in GPUS:
-        got = rows(args.results, gpu)
+        got = evidence_rows(args.results, gpu)
         print(f"\n{catalog.gpu(gpu).name}: {len(got)} rows, uncalibrated step time")
         head = f"{'row':22} {'measured s':>10} {'memfit s':>9} {'error':>7}  largest engine term"
         print(head + "\n" + "-" * len(head))

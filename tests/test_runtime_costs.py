@@ -12,25 +12,16 @@ import pytest
 
 from memfit.estimate import Settings, catalog, estimate, runtime_costs
 from memfit.estimate.settings import EstimateError
+from memfit.estimate.validation import EVIDENCE_FILES, evidence_rows
 from memfit.space import Candidate
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-EVIDENCE = {"h100-80gb": "gpu_evidence_h100-80gb.json", "h200": "gpu_evidence_h200.json"}
+EVIDENCE = EVIDENCE_FILES
 
 
 def _rows(gpu: str) -> dict[str, tuple[float, float]]:
     """Every measured evidence row of `gpu`: (measured, modelled) seconds per step."""
-    doc = json.loads((RESULTS / EVIDENCE[gpu]).read_text())
-    arch = dataclasses.replace(catalog.model("llama-3.1-8b"), num_layers=4)  # the evidence's reduced model
-    out = {}
-    for stage in doc["stages"].values():
-        for r in stage["rows"]:
-            if r.get("status") != "ok" or "candidate" not in r:
-                continue
-            s = Settings(expandable_segments=r["expandable_segments"], variable_length=False)
-            est = estimate(arch, catalog.gpu(gpu), 1, 1, r["method"], Candidate.from_dict(r["candidate"]), settings=s)
-            out[r["id"]] = (r["measured"]["step_time_s"], est.step_time_s)
-    return out
+    return {rid: (measured, est.step_time_s) for rid, measured, est in evidence_rows(RESULTS, gpu)}
 
 
 @pytest.mark.parametrize("gpu", sorted(EVIDENCE))

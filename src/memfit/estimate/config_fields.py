@@ -29,8 +29,10 @@ POSITIVE_SIZES = (
     "seq_length",
     "multi_query_group_num",
 )
-# Mixture-of-experts counts: whole numbers, 0 allowed (a dense layer; `hf_config._refuse_unmodelled`).
-COUNTS = (
+# Fields that add or reshape weights in some architecture. A config.json that sets one on a
+# model_type that does not model it (memfit.estimate.hf_config's `_MODELLED_FIELDS`) describes
+# weights memfit cannot count: refused.
+MOE_FIELDS = (
     "num_local_experts",
     "num_experts",
     "n_routed_experts",
@@ -39,8 +41,12 @@ COUNTS = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "first_k_dense_replace",
+    "moe_layer_freq",
     "decoder_sparse_step",
+    "mlp_only_layers",
 )
+# Of those, the counts: whole numbers, 0 allowed (a dense layer; `hf_config._refuse_unmodelled`).
+COUNTS = tuple(f for f in MOE_FIELDS if f not in ("moe_layer_freq", "mlp_only_layers"))
 
 
 def check_values(cfg: dict[str, Any], where: str) -> None:

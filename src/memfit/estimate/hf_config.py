@@ -9,7 +9,7 @@ from dataclasses import MISSING
 from typing import Any
 
 from memfit.estimate.arch import ModelArch, UnsupportedArchitecture
-from memfit.estimate.config_fields import check_heads, check_values
+from memfit.estimate.config_fields import MOE_FIELDS, check_heads, check_values
 from memfit.estimate.generic import generic_arch
 
 # Class defaults transformers fills in when a config.json omits a field. The published Gemma-3
@@ -92,21 +92,6 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v3",
 )
 
-# Fields that add or reshape weights in some architecture. A config.json that sets one on a
-# model_type that does not model it (below) describes weights memfit cannot count: refused.
-_MOE_FIELDS = (
-    "num_local_experts",
-    "num_experts",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "first_k_dense_replace",
-    "moe_layer_freq",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-)
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # GPT-2/GPT-J style names (modeling_gpt2: n_embd, n_layer, n_head, n_inner, n_positions).
 _GPT2_FIELDS = ("n_embd", "n_layer", "n_head", "n_inner", "n_positions")
@@ -166,7 +151,7 @@ def _refuse_unmodelled(cfg: dict[str, Any], model_type: str, where: str) -> None
             f"({', '.join(SUPPORTED_MODEL_TYPES)})"
         )
     modelled = _MODELLED_FIELDS.get(model_type, frozenset())
-    for key in (*_MOE_FIELDS, *_MLA_FIELDS):
+    for key in (*MOE_FIELDS, *_MLA_FIELDS):
         value = cfg.get(key)
         neutral = value in (None, 0, False, []) or (key in ("decoder_sparse_step", "moe_layer_freq") and value == 1)
         if key not in modelled and not neutral:

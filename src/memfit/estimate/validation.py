@@ -30,6 +30,7 @@ median.
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import yaml
 
 # the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
 # package); Estimate is only used for annotations
-from memfit.estimate import NCCL_CUMEM_BYTES, calibration, catalog, estimate
+from memfit.estimate import NCCL_CUMEM_BYTES, Settings, calibration, catalog, estimate
 from memfit.estimate.activation_memory import fp32_logits_block
 from memfit.estimate.costs import cached_logits_block, device_overheads, nvls_bytes
 from memfit.estimate.params import param_layout, trainable_params
@@ -48,6 +49,7 @@ from memfit.estimate.settings import dtype_bytes
 from memfit.estimate.states import reduce_bucket_elements, zero3_gathered_bytes
 from memfit.estimate.trainer_terms import qlora_dequant
 from memfit.estimate.validation_cases import FIGURE, TABLE, Row, TableError, model_card, parse_row
+from memfit.space import Candidate
 from memfit.units import GIB
 
 if TYPE_CHECKING:
@@ -277,3 +279,23 @@ def issue16_terms(r: Result) -> dict[str, int]:
         "z3_gathered": gathered,
         "reduce_bucket": bucket,
     }
+
+
+# memfit's own GPU evidence (benchmarks/gpu_evidence.py): the measured rows of each GPU's file
+EVIDENCE_FILES = {"h100-80gb": "gpu_evidence_h100-80gb.json", "h200": "gpu_evidence_h200.json"}
+
+
+def evidence_rows(results: Path, gpu: str) -> list[tuple[str, float, Estimate]]:
+    """(row id, measured seconds per step, memfit's uncalibrated Estimate) for every measured row
+    of `gpu`'s evidence file in `results` (the evidence's 4-layer Llama-3.1-8B on one GPU)."""
+    doc = json.loads((Path(results) / EVIDENCE_FILES[gpu]).read_text())
+    arch = dataclasses.replace(catalog.model("llama-3.1-8b"), num_layers=4)  # the evidence's reduced model
+    out = []
+    for stage in doc["stages"].values():
+        for r in stage["rows"]:
+            if r.get("status") != "ok" or "candidate" not in r:
+                continue
+            s = Settings(expandable_segments=r["expandable_segments"], variable_length=False)
+            est = estimate(arch, catalog.gpu(gpu), 1, 1, r["method"], Candidate.from_dict(r["candidate"]), settings=s)
+            out.append((r["id"], r["measured"]["step_time_s"], est))
+    return out
