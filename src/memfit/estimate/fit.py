@@ -253,6 +253,8 @@ def maximize(
             best, est = search(cand)
             if per_rank(dataclasses.replace(cand, seq_len=max(best, lo))).seq_len >= min(TRACE_LENGTHS):
                 break  # at or beyond the traced lengths, where the quadratic holds
+            if not best and _short_without_activations(est):
+                break  # the weights and states alone do not fit: no trace changes that
             # the answer and the length above it, as the rank computes them, traced for real
             check = [best, best + 1] if best else [lo]
             if bound is not None:
@@ -274,6 +276,14 @@ def maximize(
         answer.traced_lengths = traces.lengths
     answer.limited_by = _limited(best, bound, bound_label)
     return answer
+
+
+def _short_without_activations(est: Estimate) -> bool:
+    """Whether the device is short even with the activation and logit terms taken out."""
+    if est.invalid:
+        return True
+    rest = est.device_total_bytes - est.breakdown.get("activations", 0) - est.breakdown.get("logits", 0)
+    return rest > (est.usable_device_bytes or est.device_memory_bytes)
 
 
 def _limited(best: int, bound: int | None, label: str) -> str:
