@@ -108,3 +108,16 @@ def test_bad_max_seq_len_is_refused_before_tracing(tiny, extra, needle, tmp_path
     out, err = capsys.readouterr()
     assert rc == 2 and f"memfit fit: error: {needle}" in err and "Traceback" not in err and not out
     assert not (tmp_path / "traces").exists() or not any((tmp_path / "traces").iterdir())
+
+
+def test_nothing_fits_when_the_states_alone_do_not_traces_one_length(tiny, capsys):
+    """A budget the weights and optimizer states alone exceed: exit 1 with seq_len 0, after one
+    traced length (no search over lengths that cannot change the answer)."""
+    rc = cli.main(["fit", "--maximize", "seq_len", *tiny, "--budget-gib", "0.01", "--json"])
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert rc == 1 and got["seq_len"] == 0 and got["limited_by"] == "memory"
+    assert got["traced_lengths"] == [512] and "memfit fit: seq_len 2: does not fit" in err
+    assert any("the weights and states alone exceed the usable memory" in n for n in got["notes"])
+    rc = cli.main(["fit", "--maximize", "seq_len", *tiny, "--budget-gib", "0.01"])
+    assert rc == 1 and "nothing fits: even seq_len=2 needs more memory" in capsys.readouterr().out

@@ -107,8 +107,8 @@ class FittedTraces:
     def form(self, card, shape) -> Callable[[int], object]:
         def at(seq_len: int):
             pts = self.points[(card, shape)]
-            if not pts:
-                self.add(TRACE_LENGTHS)
+            if not pts:  # one length first: enough to tell whether the states alone fit
+                self.add(TRACE_LENGTHS[:1])
             return pts[seq_len] if seq_len in pts else _quadratic(pts, seq_len)
 
         return at
@@ -249,6 +249,19 @@ def maximize(
 
     answer = Answer(0, None, "memory")
     with FittedTraces(job.arch, _shapes(job, cand), settings, say) as traces:
+        # the smallest length on the first traced length's activations (more than its own): when
+        # the weights and states alone do not fit, nothing does, and no other length is traced
+        probe = _estimate(job, dataclasses.replace(cand, seq_len=lo))
+        if _short_without_activations(probe):
+            say(_step_line(what, lo, probe))
+            if not probe.invalid:
+                probe.notes.append(
+                    f"nothing fits: the weights and states alone exceed the usable memory (the "
+                    f"activations shown are those of {TRACE_LENGTHS[0]:,} tokens, the shortest traced length)"
+                )
+            answer.estimate, answer.traced_lengths = probe, traces.lengths
+            return answer
+        traces.add(TRACE_LENGTHS)
         for _ in range(MAX_ROUNDS):
             best, est = search(cand)
             if per_rank(dataclasses.replace(cand, seq_len=max(best, lo))).seq_len >= min(TRACE_LENGTHS):
