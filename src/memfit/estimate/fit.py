@@ -21,7 +21,8 @@ attention (Qwen3.5, Qwen3-Next) pads to whole 64-token chunks: between multiples
 off by less than one chunk's share of that layer (0.13% of its peak at 1,531 tokens, measured).
 An answer below the traced lengths (where a sliding window or a chunk may change the shapes) is
 traced itself, with the length above it, and the search runs again until both are real traces
-(at most MAX_ROUNDS rounds; else a note says the answer is the fitted form's). The longest
+(at most MAX_ROUNDS rounds; else a note says the answer is the fitted form's). When the
+weights and states alone do not fit, nothing does: the answer comes after one traced length. The longest
 sequence at each sequence-parallel size (`sweep`) reads the same form.
 """
 
