@@ -35,7 +35,8 @@ def run(cfg: RunConfig, nproc: int = 2, timeout_s: int = 900) -> list[dict]:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save(out / "run.json")
-    rc = launch(out / "run.json", nproc, log=out / "log.txt", timeout_s=timeout_s, resolve=True)  # digests, as memfit launch
+    # resolve: the run's input digests, as memfit launch records them
+    rc = launch(out / "run.json", nproc, log=out / "log.txt", timeout_s=timeout_s, resolve=True)
     assert rc == 0, (out / "log.txt").read_text()[-3000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -155,7 +155,8 @@ def test_launch_refuses_zero_ranks(inputs, capsys):
 def test_beyond_context_is_allowed_when_asked(capsys):
     rc = cli.main(EST + ["--seq-len", "200000", "--allow-beyond-context", "--json"])
     assert rc in (0, 1)
-    assert json.loads(capsys.readouterr().out)["headroom"] == 0.10
+    # a100-80gb: no calibration file, the uncalibrated margin
+    assert json.loads(capsys.readouterr().out)["headroom"] == 0.07
 
 
 def test_fit_seq_len_ignores_the_default_seq_len(tmp_path, capsys):
@@ -463,7 +464,7 @@ def test_fit_says_when_the_answer_is_the_search_bound(argv, value, bound, capsys
     """`fit` on a tiny model: the answer is the bound of the search, and the output says so."""
     rc = cli.main(["fit", *argv, "--model", str(TINY), "--gpu", "a100-80gb"])
     out = capsys.readouterr().out
-    assert rc == 0 and f"that fits with 10% headroom: {value} (the search's bound" in out and bound in out
+    assert rc == 0 and f"that fits with 7% headroom: {value} (the search's bound" in out and bound in out
     assert "not a memory limit" in out
     cli.main(["fit", *argv, "--model", str(TINY), "--gpu", "a100-80gb", "--json"])
     got = json.loads(capsys.readouterr().out)

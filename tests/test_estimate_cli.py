@@ -176,14 +176,15 @@ def test_fit_is_the_largest_value_that_fits_with_the_workflow_headroom(capsys):
 
 
 def test_estimate_verdict_uses_headroom(capsys):
-    """A configuration between 90% and 100% of the device: fits raw, not with the default headroom."""
+    """A configuration between 93% and 100% of the device: fits raw, not with the default headroom
+    (the A100 has no calibration file: the uncalibrated margin, 7%)."""
     rc = fit_main(["--maximize", "micro_batch", *BASE, "--seq-len", "4096", "--headroom", "0", "--json"])
     mb = json.loads(capsys.readouterr().out)["micro_batch"]
     rc = main([*BASE, "--seq-len", "4096", "--micro-batch", str(mb)])
     table = capsys.readouterr().out
     if rc == 1:  # the largest raw fit uses more than 90% of the device
-        assert "verdict: DOES NOT FIT (device short by" in table and "with 10% headroom" in table
-    assert "usable (80.00 GiB less 10% headroom)" in table
+        assert "verdict: DOES NOT FIT (device short by" in table and "with 7% headroom (derived" in table
+    assert "usable (80.00 GiB less 7% headroom)" in table
 
 
 def test_host_memory_gib_and_the_decimal_gb_alias_agree(capsys):
@@ -237,3 +238,23 @@ def test_cli_trainer_logits_and_nccl_reach_the_estimate(capsys):
     two = run("--num-gpus", "2")
     small = run("--num-gpus", "2", "--nccl-mib", "256")
     assert two["device_total_bytes"] - small["device_total_bytes"] == int(1.79 * 2**30) - 256 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("gpu", "said"),
+    [
+        ("h100-80gb", "with 5% headroom (derived: memfit's device-total error measured"),
+        ("a100-80gb", "with 7% headroom (derived: memfit's uncalibrated device-total error"),
+        ("cpu", "with 10% headroom)"),
+    ],
+)
+def test_without_headroom_the_verdict_keeps_the_margin_memfits_measured_error_calls_for(capsys, gpu, said):
+    """No --headroom: on a GPU the margin derived from memfit's own device-total error (the
+    calibration file's where one exists), named in the verdict; on the cpu the shipped 0.10."""
+    budget = ["--budget-gib", "64", "--attn", "sdpa"] if gpu == "cpu" else []
+    main(["--model", "qwen2.5-0.5b", "--gpu", gpu, *budget])
+    verdict = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("verdict:"))
+    assert said in verdict, verdict
+    main(["--model", "qwen2.5-0.5b", "--gpu", gpu, *budget, "--headroom", "0.2"])
+    out = capsys.readouterr().out
+    assert "with 20% headroom" in out and "(derived" not in out  # a given headroom wins, unlabelled

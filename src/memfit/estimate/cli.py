@@ -15,6 +15,7 @@ from pathlib import Path
 
 from memfit.estimate import catalog
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.calibration import UNCALIBRATED_MARGIN
 from memfit.estimate.catalog import GPU
 from memfit.estimate.cli_checks import check_flags, fill_defaults, search_bound
 from memfit.estimate.core import Estimate, estimate
@@ -135,8 +136,10 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--headroom",
         type=float,
-        default=0.10,
-        help="fraction of device memory kept free, as the workflow's `headroom:` (default 0.10)",
+        default=None,
+        help="fraction of device memory kept free, as the workflow's `headroom:` (default: the margin memfit's "
+        f"measured device-total error calls for, 5%% on a GPU with a calibration file (H100, H200), "
+        f"{UNCALIBRATED_MARGIN * 100:.0f}%% on others; {CPU_HEADROOM} on the cpu, where none was measured)",
     )
     p.add_argument(
         "--allow-beyond-context",
@@ -273,6 +276,8 @@ def _verdict_line(result: Estimate, gpu: GPU) -> str:
     limit = result.usable_device_bytes or result.device_memory_bytes
     used = result.device_memory_bytes - result.margin_bytes
     kept = f" with {result.headroom:.0%} headroom" if result.headroom else ""
+    if result.headroom and result.headroom_source != "given":
+        kept += f" ({result.headroom_source})"
     if used > limit:
         why.append(f"device short by {gib(used - limit)}{kept}")
     else:
@@ -288,6 +293,9 @@ def _verdict_line(result: Estimate, gpu: GPU) -> str:
 
 
 # who loads a checkpoint at resume (Settings.trainer_loader), as the host RAM line names it
+# headroom on the cpu device when none is given: what the shipped cpu configs keep (config/config.yaml);
+# the derived margin is a GPU's measured error
+CPU_HEADROOM = 0.10
 _LOADER_WORDS = {"memfit": "memfit's trainer", "deepspeed": "DeepSpeed's own load_checkpoint"}
 
 
@@ -379,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             _host_memory_gb(args),
             _budget_bytes(args),
             settings,
-            headroom=args.headroom,
+            headroom=_headroom(args, gpu),
         )
     except EstimateError as exc:
         print(f"memfit estimate: error: {exc}", file=sys.stderr)
@@ -392,6 +400,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memfit estimate: invalid: {result.reason}", file=sys.stderr)
         return 2
     return 0 if result.fits_with_headroom else 1
+
+
+def _headroom(args: argparse.Namespace, gpu: GPU) -> float | None:
+    """The headroom asked for; None (the margin derived from memfit's measured error, said in the
+    verdict) on a GPU; CPU_HEADROOM on the cpu, whose memory no GPU evidence measured."""
+    if args.headroom is not None:
+        return args.headroom
+    return CPU_HEADROOM if gpu.name == "cpu" else None
 
 
 def fit_main(argv: list[str] | None = None) -> int:
@@ -418,7 +434,7 @@ def fit_main(argv: list[str] | None = None) -> int:
             _host_memory_gb(args),
             _budget_bytes(args),
             settings,
-            headroom=args.headroom,
+            headroom=_headroom(args, gpu),
             say=say,
         )
     except EstimateError as exc:
@@ -444,7 +460,8 @@ def fit_main(argv: list[str] | None = None) -> int:
     if best == 0:
         print(f"nothing fits: even {args.maximize}={smallest} needs more memory")
     else:
-        kept = f" with {args.headroom:.0%} headroom" if args.headroom else ""
+        used = result.headroom if result is not None else args.headroom
+        kept = f" with {used:.0%} headroom" if used else ""
         stop = answer.limited_by.rsplit(": ", 1)[0]
         capped = f" (the search's bound, {stop}; not a memory limit)" if answer.limited_by != "memory" else ""
         print(f"largest {args.maximize} that fits{kept}: {best}{capped}")

@@ -77,7 +77,7 @@ def _check_numbers(args) -> None:
         )
     if not 0.0 < args.offload_ratio <= 1.0:
         raise EstimateError(f"--offload-ratio must be in (0, 1], got {args.offload_ratio:g}")
-    if not 0.0 <= args.headroom < 1.0:
+    if args.headroom is not None and not 0.0 <= args.headroom < 1.0:
         raise EstimateError(f"--headroom must be in [0, 1), got {args.headroom:g}")
     if args.host_memory_gib is not None and args.host_memory_gb is not None:
         raise EstimateError("give --host-memory-gib or --host-memory-gb (decimal GB), not both")

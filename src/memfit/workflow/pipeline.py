@@ -54,7 +54,8 @@ def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = Non
     from memfit.estimate import Settings, runtime_costs
 
     est, train_cfg = cfg.estimate, cfg.raw.get("train") or {}  # and the tile sizes the trainer will use
-    kw = {k: train_cfg.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")} | {"trace_cache": est.get("trace_cache")}
+    kw = {k: train_cfg.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")}
+    kw["trace_cache"] = est.get("trace_cache")
     cal = str(calibration) if calibration else None
     kw |= runtime_costs.cpu_adam_settings(est)
     return Settings(activations=est.get("activations", "analytic"), step_time_calibration=cal, **kw)
