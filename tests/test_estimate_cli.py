@@ -258,3 +258,19 @@ def test_without_headroom_the_verdict_keeps_the_margin_memfits_measured_error_ca
     main(["--model", "qwen2.5-0.5b", "--gpu", gpu, *budget, "--headroom", "0.2"])
     out = capsys.readouterr().out
     assert "with 20% headroom" in out and "(derived" not in out  # a given headroom wins, unlabelled
+
+
+def test_the_cpu_adam_rate_is_a_flag_and_the_step_time_names_it(capsys):
+    """Optimizer offload's step is DeepSpeedCPUAdam on the host: its rate per core and the cores
+    per rank are flags, said in the step time's source, and a faster rate prices a faster step."""
+    argv = ["--model", "qwen2.5-72b", "--gpu", "h100-80gb", "--num-gpus", "8", "--num-nodes", "2"]
+    argv += ["--zero", "3", "--offload-optimizer", "cpu", "--json"]
+    main(argv)
+    default = json.loads(capsys.readouterr().out)
+    assert "DeepSpeedCPUAdam at 5.4e+08 params/s per core x 4 cores per rank (default" in default["time_source"]
+    main([*argv, "--cpu-adam-rate", "2e9", "--cpu-cores-per-rank", "8"])
+    given = json.loads(capsys.readouterr().out)
+    assert "DeepSpeedCPUAdam at 2e+09 params/s per core x 8 cores per rank (as given" in given["time_source"]
+    assert given["time_breakdown"]["offload"] < default["time_breakdown"]["offload"]
+    assert main([*argv, "--cpu-cores-per-rank", "0"]) == 2
+    assert "--cpu-cores-per-rank must be > 0, got 0" in capsys.readouterr().err

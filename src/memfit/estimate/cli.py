@@ -175,6 +175,20 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
         help="NCCL communicator memory per GPU process when world > 1, MiB (default 1.79 GiB: "
         "NCCL >= 2.19 cuMem, vLLM's measurement)",
     )
+    p.add_argument(
+        "--cpu-adam-rate",
+        type=float,
+        default=None,
+        help="DeepSpeedCPUAdam parameters per second per host core, for optimizer offload (default "
+        f"{DEFAULT_SETTINGS.cpu_adam_params_per_s_per_core:.2g}, measured by benchmarks/bench_cpu_adam.py; "
+        "measure yours with it)",
+    )
+    p.add_argument(
+        "--cpu-cores-per-rank",
+        type=int,
+        default=None,
+        help=f"host cores each rank's CPU-Adam runs on (default {DEFAULT_SETTINGS.cpu_cores_per_rank})",
+    )
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
@@ -268,6 +282,10 @@ def _from_args(args) -> tuple[ModelArch, GPU, Candidate, Settings]:
         nccl_bytes=None if args.nccl_mib is None else int(args.nccl_mib * MIB),
         step_time_calibration=args.step_time_calibration,
     )
+    if args.cpu_adam_rate is not None:
+        settings = dataclasses.replace(settings, cpu_adam_params_per_s_per_core=args.cpu_adam_rate)
+    if args.cpu_cores_per_rank is not None:
+        settings = dataclasses.replace(settings, cpu_cores_per_rank=args.cpu_cores_per_rank)
     return arch, gpu, cand, settings
 
 

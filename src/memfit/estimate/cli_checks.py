@@ -44,6 +44,7 @@ def _check_numbers(args) -> None:
         "--headroom": args.headroom,
         "--offload-ratio": args.offload_ratio,
         "--nccl-mib": args.nccl_mib,
+        "--cpu-adam-rate": args.cpu_adam_rate,
     }
     for flag, value in floats.items():
         if value is not None and not math.isfinite(value):
@@ -60,6 +61,8 @@ def _check_numbers(args) -> None:
         "--host-memory-gb": args.host_memory_gb,
         "--budget-gib": args.budget_gib,
         "--budget-gb": args.budget_gb,
+        "--cpu-adam-rate": args.cpu_adam_rate,
+        "--cpu-cores-per-rank": args.cpu_cores_per_rank,
     }
     for flag, value in positive.items():
         if value is not None and not value > 0:

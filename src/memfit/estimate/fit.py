@@ -263,26 +263,7 @@ def maximize(
             answer.estimate, answer.traced_lengths = probe, traces.lengths
             return answer
         traces.add(TRACE_LENGTHS)
-        for _ in range(MAX_ROUNDS):
-            best, est = search(cand)
-            if per_rank(dataclasses.replace(cand, seq_len=max(best, lo))).seq_len >= min(TRACE_LENGTHS):
-                break  # at or beyond the traced lengths, where the quadratic holds
-            if not best and _short_without_activations(est):
-                break  # the weights and states alone do not fit: no trace changes that
-            # the answer and the length above it, as the rank computes them, traced for real
-            check = [best, best + 1] if best else [lo]
-            if bound is not None:
-                check = [n for n in check if n <= bound]
-            lengths = {per_rank(dataclasses.replace(cand, seq_len=n)).seq_len for n in check}
-            if lengths <= set(traces.lengths):
-                break
-            say(f"checking {', '.join(f'{n:,}' for n in check)} with real traces")
-            traces.add(lengths)
-        else:
-            answer.notes.append(
-                f"the answer comes from the traces' fitted form: after {MAX_ROUNDS} rounds the traced "
-                "lengths still moved it"
-            )
+        best, est = _until_traced(search, traces, cand, lo, bound, say, answer.notes)
         answer.value, answer.estimate = best, est
         if sweep:
             for sp in sequence_parallel_sizes(job.arch, job.world):
@@ -290,6 +271,33 @@ def maximize(
         answer.traced_lengths = traces.lengths
     answer.limited_by = _limited(best, bound, bound_label)
     return answer
+
+
+def _until_traced(search, traces, cand: Candidate, lo: int, bound: int | None, say, notes: list[str]):
+    """Search on the traces' fitted form; below the traced lengths, trace the answer and the
+    length above it for real and search again, until the answer stands on real traces (or
+    MAX_ROUNDS, said in `notes`). Returns (best, its Estimate)."""
+    for _ in range(MAX_ROUNDS):
+        best, est = search(cand)
+        if per_rank(dataclasses.replace(cand, seq_len=max(best, lo))).seq_len >= min(TRACE_LENGTHS):
+            break  # at or beyond the traced lengths, where the quadratic holds
+        if not best and _short_without_activations(est):
+            break  # the weights and states alone do not fit: no trace changes that
+        # the answer and the length above it, as the rank computes them, traced for real
+        check = [best, best + 1] if best else [lo]
+        if bound is not None:
+            check = [n for n in check if n <= bound]
+        lengths = {per_rank(dataclasses.replace(cand, seq_len=n)).seq_len for n in check}
+        if lengths <= set(traces.lengths):
+            break
+        say(f"checking {', '.join(f'{n:,}' for n in check)} with real traces")
+        traces.add(lengths)
+    else:
+        notes.append(
+            f"the answer comes from the traces' fitted form: after {MAX_ROUNDS} rounds the traced "
+            "lengths still moved it"
+        )
+    return best, est
 
 
 def _short_without_activations(est: Estimate) -> bool:

@@ -233,7 +233,7 @@ def cpu_adam_label(settings: Settings) -> str:
         "default, measured by benchmarks/bench_cpu_adam.py"
         if (settings.cpu_adam_params_per_s_per_core, settings.cpu_cores_per_rank)
         == (default.cpu_adam_params_per_s_per_core, default.cpu_cores_per_rank)
-        else "set by estimate.cpu_adam_params_per_s_per_core / estimate.cpu_cores_per_rank"
+        else "as given: --cpu-adam-rate / --cpu-cores-per-rank, or the config's estimate.cpu_adam_params_per_s_per_core / cpu_cores_per_rank"
     )
     return (
         f"DeepSpeedCPUAdam at {settings.cpu_adam_params_per_s_per_core:.3g} params/s per core x "
