@@ -5,6 +5,7 @@ seq_len or micro_batch that fits)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -377,6 +378,9 @@ def estimate_space(
     return rows
 
 
+SEARCH_CAP = 2**34  # no bound given: the doubling stops here (17 billion tokens) and says so
+
+
 def fit(
     arch: ModelArch,
     gpu: GPU,
@@ -403,21 +407,38 @@ def fit(
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))
 
-    first = at(1)
+    return largest_fitting(at, 1, hi)
+
+
+def largest_fitting(at: Callable[[int], Estimate], lo: int, hi: int | None) -> tuple[int, Estimate]:
+    """The largest value in [lo, hi] whose estimate fits with headroom (0 and the estimate at lo
+    when none does); hi None: doubling from lo until a value does not fit (or SEARCH_CAP)."""
+    first = at(lo)
     if first.invalid or not first.fits_with_headroom:
         return 0, first
-    top = at(hi)
-    if top.fits_with_headroom:
-        return hi, top
-    lo, best = 1, first
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
+    best, good = lo, first
+    if hi is None:
+        hi = lo
+        while True:
+            hi = min(hi * 2, SEARCH_CAP)
+            e = at(hi)
+            if not e.fits_with_headroom:
+                break
+            best, good = hi, e
+            if hi == SEARCH_CAP:
+                return hi, e
+    else:
+        top = at(hi)
+        if top.fits_with_headroom:
+            return hi, top
+    while hi - best > 1:
+        mid = (best + hi) // 2
         e = at(mid)
         if e.fits_with_headroom:
-            lo, best = mid, e
+            best, good = mid, e
         else:
             hi = mid
-    return lo, best
+    return best, good
 
 
 def sequence_parallel_sizes(arch: ModelArch, world: int) -> list[int]:

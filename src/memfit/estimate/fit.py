@@ -38,7 +38,16 @@ from fractions import Fraction
 from memfit.estimate import traced as traced_mod
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
-from memfit.estimate.core import Estimate, Job, _estimable, _estimate, per_rank, sequence_parallel_sizes
+from memfit.estimate.core import (
+    SEARCH_CAP,
+    Estimate,
+    Job,
+    _estimable,
+    _estimate,
+    largest_fitting,
+    per_rank,
+    sequence_parallel_sizes,
+)
 from memfit.estimate.generic import layer_groups
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.validity import model_problems
@@ -51,7 +60,6 @@ MIN_SEQ_LEN = 2  # the next-token loss needs two tokens (trace.trace_key refuses
 # (12 s to 32 s a trace here); fake tensors make the other layers cost about the same at any length.
 TRACE_LENGTHS = (512, 1024, 2048)
 MAX_ROUNDS = 4  # trace-and-search rounds before the fitted form's answer stands (with a note)
-SEARCH_CAP = 2**34  # no bound given: the doubling stops here (17 billion tokens) and says so
 
 
 @dataclass
@@ -175,37 +183,6 @@ def _step_line(what: str, value: int, est: Estimate) -> str:
     return f"{what} {value:,}: {verdict} (device {used / GIB:,.2f} of {usable / GIB:,.2f} GiB usable{host})"
 
 
-def _bisect(at: Callable[[int], Estimate], lo: int, hi: int | None) -> tuple[int, Estimate]:
-    """The largest value in [lo, hi] whose estimate fits with headroom (0 and the estimate at lo
-    when none does); hi None: doubling from lo until a value does not fit (or SEARCH_CAP)."""
-    first = at(lo)
-    if first.invalid or not first.fits_with_headroom:
-        return 0, first
-    best, good = lo, first
-    if hi is None:
-        hi = lo
-        while True:
-            hi = min(hi * 2, SEARCH_CAP)
-            e = at(hi)
-            if not e.fits_with_headroom:
-                break
-            best, good = hi, e
-            if hi == SEARCH_CAP:
-                return hi, e
-    else:
-        top = at(hi)
-        if top.fits_with_headroom:
-            return hi, top
-    while hi - best > 1:
-        mid = (best + hi) // 2
-        e = at(mid)
-        if e.fits_with_headroom:
-            best, good = mid, e
-        else:
-            hi = mid
-    return best, good
-
-
 def maximize(
     arch: ModelArch,
     gpu: GPU,
@@ -240,7 +217,7 @@ def maximize(
             say(prefix + _step_line(what, value, e))
             return e
 
-        return _bisect(at, lo, bound)
+        return largest_fitting(at, lo, bound)
 
     if what != "seq_len" or not _uses_traces(job, cand):
         best, est = search(cand)
