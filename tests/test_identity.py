@@ -246,3 +246,24 @@ def test_digests_and_their_rate_from_the_command_line(tmp_path, capsys):
     assert out[0].startswith(identity.run_inputs(cfg)["model"] + f"  {model}  (3 files")
     assert out[1].startswith(identity.run_inputs(cfg)["data"]) and "MB/s" in out[1]
     assert identity.main([str(tmp_path / "absent")]) == 2
+
+
+def test_an_adapter_only_sft_output_is_identified_with_its_base_model(tmp_path):
+    """DPO may start from an adapter-only SFT export (`export: adapter`: adapter weights and
+    peft's adapter_config.json naming the base): accepted, and its identity covers the base model
+    modeling loads under it, so a changed base is a changed policy."""
+    base, _ = start_dirs(tmp_path)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+    (adapter / "adapter_model.safetensors").write_bytes(b"\x02" * 512)
+    cfg = dataclasses.replace(run_config(tmp_path), model_path=str(adapter), ref_model_path=str(adapter))
+    first = identity.run_inputs(cfg)
+    assert first["ref"] == first["model"]
+    (base / "model.safetensors").write_bytes(b"\x03" * 4096)
+    assert identity.run_inputs(cfg)["model"] != first["model"]
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone")}))
+    with pytest.raises(
+        identity.InputError, match=r"adapter_config.json: base_model_name_or_path .*gone.* is not a local"
+    ):
+        identity.run_inputs(cfg)

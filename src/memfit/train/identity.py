@@ -39,6 +39,7 @@ MAX_CACHE_ENTRIES = 20000
 # Set by a launcher for the per-node launchers it starts under srun: the config they get was
 # resolved already (one digest pass per run, not per node).
 RESOLVED_ENV = "MEMFIT_INPUTS_RESOLVED"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's, beside an adapter-only export
 WHAT = {"model": "the policy model's", "ref": "the reference model's", "data": "the prepared data's"}
 
 
@@ -126,9 +127,30 @@ def input_problems(cfg: Any) -> list[str]:
             out.append(f"{key} {value!r} is not a directory (expected {want})")
         elif key == "data_dir" and not (p / "train.parquet").is_file():
             out.append(f"{key} {value!r} has no train.parquet (expected {want}; run prepare_data)")
-        elif key != "data_dir" and not (p / "config.json").is_file():
-            out.append(f"{key} {value!r} has no config.json (expected {want})")
+        elif key != "data_dir" and not (p / "config.json").is_file() and not (p / ADAPTER_CONFIG).is_file():
+            out.append(f"{key} {value!r} has no config.json, nor peft's {ADAPTER_CONFIG} (expected {want})")
     return out
+
+
+def model_digest(path: Path) -> str:
+    """The SHA-256 of a model directory's files; for an adapter-only export (peft's
+    adapter_config.json, no config.json: `export: adapter`) combined with its base model's, which
+    memfit.train.modeling loads under it from `base_model_name_or_path`."""
+    own = tree_digest(model_files(path), path)
+    if (path / "config.json").is_file() or not (path / ADAPTER_CONFIG).is_file():
+        return own
+    try:
+        base = json.loads((path / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path / ADAPTER_CONFIG}: not readable JSON ({e})") from None
+    if not base or not (Path(base) / "config.json").is_file():
+        raise InputError(
+            f"{path / ADAPTER_CONFIG}: base_model_name_or_path {base!r} is not a local model directory "
+            "(no config.json): an adapter-only export needs the base model it was trained on"
+        )
+    return hashlib.sha256(
+        f"adapter {own}\nbase {tree_digest(model_files(Path(base)), Path(base))}\n".encode()
+    ).hexdigest()
 
 
 def run_inputs(cfg: Any) -> dict[str, str]:
@@ -139,10 +161,10 @@ def run_inputs(cfg: Any) -> dict[str, str]:
     if problems:
         raise InputError("; ".join(problems))
     model = Path(cfg.model_path)
-    out = {"model": tree_digest(model_files(model), model)}
+    out = {"model": model_digest(model)}
     if cfg.method == "dpo":
         ref = Path(cfg.ref_model_path or cfg.model_path)
-        out["ref"] = out["model"] if ref.resolve() == model.resolve() else tree_digest(model_files(ref), ref)
+        out["ref"] = out["model"] if ref.resolve() == model.resolve() else model_digest(ref)
     out["data"] = tree_digest(data_files(Path(cfg.data_dir)), Path(cfg.data_dir))
     return out
 
