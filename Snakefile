@@ -12,7 +12,6 @@ min_version("8.20")
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from memfit.workflow.config import load_yaml  # noqa: E402
 
-
 # The embedded default, unless the user names their own with --configfile (which then
 # replaces it instead of being merged into it: a cluster config must not inherit the demo model).
 # Snakemake's own reader says only "not valid JSON or YAML": read it first, so that a syntax error
