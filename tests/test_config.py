@@ -160,3 +160,44 @@ def test_a_local_mixture_of_experts_model_is_accepted(config, tmp_path):
     cfg = {**config, "models": {"tiny-mixtral": {"path": str(d)}}}
     validate_config(cfg)
     assert WorkflowConfig.load(cfg).arch_source("tiny-mixtral") == str(d)  # its own config.json
+
+
+@pytest.mark.parametrize(
+    ("method", "finetune", "lr"),
+    [("sft", "full", 1e-5), ("sft", "lora", 1e-4), ("sft", "qlora", 1e-4),
+     ("dpo", "full", 5e-7), ("dpo", "lora", 5e-6), ("dpo", "qlora", 5e-6)],
+)  # fmt: skip
+def test_a_config_without_lr_trains_at_the_default_for_its_method_and_finetune(config, tmp_path, method, finetune, lr):
+    """Leaving train.<method>.lr out must not train a 7B at a diverging rate: run.json (what the
+    ranks, the exports and run.resolved.json read) holds the cited per-method default, and the
+    run's log line says it is memfit's default and which key changes it."""
+    from memfit.train.run_config import RunConfig
+
+    no_lr = copy.deepcopy(config)
+    del no_lr["train"][method]["lr"]
+    no_lr["search"]["finetune"] = [finetune]
+    cfg = WorkflowConfig.load(no_lr)
+    cand = cfg.candidates(method)[0].to_dict()
+    run = cfg.run_config(method, cand, "policy", "data", str(tmp_path))
+    run.save(tmp_path / "run.json")
+    again = RunConfig.load(tmp_path / "run.json")
+    assert (again.lr, again.lr_source) == (lr, "default")
+    assert again.describe_lr() == (
+        f"learning rate {lr:g} (memfit's default for {finetune} {method}; set train.{method}.lr to change it)"
+    )
+    # a given lr is kept as given, and said to be the config's
+    with_lr = WorkflowConfig.load(copy.deepcopy(config)).run_config(method, cand, "p", "d", str(tmp_path))
+    assert (with_lr.lr, with_lr.lr_source) == (config["train"][method]["lr"], "config")
+    assert with_lr.describe_lr() == f"learning rate {with_lr.lr:g} (train.{method}.lr)"
+
+
+def test_the_documented_lr_defaults_are_the_ones_applied(repo):
+    """docs/config.md (rendered from the schema's description) states the same numbers as DEFAULT_LR."""
+    from memfit.train.run_config import DEFAULT_LR
+
+    schema = yaml.safe_load((repo / "workflow/schemas/config.schema.yaml").read_text())
+    text = schema["definitions"]["train_common"]["properties"]["lr"]["description"]
+    for method in ("sft", "dpo"):
+        full, lora = DEFAULT_LR[(method, "full")], DEFAULT_LR[(method, "lora")]
+        assert DEFAULT_LR[(method, "qlora")] == lora
+        assert f"{method} full {full:g}" in text and f"{method} lora/qlora {lora:g}" in text

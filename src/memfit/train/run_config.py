@@ -18,6 +18,30 @@ PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints;
 METHODS = ("sft", "dpo")  # what the trainer runs (memfit.train.losses)
 REFUSED_EXIT_CODE = 2  # `memfit launch`: the ranks refused the run (RunRefused), as for any bad input
 
+# The peak learning rate a run gets when its config gives none (`train.<method>.lr` omitted), per method
+# and kind of fine-tuning: what practitioners' published recipes use for 7B-70B models.
+# - full SFT 1e-5: LLaMA-Factory's examples/train_full/llama3_full_sft.yaml (learning_rate: 1.0e-5);
+#   TRL's SFTConfig defaults to 2e-5 (trl/trainer/sft_config.py), the same order.
+# - LoRA/QLoRA SFT 1e-4: the QLoRA paper (Dettmers et al. 2023, arXiv:2305.14314, Appendix B.2: 1e-4 for
+#   33B and 65B, 2e-4 for 7B and 13B); LLaMA-Factory's examples/train_lora/llama3_lora_sft.yaml (1.0e-4).
+# - full DPO 5e-7: the Zephyr-7B-beta recipe (huggingface/alignment-handbook,
+#   recipes/zephyr-7b-beta/dpo/config_full.yaml: learning_rate 5.0e-7; Tunstall et al. 2023,
+#   arXiv:2310.16944); TRL's DPOConfig defaults to 1e-6, the DPO paper (Rafailov et al. 2023) used 1e-6.
+# - LoRA/QLoRA DPO 5e-6: the same recipe's adapter run (recipes/zephyr-7b-beta/dpo/config_qlora.yaml: 5.0e-6).
+DEFAULT_LR = {
+    ("sft", "full"): 1e-5,
+    ("sft", "lora"): 1e-4,
+    ("sft", "qlora"): 1e-4,
+    ("dpo", "full"): 5e-7,
+    ("dpo", "lora"): 5e-6,
+    ("dpo", "qlora"): 5e-6,
+}
+
+
+def default_lr(method: str, finetune: str) -> float:
+    """The peak learning rate of a run whose config gives none (DEFAULT_LR, cited there)."""
+    return DEFAULT_LR[(method, finetune)]
+
 
 class RunRefused(ValueError):
     """A clear refusal a rank raises (every rank alike): `memfit launch` prints its message once,
@@ -33,7 +57,10 @@ class RunConfig:
     data_dir: str  # output of prepare_data: train.parquet, eval.parquet, stats.json
     out_dir: str  # run directory: metrics.jsonl, checkpoints/, model/
     candidate: dict[str, Any]  # a `Candidate` as a dict: ZeRO, offload, micro batch, seq_len ...
-    lr: float = 1e-3  # peak learning rate
+    # peak learning rate; None: default_lr(method, finetune), resolved in __post_init__ so that
+    # run.json, run.resolved.json and the run's log say the number trained with
+    lr: float | None = None
+    lr_source: str = "config"  # "config": given by the user | "default": DEFAULT_LR for the method and finetune
     epochs: float = 1.0  # passes over the training rows (ignored when max_steps is set)
     max_steps: int | None = None  # optimizer steps; overrides epochs
     warmup_steps: int = 10  # linear warmup steps
@@ -88,6 +115,17 @@ class RunConfig:
         problems = option_problems(self.method, self.loss_on, self.packing, self.export_format, [self.cand.finetune])
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
+        if self.lr is None:
+            self.lr, self.lr_source = default_lr(self.method, self.cand.finetune), "default"
+
+    def describe_lr(self) -> str:
+        """One log line: the learning rate this run trains with and where it comes from."""
+        if self.lr_source == "default":
+            return (
+                f"learning rate {self.lr:g} (memfit's default for {self.cand.finetune} {self.method}; "
+                f"set train.{self.method}.lr to change it)"
+            )
+        return f"learning rate {self.lr:g} (train.{self.method}.lr)"
 
     def save(self, path: str | Path) -> None:
         write_json_atomic(Path(path), dataclasses.asdict(self))
