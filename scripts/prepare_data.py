@@ -16,6 +16,7 @@ prepare_data(
     max_len=snakemake.params.max_len,
     eval_fraction=snakemake.params.eval_fraction,
     seed=snakemake.params.seed,
+    assistant_loss=snakemake.params.assistant_loss,
     progress=True,
 )
 # a failed job's outputs are removed by Snakemake: nothing half-checked stays behind

@@ -206,7 +206,7 @@ def test_dpo_drops_and_truncations_are_counted(tok_dir, tok, tmp_path):
     assert all(r["length"] <= max_len for r in rows)
 
 
-def test_messages_rows_train_only_the_last_assistant_turn(tok_dir, tok, tmp_path):
+def test_messages_rows_with_assistant_loss_last_train_only_the_last_turn(tok_dir, tok, tmp_path):
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "1 + 1?"},
@@ -215,7 +215,7 @@ def test_messages_rows_train_only_the_last_assistant_turn(tok_dir, tok, tmp_path
         {"role": "assistant", "content": "4"},
     ]
     src = _jsonl(tmp_path / "m.jsonl", [{"messages": messages, "prompt": "ignored"}])
-    data.prepare("sft", src, tok_dir, tmp_path / "o", max_len=64, eval_fraction=0.0, seed=0)
+    data.prepare("sft", src, tok_dir, tmp_path / "o", max_len=64, eval_fraction=0.0, seed=0, assistant_loss="last")
     (row,) = data.load_split(tmp_path / "o", "train")
     k = len(_prompt_ids(tok, messages[:-1]))
     assert row["labels"][:k] == [-100] * k
@@ -244,10 +244,18 @@ BAD_INPUTS = {
     "null response": ("sft", [{"prompt": "p", "response": None}], 1, "response", "got null"),
     "messages last turn": (
         "sft",
-        [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}],
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ]
+            }
+        ],
         1,
-        "messages[1].role",
-        "assistant",
+        "messages[2].role",
+        "the last turn must be the assistant's",
     ),
     "messages content list": (
         "sft",

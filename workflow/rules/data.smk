@@ -40,5 +40,6 @@ rule prepare_data:
         max_len=config["data"]["max_len"],
         eval_fraction=config["data"].get("eval_fraction", 0.05),
         seed=config["data"].get("seed", 0),
+        assistant_loss=config["data"].get("assistant_loss", "all"),
     script:
         "../../scripts/prepare_data.py"

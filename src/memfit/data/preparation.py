@@ -10,7 +10,9 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from memfit.atomic import replace_dir
+from memfit.data.chat import ASSISTANT_LOSS, Renderer, dpo_pair, sft_messages, sft_prefix
 from memfit.data.schema import (
     CHUNK_ROWS,
     DROP_REASONS,
@@ -28,7 +31,7 @@ from memfit.data.schema import (
     WORST_CASE_ROWS,
     DataError,
 )
-from memfit.data.sources import open_source, sft_conversation, string_field
+from memfit.data.sources import Source, open_source
 
 
 def _load_tokenizer(tokenizer_dir: str | os.PathLike):
@@ -36,17 +39,16 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike):
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     if not tok.chat_template:
+        where = Path(tokenizer_dir)
         raise ValueError(
-            f"tokenizer at {tokenizer_dir} has no chat_template (a base model's "
-            "tokenizer?): set one in its tokenizer_config.json or chat_template.jinja"
+            f"tokenizer at {tokenizer_dir} has no chat_template (a base model's tokenizer?): memfit renders "
+            "every row, {prompt, response} rows too, with the model's chat template; set one as "
+            f"'chat_template' in {where / 'tokenizer_config.json'} or in {where / 'chat_template.jinja'} "
+            "(the instruct model's template, for instance)"
         )
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {tokenizer_dir} has no eos_token")
     return tok
-
-
-def _render_prompts(tok, conversations: list[list[dict]]) -> list[str]:
-    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
 
 
 def _ids(tok, texts: list[str]) -> list[list[int]]:
@@ -77,80 +79,106 @@ class _Builder:
         return pa.Table.from_batches(self.batches, schema=self.schema)
 
 
-def _tokenize_sft(tok, chunk, src, max_len, min_response, dropped, truncated, seed, out: _Builder):
-    convs, responses, rows = [], [], []
+@dataclass
+class _Job:
+    """What tokenizing a chunk needs besides the chunk."""
+
+    tok: Any
+    render: Renderer
+    src: Source
+    max_len: int
+    min_response: int
+    assistant_loss: str
+    seed: int
+    dropped: dict[str, int]
+    truncated: dict[str, int]
+    out: _Builder
+
+
+def _tokenize_sft(job: _Job, chunk: list[tuple[int, dict]]) -> None:
+    prefixes, responses, rows, texts = [], [], [], []
     for row, record in chunk:
-        prompt, response = sft_conversation(src, row, record)
-        if not response.strip():
-            dropped["empty_response"] += 1
+        messages, key = sft_messages(job.src, row, record)
+        if not messages[-1]["content"].strip():
+            job.dropped["empty_response"] += 1
             continue
-        convs.append(prompt)
-        responses.append(response)
+        segments = sft_prefix(job.render, job.src, row, key, messages, job.assistant_loss)
+        prefixes.append(segments)
+        responses.append(messages[-1]["content"])
         rows.append(row)
-    prompt_texts = _render_prompts(tok, convs)
+        texts.append("".join(text for text, _ in segments))
+    # every segment tokenized on its own, as the prompt and the response are
+    flat = _ids(job.tok, [text for segments in prefixes for text, _ in segments])
     cols: dict[str, list] = {"row": [], "input_ids": [], "labels": [], "length": []}
-    keys = []
-    eos = tok.eos_token_id
-    for row, text, p, r in zip(rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, responses), strict=True):
+    keys, at, eos = [], 0, job.tok.eos_token_id
+    for row, text, segments, r in zip(rows, texts, prefixes, _ids(job.tok, responses), strict=True):
+        p: list[int] = []
+        y: list[int] = []
+        for (_, scored), ids in zip(segments, flat[at : at + len(segments)], strict=True):
+            p += ids
+            y += ids if scored else [IGNORE_INDEX] * len(ids)
+        at += len(segments)
         r = r + [eos]
-        room = max_len - len(p)
-        if room < min_response:
-            dropped["prompt_too_long"] += 1
+        room = job.max_len - len(p)
+        if room < job.min_response:
+            job.dropped["prompt_too_long"] += 1
             continue
         if len(r) > room:
             r = r[:room]
-            truncated["response"] += 1
+            job.truncated["response"] += 1
         cols["row"].append(row)
         cols["input_ids"].append(p + r)
-        cols["labels"].append([IGNORE_INDEX] * len(p) + r)
+        cols["labels"].append(y + r)
         cols["length"].append(len(p) + len(r))
-        keys.append(_prompt_key(seed, text))
-    out.add(cols, keys)
+        keys.append(_prompt_key(job.seed, text))
+    job.out.add(cols, keys)
 
 
-def _tokenize_dpo(tok, chunk, src, max_len, min_response, dropped, truncated, seed, out: _Builder):
-    convs, chosens, rejecteds, rows = [], [], [], []
+def _tokenize_dpo(job: _Job, chunk: list[tuple[int, dict]]) -> None:
+    prompt_texts, chosens, rejecteds, rows = [], [], [], []
     for row, record in chunk:
-        prompt = string_field(src, row, record, "prompt", "dpo", non_empty=True)
-        chosen = string_field(src, row, record, "chosen", "dpo")
-        rejected = string_field(src, row, record, "rejected", "dpo")
+        prompt, chosen, rejected, key = dpo_pair(job.src, row, record)
         if not chosen.strip():
-            dropped["empty_chosen"] += 1
+            job.dropped["empty_chosen"] += 1
         elif not rejected.strip():
-            dropped["empty_rejected"] += 1
+            job.dropped["empty_rejected"] += 1
         elif chosen == rejected:
-            dropped["identical_chosen_rejected"] += 1
+            job.dropped["identical_chosen_rejected"] += 1
         else:
-            convs.append([{"role": "user", "content": prompt}])
+            prompt_texts.append(job.render(job.src, row, key, prompt, True))
             chosens.append(chosen)
             rejecteds.append(rejected)
             rows.append(row)
-    prompt_texts = _render_prompts(tok, convs)
     cols: dict[str, list] = {"row": [], "prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "length": []}
     keys = []
-    eos = tok.eos_token_id
+    eos = job.tok.eos_token_id
     for row, text, p, c, r in zip(
-        rows, prompt_texts, _ids(tok, prompt_texts), _ids(tok, chosens), _ids(tok, rejecteds), strict=True
+        rows,
+        prompt_texts,
+        _ids(job.tok, prompt_texts),
+        _ids(job.tok, chosens),
+        _ids(job.tok, rejecteds),
+        strict=True,
     ):
         c, r = c + [eos], r + [eos]
-        room = max_len - len(p)
-        if room < min_response:
-            dropped["prompt_too_long"] += 1
+        room = job.max_len - len(p)
+        if room < job.min_response:
+            job.dropped["prompt_too_long"] += 1
             continue
         cut_c, cut_r = len(c) > room, len(r) > room
         c, r = c[:room], r[:room]
         if c == r:
-            dropped["identical_after_truncation"] += 1
+            job.dropped["identical_after_truncation"] += 1
             continue
-        truncated["chosen"] += cut_c  # counted on kept rows only: stats describe the output
-        truncated["rejected"] += cut_r
+        job.truncated["chosen"] += cut_c  # counted on kept rows only: stats describe the output
+        job.truncated["rejected"] += cut_r
         cols["row"].append(row)
         cols["prompt_ids"].append(p)
         cols["chosen_ids"].append(c)
         cols["rejected_ids"].append(r)
         cols["length"].append(len(p) + max(len(c), len(r)))
-        keys.append(_prompt_key(seed, text))
-    out.add(cols, keys)
+        keys.append(_prompt_key(job.seed, text))
+    job.out.add(cols, keys)
 
 
 # ------------------------------------------------------------------------ split, stats
@@ -188,6 +216,12 @@ def _token_count(table: pa.Table, method: str) -> int:
     return int(sum(pc.sum(pc.list_value_length(table[c])).as_py() or 0 for c in cols))
 
 
+def _loss_tokens(table: pa.Table) -> int:
+    """SFT label positions that carry loss (not IGNORE_INDEX), both splits."""
+    labels = pc.list_flatten(table["labels"])
+    return int(pc.sum(pc.not_equal(labels, IGNORE_INDEX)).as_py() or 0)
+
+
 def longest_first(lengths: np.ndarray) -> np.ndarray:
     return np.argsort(-lengths.astype(np.int64), kind="stable")
 
@@ -205,10 +239,12 @@ def prepare(
     seed: int = 0,
     min_response_tokens: int = 1,
     progress: bool | None = None,
+    assistant_loss: str = "all",
 ) -> dict:
     """Tokenize `source` for `method` ("sft" or "dpo") into `out_dir`; returns the stats dict.
 
     `progress`: tqdm bar on stderr; by default when the source has PROGRESS_MIN_ROWS rows or more.
+    `assistant_loss` (SFT chat rows): "all" assistant turns carry loss, or the "last" only.
     """
     if method not in SCHEMAS:
         raise ValueError(f"method must be 'sft' or 'dpo', got {method!r}")
@@ -218,12 +254,26 @@ def prepare(
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     if min_response_tokens < 1:
         raise ValueError(f"min_response_tokens must be at least 1, got {min_response_tokens}")
+    if assistant_loss not in ASSISTANT_LOSS:
+        raise ValueError(f"assistant_loss must be 'all' or 'last', got {assistant_loss!r}")
     src = open_source(Path(source))
     tok = _load_tokenizer(tokenizer_dir)
     dropped = dict.fromkeys(DROP_REASONS[method], 0)
     truncated = dict.fromkeys(TRUNCATION_REASONS[method], 0)
     tokenize = _tokenize_sft if method == "sft" else _tokenize_dpo
     builder = _Builder(method)
+    job = _Job(
+        tok,
+        Renderer(tok, tokenizer_dir),
+        src,
+        max_len,
+        min_response_tokens,
+        assistant_loss,
+        seed,
+        dropped,
+        truncated,
+        builder,
+    )
 
     from tqdm import tqdm
 
@@ -238,10 +288,10 @@ def prepare(
             else:
                 chunk.append((row, record))
             if len(chunk) == CHUNK_ROWS:
-                tokenize(tok, chunk, src, max_len, min_response_tokens, dropped, truncated, seed, builder)
+                tokenize(job, chunk)
                 bar.update(len(chunk))
                 chunk = []
-        tokenize(tok, chunk, src, max_len, min_response_tokens, dropped, truncated, seed, builder)
+        tokenize(job, chunk)
         bar.update(bar.total - bar.n)
 
     if rows_read == 0:
@@ -269,6 +319,7 @@ def prepare(
         "tokens": _token_count(table, method),
         "tokens_by_split": {"train": _token_count(train, method), "eval": _token_count(evals, method)},
         "eval_fraction": eval_fraction,
+        **({"assistant_loss": assistant_loss, "loss_tokens": _loss_tokens(table)} if method == "sft" else {}),
         "seed": seed,
         "tokenizer": str(tokenizer_dir),
     }

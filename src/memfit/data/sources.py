@@ -123,8 +123,8 @@ def type_name(value: Any) -> str:
 
 
 NEEDS = {
-    "sft": "SFT rows need 'prompt' and 'response', or 'messages'",
-    "dpo": "DPO rows need 'prompt', 'chosen' and 'rejected' (strings)",
+    "sft": "SFT rows need 'prompt' and 'response', 'messages' or 'conversations'",
+    "dpo": "DPO rows need 'prompt', 'chosen' and 'rejected' (strings, or message lists)",
 }
 
 
@@ -137,41 +137,3 @@ def string_field(src: Source, row: int, record: dict, key: str, method: str, *, 
     if non_empty and not value.strip():
         raise DataError(src.path, "empty", row, key, src.unit)
     return value
-
-
-def sft_conversation(src: Source, row: int, record: dict) -> tuple[list[dict], str]:
-    """(prompt messages, final assistant response) of one SFT row."""
-    if "messages" not in record:
-        prompt = string_field(src, row, record, "prompt", "sft", non_empty=True)
-        response = string_field(src, row, record, "response", "sft")
-        return [{"role": "user", "content": prompt}], response
-    messages = record["messages"]
-
-    def bad(problem: str, key: str) -> DataError:
-        return DataError(src.path, problem, row, key, src.unit)
-
-    if not isinstance(messages, list):
-        raise bad(f"expected a list of {{role, content}} turns, got {type_name(messages)}", "messages")
-    if len(messages) < 2:
-        raise bad(f"needs a prompt turn and a final assistant turn, got {len(messages)} turn(s)", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise bad(f"expected an object {{role, content}}, got {type_name(m)}", f"messages[{i}]")
-        for k in ("role", "content"):
-            if k not in m:
-                raise bad("missing", f"messages[{i}].{k}")
-            if not isinstance(m[k], str):
-                raise bad(f"expected a string, got {type_name(m[k])}", f"messages[{i}].{k}")
-    last = len(messages) - 1
-    if messages[last]["role"] != "assistant":
-        raise bad(
-            f"the last turn must be the assistant's (it gets the loss), got {messages[last]['role']!r}",
-            f"messages[{last}].role",
-        )
-    if not any(m["content"].strip() for m in messages[:last]):
-        raise bad("empty prompt: every turn before the last is empty", "messages")
-    prompt = [{"role": m["role"], "content": m["content"]} for m in messages[:last]]
-    return prompt, messages[last]["content"]
-
-
-# ------------------------------------------------------------------------- tokenizing
