@@ -184,9 +184,11 @@ def dpo_pair(src: Source, row: int, record: dict) -> tuple[list[dict], str, str,
     elif p is not None and not isinstance(p, str):
         raise _bad(src, row, f"expected a list of turns or a string, got {type_name(p)}", "prompt")
     else:  # implicit prompt: the shared prefix (trl.data_utils.extract_prompt)
-        n = 0 if chosen != rejected else len(chosen) - 1  # identical: dropped later, as strings are
+        n = 0
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
             n += 1
+        if chosen == rejected:  # an identical pair: dropped later, as a string pair is
+            n -= 1
         prompt, pkey = chosen[:n], "chosen"
         if n < len(chosen) and n < len(rejected) and chosen[n]["role"] != "assistant":
             raise _bad(
