@@ -311,7 +311,14 @@ BAD_ROWS = {
         [{"prompt": "1?", "chosen": [_assistant("2")], "rejected": "3"}],
         1,
         "rejected",
-        "expected a list of turns (the row's 'chosen' is one), got str",
+        "expected a list of turns, as 'chosen' is, got str",
+    ),
+    "prompt a list, answers strings": (
+        "dpo",
+        [{"prompt": [_user("1?")], "chosen": "2", "rejected": "3"}],
+        1,
+        "chosen",
+        "expected a list of turns, as 'prompt' is, got str",
     ),
     "pair with no shared prompt": (
         "dpo",

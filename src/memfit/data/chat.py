@@ -169,10 +169,12 @@ def dpo_pair(src: Source, row: int, record: dict) -> tuple[list[dict], str, str,
     for k in ("chosen", "rejected"):
         if k not in record:
             raise _bad(src, row, f"missing ({NEEDS['dpo']}; the row has keys {sorted(record)})", k)
-        if not _is_chat(record[k]):
-            raise _bad(
-                src, row, f"expected a list of turns (the row's {chat[0]!r} is one), got {type_name(record[k])}", k
-            )
+    as_chat = _is_chat(record["chosen"])
+    if as_chat != _is_chat(record["rejected"]):  # rejected is judged against chosen
+        kind = "a list of turns" if as_chat else "a string"
+        raise _bad(src, row, f"expected {kind}, as 'chosen' is, got {type_name(record['rejected'])}", "rejected")
+    if not as_chat:
+        raise _bad(src, row, f"expected a list of turns, as 'prompt' is, got {type_name(record['chosen'])}", "chosen")
     chosen, rejected = turns(src, row, record["chosen"], "chosen"), turns(src, row, record["rejected"], "rejected")
     p = record.get("prompt")
     if _is_chat(p):
