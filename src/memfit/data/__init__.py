@@ -6,28 +6,39 @@ saved with `save_to_disk` (the directory `load_from_disk` reads; read here with 
 
     out_dir/train.parquet, out_dir/eval.parquet, out_dir/stats.json
 
-Rows
-  SFT  `{"prompt": str, "response": str}` or `{"messages": [{"role", "content"}, ...]}`; with
-       `messages` the last turn must be the assistant's and is the only one with loss; the
-       earlier turns (earlier assistant turns included) are the prompt. `messages` wins when a
-       row has both (ultrachat-style rows carry a redundant `prompt`).
-  DPO  `{"prompt": str, "chosen": str, "rejected": str}`.
+Rows (`memfit.data.chat` reads the chat shapes; docs/data.md shows each)
+  SFT  `{"prompt": str, "response": str}`, `{"messages": [{"role", "content"}, ...]}` or ShareGPT
+       `{"conversations": [{"from", "value"}, ...]}` (roles system, user/human, assistant/gpt;
+       either turn shape under either key). The last turn must be the assistant's. With
+       `assistant_loss="all"` (the default, TRL's assistant_only_loss) every assistant turn
+       carries loss, each as the template renders it (content and end-of-turn marker); with
+       "last" only the final one, the earlier turns are the prompt. `messages` wins over
+       `conversations` over `prompt` when a row has several (ultrachat-style rows carry a
+       redundant `prompt`).
+  DPO  `{"prompt": str, "chosen": str, "rejected": str}`, or TRL's conversational pairs: `prompt`
+       a message list and `chosen`/`rejected` one assistant turn each, or no prompt and
+       `chosen`/`rejected` full conversations whose shared prefix is the prompt
+       (trl.data_utils.extract_prompt). Either way the answer is the assistant turn's content,
+       tokenized as a string answer is: a conversational pair prepares exactly as its string pair.
   Other keys are ignored. Blank JSONL lines are skipped and counted (`dropped.blank_line`).
 
 Tokenization (the convention of TRL's DPOTrainer.tokenize_row and SFT prompt-completion
 format): the prompt is rendered with the tokenizer's chat template and
 `add_generation_prompt=True`, then tokenized without adding special tokens (the template
-already has them); each response is tokenized on its own and EOS is appended.
+already has them); each response is tokenized on its own and EOS is appended. With loss on
+every assistant turn, the rendered prompt is cut at each earlier assistant turn and every piece
+tokenized on its own, so a scored span never shares a token with an unscored one.
 
 Columns (the trainer and the probes read exactly these)
   SFT  row int64 (1-based source line/row), input_ids list<int32>, labels list<int32>
-       (-100 on the prompt: the ignore_index of torch's CrossEntropyLoss that HF causal-LM
+       (-100 on every unscored token, the prompt and non-assistant turns: the ignore_index of torch's CrossEntropyLoss that HF causal-LM
        losses use; unshifted, HF models shift inside), length int32.
   DPO  row, prompt_ids, chosen_ids, rejected_ids (list<int32>; responses end with EOS unless
        truncated), length int32 = len(prompt) + max(len(chosen), len(rejected)).
 
 Filtering and truncation (never silent: every reason is a key in stats.json, zero included)
-  - A prompt is never cut: cutting the start of a templated conversation removes BOS, the
+  - A prompt (everything before the final assistant turn, earlier scored turns included) is
+    never cut: cutting the start of a templated conversation removes BOS, the
     system turn and usually the question, and cutting its end removes the generation prompt.
     A row whose prompt leaves fewer than `min_response_tokens` (default 1) tokens of room
     under `max_len` is dropped (`prompt_too_long`).
@@ -66,7 +77,8 @@ truncated {reason: n}, length {min, mean, p50, p90, p99, max} over kept rows of 
 (percentiles by nearest rank, so each is a real row length), worst_case_rows (positions in
 train.parquet of the longest rows, longest first, ties by position; up to 256), tokens (token
 ids stored, both splits; DPO counts the prompt once per pair), plus tokens_by_split,
-eval_fraction, seed and tokenizer.
+eval_fraction, seed and tokenizer; SFT adds assistant_loss and loss_tokens (label positions with
+loss, both splits).
 
 This package owns preparing data (`preparation`, from `sources`, to the columns of `schema`) and
 reading it back (`shards`: splits, the worst-case batch, packing). It may import `memfit.atomic`
