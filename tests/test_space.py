@@ -40,3 +40,25 @@ def test_roundtrip_and_id_are_stable():
     assert c.id == "z3-oo-pin-gc-sdpa-full-mb4-s2048-bf16-ref-model"
     with pytest.raises(ValueError, match="unknown candidate keys"):
         Candidate.from_dict({**c.to_dict(), "stage": 3})
+
+
+def test_sft_ids_name_no_dpo_reference_and_dpo_ids_stay_as_they_were(repo, monkeypatch):
+    """The {cand} wildcard, probe files and the report show these ids: an SFT run has no reference
+    model, so `ref-model` (a DPO-only lever) is not in its ids; DPO ids are unchanged."""
+    import yaml
+
+    from memfit.train.run_config import RunConfig
+    from memfit.workflow.config import WorkflowConfig
+
+    monkeypatch.chdir(repo)
+    cfg = WorkflowConfig.load(yaml.safe_load((repo / "config/config.yaml").read_text()))
+    sft, dpo = cfg.candidates("sft"), cfg.candidates("dpo")
+    assert sft and not any("ref-" in c.id for c in sft)
+    assert "z3-gc-sdpa-full-mb4-s24-fp32" in {c.id for c in sft}
+    assert {c.id for c in dpo} >= {
+        "z0-nogc-sdpa-full-mb8-s24-fp32-ref-model",
+        "z3-gc-sdpa-full-mb4-s24-fp32-ref-precomputed",
+    }
+    # a DPO run without a reference mode is refused, naming the key
+    with pytest.raises(ValueError, match=r"DPO needs a reference mode \(search\.ref"):
+        RunConfig(method="dpo", model_path="m", data_dir="d", out_dir="o", candidate=sft[0].to_dict())

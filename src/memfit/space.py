@@ -40,7 +40,9 @@ class Candidate:
     seq_len: int = 2048  # tokens per sequence (padded worst case)
     grad_accum: int = 1  # micro steps per optimizer step
     precision: Precision = "bf16"  # compute/weights dtype; fp32 master weights kept by DeepSpeed
-    ref: RefMode = "model"  # DPO reference: frozen copy, LoRA adapter disabled, or precomputed log-probs
+    # DPO reference: frozen copy, LoRA adapter disabled, or precomputed log-probs; None: the method has
+    # no reference (SFT: WorkflowConfig.candidates sets it, so an SFT id names no DPO-only lever)
+    ref: RefMode | None = "model"
     # full: the head's logits of every token, then an fp32 log-softmax (HF's loss) | chunked: the
     # head, log-softmax and target log-prob per token chunk, recomputed in backward (memfit.train.vocab_loss)
     loss_impl: LossImpl = "full"
@@ -124,7 +126,8 @@ class Candidate:
         parts.append(f"mb{self.micro_batch}")
         parts.append(f"s{self.seq_len}")
         parts.append(self.precision)
-        parts.append(f"ref-{self.ref}")
+        if self.ref is not None:  # DPO ids keep their ref-<mode>; SFT candidates have none
+            parts.append(f"ref-{self.ref}")
         if self.loss_impl != "full":  # ids of full-loss candidates stay what they were
             parts.append(f"loss-{self.loss_impl}")
         if self.sequence_parallel != 1:

@@ -113,6 +113,10 @@ class RunConfig:
                 f"invalid run config: method {self.method!r} is not one memfit trains (allowed: {allowed})"
             )
         problems = option_problems(self.method, self.loss_on, self.packing, self.export_format, [self.cand.finetune])
+        if self.method == "dpo" and self.cand.ref is None:
+            problems.append(
+                "DPO needs a reference mode (search.ref: model, adapter or precomputed); the candidate has none"
+            )
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
         if self.lr is None:

@@ -162,13 +162,15 @@ class WorkflowConfig:
     def candidates(self, method: str) -> list[Candidate]:
         """The configured search space, grad_accum set so every candidate trains the same global batch."""
         axes = {k: v for k, v in self.raw["search"].items() if k != "seq_len"}
+        fixed: dict[str, Any] = {"seq_len": self.seq_len}
         if method != "dpo":
             axes.pop("ref", None)
+            fixed["ref"] = None  # no reference model: SFT ids carry no ref-<mode> (memfit.space.Candidate.id)
         world = self.world_size
         global_batch = int(self.raw["train"]["global_batch"])
         out = []
         packing = bool((self.raw["train"].get(method) or {}).get("packing", False))
-        for cand in enumerate_space(axes, fixed={"seq_len": self.seq_len}):
+        for cand in enumerate_space(axes, fixed=fixed):
             if world % cand.sequence_parallel:
                 continue  # a sequence-parallel group must fit the ranks evenly
             if packing and cand.sequence_parallel > 1 and cand.attn != "flash":
