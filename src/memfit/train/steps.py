@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from memfit.train import preference
 from memfit.train.batches import collate, collate_packed
 from memfit.train.dist import device as _device
 from memfit.train.losses import DPOConfig, dpo_loss, token_logps
@@ -30,6 +31,7 @@ class StepRunner:
         loss_impl: str = "full",
         loss_chunk_tokens: int | None = None,
         shard: SequenceShard | None = None,
+        pref: dict[str, Any] | None = None,
     ) -> None:
         """`method` sft or dpo; `ref_engine` the frozen reference (None unless `ref` is "model");
         `dpo` the DPOConfig fields (DPO only); `ref` model, adapter or precomputed (Candidate.ref);
@@ -37,10 +39,13 @@ class StepRunner:
         `loss_impl` full (logits, then log-softmax) or chunked (memfit.train.vocab_loss: the full logits
         never exist), `loss_chunk_tokens` its chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens);
         `shard` this rank's place in a sequence-parallel group (memfit.train.sequence_parallel): it
-        runs its slice of every sequence, and the losses are the whole sequences'."""
+        runs its slice of every sequence, and the losses are the whole sequences'.
+        rm, orpo, simpo, kto (memfit.train.preference): `pref` their TRL-named hyperparameters; rm's
+        `engine` a sequence-classification model; kto's `ref_engine` as DPO's."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
         self.ref_mode, self.loss_on, self.flatten_packs = ref, loss_on, flatten_packs
         self.dpo = DPOConfig(**(dpo or {})) if method == "dpo" else None
+        self.pref = preference.make_config(method, pref) if method in preference.METHODS else None
         self.device = _device()
         if loss_impl not in ("full", "chunked"):
             raise ValueError(f"loss_impl must be full or chunked, got {loss_impl!r}")
@@ -101,6 +106,8 @@ class StepRunner:
                 {"loss": value * len(rows)},
                 self._rank_tokens(sum(len(r["input_ids"]) for p in rows for r in p)),
             )
+        if self.pref is not None:
+            return preference.step(self, rows, pad_to)
         full = collate(self.method, rows, self.pad_id, pad_to, self.loss_on)
         tokens = self._rank_tokens(int(full["attention_mask"].sum()))
         batch = self._batch(full)

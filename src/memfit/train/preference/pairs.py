@@ -1,0 +1,47 @@
+"""The policy-only pair forward ORPO and SimPO share: chosen and rejected in one forward (no
+reference model), length-averaged response log-probs and a chosen-row NLL, as TRL 1.16's
+`ORPOTrainer.concatenated_forward` / `CPOTrainer.concatenated_forward` compute them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.train.batches import collate
+from memfit.train.losses import IGNORE_INDEX
+
+
+@dataclass
+class PairLogps:
+    chosen: torch.Tensor  # [B] mean log p over each chosen response's tokens
+    rejected: torch.Tensor  # [B]
+    nll: torch.Tensor  # scalar: mean NLL over the chosen rows' scored tokens (see `forward`)
+    tokens: int  # non-padding tokens of the micro batch
+
+
+def forward(runner, rows: list[dict[str, Any]], pad_to: int | None, nll_on: str) -> PairLogps:
+    """One forward of chosen rows then rejected rows through the policy.
+
+    `nll_on`: "all" scores every non-padding token of the chosen rows, prompt included (TRL's
+    ORPO: "orpo chosen nll loss is computed over the full prompt and response"); "response" the
+    chosen responses only (TRL's CPO/SimPO `cpo_alpha` term). The NLL is a token mean over the
+    micro batch's chosen rows (torch CrossEntropyLoss's mean, as TRL takes it).
+    """
+    if nll_on not in ("all", "response"):
+        raise ValueError(f"nll_on must be all or response, got {nll_on!r}")
+    full = collate("dpo", rows, runner.pad_id, pad_to)  # chosen rows then rejected rows, right padding
+    tokens = int(full["attention_mask"].sum())
+    batch = runner._batch(full)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    response = batch["labels"]
+    # one pass over the vocabulary for both terms: score every real token, then pick the responses
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX) if nll_on == "all" else response
+    token_lp, scored = runner.token_logps(runner.engine, labels, **inputs)
+    in_response = response[:, 1:] != IGNORE_INDEX  # position t predicts token t+1
+    lengths = in_response.sum(-1)
+    mean_lp = (token_lp * in_response).sum(-1) / lengths.clamp(min=1)
+    n = len(rows)
+    nll = -(token_lp[:n] * scored[:n]).sum() / scored[:n].sum().clamp(min=1)
+    return PairLogps(mean_lp[:n], mean_lp[n:], nll, tokens)
