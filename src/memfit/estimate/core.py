@@ -381,6 +381,17 @@ def estimate_space(
 SEARCH_CAP = 2**34  # no bound given: the doubling stops here (17 billion tokens) and says so
 
 
+# the smallest sequence `fit` and `memfit fit` (memfit.estimate.fit) search from: the next-token
+# loss needs two tokens (trace.trace_key refuses fewer)
+MIN_SEQ_LEN = 2
+
+
+def smallest(maximize: str, cand: Candidate) -> int:
+    """Where the search for the largest `maximize` starts: one row, or the shortest sequence of
+    which every rank of a Ulysses group holds MIN_SEQ_LEN tokens (`per_rank` rounds up)."""
+    return 1 if maximize == "micro_batch" else (MIN_SEQ_LEN - 1) * cand.sequence_parallel + 1
+
+
 def fit(
     arch: ModelArch,
     gpu: GPU,
@@ -396,8 +407,9 @@ def fit(
     headroom: float | None = 0.0,
 ) -> tuple[int, Estimate | None]:
     """Binary search for the largest `maximize` value that fits with `headroom` kept free
-    (memory grows monotonically in both). Returns (0, estimate at 1) when even 1 does not fit
-    or the hardware cannot run it."""
+    (memory grows monotonically in both), from `smallest` (2 tokens, as `memfit fit`; 1 row).
+    Returns (0, the estimate at that smallest value) when even it does not fit or the hardware
+    cannot run it."""
     if maximize not in ("seq_len", "micro_batch"):
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
     # seq_len: up to the model's context; a model that states none (Mamba) and the batch: 65,536
@@ -407,7 +419,7 @@ def fit(
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))
 
-    return largest_fitting(at, 1, hi)
+    return largest_fitting(at, smallest(maximize, cand), hi)
 
 
 def largest_fitting(at: Callable[[int], Estimate], lo: int, hi: int | None) -> tuple[int, Estimate]:
