@@ -23,6 +23,7 @@ from .charts import (
     memory_chart,
     memory_compare_chart,
 )
+from .decision import chosen_because
 from .facts import export_files, run_facts
 from .fitmap import FitResult, fit_grid, fit_results
 from .fmt import _bytes, _measured, _num, _plain, _secs, _tps, _verdict, describe
@@ -307,6 +308,7 @@ def run_view(
         "model": sel.model, "gpu": sel.gpu, "method": sel.method, "launch": sel.launch, "budget": sel.budget,
         "selected": run.selected, "none_fits": run.none_fits, "shown_id": run.shown.id if run.shown else None,
         "described": describe(run.selected.candidate, str(sel.method), world) if run.selected else "",
+        "chosen_because": chosen_because(run.selected, run.rows),
         "estimator_notes": (est.notes or []) if est is not None else [],
         "run_dir": Path(run.path).parent, "exports": export_files(Path(run.path).parent, str(sel.method), link_base),
         "data_anchor": data_anchor, "selection_table": selection_table(run),
