@@ -274,3 +274,77 @@ def test_the_cpu_adam_rate_is_a_flag_and_the_step_time_names_it(capsys):
     assert given["time_breakdown"]["offload"] < default["time_breakdown"]["offload"]
     assert main([*argv, "--cpu-cores-per-rank", "0"]) == 2
     assert "--cpu-cores-per-rank must be > 0, got 0" in capsys.readouterr().err
+
+
+# -- visible defaults ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["estimate", "fit"])
+def test_help_shows_every_default(command, capsys):
+    from memfit.estimate.cli_parser import parser
+
+    with pytest.raises(SystemExit):
+        (main if command == "estimate" else fit_main)(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # without the line wrapping
+    p = parser(f"memfit {command}", command == "fit")
+    for action in p._actions:
+        if action.required or action.dest == "help" or action.option_strings == ["--no-grad-ckpt"]:
+            continue
+        words = "".join(action.help.split()).replace("%%", "%")
+        assert words in text, action.option_strings
+        assert "default" in words or f"{words}(default:{action.default})" in text, action.option_strings
+
+
+@pytest.mark.parametrize(
+    ("extra", "zero"),
+    [([], 0), (["--num-gpus", "2"], 3), (["--num-nodes", "2"], 3), (["--offload-optimizer", "cpu"], 3)],
+)
+def test_zero_defaults_to_0_on_one_gpu_and_3_on_several(extra, zero, capsys):
+    main(["--model", "qwen2.5-0.5b", "--gpu", "h100-80gb", *extra, "--json"])
+    config = json.loads(capsys.readouterr().out)["configuration"]
+    assert config["candidate"]["zero"] == zero and config["defaults_taken"]["--zero"] == zero
+
+
+def test_json_says_which_configuration_it_priced_and_where_host_ram_came_from(capsys):
+    main(["--model", "qwen2.5-7b", "--gpu", "a100-80gb", "--num-gpus", "8", "--method", "dpo", "--json"])
+    config = json.loads(capsys.readouterr().out)["configuration"]
+    assert config["candidate"] == {
+        "zero": 3,
+        "offload_optimizer": "none",
+        "offload_param": "none",
+        "pin_memory": False,
+        "offload_ratio": 1.0,
+        "grad_ckpt": True,
+        "attn": "flash",
+        "finetune": "full",
+        "lora_rank": 16,
+        "micro_batch": 1,
+        "seq_len": 2048,
+        "grad_accum": 1,
+        "precision": "bf16",
+        "ref": "model",
+        "loss_impl": "full",
+        "sequence_parallel": 1,
+        "tiled_mlp": False,
+        "activation_offload": False,
+    }
+    assert config["defaults_taken"]["--ref"] == "model" and config["defaults_taken"]["--seq-len"] == 2048
+    assert config["host_memory"] == {
+        "bytes": 1024 * 10**9,
+        "source": "the catalog's typical a100-80gb node (1024 GB; --host-memory-gib sets yours)",
+    }
+    main(["--model", "qwen2.5-7b", "--gpu", "a100-80gb", "--host-memory-gib", "512", "--seq-len", "1024", "--json"])
+    config = json.loads(capsys.readouterr().out)["configuration"]
+    assert (
+        config["host_memory"]["source"] == "given (--host-memory-gib)" and "--seq-len" not in config["defaults_taken"]
+    )
+
+
+def test_the_table_states_the_configuration_and_explains_temporaries_and_overheads(capsys):
+    main(["--model", "qwen2.5-7b", "--gpu", "a100-80gb", "--method", "dpo", "--finetune", "lora"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("configuration: DPO, LoRA r16 (every linear), ZeRO-0, gradient checkpointing,")
+    assert lines[2].startswith("host RAM 953.67 GiB per node: the catalog's typical a100-80gb node")
+    assert lines[3].startswith("defaults taken: --zero 0, --grad-ckpt on, --attn flash,")
+    legend = next(ln for ln in lines if "temporaries =" in ln)
+    assert "overheads = allocator fragmentation" in legend and "CUDA context" in legend

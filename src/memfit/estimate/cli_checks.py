@@ -55,6 +55,7 @@ def _check_numbers(args) -> None:
         "--seq-len": args.seq_len,
         "--micro-batch": args.micro_batch,
         "--grad-accum": args.grad_accum,
+        "--sequence-parallel": args.sequence_parallel,
         "--sub-group-size": args.sub_group_size,
         "--lora-rank": args.lora_rank,
         "--host-memory-gib": args.host_memory_gib,
@@ -108,13 +109,14 @@ def _check_levers(args) -> None:
         raise EstimateError(
             "--micro-batch does nothing with --maximize micro_batch (fit searches it); drop --micro-batch"
         )
-    if args.finetune == "full" and args.lora_rank is not None:
+    full = args.finetune in (None, "full")
+    if full and args.lora_rank is not None:
         raise EstimateError("--lora-rank does nothing with --finetune full; use lora or qlora")
-    if args.finetune == "full" and args.lora_targets:
+    if full and args.lora_targets:
         raise EstimateError("--lora-targets does nothing with --finetune full; use lora or qlora")
     if args.method == "sft" and args.ref is not None:
         raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
-    if args.pin_memory and args.offload_optimizer == "none" and args.offload_param == "none":
+    if args.pin_memory and args.offload_optimizer in (None, "none") and args.offload_param in (None, "none"):
         raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
     if args.loss_chunk_tokens is not None and args.loss_impl != "chunked":
         raise EstimateError("--loss-chunk-tokens does nothing with --loss-impl full; add --loss-impl chunked")
@@ -145,12 +147,73 @@ def _check_files(args) -> None:
             raise EstimateError(f"--trace-cache {cache}: not a writable directory")
 
 
+# The levers' defaults where the flag is not given (cli_parser holds None for them); ZeRO's
+# depends on the GPUs: `zero_default`.
+LEVER_DEFAULTS = {
+    "finetune": "full",
+    "grad_ckpt": True,
+    "attn": "flash",
+    "loss_impl": "full",
+    "precision": "bf16",
+    "offload_optimizer": "none",
+    "offload_param": "none",
+    "sequence_parallel": 1,
+}
+
+
+def zero_default(args) -> int:
+    """ZeRO-0 on one GPU of one node: nothing to partition, and memfit's H100 probes measured
+    ZeRO-3 1.9x slower than ZeRO-0 there (0.189 vs 0.099 s a step, docs/gpus.md); ZeRO-3 on
+    several GPUs, and wherever offload asks for it (optimizer offload needs ZeRO >= 1, parameter
+    offload ZeRO-3)."""
+    single = args.num_gpus * args.num_nodes == 1
+    offload = args.offload_optimizer != "none" or args.offload_param != "none"
+    return 0 if single and not offload else 3
+
+
 def fill_defaults(args) -> None:
-    """After the checks: --seq-len and --micro-batch as the estimate reads them."""
+    """After the checks: the levers not given as the estimate reads them."""
     if args.seq_len is None:
         args.seq_len = SEQ_LEN_DEFAULT
     if args.micro_batch is None:
         args.micro_batch = MICRO_BATCH_DEFAULT
+    for name, value in LEVER_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.zero is None:
+        args.zero = zero_default(args)
+
+
+def combinations(args, space_flags) -> list:
+    """One namespace per combination of the list-valued levers (`space_flags`: their dests), each
+    lever a single value or None (not given); one namespace when every list has one value."""
+    import argparse
+    import itertools
+
+    axes = {d: (getattr(args, d) or [None]) for d in space_flags}
+    out = []
+    for values in itertools.product(*axes.values()):
+        one = argparse.Namespace(**vars(args))
+        for dest, value in zip(axes, values, strict=True):
+            setattr(one, dest, value)
+        out.append(one)
+    return out
+
+
+def check_space(combos: list) -> None:
+    """`check_flags` over the combinations of a ranked search: a bad number or file is refused in
+    any of them; a flag that does nothing only when it does nothing in every combination."""
+    for args in combos:
+        _check_numbers(args)
+        _check_files(args)
+    problems = []
+    for args in combos:
+        try:
+            _check_levers(args)
+        except EstimateError as exc:
+            problems.append(exc)
+    if len(problems) == len(combos):
+        raise problems[0]
 
 
 def search_bound(args, arch) -> tuple[int | None, str]:

@@ -1,0 +1,354 @@
+"""The flags of `memfit estimate` and `memfit fit`, every default shown by `--help`.
+
+The search levers (`SPACE_FLAGS`) take a comma-separated list (`--zero 0,2,3 --grad-ckpt on,off
+--micro-batch 1,2,4`): one value prices one configuration, several make `memfit estimate` rank
+the cross product (memfit.estimate.rank). Their defaults are filled by `cli_checks.fill_defaults`
+once the other flags are known (ZeRO's depends on the GPUs), so the parser holds None for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from memfit.estimate.calibration import UNCALIBRATED_MARGIN
+from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS
+
+# headroom on the cpu device when none is given: what the shipped cpu configs keep
+# (config/config.yaml); the derived margin is a GPU's measured error
+CPU_HEADROOM = 0.10
+
+_ON = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)" after every help text, except where the text already says its
+    default in words (a default that depends on other flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+def _listed(convert, choices=None):
+    """An argparse type: a comma-separated list of values, each converted and checked."""
+
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",")]
+        if "" in items:
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty value in the list")
+        out = []
+        for item in items:
+            try:
+                value = convert(item)
+            except (ValueError, KeyError):
+                raise argparse.ArgumentTypeError(f"{item!r} is not a valid value") from None
+            if choices is not None and value not in choices:
+                allowed = ", ".join(str(c) for c in choices)
+                raise argparse.ArgumentTypeError(f"{item!r} is not one of {allowed}")
+            out.append(value)
+        return list(dict.fromkeys(out))
+
+    return parse
+
+
+def _on_off(text: str) -> bool:
+    return _ON[text.lower()]
+
+
+# flag dest -> Candidate field, for the levers that take a list (the ranked search space)
+SPACE_FLAGS = {
+    "zero": "zero",
+    "grad_ckpt": "grad_ckpt",
+    "micro_batch": "micro_batch",
+    "seq_len": "seq_len",
+    "finetune": "finetune",
+    "attn": "attn",
+    "loss_impl": "loss_impl",
+    "precision": "precision",
+    "offload_optimizer": "offload_optimizer",
+    "offload_param": "offload_param",
+    "sequence_parallel": "sequence_parallel",
+}
+
+
+def parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        formatter_class=_Formatter,
+        description=(
+            "Largest seq_len or micro_batch that fits."
+            if maximize
+            else "Predict peak GPU memory, host memory and step time of one fine-tuning configuration; "
+            "with comma-separated values for the search levers (--zero 0,2,3 --grad-ckpt on,off "
+            "--micro-batch 1,2,4 ...), rank every combination, fastest fitting first."
+        ),
+    )
+    if maximize:
+        p.add_argument("--maximize", required=True, choices=["seq_len", "micro_batch"], help="what to maximize")
+        p.add_argument(
+            "--max-seq-len",
+            type=int,
+            default=None,
+            help="seq_len: the longest length searched (default: the model's context, or with "
+            "--allow-beyond-context as long as memory allows)",
+        )
+    _add_job_args(p, maximize)
+    _add_lever_args(p, maximize)
+    _add_budget_args(p)
+    _add_trace_args(p)
+    return p
+
+
+def given_flags(prog: str, maximize: bool, argv: list[str]) -> set[str]:
+    """The dests the user gave on the command line (not defaults): the same parser with every
+    default suppressed, so only given flags land in the namespace."""
+    p = parser(prog, maximize)
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(p.parse_known_args(argv)[0]))
+
+
+def _add_job_args(p: argparse.ArgumentParser, maximize: bool) -> None:
+    """What is trained where: model, GPUs, method, fine-tuning, shapes."""
+    one = "" if maximize else "; a comma-separated list ranks each"
+    p.add_argument("--model", required=True, help="catalog name, a HF config.json, or a model directory")
+    p.add_argument("--gpu", required=True, help="GPU catalog name, or cpu")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) per node")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes")
+    p.add_argument("--method", choices=["sft", "dpo"], default="sft", help="training method")
+    p.add_argument(
+        "--finetune",
+        type=_listed(str, ["full", "lora", "qlora"]),
+        default=None,
+        metavar="{full,lora,qlora}",
+        help=f"what is trained (default: full{one})",
+    )
+    p.add_argument("--lora-rank", type=int, default=None, help="LoRA rank (default: 16)")
+    p.add_argument(
+        "--lora-targets",
+        default=None,
+        help="comma-separated linear names (default: every linear of the decoder layer)",
+    )
+    p.add_argument("--seq-len", type=_listed(int), default=None, help=f"tokens per sequence (default: 2048{one})")
+    p.add_argument(
+        "--micro-batch",
+        type=_listed(int),
+        default=None,
+        help=f"sequences (DPO: pairs) per GPU per micro step (default: 1{one})",
+    )
+    p.add_argument("--grad-accum", type=int, default=1, help="micro steps per optimizer step")
+
+
+def _add_lever_args(p: argparse.ArgumentParser, maximize: bool) -> None:
+    """The search levers: precision, checkpointing, attention, loss, ZeRO, offload, reference."""
+    one = "" if maximize else "; a comma-separated list ranks each"
+    p.add_argument(
+        "--precision",
+        type=_listed(str, ["bf16", "fp16", "fp32"]),
+        default=None,
+        metavar="{bf16,fp16,fp32}",
+        help=f"weights and compute dtype (default: bf16{one})",
+    )
+    p.add_argument(
+        "--grad-ckpt",
+        nargs="?",
+        const=[True],
+        type=_listed(_on_off, [True, False]),
+        default=None,
+        metavar="on|off",
+        help=f"gradient checkpointing per decoder layer (default: on{one}: on,off)",
+    )
+    p.add_argument(
+        "--no-grad-ckpt", dest="grad_ckpt", action="store_const", const=[False], help="same as --grad-ckpt off"
+    )
+    p.add_argument(
+        "--attn",
+        type=_listed(str, ["flash", "sdpa", "eager"]),
+        default=None,
+        metavar="{flash,sdpa,eager}",
+        help=f"attention kernel (default: flash{one})",
+    )
+    p.add_argument(
+        "--loss-impl",
+        type=_listed(str, ["full", "chunked"]),
+        default=None,
+        metavar="{full,chunked}",
+        help=f"full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward (default: full{one})",
+    )
+    p.add_argument(
+        "--loss-chunk-tokens",
+        type=int,
+        default=None,
+        help="chunked: tokens per chunk (default: 256 MiB of fp32 logits a chunk)",
+    )
+    p.add_argument(
+        "--zero",
+        type=_listed(int, [0, 1, 2, 3]),
+        default=None,
+        metavar="{0,1,2,3}",
+        help="DeepSpeed ZeRO stage (default: 0 on one GPU of one node, where memfit's H100 probes "
+        "measured ZeRO-3 1.9x slower than ZeRO-0 and partitioning saves nothing; 3 on several GPUs "
+        f"or with --offload-param/--offload-optimizer cpu{one})",
+    )
+    p.add_argument(
+        "--offload-optimizer",
+        type=_listed(str, ["none", "cpu"]),
+        default=None,
+        metavar="{none,cpu}",
+        help=f"optimizer states on the host (default: none{one})",
+    )
+    p.add_argument(
+        "--offload-param",
+        type=_listed(str, ["none", "cpu"]),
+        default=None,
+        metavar="{none,cpu}",
+        help=f"ZeRO-3 parameters on the host (default: none{one})",
+    )
+    p.add_argument(
+        "--pin-memory", action=argparse.BooleanOptionalAction, default=False, help="page-locked offload buffers"
+    )
+    p.add_argument("--offload-ratio", type=float, default=1.0, help="ZeRO-3: share of optimizer states offloaded")
+    p.add_argument(
+        "--sequence-parallel",
+        type=_listed(int),
+        default=None,
+        help=f"Ulysses sequence parallelism: GPUs that split each sequence (DeepSpeed ALST) (default: 1{one})",
+    )
+    flag = argparse.BooleanOptionalAction
+    p.add_argument("--tiled-mlp", action=flag, default=False, help="DeepSpeed ALST's TiledMLP: MLPs a tile at a time")
+    p.add_argument(
+        "--mlp-tile-tokens", type=int, help="tiled MLP: tokens per sequence in a tile (default: hidden size)"
+    )
+    p.add_argument("--activation-offload", action=flag, default=False, help="checkpointed layer inputs to host RAM")
+    p.add_argument(
+        "--sub-group-size",
+        type=int,
+        default=DEFAULT_SETTINGS.sub_group_size,
+        help="ZeRO-3 optimizer sub-group size, elements",
+    )
+    p.add_argument(
+        "--ref",
+        choices=["precomputed", "model", "adapter"],
+        default=None,
+        help="DPO reference (default: model for full, adapter for LoRA)",
+    )
+    p.add_argument(
+        "--advice",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when it does not fit (or fits with little room), try memfit's levers one at a time and "
+        "print those that make it fit (default: on, off for a traced model, where each lever traces)",
+    )
+
+
+def _add_budget_args(p: argparse.ArgumentParser) -> None:
+    """Memory limits and what the trainer around the model holds."""
+    p.add_argument(
+        "--host-memory-gib",
+        type=float,
+        default=None,
+        help="RAM per node, GiB (2**30 bytes) (default: the catalog's typical node for the GPU, named in the output)",
+    )
+    p.add_argument(
+        "--host-memory-gb",
+        type=float,
+        default=None,
+        help="RAM per node in decimal GB (1e9 bytes); kept for old scripts, prefer --host-memory-gib "
+        "(default: as --host-memory-gib)",
+    )
+    p.add_argument(
+        "--budget-gib", type=float, default=None, help="use this many GiB as the device memory (default: the GPU's)"
+    )
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="device memory in decimal GB (1e9 bytes); prefer --budget-gib (default: the GPU's)",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=None,
+        help="fraction of device memory kept free, as the workflow's `headroom:` (default: the margin memfit's "
+        f"measured device-total error calls for, 5%% on a GPU with a calibration file (H100, H200), "
+        f"{UNCALIBRATED_MARGIN * 100:.0f}%% on others; {CPU_HEADROOM} on the cpu, where none was measured)",
+    )
+    p.add_argument(
+        "--allow-beyond-context",
+        action="store_true",
+        help="allow --seq-len beyond the model's max_position_embeddings",
+    )
+    p.add_argument(
+        "--expandable-segments",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    p.add_argument(
+        "--logits-handling",
+        choices=list(LOGITS_HANDLING),
+        default="memfit",
+        help="how the trainer holds the [tokens, vocab] logits around its loss: memfit (its own "
+        "trainer), hf-model-fp32 (transformers <= 4.45), hf-loss-function (transformers >= 4.46), "
+        "torchtune-held (torchtune recipes without `del logits`)",
+    )
+    p.add_argument(
+        "--trainer-loader",
+        choices=list(TRAINER_LOADERS),
+        default="memfit",
+        help="how a resume loads the optimizer state: memfit (its trainer copies it into the state "
+        "that exists) or deepspeed (DeepSpeed's own load, as other trainers on DeepSpeed run it: at "
+        "ZeRO-0 in 16-bit m and v are held twice while it loads)",
+    )
+    p.add_argument(
+        "--nccl-mib",
+        type=float,
+        default=None,
+        help="NCCL communicator memory per GPU process when world > 1, MiB (default: 1.79 GiB, "
+        "NCCL >= 2.19 cuMem, vLLM's measurement, or a calibration's measured figure)",
+    )
+    p.add_argument(
+        "--cpu-adam-rate",
+        type=float,
+        default=None,
+        help="DeepSpeedCPUAdam parameters per second per host core, for optimizer offload (default: "
+        f"{DEFAULT_SETTINGS.cpu_adam_params_per_s_per_core:.2g}, measured by benchmarks/bench_cpu_adam.py; "
+        "measure yours with it)",
+    )
+    p.add_argument(
+        "--cpu-cores-per-rank",
+        type=int,
+        default=None,
+        help=f"host cores each rank's CPU-Adam runs on (default: {DEFAULT_SETTINGS.cpu_cores_per_rank})",
+    )
+
+
+def _add_trace_args(p: argparse.ArgumentParser) -> None:
+    """Where the activation terms come from, and the output format."""
+    p.add_argument(
+        "--activations",
+        choices=["analytic", "traced"],
+        default="analytic",
+        help="activation terms from formulas, or from a traced CPU run of the model's code "
+        "(fake tensors, cached per shape; memfit.estimate.trace); a model without a hand-written "
+        "card is traced either way",
+    )
+    p.add_argument(
+        "--trace-cache",
+        default=None,
+        help="traced: cache directory (default: $MEMFIT_TRACE_CACHE or ~/.cache/memfit/traces)",
+    )
+    p.add_argument(
+        "--step-time-calibration",
+        default=None,
+        metavar="CALIBRATION_JSON",
+        help="price the step time from a calibration the workflow's calibrate stage measured on the "
+        "machine (results/<model>/<gpu>/calibration.json: each micro step's computation and DeepSpeed's "
+        "runtime, affine in the layers); one of another model shape, GPU, world size or backend, or "
+        "without this candidate's shapes, is not used and `step time source:` says why (default: none: "
+        "the modelled step, on a GPU each operation at its roofline unless the GPU's calibration file "
+        "holds a measured whole-step rate, on the cpu an assumed 40%% MFU)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
