@@ -99,8 +99,6 @@ class Run:
         )
         # the step count and DeepSpeed config select_config wrote to ds_config.json (dsconfig.planned_steps)
         self.total_steps, _ = dsconfig.schedule_steps(cfg, self.schedule.steps_per_epoch)
-        if not cfg.probe_steps:
-            self.log(cfg.describe_lr())  # the number trained with, and whether it is memfit's default
         ds_cfg = dsconfig.for_run(cfg, self.world, self.total_steps, hidden_size(model_dir(cfg.model_path)))
         self.ds_config = ds_cfg
         if cfg.method == "dpo" and cand.ref == "precomputed":
@@ -336,6 +334,7 @@ class Run:
     def fit(self) -> dict[str, Any]:
         """Train: resume -> (eval) -> steps with logging, evaluation and checkpoints -> export."""
         cfg = self.cfg
+        self.log(cfg.describe_lr())  # the number trained with, and whether it is memfit's default
         tracker = self._start_tracking()
         if self.rank == 0:
             (self.out / PREEMPTED_MARKER).unlink(missing_ok=True)
