@@ -48,7 +48,9 @@ def turns(src: Source, row: int, value: Any, key: str) -> list[dict]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise _bad(src, row, f"expected an object {{role, content}}, got {type_name(m)}", f"{key}[{i}]")
-        role_key, content_key = ("from", "value") if "from" in m and "role" not in m else ("role", "content")
+        # Arrow struct columns give every turn every field, the absent ones null
+        sharegpt = m.get("from") is not None and m.get("role") is None
+        role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
         for k in (role_key, content_key):
             if k not in m:
                 raise _bad(
