@@ -118,6 +118,17 @@ def test_sharegpt_conversations_prepare_as_the_same_messages(shape, tok_dir, tmp
     assert _prepare("sft", [{"conversations": conv}], tok_dir, tmp_path / "c") == expected
 
 
+def test_parquet_rows_mixing_shapes_read_each_row_by_its_own(tok_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"conversations": _sharegpt(CHAT)}, {"messages": CHAT}, {"prompt": "7 + 1?", "response": "8"}]
+    keys = ("conversations", "messages", "prompt", "response")  # each row: the others' columns null
+    pq.write_table(pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows]), tmp_path / "mixed.parquet")
+    data.prepare("sft", tmp_path / "mixed.parquet", tok_dir, tmp_path / "p", max_len=64, eval_fraction=0.0)
+    assert data.load_split(tmp_path / "p", "train") == _prepare("sft", rows, tok_dir, tmp_path / "j")
+
+
 def test_prompt_response_rows_equal_two_turn_messages(tok_dir, tmp_path):
     pair = [{"role": "user", "content": "7 + 1?"}, {"role": "assistant", "content": "8"}]
     a = _prepare("sft", [{"prompt": "7 + 1?", "response": "8"}], tok_dir, tmp_path / "a")
@@ -227,6 +238,19 @@ def test_conversational_pairs_prepare_as_the_string_pairs(shape, tok_dir, tmp_pa
     strings = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
     expected = _prepare("dpo", strings, tok_dir, tmp_path / "s")
     assert _prepare("dpo", [DPO_SHAPES[shape](*t) for t in PAIRS], tok_dir, tmp_path / "c") == expected
+
+
+def test_parquet_pairs_mixing_explicit_and_implicit_prompts(tok_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shapes = ("explicit prompt", "implicit prompt", "explicit prompt")
+    rows = [DPO_SHAPES[shape](*t) for shape, t in zip(shapes, PAIRS, strict=True)]
+    full = [{k: r.get(k) for k in ("prompt", "chosen", "rejected")} for r in rows]  # implicit: prompt null
+    pq.write_table(pa.Table.from_pylist(full), tmp_path / "pairs.parquet")
+    data.prepare("dpo", tmp_path / "pairs.parquet", tok_dir, tmp_path / "p", max_len=64, eval_fraction=0.0)
+    strings = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
+    assert data.load_split(tmp_path / "p", "train") == _prepare("dpo", strings, tok_dir, tmp_path / "s")
 
 
 def test_implicit_multi_turn_pair_takes_the_shared_prefix_as_prompt(tok_dir, tok, tmp_path):

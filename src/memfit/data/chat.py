@@ -76,7 +76,8 @@ def turns(src: Source, row: int, value: Any, key: str) -> list[dict]:
 def sft_messages(src: Source, row: int, record: dict) -> tuple[list[dict], str]:
     """(turns, key) of one SFT row: `messages` wins over `conversations` over prompt/response
     (ultrachat-style rows carry a redundant `prompt`); the last turn is the assistant's."""
-    key = next((k for k in CHAT_KEYS if k in record), None)
+    # a null is an absent key: a Parquet column of rows that mix shapes holds nulls for the others
+    key = next((k for k in CHAT_KEYS if record.get(k) is not None), None)
     if key is None:
         prompt = string_field(src, row, record, "prompt", "sft", non_empty=True)
         response = string_field(src, row, record, "response", "sft")
@@ -169,7 +170,7 @@ def dpo_pair(src: Source, row: int, record: dict) -> tuple[list[dict], str, str,
         rejected = string_field(src, row, record, "rejected", "dpo")
         return [{"role": "user", "content": prompt}], chosen, rejected, "prompt"
     for k in ("chosen", "rejected"):
-        if k not in record:
+        if record.get(k) is None:
             raise _bad(src, row, f"missing ({NEEDS['dpo']}; the row has keys {sorted(record)})", k)
     as_chat = _is_chat(record["chosen"])
     if as_chat != _is_chat(record["rejected"]):  # rejected is judged against chosen
@@ -181,7 +182,7 @@ def dpo_pair(src: Source, row: int, record: dict) -> tuple[list[dict], str, str,
     p = record.get("prompt")
     if _is_chat(p):
         prompt, pkey = turns(src, row, p, "prompt"), "prompt"
-    elif "conversations" in record:
+    elif record.get("conversations") is not None:
         prompt, pkey = turns(src, row, record["conversations"], "conversations"), "conversations"
     elif isinstance(p, str) and chosen[0]["role"] == "assistant":
         prompt, pkey = [{"role": "user", "content": p}], "prompt"
