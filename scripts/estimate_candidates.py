@@ -1,6 +1,10 @@
 """Snakemake script: estimate_candidates -> memfit.workflow.pipeline.estimate_candidates, after the
 prepared rows are checked against the global batch (a train.global_batch raised since prepare_data ran)."""
 
+import sys
+import time
+
+from memfit.estimate import trace
 from memfit.workflow.config import ConfigError, WorkflowConfig
 from memfit.workflow.pipeline import estimate_candidates, log_to
 from memfit.workflow.search_checks import rows_problem
@@ -12,4 +16,15 @@ if snakemake.input.data:  # none in a plan (plan_only: no data is prepared)
     if problem:
         raise ConfigError(problem)
 calibration = snakemake.input.calibration[0] if snakemake.input.calibration else None
-estimate_candidates(snakemake.config, w.model, w.gpu, w.method, snakemake.output[0], calibration)
+t0 = time.perf_counter()
+
+
+def say(line: str) -> None:  # progress in the rule's log (log_to: stderr), with the seconds so far
+    print(f"estimate_candidates [{time.perf_counter() - t0:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+
+say(f"estimating the candidates of {w.model} on {w.gpu} ({w.method})")
+with trace.progress_to(say):  # a line as each traced shape starts and ends (memfit.estimate.trace)
+    result = estimate_candidates(snakemake.config, w.model, w.gpu, w.method, snakemake.output[0], calibration)
+rows = result["rows"]
+say(f"estimated {len(rows)} candidates, {sum(r['fits'] and not r['invalid'] for r in rows)} predicted to fit")

@@ -8,6 +8,7 @@ the demo uses: seconds per test."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,10 @@ def test_progress_goes_to_stderr_a_line_per_step(tiny, capsys):
     assert steps[1].startswith("memfit fit: seq_len 8,192: does not fit (device ")
     assert any(ln.startswith("memfit fit: tracing ") for ln in err.splitlines())
     assert f"memfit fit: seq_len {got['seq_len']:,}: fits" in err
+    # each traced shape says when it is done and how long it took (memfit.estimate.trace.progress_to)
+    done = [ln for ln in err.splitlines() if ln.startswith("memfit fit: traced ")]
+    assert {re.search(r" at ([\d,]+) tokens", ln)[1] for ln in done} == {"512", "1,024", "2,048"}
+    assert all(re.search(r" in \d+\.\d s ", ln) for ln in done), done
 
 
 def test_limited_by_context_then_memory_beyond_it(tiny, capsys):
@@ -121,3 +126,35 @@ def test_nothing_fits_when_the_states_alone_do_not_traces_one_length(tiny, capsy
     assert any("the weights and states alone exceed the usable memory" in n for n in got["notes"])
     rc = cli.main(["fit", "--maximize", "seq_len", *tiny, "--budget-gib", "0.01"])
     assert rc == 1 and "nothing fits: even seq_len=2 needs more memory" in capsys.readouterr().out
+
+
+# ALST's one-GPU levers on Llama-3.1-8B (README's "through the CLI" command, one GPU): the tiled
+# MLP's rows padded to a multiple of its tiles make memory non-monotonic in the length
+ALST_1GPU = (
+    "--model llama-3.1-8b --gpu h100-80gb --num-gpus 1 --zero 3 --offload-optimizer cpu --offload-param cpu "
+    "--loss-impl chunked --tiled-mlp --activation-offload --expandable-segments --host-memory-gb 1900 "
+    "--headroom 0 --allow-beyond-context"
+).split()
+
+
+def test_tiled_mlp_answer_is_every_length_below_fits_whatever_the_bound(capsys):
+    """With the tiled MLP a multiple of the tiles fits where shorter padded lengths do not (610,304
+    fitted, 580,000 did not): the answer is the longest length below which every length fits, the
+    same with or without a bound, and the lengths just below it and below its tile count fit."""
+    answers = {}
+    for bound in ([], ["--max-seq-len", "64000000"], ["--max-seq-len", "1000000"]):
+        rc, got, err = _fit([*ALST_1GPU, *bound], capsys)
+        assert rc == 0 and got["limited_by"] == "memory", got["limited_by"]
+        answers[tuple(bound)] = got["seq_len"]
+    best = answers[()]
+    assert set(answers.values()) == {best}, answers
+
+    def fits(n: int) -> bool:  # as `memfit estimate` says with the same flags
+        assert cli.main(["estimate", *ALST_1GPU, "--seq-len", str(n), "--no-advice", "--json"]) in (0, 1)
+        return json.loads(capsys.readouterr().out)["fits_with_headroom"]
+
+    tile = 4096  # Llama-3.1-8B's hidden size: the default tile tokens
+    below_tiles = (-(-best // tile) - 1) * tile  # where the answer's tile count begins
+    assert all(fits(n) for n in [*range(best - 24, best + 1), *range(below_tiles - 24, below_tiles + 24)])
+    assert fits(best) and not fits(best + 1)
+    assert 610_304 > best and fits(610_304)  # the multiple of the tiles that used to be answered

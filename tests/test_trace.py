@@ -251,6 +251,28 @@ def test_traced_and_analytic_agree_on_catalog_models(name, cache):
 # -- the cache ----------------------------------------------------------------------------------
 
 
+def test_progress_a_line_per_traced_shape_as_it_is_done(tmp_path, monkeypatch):
+    """A user waiting on a trace sees what is traced and, as each shape is done in its child
+    process, how long it took; a cache hit says nothing (issue 43: 55 s in silence)."""
+    monkeypatch.setenv("MEMFIT_TRACE_WORKERS", "1")  # both shapes in one child: streamed in order
+    arch = make_arch("llama")
+    reqs = [trace.TraceRequest(32, "sdpa", "bf16", True, "full"), trace.TraceRequest(64, "sdpa", "bf16", False, "lora")]
+    lines: list[str] = []
+    with trace.progress_to(lines.append):
+        got = trace.layer_traces(arch, reqs, cache_dir=tmp_path)
+    assert [t.key["seq_len"] for t in got] == [32, 64]
+    assert lines[0].startswith("tracing tiny-llama at 32 tokens (sdpa, bf16, full, checkpointing), 64 tokens ")
+    assert lines[0].endswith(": 2 shapes, 1 process")
+    assert lines[1].startswith("traced tiny-llama at 32 tokens (sdpa, bf16, full, checkpointing) in ")
+    assert lines[2].startswith("traced tiny-llama at 64 tokens (sdpa, bf16, lora r16) in ")
+    assert len(lines) == 3 and all(" s (" in ln for ln in lines[1:])
+    with trace.progress_to(lines.append):  # cached now: silent
+        trace.layer_traces(arch, reqs, cache_dir=tmp_path)
+    assert len(lines) == 3
+    trace.layer_traces(arch, [dataclasses.replace(reqs[0], seq_len=48)], cache_dir=tmp_path)
+    assert len(lines) == 3  # outside progress_to: silent
+
+
 def test_cache_hit_is_identical_and_does_not_trace(tmp_path, monkeypatch):
     arch = make_arch("llama")
     first = trace.layer_trace(arch, 32, "flash", "bf16", True, "full", cache_dir=tmp_path)

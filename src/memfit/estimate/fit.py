@@ -215,6 +215,17 @@ def maximize(
         def at(value: int) -> Estimate:
             e = _estimate(job, dataclasses.replace(c, **{what: value}))
             say(prefix + _step_line(what, value, e))
+            if what != "seq_len" or not c.tiled_mlp or not e.fits_with_headroom:
+                return e
+            # the tiled MLP's memory is not monotonic in the length: a length counts as fitting
+            # when every length below it does too, which the worst lengths below it decide
+            for n in _tiled_worst_below(job, c, value, lo):
+                w = _estimate(job, dataclasses.replace(c, seq_len=n))
+                if not w.fits_with_headroom:
+                    say(
+                        f"{prefix}{_step_line(what, n, w)}, so {value:,} is not an answer (a shorter length does not fit)"
+                    )
+                    return dataclasses.replace(e, fits_with_headroom=False)
             return e
 
         return largest_fitting(at, lo, bound)
@@ -225,8 +236,11 @@ def maximize(
         swept = {sp: search(dataclasses.replace(cand, sequence_parallel=sp), f"SP={sp}: ")[0] for sp in sizes}
         return Answer(best, est, _limited(best, bound, bound_label), swept)
 
+    from memfit.estimate import trace
+
     answer = Answer(0, None, "memory")
-    with FittedTraces(job.arch, _shapes(job, cand), settings, say) as traces:
+    # every trace reports as it starts and ends (with its seconds) on the same `say`
+    with trace.progress_to(say), FittedTraces(job.arch, _shapes(job, cand), settings, say) as traces:
         # the smallest length on the first traced length's activations (more than its own): when
         # the weights and states alone do not fit, nothing does, and no other length is traced
         probe = _estimate(job, dataclasses.replace(cand, seq_len=lo))
@@ -275,6 +289,24 @@ def _until_traced(search, traces, cand: Candidate, lo: int, bound: int | None, s
             "lengths still moved it"
         )
     return best, est
+
+
+def _tiled_worst_below(job: Job, cand: Candidate, seq_len: int, lo: int) -> list[int]:
+    """The lengths below `seq_len` that may need more memory than it with the tiled MLP, whose
+    rows are padded to a multiple of its tiles, ceil(s / T) for s tokens a rank (T: the tile
+    tokens; activation_memory.mlp_tiles): a padded length adds a zero-filled gradient of the
+    layer's input that a multiple of the tiles does not (seq_len - 1), and one tile more shrinks
+    every tile's rows, so the last padded length before the tile count went up, (k - 1) * T - 1
+    tokens a rank, has the largest tiles (activation_memory's 7dri + 2drh). Within a tile count
+    memory grows with the length, so these and `seq_len` bound every length below it."""
+    sp = cand.sequence_parallel
+    tile = job.settings.mlp_tile_tokens or job.arch.hidden_size
+    per_rank_len = -(-seq_len // sp)  # core.per_rank
+    tiles = -(-per_rank_len // tile)
+    worst = {seq_len - 1}
+    if tiles >= 2:
+        worst.add(((tiles - 1) * tile - 1) * sp)  # the longest whose rank holds (k - 1) * T - 1 tokens
+    return sorted(n for n in worst if lo <= n < seq_len)
 
 
 def _short_without_activations(est: Estimate) -> bool:

@@ -57,24 +57,28 @@ import functools
 import hashlib
 import json
 import os
-import subprocess
-import sys
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.trace_children import (  # noqa: F401 - progress_to and trace_workers are API here
+    ENV_IN_PROCESS,
+    TRACE_LAYERS,
+    _trace_in_children,
+    progress_to,
+    reporter,
+    trace_workers,
+)
 from memfit.estimate.trace_step import (  # defined with the step that measures them
     MEASURES,
     TraceError,
 )
 
 TRACE_FORMAT = 7  # bump when what a trace measures changes (old cache files are then ignored)
-TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer; each traced with 2 and 3 sequences
 ENV_CACHE = "MEMFIT_TRACE_CACHE"
-ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
 # ModelArch fields that do not change one sequence's activations (names, provenance, the layer
 # count the trace replaces, position limit: rotary tables are built per forward for the actual
 # positions, modeling_rope_utils; the vision tower is not in the text model).
@@ -268,13 +272,15 @@ def layer_traces(
     requests: list[TraceRequest],
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> list[LayerTrace]:
     """Traces for several shapes of one architecture: cached ones from the cache, the missing
-    ones traced in child processes (`python -m memfit.estimate.trace`, trace_workers() of them, each
+    ones traced in child processes (`python -m memfit.estimate.trace_children`, trace_workers() of them, each
     paying the interpreter and the imports once for its share). The child keeps the estimating process clean: fake
     parameters outlive a traced backward (held from C++ by autograd/FakeTensorMode state), and
     a later real measurement in the same process (memory.AllocationTracker's baseline scans
-    live tensors) would count them."""
+    live tensors) would count them. `progress`: where the progress lines go (default: the
+    innermost `progress_to`)."""
     d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     keys = [
         trace_key(
@@ -299,7 +305,7 @@ def layer_traces(
         elif h not in todo:
             todo[h] = i
     if todo:
-        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()])
+        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()], reporter(progress))
         for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
             t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
             if use_cache:
@@ -334,100 +340,6 @@ def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
     return t
 
 
-def trace_workers() -> int:
-    """Child processes for a batch of traces: $MEMFIT_TRACE_WORKERS, else the CPUs this process
-    may use (each child is single-threaded: fake tensors do no arithmetic)."""
-    env = os.environ.get("MEMFIT_TRACE_WORKERS")
-    if env:
-        return max(1, int(env))
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
-
-
-def _trace_in_children(arch: ModelArch, keys: list[dict[str, Any]]) -> list[tuple[dict[str, dict[str, int]], float]]:
-    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order;
-    in this process with $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's
-    trace takes less than a child's start-up)."""
-    if os.environ.get(ENV_IN_PROCESS) == "1":
-        try:
-            return [(r["runs"], float(r["seconds"])) for r in _trace_keys(arch, keys)]
-        except Exception as exc:  # noqa: BLE001 - as a child's failure reads
-            raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
-    n = min(trace_workers(), len(keys))
-    chunks = [list(range(len(keys)))[i::n] for i in range(n)]
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = []
-    for idx in chunks:
-        payload = {"arch": dataclasses.asdict(arch), "keys": [keys[i] for i in idx]}
-        p = subprocess.Popen(
-            [sys.executable, "-m", "memfit.estimate.trace"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        procs.append((idx, p, json.dumps(payload)))
-    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
-    errors = []
-    for idx, p, payload in procs:
-        stdout, stderr = p.communicate(payload)
-        if p.returncode != 0:
-            lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
-            continue
-        res = json.loads(stdout.strip().splitlines()[-1])
-        for i, r in zip(idx, res, strict=True):
-            out[i] = (r["runs"], float(r["seconds"]))
-    if errors:
-        raise TraceError(f"tracing {arch.name!r} failed: {errors[0]}")
-    return [r for r in out if r is not None]
-
-
-def _trace_keys(arch: ModelArch, keys: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Trace each key (1 and 2 layers): [{"runs": {layers: MEASURES}, "seconds": s}, ...]."""
-    from memfit.estimate.trace_step import per_sequence  # torch and transformers load here
-
-    res = []
-    for key in keys:
-        t0 = time.perf_counter()
-        runs = {
-            str(n): per_sequence(
-                arch,
-                num_layers=n,
-                seq_len=key["seq_len"],
-                attn=key["attn"],
-                precision=key["precision"],
-                grad_ckpt=key["grad_ckpt"],
-                finetune=key["finetune"],
-                lora_rank=key["lora_rank"] or 16,
-                lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
-            )
-            for n in TRACE_LAYERS
-        }
-        res.append({"runs": runs, "seconds": time.perf_counter() - t0})
-    return res
-
-
-def _child_main() -> int:
-    """`python -m memfit.estimate.trace`: JSON {"arch": ..., "keys": [...]} on stdin, one JSON list of
-    {"runs": {layers: MEASURES}, "seconds": s} on the last line of stdout."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    payload = json.loads(sys.stdin.read())
-    a = dict(payload["arch"])
-    a["aliases"] = tuple(a.get("aliases", ()))
-    print(json.dumps(_trace_keys(ModelArch(**a), payload["keys"])))
-    return 0
-
-
 def clear_memo() -> None:
     """Forget the in-process copies (the JSON files stay)."""
     _MEMO.clear()
@@ -441,11 +353,3 @@ def _check(arch: ModelArch) -> None:
             f"model {arch.name!r}: config lacks {', '.join(missing)}; the traced path builds the "
             f"model from these fields"
         )
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(_child_main())
-    except TraceError as exc:
-        print(f"memfit.estimate.trace: {exc}", file=sys.stderr)
-        sys.exit(2)

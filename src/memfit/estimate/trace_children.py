@@ -1,0 +1,206 @@
+"""The traced runs' processes (memfit.estimate.trace keys and caches them): a batch of shapes in
+child processes (`python -m memfit.estimate.trace_children`, each paying the interpreter and the
+imports once for its share), and the progress lines a batch reports (`progress_to`).
+
+    from memfit.estimate import trace
+    with trace.progress_to(lambda line: print(line, file=sys.stderr)):
+        trace.layer_trace(arch, 4096, "sdpa", "bf16", True, "lora")
+    # tracing qwen3.5-27b at 4,096 tokens (sdpa, bf16, lora r16, checkpointing): 1 shape, 1 process
+    # traced qwen3.5-27b at 4,096 tokens (sdpa, bf16, lora r16, checkpointing) in 41.2 s (...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from memfit.estimate.arch import ModelArch
+from memfit.estimate.trace_step import TraceError
+
+ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
+TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer (memfit.estimate.trace.LayerTrace)
+
+# Where progress lines go while something traces (`progress_to`): a stack of callables, the
+# top one in use; process-wide, so the threads memfit.estimate.fit starts report too.
+_PROGRESS: list[Callable[[str], None] | None] = []
+_SAY_LOCK = threading.Lock()
+
+
+@contextmanager
+def progress_to(say: Callable[[str], None] | None) -> Iterator[None]:
+    """While inside, every trace that runs (a cache hit is silent) reports to `say`, one line
+    (a str, no newline) when a batch starts and one per traced shape with its seconds, as
+    `memfit fit` reports its steps; None: silent. Restored on exit; nests."""
+    _PROGRESS.append(say)
+    try:
+        yield
+    finally:
+        _PROGRESS.pop()
+
+
+def reporter(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+    say = progress if progress is not None else (_PROGRESS[-1] if _PROGRESS else None)
+
+    def report(line: str) -> None:
+        if say is not None:
+            with _SAY_LOCK:  # the threads of several batches report at once
+                say(line)
+
+    return report
+
+
+def _label(arch: ModelArch) -> str:
+    """The model, and the kind of layer when it is one of several (generic.layer_groups)."""
+    return f"{arch.name} (the kind of layer {arch.layer_kind[0]})" if arch.layer_kind else arch.name
+
+
+def _shape_text(key: dict[str, Any]) -> str:
+    ft = key["finetune"] + (f" r{key['lora_rank']}" if key["finetune"] != "full" else "")
+    ckpt = ", checkpointing" if key["grad_ckpt"] else ""
+    return f"{key['seq_len']:,} tokens ({key['attn']}, {key['precision']}, {ft}{ckpt})"
+
+
+def trace_workers() -> int:
+    """Child processes for a batch of traces: $MEMFIT_TRACE_WORKERS, else the CPUs this process
+    may use (each child is single-threaded: fake tensors do no arithmetic)."""
+    env = os.environ.get("MEMFIT_TRACE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _trace_in_children(
+    arch: ModelArch, keys: list[dict[str, Any]], report: Callable[[str], None] = lambda line: None
+) -> list[tuple[dict[str, dict[str, int]], float]]:
+    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order, a
+    progress line to `report` when they start and as each shape is done; in this process with
+    $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's trace takes less
+    than a child's start-up)."""
+    t0 = time.perf_counter()
+    in_process = os.environ.get(ENV_IN_PROCESS) == "1"
+    n = 1 if in_process else min(trace_workers(), len(keys))
+    shapes = ", ".join(_shape_text(k) for k in keys)
+    report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, "
+           f"{n} process{'es' * (n > 1)}")  # fmt: skip
+
+    def done(key: dict[str, Any], seconds: float) -> None:
+        report(f"traced {_label(arch)} at {_shape_text(key)} in {seconds:.1f} s "
+               f"({time.perf_counter() - t0:.1f} s since the batch started)")  # fmt: skip
+
+    if in_process:
+        try:
+            res = _trace_keys(arch, keys, lambda i, r: done(keys[i], float(r["seconds"])))
+        except Exception as exc:  # noqa: BLE001 - as a child's failure reads
+            raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
+        return [(r["runs"], float(r["seconds"])) for r in res]
+    chunks = [list(range(len(keys)))[i::n] for i in range(n)]
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
+    errors: list[str] = []
+
+    def child(idx: list[int]) -> None:
+        """One child: its shapes on stdin, a JSON line per shape on stdout as each is done (the
+        progress line goes out then), its stderr kept for the error."""
+        payload = {"arch": dataclasses.asdict(arch), "keys": [keys[i] for i in idx]}
+        p = subprocess.Popen(
+            [sys.executable, "-m", "memfit.estimate.trace_children"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        err: list[str] = []
+        drain = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)  # a full pipe blocks the child
+        drain.start()
+        p.stdin.write(json.dumps(payload))
+        p.stdin.close()
+        for line in p.stdout:
+            if line.startswith('{"index"'):
+                r = json.loads(line)
+                out[idx[r["index"]]] = (r["runs"], float(r["seconds"]))
+                done(keys[idx[r["index"]]], float(r["seconds"]))
+        p.wait()
+        drain.join()
+        if p.returncode != 0:
+            lines = [ln.strip() for ln in err if ln.strip()]
+            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
+
+    threads = [threading.Thread(target=child, args=(idx,), daemon=True) for idx in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors or any(r is None for r in out):
+        raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a child gave no result'])[0]}")
+    return [r for r in out if r is not None]
+
+
+def _trace_keys(
+    arch: ModelArch, keys: list[dict[str, Any]], each: Callable[[int, dict[str, Any]], None] = lambda i, r: None
+) -> list[dict[str, Any]]:
+    """Trace each key (1 and 2 layers): [{"runs": {layers: MEASURES}, "seconds": s}, ...];
+    `each(i, result)` as each is done."""
+    from memfit.estimate.trace_step import per_sequence  # torch and transformers load here
+
+    res = []
+    for key in keys:
+        t0 = time.perf_counter()
+        runs = {
+            str(n): per_sequence(
+                arch,
+                num_layers=n,
+                seq_len=key["seq_len"],
+                attn=key["attn"],
+                precision=key["precision"],
+                grad_ckpt=key["grad_ckpt"],
+                finetune=key["finetune"],
+                lora_rank=key["lora_rank"] or 16,
+                lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
+            )
+            for n in TRACE_LAYERS
+        }
+        res.append({"runs": runs, "seconds": time.perf_counter() - t0})
+        each(len(res) - 1, res[-1])
+    return res
+
+
+def main() -> int:
+    """`python -m memfit.estimate.trace_children`: JSON {"arch": ..., "keys": [...]} on stdin; on stdout a
+    line {"index": i, "runs": {layers: MEASURES}, "seconds": s} as each key is traced."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    payload = json.loads(sys.stdin.read())
+    a = dict(payload["arch"])
+    a["aliases"] = tuple(a.get("aliases", ()))
+
+    def each(i: int, r: dict[str, Any]) -> None:
+        print(json.dumps({"index": i, **r}), flush=True)
+
+    _trace_keys(ModelArch(**a), payload["keys"], each)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except TraceError as exc:
+        print(f"memfit.estimate.trace: {exc}", file=sys.stderr)
+        sys.exit(2)
