@@ -365,6 +365,7 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path):
     plain.chat_template = None
     plain.save_pretrained(tmp_path / "tok")
     src = _jsonl(tmp_path / "s.jsonl", [{"prompt": "p", "response": "r"}])
-    with pytest.raises(ValueError, match="no chat_template"):
+    with pytest.raises(ValueError, match="no chat_template") as err:
         data.prepare("sft", src, tmp_path / "tok", tmp_path / "o", max_len=32, eval_fraction=0.1, seed=0)
+    assert f"set one as 'chat_template' in {tmp_path / 'tok' / 'tokenizer_config.json'}" in str(err.value)
     assert not (tmp_path / "o").exists()
