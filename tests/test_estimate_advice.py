@@ -6,6 +6,7 @@ the combinations by the workflow's own selection."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,21 @@ def test_a_fit_with_little_room_gets_the_levers_that_make_room(capsys):
     assert all(o["device_total_bytes"] < out["device_total_bytes"] for o in out["advice"])
     main([*LORA_4090, "--seq-len", str(longest["seq_len"])])
     assert "would make more room (one change from this configuration each" in capsys.readouterr().out
+
+
+def test_a_traced_estimate_reports_progress_on_stderr_unless_json_or_quiet(tmp_path, monkeypatch, capsys):
+    """A model being traced says so on stderr, a line per traced shape (the tracer's hook,
+    memfit.estimate.trace.progress_to); --json (and --quiet) keep it silent."""
+    from memfit.estimate import trace
+
+    if not hasattr(trace, "progress_to"):
+        pytest.skip("this tracer has no progress hook")
+    monkeypatch.setenv("MEMFIT_TRACE_IN_PROCESS", "1")  # the tiny model traces faster than a child starts
+    tiny = Path(__file__).resolve().parents[1] / "config" / "models" / "demo-tiny.json"
+    argv = ["--model", str(tiny), "--gpu", "cpu", "--attn", "sdpa", "--activations", "traced", "--seq-len", "64"]
+    main([*argv, "--trace-cache", str(tmp_path / "a"), "--json"])  # --quiet takes the same path
+    assert "memfit estimate:" not in capsys.readouterr().err
+    main([*argv, "--trace-cache", str(tmp_path / "b")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memfit estimate: ")]
+    assert any(line.startswith("memfit estimate: tracing ") for line in err)
+    assert any("64 tokens" in line for line in err)

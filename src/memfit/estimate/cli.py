@@ -11,6 +11,7 @@ make it fit: advice; a ranked search space: rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -193,6 +194,15 @@ def _configuration(args, given: set[str], arch: ModelArch, gpu: GPU, cand: Candi
     }
 
 
+def _progress(say: Callable[[str], None] | None):
+    """While inside, a model being traced reports each traced shape to `say` (the tracer's
+    memfit.estimate.trace.progress_to; nothing where the tracer has no such hook)."""
+    from memfit.estimate import trace
+
+    hook = getattr(trace, "progress_to", None)
+    return hook(say) if hook is not None and say is not None else contextlib.nullcontext()
+
+
 def _advice_on(args, result: Estimate) -> bool:
     """--advice, or by default unless the model is traced (where each lever traces again)."""
     if args.advice is not None:
@@ -220,6 +230,13 @@ def _prepare(args, prog: str, argv: list[str] | None, fit: bool):
     return combos, arch, gpu, _settings(combos[0]), given
 
 
+def _say(prog: str) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
 def main(argv: list[str] | None = None) -> int:
     """`memfit estimate`: exit 0 when it fits, 1 when it does not, 2 on bad input or an
     invalid hardware combination."""
@@ -227,16 +244,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         combos, arch, gpu, settings, given = _prepare(args, "memfit estimate", argv, False)
         price = _pricer(combos[0], arch, gpu, settings)
+        traced = arch.generic or settings.activations == "traced"
+        say = None if (args.json or args.quiet or not traced) else _say("memfit estimate")
         if len(combos) > 1:
-            return _rank_main(combos, arch, gpu, settings, given, price)
+            with _progress(say):
+                return _rank_main(combos, arch, gpu, settings, given, price)
         one = combos[0]
         cand = _candidate(one, arch)
         config = _configuration(one, given, arch, gpu, cand, settings)
-        result = price(cand)
         options = []
-        if needs_advice(result) and _advice_on(one, result):
-            world = one.num_gpus * one.num_nodes
-            options = advise(price, cand, result, arch, world, one.method, "ref" in given)
+        with _progress(say):
+            result = price(cand)
+            if needs_advice(result) and _advice_on(one, result):
+                world = one.num_gpus * one.num_nodes
+                options = advise(price, cand, result, arch, world, one.method, "ref" in given)
     except EstimateError as exc:
         print(f"memfit estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -312,9 +333,7 @@ def fit_main(argv: list[str] | None = None) -> int:
     step on stderr (stdout holds only the answer, or only the JSON with --json)."""
     args = parser("memfit fit", True).parse_args(argv)
 
-    def say(line: str) -> None:
-        print(f"memfit fit: {line}", file=sys.stderr, flush=True)
-
+    say = (lambda line: None) if args.quiet else _say("memfit fit")
     try:
         combos, arch, gpu, settings, given = _prepare(args, "memfit fit", argv, True)
         args = combos[0]

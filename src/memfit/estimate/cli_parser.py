@@ -352,3 +352,8 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
         "holds a measured whole-step rate, on the cpu an assumed 40%% MFU)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines on stderr (tracing a model, fit's search steps); estimate's --json is quiet too",
+    )
