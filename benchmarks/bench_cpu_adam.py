@@ -8,8 +8,10 @@ For each size: one fp32 parameter of that many elements with an fp32 gradient, D
 (deepspeed.ops.adam, the C++ op memfit's trainer runs for `offload_optimizer: cpu`) stepped
 `--reps` times after one warm-up step; the median step's parameters per second, and per core
 (torch's intra-op threads, which the op's OpenMP loop uses). The figure per core and per rank is
-what `calibration.json`'s `cpu_adam_params_per_s_per_core` would hold when the calibrate rule
-measures it on the target machine.
+what the calibrate rule measures on the target machine when the search space offloads the
+optimizer (`calibration.json`'s `cpu_adam`: one block of memfit.train.calibrate.CPU_ADAM_BLOCK
+parameters on every rank at once, its threads the rank's); this benchmark measures other sizes
+and thread counts in one process.
 """
 
 from __future__ import annotations
@@ -19,24 +21,9 @@ import json
 import os
 import statistics
 import sys
-import time
+from pathlib import Path
 
-
-def measure(n: int, reps: int) -> float:
-    """Median seconds of one DeepSpeedCPUAdam step over `n` fp32 parameters."""
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    p = torch.nn.Parameter(torch.randn(n, dtype=torch.float32))
-    p.grad = torch.randn(n, dtype=torch.float32)
-    opt = DeepSpeedCPUAdam([p], lr=1e-4, weight_decay=0.0, adamw_mode=True)
-    opt.step()  # warm-up: allocates exp_avg / exp_avg_sq
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
+    from memfit.train.calibrate import cpu_adam_seconds  # what the calibrate rule measures
+
     torch.set_num_threads(args.threads)
     rows = []
     print(f"DeepSpeedCPUAdam, fp32, {args.threads} thread(s), median of {args.reps} steps")
     print(f"{'params':>12} {'step s':>9} {'params/s':>12} {'per core':>12}")
     for n in sizes:
-        s = measure(n, args.reps)
+        s = cpu_adam_seconds(n, args.reps)
         rate = n / s
         rows.append({"params": n, "step_s": round(s, 6), "params_per_s": rate, "per_core": rate / args.threads})
         print(f"{n:12,d} {s:9.4f} {rate:12.3g} {rate / args.threads:12.3g}")

@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from memfit.estimate import Settings, catalog, estimate, timing
+from memfit.estimate import Settings, catalog, costs, estimate, timing
 from memfit.estimate.hf_config import arch_from_hf_config
 from memfit.space import Candidate, compute_key, engine_key
+from memfit.train.calibrate import CPU_ADAM_BLOCK
 from memfit.train.launch import launch
 
 Z0 = Candidate(zero=0, micro_batch=4, grad_accum=4, seq_len=16, precision="fp32")
@@ -55,6 +56,7 @@ def test_it_measures_every_engine_and_shape_with_one_and_four_layers(calibration
     for part in ("micro", "boundary", "ref"):  # its sharded DPO reference gathers in its forward
         assert set(z3[part]) == {"1", "4"} and all(math.isfinite(v) for v in z3[part].values()), z3
     assert d["runtime"][engine_key(Z0)]["micro"] == {"1": 0.0, "4": 0.0}  # ZeRO-0 is the computation itself
+    assert "cpu_adam" not in d  # no candidate offloads its optimizer: DeepSpeedCPUAdam is not measured
 
 
 @pytest.mark.slow
@@ -80,3 +82,46 @@ def test_the_estimator_prices_the_demo_from_it(calibration, demo_model):
     assert "measured another model" in other.time_source and "hidden_size" in other.time_source
     on_h100 = estimate(arch, catalog.gpu("h100-80gb"), 2, 1, "sft", Z0, settings=settings)
     assert "ran on the CPU, not on h100-80gb" in on_h100.time_source
+
+
+OFFLOAD = Candidate(zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=1, seq_len=8, precision="fp32")
+
+
+@pytest.fixture(scope="module")
+def offload_calibration(demo_model, tmp_path_factory):
+    """The calibrate ranks on a search space with optimizer offload: a one-layer demo model (its
+    config.json alone: the ranks build the model from it), one ZeRO-2 offload candidate."""
+    out = tmp_path_factory.mktemp("calibrate-offload")
+    model = out / "one-layer"
+    model.mkdir()
+    config = json.loads((demo_model / "config.json").read_text()) | {"num_hidden_layers": 1}
+    (model / "config.json").write_text(json.dumps(config))
+    spec = {
+        "model_path": str(model),
+        "out": str(out / "calibration.json"),
+        "work_dir": str(out / "work"),
+        "candidates": {"sft": [OFFLOAD.to_dict()]},
+        "reps": 2,
+        "model": timing.model_identity(catalog.model(str(model))),
+    }
+    (out / "spec.json").write_text(json.dumps(spec))
+    rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
+    assert rc == 0, (out / "log.txt").read_text()[-3000:]
+    return out / "calibration.json"
+
+
+@pytest.mark.slow
+def test_with_offload_candidates_it_measures_cpu_adam_and_the_estimator_prices_offload_from_it(offload_calibration):
+    d = json.loads(offload_calibration.read_text())
+    adam = d["cpu_adam"]
+    assert adam["block_params"] == CPU_ADAM_BLOCK and adam["dtype"] == "fp32"
+    assert adam["threads_per_rank"] == d["threads_per_rank"] == 1  # the cores a rank gets (2 ranks, 2 cores)
+    assert adam["params_per_s_per_rank"] == pytest.approx(CPU_ADAM_BLOCK / adam["seconds"]) and adam["seconds"] > 0
+    # the estimator's modelled step prices an offloaded optimizer at that rate on this machine's
+    # device (the cpu device itself runs no offload: a GPU node's calibration is where it applies,
+    # tests/test_timing.py prices such a file), and says where the rate comes from
+    settings = Settings(step_time_calibration=str(offload_calibration))
+    rate, source = costs.cpu_adam(catalog.gpu("cpu"), settings)
+    assert rate == adam["params_per_s_per_rank"]
+    assert "(measured by calibrate" in source and f"{offload_calibration})" in source
+    assert "(default" in costs.cpu_adam(catalog.gpu("h100-80gb"), settings)[1]  # measured on another device

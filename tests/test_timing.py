@@ -237,3 +237,61 @@ def test_memfit_estimate_names_a_calibration_of_another_model_instead_of_pricing
     out = capsys.readouterr().out
     assert f"the calibration {p} measured another model, demo-tiny, not llama-3.2-1b (hidden_size 64 vs 2048" in out
     assert "step time source: measured" not in out
+
+
+# -- DeepSpeedCPUAdam measured by the calibrate rule (#42) ------------------------------------------
+OFFLOAD = Candidate(zero=2, offload_optimizer="cpu", micro_batch=1, grad_accum=1, seq_len=512, precision="bf16")
+ADAM = {
+    "block_params": 2**24,
+    "dtype": "fp32",
+    "seconds": 0.16777216,
+    "params_per_s_per_rank": 1e8,
+    "threads_per_rank": 4,
+}
+
+
+def _offload_estimate(p, gpu="a100-80gb", **settings):
+    """llama-2-7b ZeRO-2 with optimizer offload on 8 GPUs: a candidate the calibration `p` does not
+    hold (it measured no engine), so its step is the modelled one."""
+    s = Settings(step_time_calibration=str(p) if p else None, **settings)
+    return estimate(LLAMA, catalog.gpu(gpu), 8, 1, "sft", OFFLOAD, settings=s)
+
+
+def test_the_modelled_offload_step_prices_the_cpu_adam_rate_calibrate_measured(tmp_path):
+    (tmp_path / "m").mkdir()
+    measured = _write(tmp_path / "m", {}, {}, world_size=8, device="NVIDIA A100-SXM4-80GB", cpu_adam=ADAM, **A100)
+    plain = _write(tmp_path, {}, {}, world_size=8, device="NVIDIA A100-SXM4-80GB", **A100)
+    with_rate, without = _offload_estimate(measured), _offload_estimate(plain)
+    assert "DeepSpeedCPUAdam at 1e+08 params/s per rank (measured by calibrate 2026-11-26 on NVIDIA A100" in (
+        with_rate.time_source
+    )
+    assert "16,777,216 fp32 parameters, 4 thread(s) a rank" in with_rate.time_source
+    assert "DeepSpeedCPUAdam at 5.4e+08 params/s per core x 4 cores per rank (default" in without.time_source
+    # each rank steps its eighth of the parameters at the measured rate instead of the default's 2.16e9
+    from memfit.estimate.params import trainable_params
+
+    share = trainable_params(LLAMA, OFFLOAD, Settings()) / 8
+    expect = share * (1 / 1e8 - 1 / (5.4e8 * 4))
+    assert with_rate.time_breakdown["offload"] - without.time_breakdown["offload"] == pytest.approx(expect)
+    assert with_rate.step_time_s > without.step_time_s
+    # a rate given (flag or config) wins over the measured one, and the output says it was given
+    given = _offload_estimate(measured, cpu_adam_params_per_s_per_core=1e9)
+    assert "DeepSpeedCPUAdam at 1e+09 params/s per core x 4 cores per rank (as given" in given.time_source
+    # measured on another GPU's machine: not this host's rate
+    elsewhere = _offload_estimate(measured, gpu="h100-80gb")
+    assert "measured by calibrate" not in elsewhere.time_source and "(default" in elsewhere.time_source
+    # no offload, no CPU-Adam in the source
+    on_device = estimate(LLAMA, catalog.gpu("a100-80gb"), 8, 1, "sft", dataclasses.replace(OFFLOAD, offload_optimizer="none"),
+                         settings=Settings(step_time_calibration=str(measured)))  # fmt: skip
+    assert "DeepSpeedCPUAdam" not in on_device.time_source
+
+
+@pytest.mark.parametrize("bad", [{"params_per_s_per_rank": 0}, {"params_per_s_per_rank": "fast"}, {}, 5])
+def test_a_broken_cpu_adam_measurement_names_the_file_and_key(tmp_path, bad, capsys):
+    from memfit.estimate.cli import main
+
+    p = _write(tmp_path, {}, {}, cpu_adam=bad)
+    argv = ["--model", "llama-2-7b", "--gpu", "cpu", "--num-gpus", "2", "--offload-optimizer", "cpu"]
+    assert main([*argv, "--step-time-calibration", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert f"{p}: cpu_adam.params_per_s_per_rank must be a positive rate" in err and "Traceback" not in err

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit.estimate import calibration, roofline, runtime_costs
+from memfit.estimate import calibration, roofline, runtime_costs, timing
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.offload_activations import checkpoint_input_bytes
@@ -261,9 +261,27 @@ def uses_roofline(gpu: GPU) -> bool:
     return gpu.name != "cpu" and not measured_step
 
 
+def cpu_adam(gpu: GPU, settings: Settings) -> tuple[float, str]:
+    """Parameters per second one rank's DeepSpeedCPUAdam steps, and where the rate comes from: a
+    rate given (`--cpu-adam-rate` / `--cpu-cores-per-rank`, the config's `estimate.cpu_adam_*`),
+    else the one the calibrate rule measured on this GPU's machine (`timing.cpu_adam`: written
+    when the search space offloads the optimizer), else the default (`runtime_costs.cpu_adam_rate`,
+    benchmarks/bench_cpu_adam.py's figure per core x 4 cores)."""
+    given = (settings.cpu_adam_params_per_s_per_core, settings.cpu_cores_per_rank) != (
+        DEFAULT_SETTINGS.cpu_adam_params_per_s_per_core,
+        DEFAULT_SETTINGS.cpu_cores_per_rank,
+    )
+    if not given and settings.step_time_calibration:
+        cal = timing.load(settings.step_time_calibration)
+        measured = timing.cpu_adam(cal, gpu.name)
+        if measured is not None:
+            return float(measured["params_per_s_per_rank"]), timing.cpu_adam_label(cal, measured)
+    return runtime_costs.cpu_adam_rate(settings), runtime_costs.cpu_adam_label(settings)
+
+
 def compute_source(arch: ModelArch, cand: Candidate, gpu: GPU, settings: Settings) -> str:
     """Where the compute term comes from, for `Estimate.time_source`."""
-    adam = f"; {runtime_costs.cpu_adam_label(settings)}" if cand.offload_optimizer == "cpu" else ""
+    adam = f"; {cpu_adam(gpu, settings)[1]}" if cand.offload_optimizer == "cpu" else ""
     if uses_roofline(gpu):
         runtime = f"; {runtime_costs.RUNTIME_LABEL}" if gpu.name != "cpu" else ""
         return f"modelled (each operation at its roofline; {roofline.rates(gpu, cand.precision).source}{runtime}{adam})"
@@ -353,14 +371,14 @@ def _offload_seconds(
     settings: Settings,
 ) -> float:
     """Gradients down and parameters up over the host link, DeepSpeedCPUAdam's step over the rank's
-    partition at `runtime_costs.cpu_adam_rate` (each rank steps its own partition on its cores)."""
+    partition at `cpu_adam`'s rate (each rank steps its own partition on its cores)."""
     d = dtype_bytes(cand.precision)
     link = gpu.host_link_gbs * 1e9
     seconds = 0.0
     if cand.offload_optimizer == "cpu":
         fraction = states.offload_fraction if cand.zero == 3 else 1.0
         seconds += fraction * (4 + d) * trainable / world / link  # fp32 grads down, 16-bit params up
-        seconds += fraction * trainable / world / runtime_costs.cpu_adam_rate(settings)
+        seconds += fraction * trainable / world / cpu_adam(gpu, settings)[0]
     if cand.offload_param == "cpu":
         passes = 3 if cand.grad_ckpt else 2
         seconds += cand.grad_accum * passes * d * total / world / link

@@ -17,6 +17,10 @@ no-op there), so nothing of a step overlaps. On a GPU with `overlap_comm`, DeepS
 ZeRO-2/3's gradient reduce with the backward (stage_1_and_2.py `reduce_ipg_grads` on the
 reduction stream); there the sum bounds the step from above.
 
+When the search space offloads the optimizer, the file also holds `cpu_adam`: DeepSpeedCPUAdam's
+parameters per second on one rank's threads, every rank stepping at once (`cpu_adam`); the modelled
+step (memfit.estimate.costs) prices an offloaded optimizer step from it on that GPU's machine.
+
 A calibration belongs to what it measured (issue #41): the file records the model (`model`: its
 name, depth and a SHA-256 of its layer shape, `model_identity`), the device (`device_name`,
 `device_total_bytes`: memfit.train.device_info), the world size and the backend. `refusal` says why
@@ -138,8 +142,38 @@ def _load(path: str, _mtime_ns: int) -> StepTimeCalibration:
     for part in ("compute", "runtime"):
         if not isinstance(d.get(part), dict):
             raise CalibrationFileError(f"{path}: missing the {part!r} table")
+    adam = d.get("cpu_adam")
+    if adam is not None:
+        rate = adam.get("params_per_s_per_rank") if isinstance(adam, dict) else None
+        if not isinstance(rate, int | float) or isinstance(rate, bool) or not 0 < rate < 1e13:
+            raise CalibrationFileError(
+                f"{path}: cpu_adam.params_per_s_per_rank must be a positive rate in parameters per second, "
+                f"got {rate!r}: measure it again (delete the file; the calibrate rule writes it)"
+            )
     meta = {k: v for k, v in d.items() if k not in ("compute", "runtime")}
     return StepTimeCalibration(path, d["compute"], d["runtime"], meta)
+
+
+def cpu_adam(cal: StepTimeCalibration, gpu: str) -> dict[str, Any] | None:
+    """The DeepSpeedCPUAdam rate `cal` measured (memfit.train.calibrate: every rank at once, on its
+    own threads) if it has one and was measured on a `gpu` machine; else None. It is the host's
+    rate per parameter, so another model shape than the one calibrated keeps it."""
+    m = cal.meta
+    if not isinstance(m.get("cpu_adam"), dict) or "device_name" not in m:
+        return None
+    if device_match.mismatch(m.get("device_name"), m.get("device_total_bytes"), gpu):
+        return None
+    return m["cpu_adam"]
+
+
+def cpu_adam_label(cal: StepTimeCalibration, adam: dict[str, Any]) -> str:
+    """What `Estimate.time_source` says of a measured DeepSpeedCPUAdam rate."""
+    return (
+        f"DeepSpeedCPUAdam at {adam['params_per_s_per_rank']:.3g} params/s per rank (measured by calibrate "
+        f"{str(cal.meta.get('measured_on', '?'))[:10]} on {cal.meta.get('device', '?')}: "
+        f"{adam.get('block_params', 0):,} fp32 parameters, {adam.get('threads_per_rank', '?')} thread(s) a rank, "
+        f"{cal.path})"
+    )
 
 
 def _at(fig: dict[str, float], layers: int) -> float:

@@ -20,6 +20,12 @@ values), and for each layer count:
   the updated partitions, gradient clipping); `ref`, with a ZeRO-3 DPO reference, its per-module
   gathers in the reference forward.
 
+- **DeepSpeedCPUAdam** (`cpu_adam`, only when a candidate offloads its optimizer): every rank at
+  once steps a DeepSpeedCPUAdam over a block of CPU_ADAM_BLOCK fp32 parameters on its own threads
+  (the cores a training rank gets), as the ranks of a node step their partitions together; the
+  block's parameters per second of the slowest rank price an offloaded optimizer step
+  (memfit.estimate.costs).
+
 Each figure is the median of `reps` repetitions after two warm-up optimizer steps (the first
 steps allocate the optimizer state and build DeepSpeed's buckets), and the maximum over ranks
 (a step waits for its slowest rank). On the CPU the steps run under the `AllocationTracker`,
@@ -58,6 +64,11 @@ FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.t
 # model of at most MAX_LAYERS layers is measured whole.
 MAX_LAYERS = 4
 WARMUP_STEPS = 2  # optimizer steps before timing: the first allocates Adam's state and DeepSpeed's buckets
+# DeepSpeedCPUAdam's block: 2**24 fp32 parameters, 64 MiB per tensor (parameter, gradient, exp_avg,
+# exp_avg_sq: 256 MiB a rank), far beyond any CPU cache, so the step streams from DRAM as a real
+# model's partition does (benchmarks/bench_cpu_adam.py measured 5.4e8 params/s per core at 50M
+# parameters and 7.6e8 at 10M, in cache, on one AVX-512 Xeon core).
+CPU_ADAM_BLOCK = 2**24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +267,31 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def cpu_adam_seconds(params: int, reps: int) -> float:
+    """Median seconds of one DeepSpeedCPUAdam step (deepspeed.ops.adam, the C++ op DeepSpeed runs
+    for `offload_optimizer: cpu`, AdamW mode) over one fp32 parameter of `params` elements with an
+    fp32 gradient, after one warm-up step (it allocates exp_avg and exp_avg_sq), on this
+    process's threads (the op's OpenMP loop uses them)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    p = torch.nn.Parameter(torch.randn(params, dtype=torch.float32))
+    p.grad = torch.randn(params, dtype=torch.float32)
+    opt = DeepSpeedCPUAdam([p], lr=1e-4, weight_decay=0.0, adamw_mode=True)
+    opt.step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    del opt, p
+    return _median(times)
+
+
+def wants_cpu_adam(candidates: dict[str, list[Candidate]]) -> bool:
+    """Whether the search space has a candidate whose optimizer steps on the host (DeepSpeedCPUAdam)."""
+    return any(c.offload_optimizer == "cpu" for cands in candidates.values() for c in cands)
+
+
 def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str, dict[str, float]]:
     """Every figure for one layer count: {"compute": {key: s}, "runtime": {key: {micro, boundary, ref}}}."""
     path = _layer_model(spec, layers)
@@ -323,7 +359,21 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
     values: list[float] = []
     for _, part, _, f in flat:
         values += [f] if part == "compute" else [f[x] for x in sorted(f)]
+    adam = None
+    if wants_cpu_adam(cands):  # every rank at once, outside the tracker: the op is one call a step
+        dist_env.barrier()
+        values.append(cpu_adam_seconds(CPU_ADAM_BLOCK, spec.reps))
+        log(f"DeepSpeedCPUAdam: {CPU_ADAM_BLOCK:,} parameters in {values[-1]:.4f} s on rank 0")
     values = dist_env.all_reduce_max(values)
+    if wants_cpu_adam(cands):
+        seconds = values.pop()
+        adam = {
+            "block_params": CPU_ADAM_BLOCK,
+            "dtype": "fp32",
+            "seconds": seconds,  # the slowest rank's median step
+            "params_per_s_per_rank": CPU_ADAM_BLOCK / seconds,
+            "threads_per_rank": torch.get_num_threads(),
+        }
     result: dict[str, Any] = {"compute": {}, "runtime": {}}
     i = 0
     for n, part, k, f in flat:
@@ -359,6 +409,7 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         "seconds": round(time.perf_counter() - t0, 1),
         "compute": result["compute"],
         "runtime": result["runtime"],
+        **({"cpu_adam": adam} if adam else {}),
     }
 
 
