@@ -101,7 +101,9 @@ if [ "$CONFIG" != "-" ]; then
     wf_rc=$?
     wf_s=$SECONDS
     log=$(ls -t .snakemake/log/*.snakemake.log 2>/dev/null | head -1)
-    $PY -m memfit.report.run_summary --results results ${log:+--log "$log"} --out "$DEST/gpu_check.json"
+    # the config's `run:` puts its outputs under results/<run>/ (config/gpu-demo.yaml: results/gpu-demo)
+    RES=$($PY -c "from memfit.workflow.config import WorkflowConfig as W, load_yaml as y; import sys; print(W(y(sys.argv[1])).results_dir)" "$CONFIG" 2>/dev/null || echo results)
+    $PY -m memfit.report.run_summary --results "$RES" ${log:+--log "$log"} --out "$DEST/gpu_check.json"
     ok_rc=$?
     cd "$REPO" || exit 1
 fi
@@ -125,7 +127,7 @@ say "pack"
 if [ "$CONFIG" != "-" ]; then
     (cd "$RUN" && tar czf "$DEST/logs.tgz" logs .snakemake/log \
         $(find results -name '*.json' -not -path '*/exports/*' 2>/dev/null) 2>/dev/null)
-    [ -f "$RUN/results/report.html" ] && cp "$RUN/results/report.html" "$DEST/report.html"
+    [ -f "$RUN/${RES:-results}/report.html" ] && cp "$RUN/${RES:-results}/report.html" "$DEST/report.html"
     $PY - "$DEST/gpu_check.json" "$wf_rc" "$wf_s" "$SECONDS" "$CONFIG" <<'EOF'
 import json, sys
 path, rc, wf_s, total_s, config = sys.argv[1:]

@@ -10,4 +10,5 @@ write_report(
     resume=snakemake.input.resume,
     data_stats=snakemake.input.data,
     out_html=snakemake.output[0],
+    facts_root=snakemake.params.facts_root,  # the working directory, also for results/<run>/report.html
 )

@@ -201,3 +201,48 @@ def test_the_documented_lr_defaults_are_the_ones_applied(repo):
         full, lora = DEFAULT_LR[(method, "full")], DEFAULT_LR[(method, "lora")]
         assert DEFAULT_LR[(method, "qlora")] == lora
         assert f"{method} full {full:g}" in text and f"{method} lora/qlora {lora:g}" in text
+
+
+def test_num_gpus_counts_gpus_per_node(repo, monkeypatch):
+    """A cluster config asking for 32 GPUs in num_gpus (the whole job) is refused before any job,
+    naming the split into nodes, as `memfit estimate --num-gpus 32` is."""
+    monkeypatch.chdir(repo)
+    cfg = yaml.safe_load((repo / "config/cluster-example.yaml").read_text())
+    cfg.update(plan_only=True, num_gpus=32)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert (
+        "num_gpus: 32 is more than one node holds (at most 16, NVIDIA DGX-2/HGX-2); num_gpus counts GPUs "
+        "per node: for 32 GPUs write num_gpus: 8 and num_nodes: 4"
+    ) in str(info.value)
+    validate_config(cfg | {"num_gpus": 8, "num_nodes": 4})
+
+
+def test_num_gpus_beyond_the_detected_gpus_is_refused(config, monkeypatch):
+    """`gpus: [detect]` is this machine: 2 ranks on its one GPU cannot start; a plan may ask for more."""
+    from memfit.estimate import detect
+
+    monkeypatch.setattr(detect, "smi_devices", lambda: [("NVIDIA A100-SXM4-80GB", 81920)])
+    cfg = copy.deepcopy(config) | {"gpus": ["detect"], "num_gpus": 2, "headroom": 0.1}
+    with pytest.raises(
+        ConfigError,
+        match=r"num_gpus: 2 but this machine has 1 a100-80gb \(gpus: \[detect\], nvidia-smi\); set num_gpus: 1",
+    ):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize("name", ["../elsewhere", "My Run", "a/b"])
+def test_a_run_name_must_be_a_folder_name(config, name):
+    bad = copy.deepcopy(config) | {"run": name}
+    with pytest.raises(ConfigError, match=r"run: .* does not match"):
+        validate_config(bad)
+
+
+def test_a_named_run_lives_under_its_own_folders(config):
+    cfg = WorkflowConfig.load(copy.deepcopy(config) | {"run": "qlora"})
+    assert (cfg.results_dir, cfg.logs_dir, cfg.benchmarks_dir) == ("results/qlora", "logs/qlora", "benchmarks/qlora")
+    assert cfg.run_dir("demo-tiny", "cpu", "sft") == "results/qlora/demo-tiny/cpu/sft"
+    assert cfg.policy_path("demo-tiny", "cpu", "dpo") == "results/qlora/demo-tiny/cpu/sft/train/model"
+    assert cfg.calibration_inputs("demo-tiny", "cpu") == ["results/qlora/demo-tiny/cpu/calibration.json"]
+    default = WorkflowConfig.load(copy.deepcopy(config))
+    assert (default.results_dir, default.run_dir("m", "g", "sft")) == ("results", "results/m/g/sft")

@@ -100,8 +100,8 @@ def test_dag_is_parameterised_by_model_gpu_and_method(repo, checkout, tmp_path):
     assert counts["prepare_data"] == 6
     assert counts["calibrate"] == 6  # one per model and GPU type, shared by both methods
     assert "build_demo_model" not in counts
-    for gpu in ("a100-80gb", "h100-80gb"):
-        assert f"results/qwen2.5-72b/{gpu}/dpo/train/summary.json" in res.stdout
+    for gpu in ("a100-80gb", "h100-80gb"):  # run: cluster-example
+        assert f"results/cluster-example/qwen2.5-72b/{gpu}/dpo/train/summary.json" in res.stdout
 
 
 def test_plan_only_stops_after_selection(repo, checkout, tmp_path):
@@ -125,3 +125,31 @@ def test_bad_config_stops_before_any_job(repo, checkout, tmp_path):
     err = res.stderr + res.stdout
     assert "search.zero.0: 5 is not allowed (allowed: 0, 1, 2, 3)" in err
     assert "Job stats" not in err
+
+
+def planned_paths(out: str) -> dict[str, set[str]]:
+    """Every output, log and benchmark path a dry run plans, by kind."""
+    found: dict[str, set[str]] = {"output": set(), "log": set(), "benchmark": set()}
+    for kind, paths in re.findall(r"^\s+(output|log|benchmark): (.*)$", out, re.M):
+        found[kind] |= set(paths.split(", "))
+    return found
+
+
+def test_several_configurations_live_side_by_side_in_one_clone(checkout):
+    """config/qlora.yaml (run: qlora) plans every output under results/qlora/, its logs under
+    logs/qlora/ and its benchmarks under benchmarks/qlora/: the default's results/, logs/ and
+    report stay as they are, in the same clone. Only the built model is shared."""
+    default = dry_run(checkout)
+    qlora = dry_run(checkout, "--configfile", "config/qlora.yaml")
+    assert default.returncode == 0 and qlora.returncode == 0, qlora.stderr + qlora.stdout
+    mine, theirs = planned_paths(qlora.stdout), planned_paths(default.stdout)
+    assert "results/qlora/report.html" in mine["output"] and "results/report.html" in theirs["output"]
+    assert "results/qlora/demo-tiny/cpu/dpo/train/summary.json" in mine["output"]
+    for kind, top in (("output", "results/qlora/"), ("log", "logs/qlora/"), ("benchmark", "benchmarks/qlora/")):
+        stray = {p for p in mine[kind] if not p.startswith(top) and p != "resources/demo-tiny"}
+        assert mine[kind] and not stray, (kind, stray)
+    assert not (mine["output"] - {"resources/demo-tiny"}) & theirs["output"]
+    assert not mine["log"] & theirs["log"] and not mine["benchmark"] & theirs["benchmark"]
+    # DPO starts from this run's SFT output, not the default's
+    dpo = job_inputs(qlora.stdout, "train")["model=demo-tiny, gpu=cpu, method=dpo"]
+    assert "results/qlora/demo-tiny/cpu/sft/train/summary.json" in dpo

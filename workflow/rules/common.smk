@@ -11,6 +11,12 @@ from memfit.workflow.config import WorkflowConfig  # noqa: E402
 CFG = WorkflowConfig.load(config)
 
 MODELS = CFG.models
+# Where this configuration's outputs, logs and benchmarks live: results/, logs/, benchmarks/, or
+# results/<run>/, logs/<run>/, benchmarks/<run>/ for a config with `run: <name>` (several
+# configurations side by side in one clone; memfit.workflow.config.WorkflowConfig.results_dir).
+RESULTS = CFG.results_dir
+LOGS = CFG.logs_dir
+BENCHMARKS = CFG.benchmarks_dir
 GPUS = CFG.gpus
 METHODS = CFG.methods
 PLAN_ONLY = CFG.plan_only
@@ -28,6 +34,19 @@ wildcard_constraints:
     gpu="[a-z0-9._-]+",
     method="sft|dpo",
     cand="[A-Za-z0-9.-]+",
+
+
+def res(path):
+    """`path` (wildcards kept) under this run's results directory."""
+    return f"{RESULTS}/{path}"
+
+
+def logf(path):
+    return f"{LOGS}/{path}"
+
+
+def bench(path):
+    return f"{BENCHMARKS}/{path}"
 
 
 def model_dir(w):
@@ -60,11 +79,11 @@ def calibration_input(w):
 def prepared_data(w):
     # calibrate waits for prepare_data of every method: its model check stops a broken model
     # directory (a missing tokenizer, unreadable weights) before a minute of calibration
-    return [f"results/{w.model}/data/{m}/stats.json" for m in METHODS]
+    return [f"{RESULTS}/{w.model}/data/{m}/stats.json" for m in METHODS]
 
 
 def data_input(w):
-    return [] if PLAN_ONLY else [f"results/{w.model}/data/{w.method}/stats.json"]
+    return [] if PLAN_ONLY else [f"{RESULTS}/{w.model}/data/{w.method}/stats.json"]
 
 
 def data_source(w):
@@ -77,7 +96,7 @@ def probe_outputs(w):
     import json
 
     ids = json.loads(Path(table).read_text())["probe"]
-    return [f"results/{w.model}/{w.gpu}/{w.method}/probes/{i}.json" for i in ids]
+    return [f"{RESULTS}/{w.model}/{w.gpu}/{w.method}/probes/{i}.json" for i in ids]
 
 
 def estimate_settings(w):
@@ -179,7 +198,7 @@ def report_inputs(name):
     if PLAN_ONLY:
         return []
     return expand(
-        "results/{model}/{gpu}/{method}/{name}",
+        res("{model}/{gpu}/{method}/{name}"),
         model=MODELS,
         gpu=GPUS,
         method=METHODS,
@@ -190,10 +209,8 @@ def report_inputs(name):
 def data_stats_inputs():
     if PLAN_ONLY:
         return []
-    return expand(
-        "results/{model}/data/{method}/stats.json", model=MODELS, method=METHODS
-    )
+    return expand(res("{model}/data/{method}/stats.json"), model=MODELS, method=METHODS)
 
 
 def all_outputs():
-    return ["results/report.html", "results/candidates.parquet"]
+    return [res("report.html"), res("candidates.parquet")]

@@ -6,7 +6,7 @@ rule build_demo_model:
     output:
         directory("resources/{model}"),
     log:
-        "logs/{model}/build_demo_model.log",
+        logf("{model}/build_demo_model.log"),
     # Only for models whose config entry has `build:` (the embedded demo): a random-init
     # model from a HF config, with a tokenizer trained on the bundled data.
     wildcard_constraints:
@@ -24,13 +24,13 @@ rule prepare_data:
         model=model_input,
         source=data_source,
     output:
-        train="results/{model}/data/{method}/train.parquet",
-        eval="results/{model}/data/{method}/eval.parquet",
-        stats="results/{model}/data/{method}/stats.json",
+        train=res("{model}/data/{method}/train.parquet"),
+        eval=res("{model}/data/{method}/eval.parquet"),
+        stats=res("{model}/data/{method}/stats.json"),
     log:
-        "logs/{model}/data/{method}/prepare_data.log",
+        logf("{model}/data/{method}/prepare_data.log"),
     benchmark:
-        "benchmarks/{model}/data/{method}/prepare_data.tsv"
+        bench("{model}/data/{method}/prepare_data.tsv")
     conda:
         CONDA_ENV
     resources:

@@ -5,11 +5,11 @@ rule calibrate:
         model=model_input,
         data=prepared_data,
     output:
-        "results/{model}/{gpu}/calibration.json",
+        res("{model}/{gpu}/calibration.json"),
     log:
-        "logs/{model}/{gpu}/calibrate.log",
+        logf("{model}/{gpu}/calibrate.log"),
     benchmark:
-        "benchmarks/{model}/{gpu}/calibrate.tsv"
+        bench("{model}/{gpu}/calibrate.tsv")
     conda:
         CONDA_ENV
     threads: rank_threads
@@ -26,9 +26,9 @@ checkpoint estimate_candidates:
         data=data_input,
         calibration=calibration_input,
     output:
-        "results/{model}/{gpu}/{method}/candidates.json",
+        res("{model}/{gpu}/{method}/candidates.json"),
     log:
-        "logs/{model}/{gpu}/{method}/estimate_candidates.log",
+        logf("{model}/{gpu}/{method}/estimate_candidates.log"),
     conda:
         CONDA_ENV
     resources:
@@ -42,15 +42,15 @@ checkpoint estimate_candidates:
 rule probe_candidate:
     # A few real training steps on the worst-case batch; OOM is recorded, not raised.
     input:
-        candidates="results/{model}/{gpu}/{method}/candidates.json",
+        candidates=res("{model}/{gpu}/{method}/candidates.json"),
         model=model_input,
         data=data_input,
     output:
-        "results/{model}/{gpu}/{method}/probes/{cand}.json",
+        res("{model}/{gpu}/{method}/probes/{cand}.json"),
     log:
-        "logs/{model}/{gpu}/{method}/probes/{cand}.log",
+        logf("{model}/{gpu}/{method}/probes/{cand}.log"),
     benchmark:
-        "benchmarks/{model}/{gpu}/{method}/probes/{cand}.tsv"
+        bench("{model}/{gpu}/{method}/probes/{cand}.tsv")
     conda:
         CONDA_ENV
     threads: rank_threads
@@ -58,7 +58,7 @@ rule probe_candidate:
         **slurm_resources("probe_candidate"),
     params:
         model_path=model_dir,
-        data_dir="results/{model}/data/{method}",
+        data_dir=res("{model}/data/{method}"),
     script:
         "../../scripts/probe_candidate.py"
 
@@ -66,32 +66,38 @@ rule probe_candidate:
 rule select_config:
     # Fastest candidate that fits (measured beats predicted); why each other one lost.
     input:
-        candidates="results/{model}/{gpu}/{method}/candidates.json",
+        candidates=res("{model}/{gpu}/{method}/candidates.json"),
         probes=probe_outputs,
     output:
         selected=report(
-            "results/{model}/{gpu}/{method}/selected.json",
+            res("{model}/{gpu}/{method}/selected.json"),
             caption="../report/selected.rst",
             category="Selection",
         ),
-        ds_config="results/{model}/{gpu}/{method}/ds_config.json",
-        run="results/{model}/{gpu}/{method}/run.json",
-        launch="results/{model}/{gpu}/{method}/launch.sh",
+        ds_config=res("{model}/{gpu}/{method}/ds_config.json"),
+        run=res("{model}/{gpu}/{method}/run.json"),
+        launch=res("{model}/{gpu}/{method}/launch.sh"),
         # the selected configuration for other trainers (memfit.exports.FILES)
-        openrlhf="results/{model}/{gpu}/{method}/exports/openrlhf/train_{method}.sh",
-        llamafactory="results/{model}/{gpu}/{method}/exports/llamafactory/train_{method}.yaml",
-        llamafactory_ds="results/{model}/{gpu}/{method}/exports/llamafactory/ds_config.json",
-        llamafactory_dataset_info="results/{model}/{gpu}/{method}/exports/llamafactory/dataset_info.json",
-        hf_args="results/{model}/{gpu}/{method}/exports/hf/training_args.json",
-        hf_ds="results/{model}/{gpu}/{method}/exports/hf/ds_config.json",
+        openrlhf=res("{model}/{gpu}/{method}/exports/openrlhf/train_{method}.sh"),
+        llamafactory=res(
+            "{model}/{gpu}/{method}/exports/llamafactory/train_{method}.yaml"
+        ),
+        llamafactory_ds=res(
+            "{model}/{gpu}/{method}/exports/llamafactory/ds_config.json"
+        ),
+        llamafactory_dataset_info=res(
+            "{model}/{gpu}/{method}/exports/llamafactory/dataset_info.json"
+        ),
+        hf_args=res("{model}/{gpu}/{method}/exports/hf/training_args.json"),
+        hf_ds=res("{model}/{gpu}/{method}/exports/hf/ds_config.json"),
     log:
-        "logs/{model}/{gpu}/{method}/select_config.log",
+        logf("{model}/{gpu}/{method}/select_config.log"),
     conda:
         CONDA_ENV
     params:
         model_path=policy_dir,
-        data_dir="results/{model}/data/{method}",
-        train_dir="results/{model}/{gpu}/{method}/train",
+        data_dir=res("{model}/data/{method}"),
+        train_dir=res("{model}/{gpu}/{method}/train"),
         settings=train_settings,
     script:
         "../../scripts/select_config.py"

@@ -2,7 +2,7 @@ rule report:
     # One self-contained HTML page: selection, memory per candidate, curves, resume check.
     input:
         selected=expand(
-            "results/{model}/{gpu}/{method}/selected.json",
+            res("{model}/{gpu}/{method}/selected.json"),
             model=MODELS,
             gpu=GPUS,
             method=METHODS,
@@ -12,23 +12,26 @@ rule report:
         data=data_stats_inputs(),
     output:
         report(
-            "results/report.html",
+            res("report.html"),
             caption="../report/report.rst",
             category="Report",
         ),
     log:
-        "logs/report.log",
+        logf("report.log"),
     conda:
         CONDA_ENV
+    params:
+        # the "Run facts" section reads config/ and benchmarks/ here, wherever RESULTS is
+        facts_root=".",
     script:
         "../../scripts/report.py"
 
 
 rule candidates_table:
-    # Every candidate of every run as one tidy table: memfit.results.load("results") reads the same.
+    # Every candidate of every run as one tidy table: memfit.results.load(RESULTS) reads the same.
     input:
         selected=expand(
-            "results/{model}/{gpu}/{method}/selected.json",
+            res("{model}/{gpu}/{method}/selected.json"),
             model=MODELS,
             gpu=GPUS,
             method=METHODS,
@@ -36,9 +39,9 @@ rule candidates_table:
         summaries=report_inputs("train/summary.json"),
         resume=report_inputs("verify_resume.json"),
     output:
-        "results/candidates.parquet",
+        res("candidates.parquet"),
     log:
-        "logs/candidates_table.log",
+        logf("candidates_table.log"),
     conda:
         CONDA_ENV
     script:

@@ -2,18 +2,18 @@ rule train:
     # DeepSpeed SFT or DPO with the selected configuration. Checkpoints live beside the
     # outputs and are not declared, so a re-run after a crash resumes from the newest one.
     input:
-        run="results/{model}/{gpu}/{method}/run.json",
+        run=res("{model}/{gpu}/{method}/run.json"),
         # the ranking an OOM fallback continues with (memfit.workflow.fallback)
-        selected="results/{model}/{gpu}/{method}/selected.json",
+        selected=res("{model}/{gpu}/{method}/selected.json"),
         policy=policy_input,
-        data="results/{model}/data/{method}/stats.json",
+        data=res("{model}/data/{method}/stats.json"),
     output:
         # written last, after train/model (merged model or adapter only, train.<method>.export)
-        summary="results/{model}/{gpu}/{method}/train/summary.json",
+        summary=res("{model}/{gpu}/{method}/train/summary.json"),
     log:
-        "logs/{model}/{gpu}/{method}/train.log",
+        logf("{model}/{gpu}/{method}/train.log"),
     benchmark:
-        "benchmarks/{model}/{gpu}/{method}/train.tsv"
+        bench("{model}/{gpu}/{method}/train.tsv")
     conda:
         CONDA_ENV
     threads: rank_threads
@@ -28,14 +28,14 @@ rule train:
 rule verify_resume:
     # Resume the finished run from its previous checkpoint; compare with the uninterrupted run.
     input:
-        run="results/{model}/{gpu}/{method}/run.json",
-        summary="results/{model}/{gpu}/{method}/train/summary.json",
+        run=res("{model}/{gpu}/{method}/run.json"),
+        summary=res("{model}/{gpu}/{method}/train/summary.json"),
     output:
-        "results/{model}/{gpu}/{method}/verify_resume.json",
+        res("{model}/{gpu}/{method}/verify_resume.json"),
     log:
-        "logs/{model}/{gpu}/{method}/verify_resume.log",
+        logf("{model}/{gpu}/{method}/verify_resume.log"),
     benchmark:
-        "benchmarks/{model}/{gpu}/{method}/verify_resume.tsv"
+        bench("{model}/{gpu}/{method}/verify_resume.tsv")
     conda:
         CONDA_ENV
     threads: rank_threads

@@ -21,14 +21,17 @@ from typing import TYPE_CHECKING, Any
 from memfit.estimate import catalog
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
+from memfit.workflow.config_checks import AUTO  # headroom auto or absent: the derived margin (rows.derived_budget)
 from memfit.workflow.rows import Budget, derived_budget
 
 if TYPE_CHECKING:
     from memfit.train.run_config import RunConfig
 
 SCHEMA = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
-AUTO = "auto"  # headroom auto or absent: the derived margin (memfit.workflow.rows.derived_budget)
-RESULTS = "results"  # every output of the workflow lives under this directory
+# Every output of the workflow lives under results/, its logs under logs/, its benchmarks under
+# benchmarks/; a config with `run: NAME` under results/NAME/, logs/NAME/ and benchmarks/NAME/, so that
+# several configurations live side by side in one clone (WorkflowConfig.results_dir).
+RESULTS, LOGS, BENCHMARKS = "results", "logs", "benchmarks"
 
 
 class ConfigError(ValueError):
@@ -101,6 +104,27 @@ class WorkflowConfig:
         return bool(self.raw.get("plan_only", False))
 
     @property
+    def run_name(self) -> str | None:
+        """`run:`, the name this configuration's outputs live under; None: the clone's default run."""
+        return self.raw.get("run") or None
+
+    def _under(self, top: str) -> str:
+        return f"{top}/{self.run_name}" if self.run_name else top
+
+    @property
+    def results_dir(self) -> str:
+        """Where every output lives: results/, or results/<run> for a named run."""
+        return self._under(RESULTS)
+
+    @property
+    def logs_dir(self) -> str:
+        return self._under(LOGS)
+
+    @property
+    def benchmarks_dir(self) -> str:
+        return self._under(BENCHMARKS)
+
+    @property
     def num_gpus(self) -> int:
         """Ranks per node: GPUs per node, or processes on `cpu`."""
         return int(self.raw["num_gpus"])
@@ -147,7 +171,7 @@ class WorkflowConfig:
         probes run; none for a plan (plan_only: the GPUs are not here) or with probe.calibrate false."""
         if self.plan_only or not self.probe.calibrate:
             return []
-        return [f"results/{model}/{gpu}/calibration.json"]
+        return [f"{self.results_dir}/{model}/{gpu}/calibration.json"]
 
     @property
     def estimate(self) -> dict[str, Any]:
@@ -254,7 +278,7 @@ class WorkflowConfig:
         return m.arch or name
 
     def run_dir(self, model: str, gpu: str, method: str) -> str:
-        return f"{RESULTS}/{model}/{gpu}/{method}"
+        return f"{self.results_dir}/{model}/{gpu}/{method}"
 
     def policy_path(self, model: str, gpu: str, method: str) -> str | None:
         """What training starts from: the SFT output for DPO when the workflow trains SFT, else the base model."""
@@ -317,7 +341,9 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
     if not problems:
         problems += _detect_gpus(config)
     if not problems:
-        problems += _semantic_problems(WorkflowConfig(config))
+        from memfit.workflow.config_checks import semantic_problems
+
+        problems += semantic_problems(WorkflowConfig(config))
     if problems:
         raise ConfigError("invalid memfit config:\n  " + "\n  ".join(problems))
     from memfit.workflow.search_checks import search_warnings
@@ -329,14 +355,22 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
 def _detect_gpus(config: dict[str, Any]) -> list[str]:
     """`gpus: [detect]` becomes the catalog name of this machine's GPU (nvidia-smi), in place, so
     that the {gpu} wildcard and every stage see the name."""
-    from memfit.estimate.detect import DETECT, DetectError, detect_gpu
+    from memfit.estimate.detect import DETECT, DetectError, detect_gpu, smi_devices
 
     for i, name in enumerate(config["gpus"]):
         if name == DETECT:
             try:
                 config["gpus"][i] = detect_gpu()
+                here = len(smi_devices())
             except DetectError as e:
                 return [f"gpus[{i}]: {e} (on the command line: --config 'gpus=[h100-80gb]')"]
+            if int(config["num_gpus"]) > here and not config.get("plan_only"):
+                # the detected GPUs are this machine's: a job cannot start more ranks than it has
+                return [
+                    f"num_gpus: {config['num_gpus']} but this machine has {here} {config['gpus'][i]} "
+                    f"(gpus: [detect], nvidia-smi); set num_gpus: {here} (GPUs per node), or name the "
+                    "GPU and plan for the larger node with plan_only: true"
+                ]
     return []
 
 
@@ -362,141 +396,3 @@ def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> A
     elif isinstance(value, list) and isinstance(node.get("items"), dict):
         value[:] = [_coerce_numbers(v, node["items"], root) for v in value]
     return value
-
-
-def _model_dir_problems(name: str, path: Path) -> list[str]:
-    """An existing local model directory the workflow will train: config.json it can read,
-    an architecture it can estimate, a tokenizer and weights (what `transformers` loads)."""
-    key = f"models.{name}.path"
-    if not path.is_dir():
-        return [f"{key}: {path} is not a directory (a HF model directory: config.json, weights, tokenizer)"]
-    if not any(path.iterdir()):
-        # an empty directory is a placeholder (a mount not populated yet; the dry-run tests'
-        # stand-ins): the architecture comes from the catalog and the loader reports it at train
-        return []
-    out = []
-    if not (path / "config.json").is_file():
-        out.append(f"{key}: {path / 'config.json'} is missing")
-    else:
-        try:
-            catalog.model(str(path), allow_moe=True)  # experts are modelled (estimate.states)
-        except (ValueError, OSError, KeyError) as e:
-            out.append(f"{key}: {str(e).strip(chr(39))}")
-    tokenizer = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if not any((path / f).is_file() for f in tokenizer):
-        out.append(f"{key}: no tokenizer in {path} (expected one of {', '.join(tokenizer)})")
-    weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("adapter_model.*")]
-    if not weights:
-        out.append(f"{key}: no weights in {path} (expected *.safetensors or pytorch_model*.bin)")
-    return out
-
-
-def _context_problems(cfg: WorkflowConfig) -> list[str]:
-    """data.max_len (or search.seq_len) beyond a model's context (max_position_embeddings)."""
-    out = []
-    seq = cfg.seq_len
-    key = "search.seq_len" if cfg.raw["search"].get("seq_len") else "data.max_len"
-    for name in cfg.models:
-        source = cfg.arch_source(name)
-        build = cfg.model(name).build
-        if build and source != cfg.model(name).path:
-            source = build  # not built yet: the architecture is the config it is built from
-        try:
-            arch = catalog.model(source, allow_moe=True)
-        except (ValueError, OSError, KeyError):
-            continue  # reported by the model checks
-        context = arch.max_position_embeddings
-        if context and seq > context:
-            out.append(f"{key}: {seq} is beyond models.{name}'s context of {context} tokens (max_position_embeddings)")
-    return out
-
-
-def _gpu_problems(cfg: WorkflowConfig) -> list[str]:
-    """Unknown GPU names (in `gpus` and `slurm.gpu_types`) and planning-only GPUs in a training run."""
-    out = []
-    gpus = catalog.load_gpus()
-    for i, name in enumerate(cfg.gpus):
-        try:
-            gpu = catalog.gpu(name)
-        except ValueError as e:
-            out.append(f"gpus[{i}]: {e} (allowed: {', '.join(sorted(gpus))})")
-            continue
-        if gpu.planning_only and not cfg.plan_only:
-            out.append(
-                f"gpus[{i}]: {name} is for planning only ({gpu.planning_reason.strip()}); "
-                "set plan_only: true to estimate and select for it without training"
-            )
-    for name in cfg.slurm.get("gpu_types") or {}:
-        # a site-wide section may list GPU types this config does not use, but not a typo
-        if name not in cfg.gpus and name not in gpus:
-            out.append(f"slurm.gpu_types.{name}: not a GPU name (allowed: {', '.join(sorted(gpus))})")
-    return out
-
-
-def _semantic_problems(cfg: WorkflowConfig) -> list[str]:
-    from memfit.train.run_config import option_problems
-
-    raw, out = cfg.raw, _gpu_problems(cfg)
-    if raw.get("headroom", AUTO) == AUTO and "cpu" in raw["gpus"]:  # the margin is a GPU's measured error
-        out.append("headroom: 'auto' (or omitted) has no measured margin for the cpu device: give one, e.g. 0.10")
-    for name in cfg.models:
-        m = cfg.model(name)
-        if m.build is not None and not Path(m.build).exists():
-            out.append(f"models.{name}.build: file {m.build} does not exist")
-        if m.build is None and m.path and Path(m.path).exists() and not cfg.plan_only:
-            out += _model_dir_problems(name, Path(m.path))
-        if not cfg.will_have_weights(name):
-            if not cfg.plan_only:
-                out.append(
-                    f"models.{name}.path: {m.path!r} is not a model directory; training needs weights (or set plan_only: true)"
-                )
-            try:
-                catalog.model(m.arch or name, allow_moe=True)
-            except ValueError as e:
-                out.append(f"models.{name}: no weights and no architecture: {e}")
-    if not out:
-        out += _context_problems(cfg)
-    if not cfg.plan_only:
-        # the workflow always runs verify_resume after training (memfit.workflow.resume_check), which
-        # resumes from an earlier checkpoint than the final one
-        if raw["train"].get("save_every", 1) == 0:
-            out.append(
-                "train.save_every: 0 writes no checkpoints, but verify_resume needs two "
-                "(use a step count below the run's steps, or plan_only: true)"
-            )
-    search = raw["search"]
-    if (
-        "dpo" in cfg.methods
-        and "adapter" in search.get("ref", [])
-        and set(search.get("finetune", ["full"])) == {"full"}
-    ):
-        out.append(
-            "search.ref: 'adapter' (the reference = the base model under the LoRA adapter) needs "
-            "finetune lora or qlora, but search.finetune is [full]; drop 'adapter' or add lora"
-        )
-    for method in cfg.methods:
-        if method not in raw["train"]:
-            out.append(f"train.{method}: missing (methods lists {method})")
-        src = raw["data"].get(method)
-        if not cfg.plan_only:
-            if not src:
-                out.append(f"data.{method}: missing (methods lists {method})")
-            elif not Path(src).exists():
-                out.append(f"data.{method}: {src} does not exist")
-    for method in ("sft", "dpo"):
-        t = raw["train"].get(method)
-        if t is not None:
-            out += option_problems(
-                method,
-                t.get("loss_on", "response"),
-                bool(t.get("packing", False)),
-                t.get("export", "merged"),
-                list(raw["search"].get("finetune", ["full"])),
-            )
-    if not out:
-        from memfit.workflow.search_checks import search_problems
-
-        # no trainable combination (each real reason once), a GPU that can run none of them,
-        # a search key that does nothing
-        out += search_problems(cfg)
-    return out
