@@ -1,6 +1,7 @@
 """The `memfit` command. Each subcommand lives in the module that owns its logic.
 
 memfit estimate --model qwen2-7b --gpu rtx4090 --num-gpus 4 --zero 3 --json
+memfit estimate --model llama-3.1-8b --gpu a100-80gb --num-gpus 8 --zero 2,3 --micro-batch 1,2,4   (ranked)
 memfit fit --maximize seq_len --model gemma-3-12b --gpu a100-80gb
 memfit train --config results/demo-tiny/cpu/sft/run.json      (one rank; see `launch`)
 memfit launch --config results/demo-tiny/cpu/sft/run.json --nproc 2
@@ -16,8 +17,12 @@ import sys
 # subcommand -> (module, function, one-line help); imported lazily so `memfit estimate`
 # does not pay for importing DeepSpeed.
 COMMANDS = {
-    "estimate": ("memfit.estimate", "main", "predict memory and step time of one configuration"),
-    "fit": ("memfit.estimate", "fit_main", "largest seq_len or micro_batch that fits"),
+    "estimate": (
+        "memfit.estimate",
+        "main",
+        "predict memory and step time of a configuration, what would make it fit; lists rank several",
+    ),
+    "fit": ("memfit.estimate", "fit_main", "largest seq_len or micro_batch that fits, and how far each lever goes"),
     "train": ("memfit.train.rank", "main", "run one training rank from a run config (JSON)"),
     "launch": ("memfit.train.launch", "main", "start all ranks of a run on this node"),
     "calibrate": ("memfit.train.calibrate", "main", "one rank of a step-time calibration (see `launch`)"),
