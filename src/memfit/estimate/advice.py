@@ -155,6 +155,8 @@ def advise(
         kind = _kind(cand, new)
         if kind not in found:
             keep(kind, new, price(new))
+    if base.fits_with_headroom:  # room, not a fit: one token or row less makes none worth saying
+        return sorted(found.values(), key=lambda o: -o.estimate.tokens_per_s)
     if cand.micro_batch > 1:
         mb, est = largest_fitting(lambda n: price(_smaller_batch(cand, n)), 1, cand.micro_batch - 1)
         if mb:

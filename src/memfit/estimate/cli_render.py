@@ -173,6 +173,7 @@ def advice_lines(options: list[Option], base: Estimate, fits: bool, what: str | 
     head = "would make it fit" if not fits else "would make more room"
     lines = [f"{head} (one change from this configuration each, priced by the estimate, fastest first):"]
     usable = base.usable_device_bytes or base.device_memory_bytes
+    width = max(len(o.flags) for o in options)
     for o in options:
         e = o.estimate
         cost = ""
@@ -180,7 +181,7 @@ def advice_lines(options: list[Option], base: Estimate, fits: bool, what: str | 
             change = e.tokens_per_s / base.tokens_per_s - 1
             cost = f" ({change:+.0%} tokens/s)"
         lines.append(
-            f"  {o.flags:<44} peak {e.device_total_bytes / GIB:,.2f} of {usable / GIB:,.2f} GiB, "
+            f"  {o.flags:<{width}}  peak {e.device_total_bytes / GIB:,.2f} of {usable / GIB:,.2f} GiB, "
             f"step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s{cost}"
         )
     return lines
