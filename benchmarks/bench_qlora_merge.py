@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_qlora_merge.py [RUN_DIR] [--out FILE]
 
-RUN_DIR is a finished QLoRA SFT run of the workflow (default `results/demo-tiny/cpu/sft`, which
+RUN_DIR is a finished QLoRA SFT run of the workflow (default `results/qlora/demo-tiny/cpu/sft`, which
 `snakemake --cores all --configfile config/qlora.yaml` makes; it must have exported `adapter`).
 DPO that starts from such an adapter loads the 4-bit base and merges the SFT adapter into it
 (`memfit.train.modeling.load_model`: peft's merge dequantizes each weight, adds the LoRA delta and
@@ -41,7 +41,7 @@ def heldout_loss(model, rows: list[dict], micro_batch: int = 16) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("run", nargs="?", default="results/demo-tiny/cpu/sft")
+    ap.add_argument("run", nargs="?", default="results/qlora/demo-tiny/cpu/sft")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
