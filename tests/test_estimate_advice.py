@@ -230,3 +230,20 @@ def test_a_traced_estimate_reports_progress_on_stderr_unless_json_or_quiet(tmp_p
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memfit estimate: ")]
     assert any(line.startswith("memfit estimate: tracing ") for line in err)
     assert any("64 tokens" in line for line in err)
+
+
+def test_more_gpus_names_the_fewest_of_the_same_kind_that_fit(capsys):
+    """Qwen2.5-72B full SFT does not fit one H100: the line names the fewest H100s (8 a node, the
+    catalog's node) that fit, at ZeRO-3; those flags fit, one node fewer does not."""
+    argv = ["--model", "qwen2.5-72b", "--gpu", "h100-80gb"]
+    assert main(argv) == 1
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("or with more GPUs"))
+    flags = line.split(": ", 1)[1].split("  peak ")[0].split()
+    assert flags[:2] == ["--num-gpus", "8"] and flags[-2:] == ["--zero", "3"]
+    nodes = int(flags[flags.index("--num-nodes") + 1])
+    assert main([*argv, *flags]) == 0
+    fewer = [*argv, "--num-gpus", "8", "--zero", "3"] + (["--num-nodes", str(nodes - 1)] if nodes > 2 else [])
+    assert main(fewer) == 1
+    capsys.readouterr()
+    main([*argv, "--json"])
+    assert _json(capsys)["more_gpus"]["flags"] == " ".join(flags)

@@ -208,3 +208,39 @@ def advise_fit(
         if value > best and est is not None and not est.invalid:
             found["micro_batch"] = Option(flags_between(cand, smaller), smaller, est, value)
     return sorted(found.values(), key=lambda o: (-(o.value or 0), -o.estimate.tokens_per_s))
+
+
+# How many nodes `more_gpus` tries at most, as the workflow's own hint when nothing fits
+# (memfit.workflow.pipeline.MAX_NODES_HINT): a few estimates, not a search of the cluster.
+MAX_NODES = 16
+
+
+def more_gpus(
+    price_on: Callable[[Candidate, int, int], Estimate],
+    cand: Candidate,
+    num_gpus: int,
+    num_nodes: int,
+    gpus_per_node: int,
+) -> Option | None:
+    """The fewest GPUs of the same kind that fit `cand` (None: not within MAX_NODES nodes): more
+    GPUs on the node, doubling up to `gpus_per_node` (what one node of this GPU holds, the
+    catalog's typical node), then more such nodes. Below ZeRO-1 nothing is split across GPUs, so
+    the candidate moves to ZeRO-3 there (the flags say so). `price_on(cand, num_gpus, num_nodes)`."""
+    new = cand if cand.zero > 0 else dataclasses.replace(cand, zero=3)
+    shapes = []
+    n = num_gpus * 2
+    while num_nodes == 1 and n <= max(gpus_per_node, num_gpus):
+        shapes.append((n, 1))
+        n *= 2
+    per_node = max(gpus_per_node, num_gpus)
+    shapes += [(per_node, k) for k in range(num_nodes + 1, MAX_NODES + 1)]
+    for gpus, nodes in shapes:
+        if (gpus * nodes) % new.sequence_parallel:
+            continue
+        est = price_on(new, gpus, nodes)
+        if not est.invalid and est.fits_with_headroom:
+            flags = [f"--num-gpus {gpus}"] if gpus != num_gpus else []
+            flags += [f"--num-nodes {nodes}"] if nodes != num_nodes else []
+            flags += [flags_between(cand, new)] if new != cand else []
+            return Option(" ".join(flags), new, est)
+    return None

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from memfit.estimate import catalog
-from memfit.estimate.advice import advise, advise_fit, default_ref, flags_between, needs_advice
+from memfit.estimate.advice import advise, advise_fit, default_ref, flags_between, more_gpus, needs_advice
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.cli_checks import (
@@ -135,6 +135,26 @@ def _headroom(args, gpu: GPU) -> float | None:
     if args.headroom is not None:
         return args.headroom
     return CPU_HEADROOM if gpu.name == "cpu" else None
+
+
+def _pricer_on(args, arch: ModelArch, gpu: GPU, settings: Settings) -> Callable[[Candidate, int, int], Estimate]:
+    """The estimate of a candidate on another number of GPUs per node and nodes."""
+
+    def price_on(cand: Candidate, num_gpus: int, num_nodes: int) -> Estimate:
+        return estimate(
+            arch,
+            gpu,
+            num_gpus,
+            num_nodes,
+            args.method,
+            cand,
+            _host_memory_gb(args),
+            _budget_bytes(args),
+            settings,
+            headroom=_headroom(args, gpu),
+        )
+
+    return price_on
 
 
 def _pricer(args, arch: ModelArch, gpu: GPU, settings: Settings) -> Callable[[Candidate], Estimate]:
@@ -253,24 +273,35 @@ def main(argv: list[str] | None = None) -> int:
         cand = _candidate(one, arch)
         config = _configuration(one, given, arch, gpu, cand, settings)
         options = []
+        hardware = None
         with _progress(say):
             result = price(cand)
             if needs_advice(result) and _advice_on(one, result):
                 world = one.num_gpus * one.num_nodes
                 options = advise(price, cand, result, arch, world, one.method, "ref" in given)
+                if not result.fits_with_headroom and gpu.name != "cpu":
+                    hardware = more_gpus(
+                        _pricer_on(one, arch, gpu, settings),
+                        cand,
+                        one.num_gpus,
+                        one.num_nodes,
+                        gpu.typical_gpus_per_node,
+                    )
     except EstimateError as exc:
         print(f"memfit estimate: error: {exc}", file=sys.stderr)
         return 2
     fits = result.fits_with_headroom
     if args.json:
         extra = {"advice": [o.to_dict(result) for o in options]} if needs_advice(result) else {}
+        if hardware is not None:
+            extra["more_gpus"] = hardware.to_dict(result)
         print(json.dumps({**result.to_dict(), "configuration": config, **extra}, indent=2))
     else:
         table = render(result, arch, gpu, cand, one.num_gpus, one.num_nodes, one.method, one.trainer_loader, True)
         title, rest = table.split("\n", 1)
         print("\n".join([title, *configuration_lines(config), rest]))
         if needs_advice(result) and _advice_on(one, result):
-            print("\n".join(advice_lines(options, result, fits)))
+            print("\n".join(advice_lines(options, result, fits, hardware=hardware)))
         elif needs_advice(result):
             print("advice: off for a traced model (each lever traces again); --advice computes it")
     if result.invalid:

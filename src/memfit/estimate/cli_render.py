@@ -151,8 +151,22 @@ def configuration_lines(config: dict) -> list[str]:
     return lines
 
 
-def advice_lines(options: list[Option], base: Estimate, fits: bool, what: str | None = None) -> list[str]:
-    """The changes that make it fit, each with its peak and speed, fastest (fit: longest) first."""
+def _hardware_line(hardware: Option | None) -> list[str]:
+    if hardware is None:
+        return []
+    e = hardware.estimate
+    usable = e.usable_device_bytes or e.device_memory_bytes
+    return [
+        f"or with more GPUs of this kind: {hardware.flags}  peak {e.device_total_bytes / GIB:,.2f} of "
+        f"{usable / GIB:,.2f} GiB, step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s"
+    ]
+
+
+def advice_lines(
+    options: list[Option], base: Estimate, fits: bool, what: str | None = None, hardware: Option | None = None
+) -> list[str]:
+    """The changes that make it fit, each with its peak and speed, fastest (fit: longest) first;
+    `hardware`: the fewest GPUs of the same kind that fit, a line of its own."""
     if what is not None:
         if not options:
             return [f"no single lever of memfit's reaches a larger {what}"]
@@ -168,7 +182,8 @@ def advice_lines(options: list[Option], base: Estimate, fits: bool, what: str | 
         return [
             "no single change memfit knows makes it fit: combine two (list them: --zero 2,3 "
             "--finetune lora,qlora ... ranks every combination), add GPUs (--num-gpus, --num-nodes) "
-            "or take a larger GPU"
+            "or take a larger GPU",
+            *_hardware_line(hardware),
         ]
     head = "would make it fit" if not fits else "would make more room"
     lines = [f"{head} (one change from this configuration each, priced by the estimate, fastest first):"]
@@ -184,4 +199,4 @@ def advice_lines(options: list[Option], base: Estimate, fits: bool, what: str | 
             f"  {o.flags:<{width}}  peak {e.device_total_bytes / GIB:,.2f} of {usable / GIB:,.2f} GiB, "
             f"step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s{cost}"
         )
-    return lines
+    return lines + _hardware_line(hardware)
