@@ -181,10 +181,22 @@ def test_a_bad_list_value_names_the_flag(argv, words, capsys):
     assert exc.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_a_bad_number_in_a_list_is_refused_before_estimating(capsys):
-    assert main([*RANKED, "--micro-batch", "0,2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("memfit estimate: error: --micro-batch must be > 0, got 0") and err.count("\n") == 1
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--micro-batch", "0,2"], "--micro-batch must be > 0, got 0"),
+        (["--sequence-parallel", "0,2"], "--sequence-parallel must be > 0, got 0"),
+        (
+            ["--zero", "0,2", "--offload-param", "cpu"],
+            "no combination of the lists can run: invalid candidate: parameter offload (offload_param=cpu) needs ZeRO-3",
+        ),
+    ],
+)
+def test_a_bad_value_in_a_list_is_refused_before_estimating(argv, words, capsys):
+    assert main([*RANKED, *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"memfit estimate: error: {words}") and captured.err.count("\n") == 1
+    assert captured.out == ""  # nothing half-written
 
 
 def test_a_flag_that_does_nothing_in_every_combination_is_refused(capsys):
