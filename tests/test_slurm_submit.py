@@ -76,6 +76,7 @@ def _config(tmp: Path, model: str, gpu: str, num_gpus: int, num_nodes: int, sear
     (tmp / "models" / model).mkdir(parents=True)
     cfg["models"] = {model: {"path": str(tmp / "models" / model)}}
     cfg.update(gpus=[gpu], num_gpus=num_gpus, num_nodes=num_nodes, methods=["sft"])
+    cfg.pop("run", None)  # the default layout, results/<model>/..., which the paths below name
     cfg["estimate"] = {"activations": "analytic"}
     cfg["search"].update(search)
     cfg["slurm"] = SLURM
