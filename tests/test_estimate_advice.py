@@ -259,3 +259,17 @@ def test_more_gpus_names_the_fewest_of_the_same_kind_that_fit(capsys):
     capsys.readouterr()
     main([*argv, "--json"])
     assert _json(capsys)["more_gpus"]["flags"] == " ".join(flags)
+
+
+def test_global_batch_makes_every_ranked_configuration_train_the_same_batch(capsys):
+    """--global-batch as the workflow's train.global_batch: each combination's grad accum trains
+    it; a micro batch that cannot make it on 8 ranks is skipped, named."""
+    assert main([*RANKED, "--micro-batch", "1,2,4", "--global-batch", "16", "--json"]) == 0
+    out = _json(capsys)
+    assert {r["candidate"]["micro_batch"] * r["candidate"]["grad_accum"] * 8 for r in out["candidates"]} == {16}
+    assert len(out["candidates"]) == 2
+    assert out["skipped"] == [
+        "--micro-batch 4: --global-batch 16 is not a multiple of --micro-batch 4 x 8 data-parallel ranks"
+    ]
+    assert main([*RANKED, "--global-batch", "16", "--grad-accum", "2"]) == 2
+    assert "give --global-batch or --grad-accum, not both" in capsys.readouterr().err

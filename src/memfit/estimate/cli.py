@@ -118,10 +118,11 @@ def _rank_main(combos, arch: ModelArch, gpu: GPU, settings: Settings, given: set
         config = {k: v for k, v in config.items() if k not in ("candidate", "words")}
         print(json.dumps({**ranking.to_dict(), "configuration": config}, indent=2))
     else:
-        title = (
-            f"{arch.name} {first.method} on {first.num_nodes}x{first.num_gpus} {gpu.name}: {len(priced)} "
-            f"configurations, each at --grad-accum {first.grad_accum} (a larger micro batch trains a larger "
-            "global batch)"
+        title = f"{arch.name} {first.method} on {first.num_nodes}x{first.num_gpus} {gpu.name}: {len(priced)} " + (
+            f"configurations, each training a global batch of {first.global_batch}"
+            if first.global_batch
+            else f"configurations, each at --grad-accum {first.grad_accum} (a larger micro batch trains a "
+            "larger global batch; --global-batch holds it fixed)"
         )
         print(render_ranking(ranking, title, flags))
     if all(est.invalid for _, est in priced):

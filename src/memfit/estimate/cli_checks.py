@@ -55,6 +55,7 @@ def _check_numbers(args) -> None:
         "--seq-len": args.seq_len,
         "--micro-batch": args.micro_batch,
         "--grad-accum": args.grad_accum,
+        "--global-batch": getattr(args, "global_batch", None),
         "--sequence-parallel": args.sequence_parallel,
         "--sub-group-size": args.sub_group_size,
         "--lora-rank": args.lora_rank,
@@ -83,6 +84,8 @@ def _check_numbers(args) -> None:
         raise EstimateError(f"--offload-ratio must be in (0, 1], got {args.offload_ratio:g}")
     if args.headroom is not None and not 0.0 <= args.headroom < 1.0:
         raise EstimateError(f"--headroom must be in [0, 1), got {args.headroom:g}")
+    if getattr(args, "global_batch", None) is not None and args.grad_accum is not None:
+        raise EstimateError("give --global-batch or --grad-accum, not both (--global-batch sets each one's grad accum)")
     if args.host_memory_gib is not None and args.host_memory_gb is not None:
         raise EstimateError("give --host-memory-gib or --host-memory-gb (decimal GB), not both")
     if args.budget_gib is not None and args.budget_gb is not None:
@@ -177,6 +180,8 @@ def fill_defaults(args) -> None:
         args.seq_len = SEQ_LEN_DEFAULT
     if args.micro_batch is None:
         args.micro_batch = MICRO_BATCH_DEFAULT
+    if args.grad_accum is None:
+        args.grad_accum = 1
     for name, value in LEVER_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -138,7 +138,16 @@ def _add_job_args(p: argparse.ArgumentParser, maximize: bool) -> None:
         default=None,
         help=f"sequences (DPO: pairs) per GPU per micro step (default: 1{one})",
     )
-    p.add_argument("--grad-accum", type=int, default=1, help="micro steps per optimizer step")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro steps per optimizer step (default: 1)")
+    if not maximize:
+        p.add_argument(
+            "--global-batch",
+            type=int,
+            default=None,
+            help="sequences (DPO: pairs) per optimizer step: each configuration's --grad-accum is the one that "
+            "trains it (micro batch x data-parallel ranks x grad accum), as the workflow's train.global_batch, "
+            "so ranked configurations train the same batch (default: none, --grad-accum as given)",
+        )
 
 
 def _add_lever_args(p: argparse.ArgumentParser, maximize: bool) -> None:

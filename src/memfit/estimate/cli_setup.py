@@ -51,6 +51,17 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
             "(max_position_embeddings); pass --allow-beyond-context to estimate it anyway"
         )
     ref = args.ref or default_ref(args.finetune, args.method)
+    accum = args.grad_accum
+    if getattr(args, "global_batch", None) is not None:
+        # as the workflow makes every candidate train train.global_batch (WorkflowConfig.candidates)
+        ranks = args.num_gpus * args.num_nodes // max(args.sequence_parallel, 1)
+        per_step = args.micro_batch * ranks
+        if args.global_batch % per_step:
+            raise EstimateError(
+                f"--global-batch {args.global_batch} is not a multiple of --micro-batch {args.micro_batch} x "
+                f"{ranks} data-parallel ranks"
+            )
+        accum = args.global_batch // per_step
     try:
         return Candidate(
             zero=args.zero,
@@ -64,7 +75,7 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
             lora_rank=args.lora_rank or 16,
             micro_batch=args.micro_batch,
             seq_len=args.seq_len,
-            grad_accum=args.grad_accum,
+            grad_accum=accum,
             precision=args.precision,
             ref=ref,
             loss_impl=args.loss_impl,
