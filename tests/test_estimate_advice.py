@@ -115,7 +115,12 @@ def test_fit_says_how_far_each_lever_reaches(capsys):
             reach[flags] = int(value.split()[0].replace(",", ""))
     assert reach["--loss-impl chunked"] > best and reach["--finetune qlora"] > best
     assert fit_main(["--maximize", "seq_len", *LORA_4090, "--loss-impl", "chunked", "--json"]) == 0
-    assert _json(capsys)["seq_len"] == reach["--loss-impl chunked"]
+    chunked = _json(capsys)
+    assert chunked["seq_len"] == reach["--loss-impl chunked"]
+    # --json's configuration is the answer's: its length, the lever given, the defaults taken
+    assert chunked["configuration"]["candidate"]["seq_len"] == chunked["seq_len"]
+    assert chunked["configuration"]["candidate"]["loss_impl"] == "chunked"
+    assert "--seq-len" not in chunked["configuration"]["defaults_taken"]
 
 
 RANKED = ["--model", "qwen2-7b", "--gpu", "a100-80gb", "--num-gpus", "8", "--seq-len", "4096"]

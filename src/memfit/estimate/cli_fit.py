@@ -86,6 +86,8 @@ def _fit_output(args, answer, options, config, arch, gpu, cand, settings) -> int
     if result is not None:
         result.notes += answer.notes
     smallest = 2 if args.maximize == "seq_len" else 1
+    shown = dataclasses.replace(cand, **{args.maximize: max(best, smallest)})  # the answer's configuration
+    config = {**config, "candidate": shown.to_dict(), "words": describe(shown, args.method, settings.lora_targets)}
     if args.json:
         extra = {"seq_len_by_sequence_parallel": {str(k): v for k, v in sweep.items()}} if sweep else {}
         # what stopped the search: memory, or the bound (then a larger value may fit in memory)
@@ -113,11 +115,9 @@ def _fit_output(args, answer, options, config, arch, gpu, cand, settings) -> int
         )
     print()
     if result is not None:
-        shown = dataclasses.replace(cand, **{args.maximize: max(best, smallest)})
         table = render(
             result, arch, gpu, shown, args.num_gpus, args.num_nodes, args.method, settings.trainer_loader, True
         )
         title, rest = table.split("\n", 1)
-        config = {**config, "words": describe(shown, args.method, settings.lora_targets)}
         print("\n".join([title, *configuration_lines(config), rest]))
     return 0 if best > 0 else 1
