@@ -3,7 +3,8 @@ hand-written card, as benchmarks/bench_flagship.py): the flagship command withou
 `memfit fit --maximize seq_len --gpu h100-80gb --num-gpus 8 --finetune lora --zero 3 --attn flash`
 (sdpa or eager where the class has no FlashAttention-2 path), timed cold (a fresh process, an
 empty trace cache: MEMFIT_TRACE_CACHE=a new directory), with the answer, what stopped it and the
-progress lines the search printed on stderr.
+progress lines the search printed on stderr (a line per search step and per traced shape,
+with its seconds: memfit.estimate.trace.progress_to).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_fit.py [--only gpt-oss-20b ...]
         [--json benchmarks/results/fit_flagship.json]
@@ -38,7 +39,7 @@ def _run(name: str, attn: str) -> tuple[float, dict | None, int, str]:
     p = subprocess.run([*cmd, "--maximize", "seq_len", "--model", name, *ARGS, "--attn", attn],
                        capture_output=True, text=True, env=env, cwd=REPO)  # fmt: skip
     seconds = time.perf_counter() - t0
-    steps = sum(1 for ln in p.stderr.splitlines() if ln.startswith("memfit fit: seq_len "))
+    steps = sum(1 for ln in p.stderr.splitlines() if ln.startswith(("memfit fit: seq_len ", "memfit fit: traced ")))
     if p.returncode not in (0, 1):
         errors = [ln for ln in p.stderr.splitlines() if "error" in ln or "invalid" in ln]
         return seconds, None, steps, (errors or p.stderr.strip().splitlines() or ["?"])[-1]

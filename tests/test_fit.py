@@ -7,6 +7,7 @@ the demo uses: seconds per test."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -158,3 +159,27 @@ def test_tiled_mlp_answer_is_every_length_below_fits_whatever_the_bound(capsys):
     assert all(fits(n) for n in [*range(best - 24, best + 1), *range(below_tiles - 24, below_tiles + 24)])
     assert fits(best) and not fits(best + 1)
     assert 610_304 > best and fits(610_304)  # the multiple of the tiles that used to be answered
+
+
+@pytest.mark.slow
+def test_linear_attention_layers_are_traced_short_and_read_exactly_beyond(tmp_path):
+    """Qwen3.5's linear-attention layers (a Python loop over 64-token chunks: their trace's time
+    grows with the length) are traced at LINEAR_TRACE_LENGTHS, its full-attention layers at
+    TRACE_LENGTHS; the fitted form from the short lengths gives a real trace at 1,536 tokens (24
+    chunks, beyond them) to the byte, every measure (the tiny Qwen3.5; qwen3.5-27b's layer at 2,048
+    tokens likewise, fit.py's LINEAR_TRACE_LENGTHS)."""
+    from memfit.estimate import catalog, trace
+    from memfit.estimate.fit import LINEAR_TRACE_LENGTHS, TRACE_LENGTHS, FittedTraces, _quadratic
+    from memfit.estimate.settings import Settings
+
+    arch = catalog.model(str(ROOT / "config" / "models" / "tiny-qwen3-5-text.json"), allow_moe=True)
+    shape = trace.TraceRequest(0, "sdpa", "bf16", True, "lora")
+    traces = FittedTraces(arch, [shape], Settings(trace_cache=str(tmp_path)), lambda line: None)
+    (linear,) = [c for c in traces.cards if traces.labels[c] == "linear_attention"]
+    (full,) = [c for c in traces.cards if traces.labels[c] == "full_attention"]
+    assert traces.schedule(linear) == LINEAR_TRACE_LENGTHS == (256, 512, 1024)
+    assert traces.schedule(full) == TRACE_LENGTHS
+    reqs = [dataclasses.replace(shape, seq_len=n) for n in (256, 1024, 512, 1536)]  # two children, even
+    got = {t.key["seq_len"]: t for t in trace.layer_traces(linear, reqs, cache_dir=tmp_path, workers=2)}
+    fitted = _quadratic({n: got[n] for n in LINEAR_TRACE_LENGTHS}, 1536)
+    assert fitted.runs == got[1536].runs

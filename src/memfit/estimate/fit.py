@@ -59,6 +59,13 @@ MIN_SEQ_LEN = 2  # the next-token loss needs two tokens (trace.trace_key refuses
 # runs a Python loop over 64-token chunks, so its trace takes time in proportion to the length
 # (12 s to 32 s a trace here); fake tensors make the other layers cost about the same at any length.
 TRACE_LENGTHS = (512, 1024, 2048)
+# A kind of layer whose label (generic.layer_groups: config.layer_types) is linear attention
+# (Qwen3.5, Qwen3-Next: the gated delta rule's Python loop over 64-token chunks) is traced at
+# these instead: its trace's time grows with the chunks (qwen3.5-27b's, CPU seconds in one
+# process: 13.9, 13.5, 23.2, 30.8 at 256, 512, 1,024, 2,048 tokens) and every measure is exact
+# on the quadratic through them (the same layer traced at 2,048 tokens: every measure as
+# predicted, to the byte, 2026-11-27; tests/test_fit.py checks the tiny Qwen3.5 likewise).
+LINEAR_TRACE_LENGTHS = (256, 512, 1024)
 MAX_ROUNDS = 4  # trace-and-search rounds before the fitted form's answer stands (with a note)
 
 
@@ -81,7 +88,9 @@ class FittedTraces:
     memfit.estimate.traced.EXTRAPOLATED while the search runs)."""
 
     def __init__(self, arch: ModelArch, shapes, settings: Settings, say: Callable[[str], None]):
-        self.cards = [card for _, card, _ in layer_groups(arch)]
+        groups = layer_groups(arch)
+        self.cards = [card for _, card, _ in groups]
+        self.labels = {card: label for _, card, label in groups}
         self.shapes = list(shapes)  # TraceRequests with seq_len 0
         self.settings, self.say, self.name = settings, say, arch.name
         self.points: dict[tuple, dict[int, object]] = {(c, s): {} for c in self.cards for s in self.shapes}
@@ -90,26 +99,47 @@ class FittedTraces:
     def lengths(self) -> list[int]:
         return sorted({n for pts in self.points.values() for n in pts})
 
-    def add(self, lengths) -> None:
-        """Trace every (layer kind, shape) at `lengths` not traced yet: one batch per layer kind."""
+    def schedule(self, card) -> tuple[int, ...]:
+        """The lengths a kind of layer is traced at first (LINEAR_TRACE_LENGTHS: see there)."""
+        return LINEAR_TRACE_LENGTHS if "linear_attention" in self.labels[card] else TRACE_LENGTHS
+
+    def traced(self, card) -> set[int]:
+        return set.intersection(*(set(self.points[(card, s)]) for s in self.shapes))
+
+    def traced_everywhere(self, lengths) -> bool:
+        return all(set(lengths) <= self.traced(card) for card in self.cards)
+
+    def add(self, lengths=None, first: bool = False) -> None:
+        """Trace every (layer kind, shape) at `lengths` (None: each kind's schedule, or its first
+        length with `first`) not traced yet: one batch per layer kind, the kinds at once, each
+        with its share of the trace workers (a child process each pays its imports, ~7 s)."""
         from memfit.estimate import trace
 
-        new = sorted({int(n) for n in lengths if n >= MIN_SEQ_LEN} - set(self.lengths))
-        if not new:
+        todo = {}
+        for card in self.cards:
+            want = self.schedule(card)[:1] if first else (self.schedule(card) if lengths is None else lengths)
+            new = sorted({int(n) for n in want if n >= MIN_SEQ_LEN} - self.traced(card))
+            if new:
+                todo[card] = new
+        if not todo:
             return
-        kinds = f" ({len(self.cards)} kinds of layer)" if len(self.cards) > 1 else ""
-        self.say(f"tracing {self.name} at {', '.join(f'{n:,}' for n in new)} tokens{kinds}")
-        reqs = [dataclasses.replace(s, seq_len=n) for s in self.shapes for n in new]
+        per_kind = "; ".join(
+            f"{self.labels[c] + ' ' if len(self.cards) > 1 else ''}at {', '.join(f'{n:,}' for n in ns)} tokens"
+            for c, ns in todo.items()
+        )
+        self.say(f"tracing {self.name} {per_kind}")
+        workers = max(1, trace.trace_workers() // len(todo))
 
         def one(card):  # each kind of layer in its own child processes, all at once
-            return trace.layer_traces(card, reqs, cache_dir=self.settings.trace_cache)
+            reqs = [dataclasses.replace(s, seq_len=n) for s in self.shapes for n in todo[card]]
+            return reqs, trace.layer_traces(card, reqs, cache_dir=self.settings.trace_cache, workers=workers)
 
         try:
-            with ThreadPoolExecutor(len(self.cards)) as pool:
-                done = list(pool.map(one, self.cards))
+            with ThreadPoolExecutor(len(todo)) as pool:
+                done = list(pool.map(one, todo))
         except trace.TraceError as exc:
             raise EstimateError(str(exc)) from None
-        for card, got in zip(self.cards, done, strict=True):
+        for card, (reqs, got) in zip(todo, done, strict=True):
             for r, t in zip(reqs, got, strict=True):
                 self.points[(card, dataclasses.replace(r, seq_len=0))][r.seq_len] = t
 
@@ -117,7 +147,7 @@ class FittedTraces:
         def at(seq_len: int):
             pts = self.points[(card, shape)]
             if not pts:  # one length first: enough to tell whether the states alone fit
-                self.add(TRACE_LENGTHS[:1])
+                self.add(first=True)
             return pts[seq_len] if seq_len in pts else _quadratic(pts, seq_len)
 
         return at
@@ -248,12 +278,12 @@ def maximize(
             say(_step_line(what, lo, probe))
             if not probe.invalid:
                 probe.notes.append(
-                    f"nothing fits: the weights and states alone exceed the usable memory (the "
-                    f"activations shown are those of {TRACE_LENGTHS[0]:,} tokens, the shortest traced length)"
+                    "nothing fits: the weights and states alone exceed the usable memory (the "
+                    f"activations shown are those of {traces.lengths[0]:,} tokens, the shortest traced length)"
                 )
             answer.estimate, answer.traced_lengths = probe, traces.lengths
             return answer
-        traces.add(TRACE_LENGTHS)
+        traces.add()  # each kind's schedule
         best, est = _until_traced(search, traces, cand, lo, bound, say, answer.notes)
         answer.value, answer.estimate = best, est
         if sweep:
@@ -279,7 +309,7 @@ def _until_traced(search, traces, cand: Candidate, lo: int, bound: int | None, s
         if bound is not None:
             check = [n for n in check if n <= bound]
         lengths = {per_rank(dataclasses.replace(cand, seq_len=n)).seq_len for n in check}
-        if lengths <= set(traces.lengths):
+        if traces.traced_everywhere(lengths):
             break
         say(f"checking {', '.join(f'{n:,}' for n in check)} with real traces")
         traces.add(lengths)

@@ -273,14 +273,13 @@ def layer_traces(
     cache_dir: str | Path | None = None,
     use_cache: bool = True,
     progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> list[LayerTrace]:
     """Traces for several shapes of one architecture: cached ones from the cache, the missing
-    ones traced in child processes (`python -m memfit.estimate.trace_children`, trace_workers() of them, each
-    paying the interpreter and the imports once for its share). The child keeps the estimating process clean: fake
-    parameters outlive a traced backward (held from C++ by autograd/FakeTensorMode state), and
-    a later real measurement in the same process (memory.AllocationTracker's baseline scans
-    live tensors) would count them. `progress`: where the progress lines go (default: the
-    innermost `progress_to`)."""
+    ones traced in child processes (trace_children: trace_workers() of them, forked from a
+    server that imported torch, transformers and peft once), which keep the estimating process
+    clean of fake tensors. `progress`: where the progress lines go (default: the
+    innermost `progress_to`); `workers`: at most this many children (default trace_workers())."""
     d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     keys = [
         trace_key(
@@ -305,7 +304,7 @@ def layer_traces(
         elif h not in todo:
             todo[h] = i
     if todo:
-        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()], reporter(progress))
+        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()], reporter(progress), workers)
         for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
             t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
             if use_cache:

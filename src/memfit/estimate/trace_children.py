@@ -1,6 +1,6 @@
 """The traced runs' processes (memfit.estimate.trace keys and caches them): a batch of shapes in
-child processes (`python -m memfit.estimate.trace_children`, each paying the interpreter and the
-imports once for its share), and the progress lines a batch reports (`progress_to`).
+worker processes forked from a server that imported torch, transformers and peft once
+(memfit.estimate.trace_worker), and the progress lines a batch reports (`progress_to`).
 
     from memfit.estimate import trace
     with trace.progress_to(lambda line: print(line, file=sys.stderr)):
@@ -11,16 +11,12 @@ imports once for its share), and the progress lines a batch reports (`progress_t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from memfit.estimate.arch import ModelArch
@@ -59,8 +55,16 @@ def reporter(progress: Callable[[str], None] | None) -> Callable[[str], None]:
 
 
 def _label(arch: ModelArch) -> str:
-    """The model, and the kind of layer when it is one of several (generic.layer_groups)."""
-    return f"{arch.name} (the kind of layer {arch.layer_kind[0]})" if arch.layer_kind else arch.name
+    """The model, and the kind of layer when it is one of several (generic.layer_groups): its
+    config.layer_types entry, else the layer it stands for."""
+    if not arch.layer_kind:
+        return arch.name
+    first = arch.layer_kind[0]
+    try:
+        types = json.loads(arch.hf_config or "{}").get("layer_types") or []
+        return f"{arch.name} ({types[first]} layers)"
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return f"{arch.name} (layers like layer {first})"
 
 
 def _shape_text(key: dict[str, Any]) -> str:
@@ -82,15 +86,18 @@ def trace_workers() -> int:
 
 
 def _trace_in_children(
-    arch: ModelArch, keys: list[dict[str, Any]], report: Callable[[str], None] = lambda line: None
+    arch: ModelArch,
+    keys: list[dict[str, Any]],
+    report: Callable[[str], None] = lambda line: None,
+    workers: int | None = None,
 ) -> list[tuple[dict[str, dict[str, int]], float]]:
-    """Trace `keys` in up to trace_workers() child processes (round-robin), results in order, a
+    """Trace `keys` in up to `workers` (default trace_workers()) child processes, results in order, a
     progress line to `report` when they start and as each shape is done; in this process with
     $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's trace takes less
     than a child's start-up)."""
     t0 = time.perf_counter()
     in_process = os.environ.get(ENV_IN_PROCESS) == "1"
-    n = 1 if in_process else min(trace_workers(), len(keys))
+    n = 1 if in_process else min(workers or trace_workers(), len(keys))
     shapes = ", ".join(_shape_text(k) for k in keys)
     report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, "
            f"{n} process{'es' * (n > 1)}")  # fmt: skip
@@ -105,51 +112,44 @@ def _trace_in_children(
         except Exception as exc:  # noqa: BLE001 - as a child's failure reads
             raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
         return [(r["runs"], float(r["seconds"])) for r in res]
-    chunks = [list(range(len(keys)))[i::n] for i in range(n)]
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
     out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
     errors: list[str] = []
-
-    def child(idx: list[int]) -> None:
-        """One child: its shapes on stdin, a JSON line per shape on stdout as each is done (the
-        progress line goes out then), its stderr kept for the error."""
-        payload = {"arch": dataclasses.asdict(arch), "keys": [keys[i] for i in idx]}
-        p = subprocess.Popen(
-            [sys.executable, "-m", "memfit.estimate.trace_children"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        err: list[str] = []
-        drain = threading.Thread(target=lambda: err.extend(p.stderr), daemon=True)  # a full pipe blocks the child
-        drain.start()
-        p.stdin.write(json.dumps(payload))
-        p.stdin.close()
-        for line in p.stdout:
-            if line.startswith('{"index"'):
-                r = json.loads(line)
-                out[idx[r["index"]]] = (r["runs"], float(r["seconds"]))
-                done(keys[idx[r["index"]]], float(r["seconds"]))
-        p.wait()
-        drain.join()
-        if p.returncode != 0:
-            lines = [ln.strip() for ln in err if ln.strip()]
-            errors.append(lines[-1] if lines else f"exit status {p.returncode}")
-
-    threads = [threading.Thread(target=child, args=(idx,), daemon=True) for idx in chunks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # workers forked from a server that imported torch, transformers and peft once
+    # (memfit.estimate.trace_worker); each takes the next shape when it is free
+    with _workers().Pool(n) as pool:
+        for i, runs, seconds, error in pool.imap_unordered(_worker_run, [(i, arch, k) for i, k in enumerate(keys)]):
+            if error:
+                errors.append(error)
+                continue
+            out[i] = (runs, seconds)
+            done(keys[i], seconds)
     if errors or any(r is None for r in out):
-        raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a child gave no result'])[0]}")
+        raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a worker gave no result'])[0]}")
     return [r for r in out if r is not None]
+
+
+_CONTEXT: list = []
+
+
+def _workers():
+    """The multiprocessing context of the trace workers: a fork server that preloads
+    memfit.estimate.trace_worker. A child keeps the estimating process clean: fake parameters
+    outlive a traced backward (held from C++ by autograd/FakeTensorMode state), and a later real
+    measurement in that process (memory.AllocationTracker's baseline scans live tensors) would
+    count them."""
+    if not _CONTEXT:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["memfit.estimate.trace_worker"])
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
+def _worker_run(task):
+    from memfit.estimate.trace_worker import run
+
+    return run(task)
 
 
 def _trace_keys(
@@ -179,28 +179,3 @@ def _trace_keys(
         res.append({"runs": runs, "seconds": time.perf_counter() - t0})
         each(len(res) - 1, res[-1])
     return res
-
-
-def main() -> int:
-    """`python -m memfit.estimate.trace_children`: JSON {"arch": ..., "keys": [...]} on stdin; on stdout a
-    line {"index": i, "runs": {layers: MEASURES}, "seconds": s} as each key is traced."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    payload = json.loads(sys.stdin.read())
-    a = dict(payload["arch"])
-    a["aliases"] = tuple(a.get("aliases", ()))
-
-    def each(i: int, r: dict[str, Any]) -> None:
-        print(json.dumps({"index": i, **r}), flush=True)
-
-    _trace_keys(ModelArch(**a), payload["keys"], each)
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except TraceError as exc:
-        print(f"memfit.estimate.trace: {exc}", file=sys.stderr)
-        sys.exit(2)

@@ -2,7 +2,7 @@
 forward + loss + backward under PyTorch's MemTracker, and the measures memfit.estimate.trace caches
 (`per_sequence`; what each measure means: memfit.estimate.trace's docstring).
 
-Runs in memfit.estimate.trace's child processes (`python -m memfit.estimate.trace_children`); torch, transformers and peft
+Runs in memfit.estimate.trace's worker processes (memfit.estimate.trace_worker); torch, transformers and peft
 are imported here only, lazily.
 """
 
