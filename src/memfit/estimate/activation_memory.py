@@ -101,7 +101,7 @@ def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         seq_len=cand.seq_len,
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
-        expert_adapters=not full and lora_adapts_experts(arch, settings),
+        expert_adapters=not full and lora_adapts_experts(arch, settings, cand.finetune),
         mlp_tiles=mlp_tiles(arch, cand, settings) if cand.tiled_mlp else 0,
     )
 

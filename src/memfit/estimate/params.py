@@ -29,7 +29,7 @@ class ParamLayout:
     inactive: int = 0  # num_params() - num_active_params()
     # Generic cards (read from transformers, memfit.estimate.inventory): every parameter
     # tensor's numel in module order, and per decoder layer its modules as ZeRO-3 gathers
-    # them, (numel, bitsandbytes-quantizable nn.Linear), and its linears (name, in, out).
+    # them, (numel, 4-bit under QLoRA: an nn.Linear or fused experts), and its linears (name, in, out).
     order: tuple[int, ...] = ()
     units: tuple[tuple[tuple[int, bool], ...], ...] = ()
     layer_linears: tuple[tuple[tuple[str, int, int], ...], ...] = ()
@@ -157,10 +157,58 @@ def _inventory_layout(inv) -> ParamLayout:
         inactive=inv.inactive,
         order=tuple(n for m in inv.modules for n in m.numels),
         units=tuple(
-            tuple((sum(m.numels), m.linear is not None) for m in inv.layer_modules(i)) for i in range(inv.num_layers)
+            tuple((sum(m.numels), m.linear is not None or _fused_experts(inv, m)) for m in inv.layer_modules(i))
+            for i in range(inv.num_layers)
         ),
         layer_linears=linears,
     )
+
+
+def _fused_experts(inv, m) -> bool:
+    """Whether inventory module `m` is a routed-experts module with fused 3-D weights, which
+    memfit's QLoRA stores in 4 bits (memfit.train.qlora_experts: the classes transformers
+    decorates with `use_experts_implementation`)."""
+    return m.expert and m.linear is None and _experts_class_is_fused(inv.class_name, m.cls)
+
+
+@functools.lru_cache(maxsize=256)
+def _experts_class_is_fused(model_class: str, cls: str) -> bool:
+    import importlib
+
+    import transformers
+
+    model = getattr(transformers, model_class, None)
+    experts = getattr(importlib.import_module(model.__module__), cls, None) if model is not None else None
+    # use_experts_implementation gives the class `_apply_gate` (transformers integrations/moe.py)
+    return experts is not None and hasattr(experts, "_apply_gate")
+
+
+def fused_expert_matrices(arch: ModelArch) -> tuple[int, ...]:
+    """Elements of one expert's matrix of each fused 3-D expert weight (gate_up_proj or up_proj,
+    down_proj) of one MoE layer: what memfit's QLoRA quantizes per expert (4 bits, blocks of 64)
+    and dequantizes per expert call. Empty for dense models and for experts kept as nn.Linear
+    modules (bitsandbytes' Linear4bit quantizes those) or in classes memfit cannot run in 4 bits."""
+    if not arch.is_moe:
+        return ()
+    if not arch.generic:
+        return tuple(i * o for i, o in arch.expert_linear_shapes().values())
+    inv = arch.inventory()
+    E = max(1, inv.num_experts)
+    for m in inv.modules:
+        if _fused_experts(inv, m):
+            # the weights, not their biases (gpt-oss): a bias is E * out, a weight E * out * in
+            largest = max(m.numels)
+            return tuple(n // E for n in m.numels if 16 * n >= largest)
+    return ()
+
+
+def fused_expert_weights(arch: ModelArch) -> int:
+    """Elements of the routed experts' fused 3-D weights over every MoE layer (`fused_expert_matrices`)."""
+    per_expert = sum(fused_expert_matrices(arch))
+    if not per_expert:
+        return 0
+    E = arch.inventory().num_experts if arch.generic else arch.num_experts
+    return len(arch.moe_layers()) * E * per_expert
 
 
 def lora_targets(arch: ModelArch, settings: Settings, layer: int | None = None) -> tuple[tuple[str, int, int], ...]:
@@ -192,10 +240,14 @@ def lora_targets(arch: ModelArch, settings: Settings, layer: int | None = None) 
 PEFT_ADAPTS_EXPERTS = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 
-def lora_adapts_experts(arch: ModelArch, settings: Settings) -> bool:
+def lora_adapts_experts(arch: ModelArch, settings: Settings, finetune: str = "lora") -> bool:
     """Whether LoRA with the default targets ("all-linear") puts adapters on the routed experts
-    and the router of every MoE layer (see PEFT_ADAPTS_EXPERTS)."""
+    and the router of every MoE layer (see PEFT_ADAPTS_EXPERTS). Never under QLoRA of fused
+    experts (`fused_expert_weights`): they are stored in 4 bits, and memfit's trainer leaves them
+    and the router frozen (memfit.train.modeling.experts_left_frozen)."""
     if not (arch.is_moe and settings.lora_targets is None):
+        return False
+    if finetune == "qlora" and fused_expert_weights(arch):
         return False
     if arch.generic:  # what peft does on the model itself
         from memfit.estimate import inventory
@@ -226,10 +278,25 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
     if arch.generic:  # what peft adds to the meta model, counted
         from memfit.estimate import inventory
 
-        return inventory.lora_params(arch.hf_config, r, settings.lora_targets)
+        return inventory.lora_params(arch.hf_config, r, peft_targets(arch, cand, settings))
     if arch.is_moe:
-        experts = expert_lora_params(arch, r) if lora_adapts_experts(arch, settings) else 0
+        experts = expert_lora_params(arch, r) if lora_adapts_experts(arch, settings, cand.finetune) else 0
         return len(arch.moe_layers()) * experts + sum(
             r * (i + o) for layer in range(arch.num_layers) for _, i, o in lora_targets(arch, settings, layer)
         )
     return arch.num_layers * sum(r * (i + o) for _, i, o in lora_targets(arch, settings))
+
+
+def peft_targets(arch: ModelArch, cand: Candidate, settings: Settings) -> tuple[str, ...] | None:
+    """The LoRA targets peft is given. QLoRA of fused experts with targets peft maps onto them
+    (`lora_adapts_experts` under plain LoRA): the linears peft's MoE conversion leaves in
+    target_modules (peft/utils/transformers_weight_conversion.py `_MOE_TARGET_MODULE_MAPPING`
+    names the v4 expert and router linears it moves to `target_parameters`), as memfit's trainer
+    keeps them (memfit.train.modeling.experts_left_frozen)."""
+    if not (cand.finetune == "qlora" and lora_adapts_experts(arch, settings)):
+        return settings.lora_targets
+    from peft.utils.transformers_weight_conversion import _MODEL_TO_CONVERSION_PATTERN, _MOE_TARGET_MODULE_MAPPING
+
+    mapped = _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(arch.model_type, ""), {})
+    names = {n for layer in param_layout(arch).layer_linears for n, _, _ in layer}
+    return tuple(sorted(names - set(mapped)))

@@ -15,13 +15,17 @@ import functools
 from dataclasses import dataclass, field
 
 from memfit.estimate.arch import ModelArch
-from memfit.estimate.params import param_layout, trainable_params
+from memfit.estimate.params import fused_expert_weights, param_layout, trainable_params
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
 
 # bitsandbytes NF4 (Dettmers et al. 2023, QLoRA, sec. 3 "Double Quantization"): 4 bits per weight,
 # one fp32 absmax per block of 64; double quantization stores the absmax in 8 bits with one fp32
-# constant per 256 blocks: 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter.
+# constant per 256 blocks: 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter (bitsandbytes 0.50.2
+# functional.py `quantize_4bit`: two codes per byte in `packed`, `_absmax` per block of
+# `blocksize` = 64, `quantize_blockwise(_absmax - offset, blocksize=256)` for the nested 8-bit
+# absmax and its fp32 absmax per 256 blocks). Fused experts (memfit.train.qlora_experts) are
+# packed per expert the same way, plus one fp32 offset per expert matrix (negligible).
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 
 # ---------------------------------------------------------------------------------------------
@@ -133,9 +137,11 @@ def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, met
     # QLoRA: the decoder-layer linears are NF4, embeddings/norms/lm_head stay 16-bit; LoRA adapters
     # are in the training dtype.
     if cand.finetune == "qlora":
-        # MoE: bitsandbytes quantizes nn.Linear only; the routed experts (3D parameters) and
-        # the router stay unquantized (kept as the other unquantized params, below)
+        # MoE: bitsandbytes quantizes nn.Linear only; memfit stores the routed experts' fused 3D
+        # weights in the same 4-bit format (memfit.train.qlora_experts: per expert, the packing
+        # below); the router stays unquantized (kept as the other unquantized params, below)
         linear = sum(i * o for layer in range(arch.num_layers) for _, i, o in layout.layer_linear_shapes(arch, layer))
+        linear += fused_expert_weights(arch)
         # peft's prepare_model_for_kbit_training upcasts the non-quantized params to fp32, and
         # HF Trainer keeps them there (`Settings.qlora_fp32_upcast`); DeepSpeed casts every
         # floating-point param back to the training dtype when it wraps the model (memfit's
@@ -276,8 +282,9 @@ def _zero3_layer_units(arch: ModelArch, layer: int) -> list[tuple[int, bool]]:
     if arch.is_moe and not arch.dense_layer_mask >> layer & 1:
         fan_in, fan_out = arch.router_shape()
         units.append((fan_in * fan_out, False))  # the router: a plain parameter, not quantized
-        # the routed experts: one module holding both 3D parameters (`param_layout`)
-        units.append((arch.num_experts * arch.expert_params(), False))
+        # the routed experts: one module holding both 3D parameters (`param_layout`), 4-bit
+        # under memfit's QLoRA (memfit.train.qlora_experts)
+        units.append((arch.num_experts * arch.expert_params(), bool(fused_expert_weights(arch))))
     return units
 
 

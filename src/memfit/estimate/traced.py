@@ -13,7 +13,7 @@ from memfit.estimate.activation_memory import Activations, padding_mask_extra
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.generic import layer_groups
-from memfit.estimate.params import lora_adapts_experts
+from memfit.estimate.params import lora_adapts_experts, peft_targets
 from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
 from memfit.estimate.validity import hardware_problems, model_problems
 from memfit.space import Candidate
@@ -35,7 +35,7 @@ def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings)
             f"{arch.name} mixes dense layers {list(arch.dense_layers)} with MoE layers; the trace "
             f"measures two identical layers"
         )
-    if cand.finetune != "full" and lora_adapts_experts(arch, settings):
+    if cand.finetune != "full" and lora_adapts_experts(arch, settings, cand.finetune):
         return (
             "LoRA on the routed experts (peft all-linear on an MoE model): the traced run misses "
             "the parametrized expert weights each layer keeps"
@@ -71,7 +71,7 @@ def trace_request(arch: ModelArch, cand: Candidate, settings: Settings, seq_len:
         cand.grad_ckpt,
         trace.traced_finetune(cand.finetune),
         cand.lora_rank,
-        settings.lora_targets,
+        peft_targets(arch, cand, settings),  # QLoRA of fused experts: the experts left frozen
     )
 
 
@@ -150,7 +150,7 @@ def traced_activations(
     acts.forward = traced.at("fwd_peak", L, seqs) + ids
     if arch.generic:
         acts.bottom_bwd = traced.at("bottom_peak_bw", L, seqs) + ids
-    if arch.generic and cand.finetune != "full" and lora_adapts_experts(arch, settings):
+    if arch.generic and cand.finetune != "full" and lora_adapts_experts(arch, settings, cand.finetune):
         # peft's ParamWrapper builds W + BA for the experts (and router) it parametrizes in every
         # MoE layer's forward and the grouped matmul keeps it for the backward; the traced run
         # does not see it (it is made outside the module MemTracker follows): counted here as

@@ -7,7 +7,7 @@ import dataclasses
 
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
-from memfit.estimate.params import lora_adapts_experts
+from memfit.estimate.params import fused_expert_weights, lora_adapts_experts
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.space import Candidate
 
@@ -103,7 +103,7 @@ def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate, settings: Setting
             f"(no capacity factor)"
         )
         if cand.finetune != "full":
-            if lora_adapts_experts(arch, settings):
+            if lora_adapts_experts(arch, settings, cand.finetune):
                 what = (
                     f"peft's all-linear adapts the attention, the router and the routed experts "
                     f"(target_parameters: gate_up_proj at rank 2r, down_proj at r), and keeps each "
@@ -115,7 +115,9 @@ def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate, settings: Setting
                     "the adapted nn.Linear layers (attention, shared expert) only; the routed "
                     "experts and the router stay frozen"
                 )
-            if cand.finetune == "qlora":
+            if cand.finetune == "qlora" and fused_expert_weights(arch):
+                what += "; the routed experts' fused weights in 4 bits like the linears (docs/qlora.md)"
+            elif cand.finetune == "qlora":
                 what += (
                     "; bitsandbytes quantizes nn.Linear only, so the experts stay unquantized "
                     "(in the training dtype: DeepSpeed casts back what prepare_model_for_kbit_training upcast)"

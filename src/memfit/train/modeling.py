@@ -134,6 +134,48 @@ def _no_cpu_inference_repack(model) -> None:
             m.support_avx512bf16_for_cpu = False
 
 
+def _quantize_experts(model, cand: Candidate, quant_type: str) -> list[str]:
+    """QLoRA: the routed experts' fused 3-D weights in 4 bits as well (memfit.train.qlora_experts:
+    bitsandbytes quantizes nn.Linear only), in the same format and storage dtype as the linears."""
+    from memfit.train import qlora_experts
+
+    storage = DTYPE[cand.precision] if cand.zero == 3 else torch.uint8
+    return qlora_experts.quantize_fused_experts(model, quant_type, DTYPE[cand.precision], storage)
+
+
+def experts_left_frozen(model, config):
+    """`config` (peft's LoraConfig) with the 4-bit experts left frozen.
+
+    peft >= 0.18 maps the transformers-v4 names of the expert linears (gate_proj, up_proj,
+    down_proj; Mixtral's w1, w2, w3) and the router (gate) onto the v5 fused parameters as
+    `target_parameters` (peft/utils/transformers_weight_conversion.py `_convert_peft_config_moe`,
+    run by get_peft_model), and removes those names from `target_modules`. Its ParamWrapper
+    adapts a floating-point parameter (W + BA), which the packed 4-bit experts are not, so QLoRA
+    applies that conversion here and keeps only the `target_modules` it leaves: the experts and
+    the router stay frozen, the linears named otherwise (attention, for "all-linear") train. A
+    configuration with nothing left to adapt is refused, naming the targets."""
+    from peft.utils.transformers_weight_conversion import (
+        convert_peft_config_for_transformers,
+        get_model_conversion_mapping,
+    )
+
+    config = copy.deepcopy(config)
+    asked = config.target_modules
+    convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
+    dropped = sorted(config.target_parameters or ())
+    config.target_parameters = None
+    for pattern in (config.rank_pattern, config.alpha_pattern):
+        for key in [k for k in pattern or {} if any(d.split(".")[0] in k for d in dropped)]:
+            del pattern[key]
+    if not config.target_modules:
+        raise ValueError(
+            f"QLoRA of {model.config.model_type}: the LoRA targets {asked!r} name only the routed experts "
+            f"and the router ({', '.join(dropped)}), which stay frozen with the experts in 4 bits; "
+            "name the linears to adapt in lora_targets (e.g. q_proj, k_proj, v_proj, o_proj)"
+        )
+    return config
+
+
 def load_model(
     path: str, cand: Candidate, trainable: bool, lora: dict[str, Any] | None = None, quant_type: str = "nf4"
 ):
@@ -158,8 +200,10 @@ def load_model(
             if p.is_floating_point():
                 p.requires_grad_(True)
     model.config.use_cache = False
+    expert_weights: list[str] = []
     if cand.finetune == "qlora":
         _no_cpu_inference_repack(model)
+        expert_weights = _quantize_experts(model, cand, quant_type)
     if not trainable:
         model.eval()
         model.requires_grad_(False)
@@ -186,6 +230,8 @@ def load_model(
 
         lora = lora or {}
         config = lora_config(model, cand.lora_rank, lora.get("alpha"), lora.get("dropout", 0.0), lora.get("targets"))
+        if expert_weights:
+            config = experts_left_frozen(model, config)
         model = get_peft_model(model, config)
         if cand.grad_ckpt and cand.finetune == "lora":
             model.enable_input_require_grads()
