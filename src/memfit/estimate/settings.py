@@ -54,7 +54,10 @@ class Settings:
     # figure (ops/adam/cpu_adam.py: "5x to 7x speedup over torch.optim.adam(W)"). 4 cores per rank:
     # 8 ranks of a node then step at 1.7e10 parameters/s, about 480 GB/s of the node's memory (28
     # bytes a parameter), what a two-socket DDR5 node sustains; more cores stop helping there.
-    # Workflow config: estimate.cpu_adam_params_per_s_per_core, estimate.cpu_cores_per_rank.
+    # Workflow config: estimate.cpu_adam_params_per_s_per_core, estimate.cpu_cores_per_rank. Left at
+    # these defaults, the rate the calibrate rule measured on the machine (`step_time_calibration`'s
+    # `cpu_adam`, written when the search space offloads the optimizer) replaces them
+    # (memfit.estimate.costs.cpu_adam).
     cpu_adam_params_per_s_per_core: float = 5.4e8
     cpu_cores_per_rank: int = 4
     internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
