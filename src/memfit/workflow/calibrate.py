@@ -22,7 +22,8 @@ class CalibrationFailed(RuntimeError):
 
 def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: int = 5) -> dict[str, Any]:
     """The calibration spec (memfit.train.calibrate.Spec) of `model`: every candidate of every
-    method of the search space, the run settings that change a step (LoRA, DPO, loss)."""
+    method of the search space, the run settings that change a step (LoRA, DPO, loss). Where a
+    candidate offloads its optimizer, the ranks also measure DeepSpeedCPUAdam (`cpu_adam`)."""
     model_path = cfg.model_path(model)
     cands = {m: cfg.candidates(m) for m in cfg.methods}
     # the settings of a run (train: section), read from the first candidate's run config
