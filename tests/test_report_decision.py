@@ -66,8 +66,8 @@ def test_a_tie_within_the_noise_is_settled_by_less_device_memory(tmp_path):
         {"quick": _probe("quick", 80, 1.0), "lean": _probe("lean", 40, 1.1)},
     )
     assert "Chosen because: tied on speed, so less device memory" in text
-    assert "tied with 1 other candidate(s) within the measured noise (20%): the runner-up, quick, is 9% faster" in text
-    assert "40.0 MiB device peak, the others at least 80.0 MiB" in text
+    assert "tied with 1 other candidate within the measured noise (20%): the runner-up, quick, is 9% faster" in text
+    assert "its device peak is 40.0 MiB against 80.0 MiB" in text
 
 
 def test_a_tie_at_equal_memory_is_settled_by_fewer_levers(tmp_path):

@@ -60,10 +60,12 @@ def chosen_because(selected: CandidateRow | None, rows: list[CandidateRow]) -> d
             if margin is not None and margin < 0
             else f"{_pct(margin)} more throughput than the runner-up, {runner}"
         )
-        detail = f"tied with {len(others)} other candidate(s) within the {kind} ({_pct(noise)}): {speed}"
+        n = f"{len(others)} other candidate" + ("s" if len(others) != 1 else "")
+        detail = f"tied with {n} within the {kind} ({_pct(noise)}): {speed}"
         if step == 0 and others:
-            least_other = min(o.device_bytes or 0 for o in others)
-            detail += f"; {_bytes(selected.device_bytes)} device peak, the others at least {_bytes(least_other)}"
+            least = _bytes(min(o.device_bytes or 0 for o in others))
+            than = f"the others' at least {least}" if len(others) > 1 else least
+            detail += f"; its device peak is {_bytes(selected.device_bytes)} against {than}"
         return {"word": f"tied on speed, so {TIE_STEPS[step]}", "detail": detail}
     if by == "only candidate that fits":
         return {"word": "the only candidate that fits", "detail": ""}
