@@ -317,3 +317,21 @@ def test_workflow_refuses_to_run_on_a_planning_only_gpu(repo, monkeypatch):
         validate_config(cfg)
     cfg["plan_only"] = True
     validate_config(cfg)
+
+
+def test_qlora_prices_the_routed_experts_at_4_bits_and_trains_attention_only():
+    """QLoRA stores the fused experts in 4 bits (memfit.train.qlora_experts) and leaves them and
+    the router frozen: Qwen3-30B-A3B's weights cost about 4.13 bits each, not 16 (the 16-bit
+    embeddings and head on top), and the adapters are the attention's alone."""
+    arch = _arch("qwen3-30b-a3b.json")
+    cand = Candidate(zero=0, precision="bf16", finetune="qlora", lora_rank=16, seq_len=2048, grad_ckpt=True)
+    est = estimate(arch, catalog.gpu("h100-80gb"), 1, 1, "sft", cand)
+    layout = param_layout(arch)
+    embeddings = 2 * (layout.embed + layout.lm_head)
+    four_bit = (arch.num_params() - layout.embed - layout.lm_head) * (4 + 8 / 64 + 32 / (64 * 256)) / 8
+    assert abs(est.breakdown["params"] - embeddings - four_bit) <= 0.02 * est.breakdown["params"]
+    attention = Settings(lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    lora = dataclasses.replace(cand, finetune="lora")
+    assert trainable_params(arch, cand, Settings()) == trainable_params(arch, lora, attention)
+    assert trainable_params(arch, lora, Settings()) > 50 * trainable_params(arch, cand, Settings())
+    assert any("fused weights in 4 bits" in n for n in est.notes)
