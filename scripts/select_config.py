@@ -1,11 +1,11 @@
 """Snakemake script: select_config -> memfit.workflow.pipeline.select_config."""
 
+from memfit.estimate.selection import check_probe_files
 from memfit.workflow.pipeline import log_to, select_config
-from memfit.workflow.select import check_probe_files
 
 log_to(snakemake.log[0])
 w = snakemake.wildcards
-# a probe counts only for the GPU it ran on (memfit.workflow.select.WrongDevice names both)
+# a probe counts only for the GPU it ran on (memfit.estimate.selection.WrongDevice names both)
 check_probe_files(snakemake.input.probes, w.gpu)
 select_config(
     snakemake.config,

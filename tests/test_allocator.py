@@ -11,13 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from memfit.estimate import allocator, calibration, catalog, estimate
+from memfit.estimate import allocator, calibration, catalog, estimate, rows
 from memfit.estimate.calibration import CalibrationError
 from memfit.estimate.settings import Settings
 from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
-from memfit.workflow import rows
 
 PADDED = Settings(variable_length=False)
 CAL_DIR = Path(__file__).resolve().parents[1] / "config" / "calibration"

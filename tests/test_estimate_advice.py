@@ -12,8 +12,8 @@ import pytest
 
 from memfit.estimate import catalog, estimate, fit_main, main
 from memfit.estimate.advice import advise, advise_fit, needs_advice
+from memfit.estimate.selection import choose, judge
 from memfit.space import Candidate
-from memfit.workflow.select import choose, judge
 
 # Llama-3.1-8B LoRA on an RTX 4090 (the example): 8,192 tokens do not fit
 LORA_4090 = ["--model", "llama-3.1-8b", "--gpu", "rtx4090", "--finetune", "lora"]
@@ -132,7 +132,7 @@ def test_lists_rank_the_cross_product_by_the_workflow_selection(capsys):
     out = _json(capsys)
     rows = out["candidates"]
     assert len(rows) == 12 and out["selected"] == rows[0]["id"]
-    # the same rows judged and chosen by memfit.workflow.select give the same answer
+    # the same rows judged and chosen by memfit.estimate.selection give the same answer
     priced = []
     for r in rows:
         c = r["candidate"]
@@ -143,7 +143,7 @@ def test_lists_rank_the_cross_product_by_the_workflow_selection(capsys):
         assert one["device_total_bytes"] == r["predicted"]["device_total_bytes"]
         assert one["fits_with_headroom"] == r["fits"]
         priced.append({**one, "candidate": c, "id": r["id"]})
-    from memfit.workflow.rows import Budget
+    from memfit.estimate.rows import Budget
 
     b = out["budget"]
     budget = Budget(b["device_bytes"], b["host_bytes"], b["headroom"], b["headroom_source"])

@@ -131,7 +131,7 @@ BASE = ["--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--num-gpus", "8", "--z
 
 
 def test_fit_is_the_largest_value_that_fits_with_the_workflow_headroom(capsys):
-    """`memfit fit` applies the same 10% headroom as the workflow (memfit.workflow.rows.Budget): the
+    """`memfit fit` applies the same 10% headroom as the workflow (memfit.estimate.rows.Budget): the
     value it returns fits with headroom, the next one does not; with --headroom 0 it is larger."""
     sizes = {}
     for headroom in ("0.1", "0"):

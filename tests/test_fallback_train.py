@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from deepspeed_runs import base_run, run
 
+from memfit.estimate.rows import Budget, CandidateRow, Prediction, Selection
 from memfit.space import Candidate
 from memfit.train import checkpoint
 from memfit.workflow import pipeline
 from memfit.workflow.resume_check import verify_resume
-from memfit.workflow.rows import Budget, CandidateRow, Prediction, Selection
 
 pytestmark = pytest.mark.slow
 

@@ -48,8 +48,8 @@ def test_a_real_probe_records_its_device_and_the_selection_holds_it_to_the_gpu(d
     steady steps; select_config takes it for `gpus: [cpu]` and refuses it for an H100."""
     from deepspeed_runs import base_run
 
+    from memfit.estimate.selection import WrongDevice, check_probe_files
     from memfit.workflow.probe import run_probe
-    from memfit.workflow.select import WrongDevice, check_probe_files
 
     cfg = base_run(demo_model, demo_data, tmp_path / "run", zero=0, micro_batch=4, grad_accum=1)
     out = tmp_path / "probes" / "z0.json"

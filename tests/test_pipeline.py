@@ -105,7 +105,7 @@ def test_a_boundary_probe_checks_the_estimate_where_it_decides(repo, demo_model,
 
 
 def test_boundary_probe_rules(repo):
-    from memfit.workflow.rows import Budget
+    from memfit.estimate.rows import Budget
 
     budget = Budget(device_bytes=100, host_bytes=1000, headroom=0.1)  # limit 90
 

@@ -265,7 +265,7 @@ def test_robust_to_missing_keys_and_unmatched_inputs(tmp_path):
 
 
 def test_selection_rows_are_checked_once_naming_file_and_key(tmp_path):
-    """selected.json is what memfit.workflow.select writes; a row that is not raises before any page is written."""
+    """selected.json is what memfit.estimate.selection writes; a row that is not raises before any page is written."""
     paths = _dpo_run(tmp_path)
     sel = json.loads(paths["selected"].read_text())
     sel["candidates"][1]["fits"] = "no"

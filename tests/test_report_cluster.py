@@ -251,7 +251,7 @@ def test_the_nodes_hint_is_what_a_plan_on_that_many_nodes_selects(none_fits, tmp
 
 
 def test_a_training_run_where_nothing_fits_still_stops_with_every_reason(none_fits, tmp_path):
-    from memfit.workflow.select import NoneFits
+    from memfit.estimate.selection import NoneFits
 
     root, selected, _ = none_fits
     raw = copy.deepcopy(load_yaml(ROOT / "config" / "cluster-example.yaml")) | {"plan_only": False}

@@ -1,6 +1,6 @@
 """The report says why the selected candidate won: fastest, tied and settled by the tie rule, or alone.
 
-selected.json is written here the way the workflow's select step writes it (memfit.workflow.select's
+selected.json is written here the way the workflow's select step writes it (memfit.estimate.selection's
 judge and choose, then Selection.to_json), so the page reads the `decision` selection records.
 """
 
@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 
 from memfit import report
-from memfit.workflow.rows import Budget, Selection
-from memfit.workflow.select import choose, judge
+from memfit.estimate.rows import Budget, Selection
+from memfit.estimate.selection import choose, judge
 
 MiB = 2**20
 BUDGET = Budget(device_bytes=100 * MiB, host_bytes=1024 * MiB, headroom=0.1)

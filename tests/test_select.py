@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.workflow.rows import Budget
-from memfit.workflow.select import choose, judge
+from memfit.estimate.rows import Budget
+from memfit.estimate.selection import choose, judge
 
 MiB = 2**20
 
@@ -83,7 +83,7 @@ def test_nothing_fits_names_every_candidate():
 
 
 def test_rows_round_trip_and_a_bad_row_names_its_key():
-    from memfit.workflow.rows import CandidateRow, RowError, Selection
+    from memfit.estimate.rows import CandidateRow, RowError, Selection
 
     for case in SELECT_CASES:  # every row the fixtures hold reads back to the same JSON
         doc = json.loads((FIXTURES / f"{case}.selected.expected.json").read_text())
@@ -175,8 +175,8 @@ def test_selected_json_is_byte_for_byte_what_it_was(case, repo, tmp_path, monkey
 
 
 def test_nothing_fits_names_the_closest_and_round_trips_as_a_selection():
-    from memfit.workflow.rows import RowError, Selection
-    from memfit.workflow.select import NoneFits
+    from memfit.estimate.rows import RowError, Selection
+    from memfit.estimate.selection import NoneFits
 
     # b is over by 33% on the device, a by 11% on the host: a is the closest
     estimates = [est("b", 2, 120, 0.5), est("a", 1, 40, 1.0), est("v", 1, 1, 1.0, invalid=True, reason="no bf16")]
@@ -211,7 +211,7 @@ def write_probes(tmp_path, **devices):
 
 
 def test_a_probe_of_another_device_is_refused_naming_both(tmp_path):
-    from memfit.workflow.select import WrongDevice, check_probe_files
+    from memfit.estimate.selection import WrongDevice, check_probe_files
 
     cpu = write_probes(tmp_path, a=("cpu", 16 * 2**30))
     with pytest.raises(WrongDevice) as e:

@@ -60,5 +60,5 @@ def test_sft_ids_name_no_dpo_reference_and_dpo_ids_stay_as_they_were(repo, monke
         "z3-gc-sdpa-full-mb4-s24-fp32-ref-precomputed",
     }
     # a DPO run without a reference mode is refused, naming the key
-    with pytest.raises(ValueError, match=r"DPO needs a reference mode \(search\.ref"):
+    with pytest.raises(ValueError, match=r"(?i)dpo needs a reference mode \(search\.ref"):
         RunConfig(method="dpo", model_path="m", data_dir="d", out_dir="o", candidate=sft[0].to_dict())

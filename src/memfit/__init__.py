@@ -3,7 +3,7 @@
 Subpackages in the order of the DAG (ARCHITECTURE.md); imports point down this list:
 
 - `memfit.cli`: the `memfit` command (may import anything);
-- `memfit.report`: the HTML page (reads `memfit.workflow.rows`, `memfit.estimate`, `memfit.exports`);
+- `memfit.report`: the HTML page (reads `memfit.estimate.rows`, `memfit.estimate`, `memfit.exports`);
 - `memfit.workflow`: the stages the Snakefile calls (config, pipeline, probe, select, fallback,
   resume_check, slurm, demo, model_check, compare_results);
 - `memfit.exports`: the selection as OpenRLHF, LLaMA-Factory and HF files;

@@ -15,7 +15,7 @@ verdict rests on; probes/<id>.json where selected.json is not written yet), trai
   peak (`predicted_breakdown_<component>_bytes`) and each phase's peak
   (`predicted_phase_<phase>_bytes` on the device, `predicted_host_phase_<phase>_bytes` per node);
   `invalid`, `invalid_reason` where the hardware cannot run it;
-- the verdict as `memfit.workflow.select` judged it: `source` (measured | probe | predicted | rule), `fits`,
+- the verdict as `memfit.estimate.selection` judged it: `source` (measured | probe | predicted | rule), `fits`,
   `reason`, and the figures judged on: `device_bytes`, `host_bytes`, `step_time_s`, `tokens_per_s`;
 - the probe: `probe_status` (ok | oom | timeout | error; NA when not probed),
   `probe_peak_allocated_bytes`, `probe_peak_reserved_bytes`, `probe_host_bytes` (node RSS),
@@ -26,7 +26,7 @@ verdict rests on; probes/<id>.json where selected.json is not written yet), trai
   where no check ran).
 
 Bytes are per device (rank) unless the name says host; times in seconds per optimizer step;
-throughput in tokens per second per node at the fixed global batch (memfit.workflow.select).
+throughput in tokens per second per node at the fixed global batch (memfit.estimate.selection).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Any
 
 import pandas as pd
 
+from memfit.estimate.rows import CandidateRow, CandidateTable, RowError, Selection
 from memfit.space import Candidate
-from memfit.workflow.rows import CandidateRow, CandidateTable, RowError, Selection
 
 __all__ = ["ResultsError", "frame", "load", "records", "run_rows", "write_parquet"]
 
@@ -75,7 +75,7 @@ class ResultsError(ValueError):
 
 
 def _estimate_columns(est: Any) -> dict[str, Any]:
-    """The prediction of one candidates.json row (a `memfit.workflow.rows.EstimateRow`)."""
+    """The prediction of one candidates.json row (a `memfit.estimate.rows.EstimateRow`)."""
     out: dict[str, Any] = {f"predicted_{k}": getattr(est, k) for k in PREDICTED}
     out["invalid"], out["invalid_reason"] = est.invalid, est.reason if est.invalid else None
     breakdown = est.breakdown or {}

@@ -31,6 +31,9 @@ term says where it comes from:
   calibration.json: the model's own micro steps under each DeepSpeed engine), used when
   `Settings.step_time_calibration` holds the candidate; the Estimate's `time_source` says which;
 - `core`: `estimate()` (phases -> breakdown -> verdict), `estimate_space`, `fit`;
+- `selection` over `rows`: which candidate runs (the fastest that fits, measured beats predicted,
+  ties within the noise settled by a stated rule) and why every other one lost; the workflow's
+  select stage and `rank` (`memfit estimate` with lists) both use it;
 - `cli`: `memfit estimate` and `memfit fit`.
 
 The numbers are per rank (one GPU), in bytes. Host memory is per node.

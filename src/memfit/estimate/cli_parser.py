@@ -151,8 +151,28 @@ def _add_job_args(p: argparse.ArgumentParser, maximize: bool) -> None:
 
 
 def _add_lever_args(p: argparse.ArgumentParser, maximize: bool) -> None:
-    """The search levers: precision, checkpointing, attention, loss, ZeRO, offload, reference."""
+    """The search levers: compute (precision, checkpointing, attention, loss), memory (ZeRO,
+    offload, sequence parallelism, tiling), the DPO reference and the advice switch."""
     one = "" if maximize else "; a comma-separated list ranks each"
+    _add_compute_levers(p, one)
+    _add_memory_levers(p, one)
+    p.add_argument(
+        "--ref",
+        choices=["precomputed", "model", "adapter"],
+        default=None,
+        help="DPO reference (default: model for full, adapter for LoRA)",
+    )
+    p.add_argument(
+        "--advice",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="when it does not fit (or fits with little room), try memfit's levers one at a time and "
+        "print those that make it fit (default: on, off for a traced model, where each lever traces)",
+    )
+
+
+def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
+    """Precision, gradient checkpointing, attention kernel, loss implementation."""
     p.add_argument(
         "--precision",
         type=_listed(str, ["bf16", "fp16", "fp32"]),
@@ -192,6 +212,10 @@ def _add_lever_args(p: argparse.ArgumentParser, maximize: bool) -> None:
         default=None,
         help="chunked: tokens per chunk (default: 256 MiB of fp32 logits a chunk)",
     )
+
+
+def _add_memory_levers(p: argparse.ArgumentParser, one: str) -> None:
+    """ZeRO stage, offload, sequence parallelism, tiled MLP, activation offload."""
     p.add_argument(
         "--zero",
         type=_listed(int, [0, 1, 2, 3]),
@@ -236,19 +260,6 @@ def _add_lever_args(p: argparse.ArgumentParser, maximize: bool) -> None:
         type=int,
         default=DEFAULT_SETTINGS.sub_group_size,
         help="ZeRO-3 optimizer sub-group size, elements",
-    )
-    p.add_argument(
-        "--ref",
-        choices=["precomputed", "model", "adapter"],
-        default=None,
-        help="DPO reference (default: model for full, adapter for LoRA)",
-    )
-    p.add_argument(
-        "--advice",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="when it does not fit (or fits with little room), try memfit's levers one at a time and "
-        "print those that make it fit (default: on, off for a traced model, where each lever traces)",
     )
 
 

@@ -70,7 +70,7 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # what the user should know (said once each)
     invalid: bool = False
     reason: str = ""  # why the hardware cannot run it, when invalid
-    # headroom, as the workflow's selection applies it (memfit.workflow.rows.Budget): the fraction of
+    # headroom, as the workflow's selection applies it (memfit.estimate.rows.Budget): the fraction of
     # device memory kept free; `fits_with_headroom` compares device_total to the usable part
     headroom: float = 0.0
     # "given" (the caller's headroom) or where the derived margin comes from (calibration.device_margin)
@@ -192,7 +192,7 @@ def _verdict(job: Job, est: Estimate) -> None:
         est.margin_bytes = est.device_memory_bytes - est.device_total_bytes
         est.host_margin_bytes = est.host_memory_bytes - est.host_bytes
         est.fits = est.margin_bytes >= 0 and est.host_margin_bytes >= 0
-    # the same rule as memfit.workflow.rows.Budget.device_limit_bytes
+    # the same rule as memfit.estimate.rows.Budget.device_limit_bytes
     est.headroom = job.headroom
     if job.headroom is None:  # no headroom given: the margin memfit's own device-total error calls for
         cal = calibration.for_gpu(job.gpu.name, job.gpu.compute_capability)
@@ -344,7 +344,7 @@ def estimate(
     """Predict one configuration on `num_gpus` GPUs per node x `num_nodes` nodes.
 
     `budget_bytes` replaces the device's memory (the demo's `cpu` entry). `headroom` is the
-    fraction of it kept free, as in `memfit.workflow.rows.Budget`: `fits_with_headroom` applies it;
+    fraction of it kept free, as in `memfit.estimate.rows.Budget`: `fits_with_headroom` applies it;
     None keeps the margin memfit's own measured device-total error calls for on this GPU
     (`calibration.device_margin`, said in `headroom_source`). Invalid hardware combinations return
     `Estimate(invalid=True, reason=...)`; bad input raises `EstimateError`.

@@ -1,5 +1,5 @@
 """`memfit estimate` with several values for a lever: every combination estimated, then judged
-and ranked by the workflow's own selection (memfit.workflow.select.judge and choose: the fastest
+and ranked by the workflow's own selection (memfit.estimate.selection.judge and choose: the fastest
 that fits, speeds within the noise tied and decided by less memory, fewer levers, the id), with
 no YAML and no Snakemake.
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.estimate.core import Estimate
+from memfit.estimate.rows import Budget, CandidateRow
+from memfit.estimate.selection import TIE_RULE, NoneFits, choose, judge
 from memfit.space import Candidate
 from memfit.units import GIB
-from memfit.workflow.rows import Budget, CandidateRow
-from memfit.workflow.select import TIE_RULE, NoneFits, choose, judge
 
 
 @dataclass

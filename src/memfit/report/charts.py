@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.workflow.rows import Budget
+from memfit.estimate.rows import Budget
 
 from .fmt import _measured, _num, _unit_for
 from .inputs import RunOutputs

@@ -1,4 +1,4 @@
-"""Why the selected candidate won, in words: selected.json's `decision` (memfit.workflow.select).
+"""Why the selected candidate won, in words: selected.json's `decision` (memfit.estimate.selection).
 
 Selection takes the fastest fitting candidate unless others are within the noise of its
 throughput; then the tie rule (less device memory, then fewer levers, then the candidate id)
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.workflow.rows import CandidateRow
-from memfit.workflow.select import levers
+from memfit.estimate.rows import CandidateRow
+from memfit.estimate.selection import levers
 
 from .fmt import _bytes, _num
 
-# The tie rule's steps, in its order (memfit.workflow.select.TIE_RULE).
+# The tie rule's steps, in its order (memfit.estimate.selection.TIE_RULE).
 TIE_STEPS = ("less device memory", "fewer memory levers at the same device memory", "the candidate id, first in order")
 
 

@@ -1,6 +1,6 @@
 """The report's inputs: the run's JSON files read and checked once into typed objects.
 
-selected.json must be what `memfit.workflow.select` writes (a malformed one raises `ReportError`
+selected.json must be what `memfit.estimate.selection` writes (a malformed one raises `ReportError`
 naming the file and key); candidates.json and metrics.jsonl beside it are optional: when
 missing or unreadable a note on the page says so and the report goes on.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from memfit import results
-from memfit.workflow.rows import CandidateRow, CandidateTable, RowError, Selection
+from memfit.estimate.rows import CandidateRow, CandidateTable, RowError, Selection
 
 
 class ReportError(ValueError):

@@ -10,7 +10,7 @@ Must be equal (each difference one line, exit 1):
   step time where it was modelled) and which candidates were chosen for probing;
 - probes/<id>.json: each probe's outcome (ok | oom | error | timeout);
 - selected.json: the selected candidate, where both runs chose it by a margin beyond the
-  measured noise (`decision` of memfit.workflow.select);
+  measured noise (`decision` of memfit.estimate.selection);
 - train/metrics.jsonl: the loss of every (step, split) row; train/model/*.safetensors: every
   weight tensor (max |a - b| within `--rtol` of the tensor's largest magnitude);
 - verify_resume.json: the resume verdict (passed, steps compared, bitwise flags).

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memfit.estimate import catalog
+from memfit.estimate.rows import Budget, derived_budget
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
 from memfit.workflow.config_checks import AUTO  # headroom auto or absent: the derived margin (rows.derived_budget)
-from memfit.workflow.rows import Budget, derived_budget
 
 if TYPE_CHECKING:
     from memfit.train.run_config import RunConfig

@@ -12,7 +12,7 @@ from typing import Any
 
 from memfit.estimate import catalog
 
-AUTO = "auto"  # headroom auto or absent: the derived margin (memfit.workflow.rows.derived_budget)
+AUTO = "auto"  # headroom auto or absent: the derived margin (memfit.estimate.rows.derived_budget)
 
 
 def _model_dir_problems(name: str, path: Path) -> list[str]:

@@ -121,7 +121,7 @@ def next_candidate(
 
 def load_ranking(selected_json: Path) -> list[dict[str, Any]]:
     """selected.json's `candidates` (every candidate with its verdict, best first)."""
-    from memfit.workflow.rows import Selection
+    from memfit.estimate.rows import Selection
 
     path = Path(selected_json)
     if not path.exists():

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
+from memfit.estimate.selection import NoneFits
 from memfit.workflow.config import WorkflowConfig
-from memfit.workflow.select import NoneFits
 
 
 def export_files(out: dict[str, Path], method: str) -> dict[str, Path]:

@@ -16,10 +16,10 @@ from typing import Any
 
 from memfit.atomic import write_json_atomic
 from memfit.estimate import catalog
+from memfit.estimate.rows import Budget
+from memfit.estimate.selection import NoneFits, choose, judge
 from memfit.workflow.config import WorkflowConfig
 from memfit.workflow.none_fits import export_files, write_none_fits
-from memfit.workflow.rows import Budget
-from memfit.workflow.select import NoneFits, choose, judge
 from memfit.workflow.training import set_aside_stale_checkpoints, train  # noqa: F401 - the train stage
 
 

@@ -104,7 +104,7 @@ def require_target_device(gpu: str, plan_only: bool, stage: str) -> None:
 def _require_gpu_kind(gpu: str, stage: str) -> None:
     """A GPU of another kind than the configured one (nvidia-smi's answer, no CUDA context in this
     process): stop before measuring it. Where nvidia-smi cannot tell, the selection still refuses
-    a probe of another device (memfit.workflow.select.check_probe_devices)."""
+    a probe of another device (memfit.estimate.selection.check_probe_devices)."""
     from memfit.estimate import detect, device_match
 
     try:

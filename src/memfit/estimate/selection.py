@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from memfit.estimate import device_match
+from memfit.estimate.rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
 from memfit.units import fmt_bytes
-from memfit.workflow.rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
 
 __all__ = ["Budget", "NoneFits", "WrongDevice", "choose", "judge"]
 

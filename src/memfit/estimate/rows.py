@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-SOURCES = ("measured", "probe", "predicted", "rule")  # what a verdict rests on (see memfit.workflow.select)
+SOURCES = ("measured", "probe", "predicted", "rule")  # what a verdict rests on (see memfit.estimate.selection)
 
 
 class RowError(ValueError):
@@ -192,7 +192,7 @@ class CandidateRow:
     reason: str
     probe: dict[str, Any] | None = None  # the probe's JSON (memfit.workflow.probe) as written
     figures: Figures | None = None
-    # the selected row only: how it was chosen (memfit.workflow.select._decide): by speed or the
+    # the selected row only: how it was chosen (memfit.estimate.selection._decide): by speed or the
     # tie rule, the runner-up, the margin over it and the measured noise
     decision: dict[str, Any] | None = None
 
