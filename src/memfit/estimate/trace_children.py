@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
@@ -116,13 +119,20 @@ def _trace_in_children(
     errors: list[str] = []
     # workers forked from a server that imported torch, transformers and peft once
     # (memfit.estimate.trace_worker); each takes the next shape when it is free
-    with _workers().Pool(n) as pool:
-        for i, runs, seconds, error in pool.imap_unordered(_worker_run, [(i, arch, k) for i, k in enumerate(keys)]):
-            if error:
-                errors.append(error)
-                continue
-            out[i] = (runs, seconds)
-            done(keys[i], seconds)
+    # (a pool that notices a worker killed mid-shape: multiprocessing.Pool would wait forever)
+    with ProcessPoolExecutor(n, mp_context=_workers()) as pool:
+        with _main_not_imported():  # the first submit starts the workers
+            futures = [pool.submit(_worker_run, (i, arch, k)) for i, k in enumerate(keys)]
+        try:
+            for future in as_completed(futures):
+                i, runs, seconds, error = future.result()
+                if error:
+                    errors.append(error)
+                    continue
+                out[i] = (runs, seconds)
+                done(keys[i], seconds)
+        except BrokenProcessPool:
+            errors.append("a trace worker process died (killed by the system: out of memory?)")
     if errors or any(r is None for r in out):
         raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a worker gave no result'])[0]}")
     return [r for r in out if r is not None]
@@ -144,6 +154,30 @@ def _workers():
         ctx.set_forkserver_preload(["memfit.estimate.trace_worker"])
         _CONTEXT.append(ctx)
     return _CONTEXT[0]
+
+
+_LAUNCH = threading.Lock()
+
+
+@contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """While workers start: a process that is not forked imports the parent's __main__ first
+    (multiprocessing.spawn.get_preparation_data: its module name or file), which would run a
+    script's top-level code again in every worker (a Snakemake script: the whole rule). The
+    workers need nothing of it: its name and file are hidden meanwhile."""
+    main = sys.modules.get("__main__")
+    with _LAUNCH:
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            if main is not None:
+                main.__dict__.update(saved)
+                if "__spec__" not in saved:
+                    main.__dict__.pop("__spec__", None)
 
 
 def _worker_run(task):
