@@ -188,12 +188,13 @@ class Run:
             for idx, batch in rank_batches(self.eval_rows, self.cand.micro_batch, self.dp_world, self.dp_rank):
                 real = len(idx)
                 loss, m, _ = self.runner.loss(batch)
-                if real:
-                    for k, v in m.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    count += real
+                # a dummy batch (real == 0) adds zeros under the same keys: every rank then reduces
+                # the same list (gloo: "collective mismatch" when a rank had no real eval rows)
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + (v if real else 0.0)
+                count += real
         self.engine.train()
-        keys = sorted(sums) if sums else ["loss"]
+        keys = sorted(sums) if sums else ["loss"]  # no batch on any rank: rank_batches yields alike
         totals = dist_env.all_reduce_sum([sums.get(k, 0.0) for k in keys] + [count])
         n = max(totals[-1], 1.0)
         return {k: totals[i] / n for i, k in enumerate(keys)}
