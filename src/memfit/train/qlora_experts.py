@@ -56,6 +56,7 @@ def quantize_fused_experts(
     """Quantize the fused expert weights of `model` in place, one parameter at a time (its 16-bit
     tensor is released as soon as its packed copy exists), on the device each one is on. Returns
     the qualified names of the quantized parameters."""
+    import bitsandbytes as bnb
     import bitsandbytes.functional as bnbf
 
     done = []
@@ -88,7 +89,20 @@ def quantize_fused_experts(
             out_f, in_f = w.shape[1], w.shape[2]
             del m._parameters[pname]
             del w
-            m.register_parameter(f"{pname}_4bit", nn.Parameter(torch.stack(packed), requires_grad=False))
+            # a bitsandbytes Params4bit (already quantized), as Linear4bit's weight is: peft's
+            # prepare_model_for_kbit_training upcasts every other 16-bit parameter to fp32
+            # (peft/utils/other.py: `param.__class__.__name__ != "Params4bit"`), which would
+            # convert the packed bytes of a 16-bit quant_storage (ZeRO-3) as numbers
+            data = bnb.nn.Params4bit(
+                torch.stack(packed),
+                requires_grad=False,
+                blocksize=BLOCKSIZE,
+                compress_statistics=True,
+                quant_type=quant_type,
+                quant_storage=quant_storage,
+                bnb_quantized=True,
+            )
+            m.register_parameter(f"{pname}_4bit", data)
             m.register_buffer(f"{pname}_absmax", torch.stack(absmax))
             m.register_buffer(f"{pname}_absmax2", torch.stack(absmax2))
             m.register_buffer(f"{pname}_offset", torch.cat(offset))
