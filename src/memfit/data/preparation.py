@@ -4,7 +4,6 @@ truncate (counted), split by prompt, write train/eval parquet and stats.json ato
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -31,7 +30,10 @@ from memfit.data.schema import (
     WORST_CASE_ROWS,
     DataError,
 )
-from memfit.data.sources import Source, open_source
+from memfit.data.schema import prompt_key as _prompt_key
+from memfit.data.schema import token_ids as _ids
+from memfit.data.sources import Source, open_source, type_name
+from memfit.data.unpaired import add_kl_pairing, tokenize_kto
 
 
 def _load_tokenizer(tokenizer_dir: str | os.PathLike):
@@ -49,17 +51,6 @@ def _load_tokenizer(tokenizer_dir: str | os.PathLike):
     if tok.eos_token_id is None:
         raise ValueError(f"tokenizer at {tokenizer_dir} has no eos_token")
     return tok
-
-
-def _ids(tok, texts: list[str]) -> list[list[int]]:
-    if not texts:
-        return []
-    return tok(texts, add_special_tokens=False)["input_ids"]
-
-
-def _prompt_key(seed: int, prompt_text: str) -> int:
-    digest = hashlib.blake2b(f"{seed}\n{prompt_text}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
 
 
 class _Builder:
@@ -93,6 +84,8 @@ class _Job:
     dropped: dict[str, int]
     truncated: dict[str, int]
     out: _Builder
+    method: str = "dpo"
+    margins: dict[str, int | None] | None = None  # rm: the first source row with and without a margin
 
 
 def _tokenize_sft(job: _Job, chunk: list[tuple[int, dict]]) -> None:
@@ -135,9 +128,11 @@ def _tokenize_sft(job: _Job, chunk: list[tuple[int, dict]]) -> None:
 
 
 def _tokenize_dpo(job: _Job, chunk: list[tuple[int, dict]]) -> None:
-    prompt_texts, chosens, rejecteds, rows = [], [], [], []
+    prompt_texts, chosens, rejecteds, rows, margins = [], [], [], [], {}
     for row, record in chunk:
         prompt, chosen, rejected, key = dpo_pair(job.src, row, record)
+        if job.method == "rm":
+            margins[row] = _margin(job, row, record)
         if not chosen.strip():
             job.dropped["empty_chosen"] += 1
         elif not rejected.strip():
@@ -177,8 +172,34 @@ def _tokenize_dpo(job: _Job, chunk: list[tuple[int, dict]]) -> None:
         cols["chosen_ids"].append(c)
         cols["rejected_ids"].append(r)
         cols["length"].append(len(p) + max(len(c), len(r)))
+        if job.method == "rm":
+            cols.setdefault("margin", []).append(margins[row])
         keys.append(_prompt_key(job.seed, text))
     job.out.add(cols, keys)
+
+
+def _margin(job: _Job, row: int, record: dict) -> float | None:
+    """rm: the pair's optional `margin` (TRL RewardTrainer: subtracted inside the sigmoid); every
+    pair has one or none does (checked once all rows are read, `_check_margins`)."""
+    m = record.get("margin")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or m != m):
+        raise DataError(job.src.path, f"expected a number, got {type_name(m)} {m!r}", row, "margin", job.src.unit)
+    assert job.margins is not None
+    job.margins.setdefault("with" if m is not None else "without", row)
+    return None if m is None else float(m)
+
+
+def _check_margins(job: _Job) -> None:
+    seen = job.margins or {}
+    if seen.get("with") and seen.get("without"):
+        raise DataError(
+            job.src.path,
+            f"missing: {job.src.unit} {seen['with']} has a margin and this one has none; give every pair a "
+            "margin or none",
+            seen["without"],
+            "margin",
+            job.src.unit,
+        )
 
 
 # ------------------------------------------------------------------------ split, stats
@@ -212,7 +233,9 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float | int]:
 
 
 def _token_count(table: pa.Table, method: str) -> int:
-    cols = ("input_ids",) if method == "sft" else ("prompt_ids", "chosen_ids", "rejected_ids")
+    cols = {"sft": ("input_ids",), "kto": ("prompt_ids", "completion_ids")}.get(
+        method, ("prompt_ids", "chosen_ids", "rejected_ids")
+    )
     return int(sum(pc.sum(pc.list_value_length(table[c])).as_py() or 0 for c in cols))
 
 
@@ -229,6 +252,19 @@ def longest_first(lengths: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------ prepare
 
 
+def _check_arguments(method: str, max_len: int, eval_fraction: float, min_response: int, assistant_loss: str) -> None:
+    if method not in SCHEMAS:
+        raise ValueError(f"method must be one of {', '.join(SCHEMAS)}, got {method!r}")
+    if max_len < 2:
+        raise ValueError(f"max_len must be at least 2, got {max_len}")
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    if min_response < 1:
+        raise ValueError(f"min_response_tokens must be at least 1, got {min_response}")
+    if assistant_loss not in ASSISTANT_LOSS:
+        raise ValueError(f"assistant_loss must be 'all' or 'last', got {assistant_loss!r}")
+
+
 def prepare(
     method: str,
     source: str | os.PathLike,
@@ -241,26 +277,18 @@ def prepare(
     progress: bool | None = None,
     assistant_loss: str = "all",
 ) -> dict:
-    """Tokenize `source` for `method` ("sft" or "dpo") into `out_dir`; returns the stats dict.
+    """Tokenize `source` for `method` into `out_dir`; returns the stats dict. sft; dpo, rm, orpo
+    and simpo (pairs; rm keeps a `margin` column); kto (unpaired rows, pairs converted).
 
     `progress`: tqdm bar on stderr; by default when the source has PROGRESS_MIN_ROWS rows or more.
     `assistant_loss` (SFT chat rows): "all" assistant turns carry loss, or the "last" only.
     """
-    if method not in SCHEMAS:
-        raise ValueError(f"method must be 'sft' or 'dpo', got {method!r}")
-    if max_len < 2:
-        raise ValueError(f"max_len must be at least 2, got {max_len}")
-    if not 0 <= eval_fraction < 1:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    if min_response_tokens < 1:
-        raise ValueError(f"min_response_tokens must be at least 1, got {min_response_tokens}")
-    if assistant_loss not in ASSISTANT_LOSS:
-        raise ValueError(f"assistant_loss must be 'all' or 'last', got {assistant_loss!r}")
+    _check_arguments(method, max_len, eval_fraction, min_response_tokens, assistant_loss)
     src = open_source(Path(source))
     tok = _load_tokenizer(tokenizer_dir)
     dropped = dict.fromkeys(DROP_REASONS[method], 0)
     truncated = dict.fromkeys(TRUNCATION_REASONS[method], 0)
-    tokenize = _tokenize_sft if method == "sft" else _tokenize_dpo
+    tokenize = {"sft": _tokenize_sft, "kto": tokenize_kto}.get(method, _tokenize_dpo)
     builder = _Builder(method)
     job = _Job(
         tok,
@@ -273,6 +301,8 @@ def prepare(
         dropped,
         truncated,
         builder,
+        method,
+        {},
     )
 
     from tqdm import tqdm
@@ -300,10 +330,14 @@ def prepare(
         reasons = ", ".join(f"{k}: {v}" for k, v in dropped.items() if v)
         raise DataError(src.path, f"all {rows_read} rows were dropped ({reasons}); max_len={max_len}")
 
+    _check_margins(job)
     table = builder.table()
     is_eval = _eval_mask(builder.keys, eval_fraction)
     train = table.filter(pa.array(~is_eval))
     evals = table.filter(pa.array(is_eval))
+    if method == "kto":  # the KL pairing, within each split (memfit.data.unpaired)
+        train, evals = (add_kl_pairing(t, max_len, truncated) for t in (train, evals))
+        table = pa.concat_tables([train, evals])
     train_len = train["length"].to_numpy()
     all_len = table["length"].to_numpy()
     stats = {

@@ -3,6 +3,7 @@ reasons a row is dropped or cut (every one a key in stats.json), and `DataError`
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pyarrow as pa
@@ -23,7 +24,11 @@ DROP_REASONS = {
         "identical_after_truncation",
     ),
 }
-TRUNCATION_REASONS = {"sft": ("response",), "dpo": ("chosen", "rejected")}
+DROP_REASONS["kto"] = ("blank_line", "empty_completion", "identical_chosen_rejected", "prompt_too_long")
+TRUNCATION_REASONS = {"sft": ("response",), "dpo": ("chosen", "rejected"), "kto": ("completion", "kl_completion")}
+PAIR_METHODS = ("dpo", "rm", "orpo", "simpo")  # prepared as DPO pairs (rm with its optional margin)
+for _m in PAIR_METHODS[1:]:
+    DROP_REASONS[_m], TRUNCATION_REASONS[_m] = DROP_REASONS["dpo"], TRUNCATION_REASONS["dpo"]
 
 _LIST_I32 = pa.list_(pa.int32())
 SCHEMAS = {
@@ -37,7 +42,22 @@ SCHEMAS = {
             ("length", pa.int32()),
         ]
     ),
+    # KTO: unpaired rows; kl_completion_ids is another row's completion, fixed at prep time
+    # (memfit.data.unpaired.add_kl_pairing); length = prompt + the longer of the two completions
+    "kto": pa.schema(
+        [
+            ("row", pa.int64()),
+            ("prompt_ids", _LIST_I32),
+            ("completion_ids", _LIST_I32),
+            ("label", pa.bool_()),
+            ("kl_completion_ids", _LIST_I32),
+            ("length", pa.int32()),
+        ]
+    ),
 }
+SCHEMAS["orpo"] = SCHEMAS["simpo"] = SCHEMAS["dpo"]
+# rm: a pair's optional `margin` (TRL RewardTrainer's margin column), null when the data has none
+SCHEMAS["rm"] = SCHEMAS["dpo"].insert(4, pa.field("margin", pa.float64()))
 
 
 class DataError(ValueError):
@@ -56,3 +76,16 @@ class DataError(ValueError):
 
 
 # --------------------------------------------------------------------------- reading
+
+
+def token_ids(tok, texts: list[str]) -> list[list[int]]:
+    """`texts` tokenized without special tokens (the chat template already has them)."""
+    if not texts:
+        return []
+    return tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def prompt_key(seed: int, prompt_text: str) -> int:
+    """The split's group key of a rendered prompt (memfit.data: the split is grouped by prompt)."""
+    digest = hashlib.blake2b(f"{seed}\n{prompt_text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

@@ -125,6 +125,7 @@ def type_name(value: Any) -> str:
 NEEDS = {
     "sft": "SFT rows need 'prompt' and 'response', 'messages' or 'conversations'",
     "dpo": "DPO rows need 'prompt', 'chosen' and 'rejected' (strings, or message lists)",
+    "kto": "KTO rows need 'prompt', 'completion' and 'label' (true: desirable), or a pair 'prompt', 'chosen', 'rejected'",
 }
 
 

@@ -37,9 +37,10 @@ from memfit.train.batches import Schedule, rank_batches
 from memfit.train.device_info import device_identity
 from memfit.train.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.train.modeling import check_hardware, export_model, hidden_size, load_model, model_dir
-from memfit.train.reference import precompute_reference, reference_engine
-from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, RunConfig
-from memfit.train.steps import StepRunner
+from memfit.train.preference import finish_metrics
+from memfit.train.reference import precompute_reference
+from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, REFERENCE_METHODS, RunConfig
+from memfit.train.run_parts import frozen_reference, step_runner
 from memfit.units import MIB
 
 _STOP_REQUESTED = threading.Event()
@@ -101,7 +102,7 @@ class Run:
         self.total_steps, _ = dsconfig.schedule_steps(cfg, self.schedule.steps_per_epoch)
         ds_cfg = dsconfig.for_run(cfg, self.world, self.total_steps, hidden_size(model_dir(cfg.model_path)))
         self.ds_config = ds_cfg
-        if cfg.method == "dpo" and cand.ref == "precomputed":
+        if cfg.method in REFERENCE_METHODS and cand.ref == "precomputed":
             precompute_reference(self, ds_cfg)
         hf_ds = None
         if cand.zero == 3:
@@ -116,7 +117,8 @@ class Run:
         if self.resume_plan and self.resume_plan[2] == checkpoint.UNIVERSAL_LOAD:
             ds_cfg["checkpoint"] = {"load_universal": True}  # config-json.md, "Checkpoint options"
         lora = {"alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
-        model = load_model(cfg.model_path, cand, trainable=True, lora=lora, quant_type=cfg.qlora_quant_type)
+        score = self.pad_id if cfg.method == "rm" else None  # rm: a sequence-classification model
+        model = load_model(cfg.model_path, cand, True, lora, cfg.qlora_quant_type, score)
         if said := long_context.prepare(model, cand, cfg.mlp_tile_tokens):  # the tiled MLP (DeepSpeed ALST)
             self.log(said)
         mpu, shard = sequence_parallel.setup(model, cand, cfg.method)  # Ulysses: the attention and groups
@@ -132,24 +134,9 @@ class Run:
         if self.scheduler is not None and self.scheduler.last_batch_iteration < 0:
             self.scheduler.step()
 
-        self.ref_engine = None
-        if cfg.method == "dpo" and cand.ref == "model":
-            ref = cfg.ref_model_path or cfg.model_path
-            self.ref_engine = reference_engine(cand, ref, ds_cfg, cfg.qlora_quant_type, cfg.mlp_tile_tokens)
+        self.ref_engine = frozen_reference(cfg, cand, ds_cfg)  # DPO and KTO with ref: model
         del hf_ds
-        self.runner = StepRunner(
-            cfg.method,
-            self.engine,
-            self.ref_engine,
-            self.pad_id,
-            dpo=cfg.dpo,
-            ref=cand.ref,
-            loss_on=cfg.loss_on,
-            flatten_packs=cand.attn == "flash",
-            loss_impl=cand.loss_impl,
-            loss_chunk_tokens=cfg.loss_chunk_tokens,
-            shard=shard,
-        )
+        self.runner = step_runner(cfg, cand, self.engine, self.ref_engine, self.pad_id, shard)
 
     def _pack(self) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
         """SFT packing: the training rows in packs of at most seq_len tokens (memfit.data.pack)."""
@@ -197,7 +184,7 @@ class Run:
         keys = sorted(sums) if sums else ["loss"]  # no batch on any rank: rank_batches yields alike
         totals = dist_env.all_reduce_sum([sums.get(k, 0.0) for k in keys] + [count])
         n = max(totals[-1], 1.0)
-        return {k: totals[i] / n for i, k in enumerate(keys)}
+        return finish_metrics(self.cfg.method, {k: totals[i] / n for i, k in enumerate(keys)})
 
     # -- one optimizer step --------------------------------------------------
     def train_step(self, step: int, probe_rows: list[dict[str, Any]] | None) -> dict[str, float]:
@@ -231,7 +218,7 @@ class Run:
         dt = time.perf_counter() - t0
         keys = sorted(sums)
         totals = dist_env.all_reduce_sum([sums[k] for k in keys] + [rows_seen])
-        out = {k: totals[i] / totals[-1] for i, k in enumerate(keys)}
+        out = finish_metrics(self.cfg.method, {k: totals[i] / totals[-1] for i, k in enumerate(keys)})
         out["tokens_per_s"] = tokens / dt  # non-padding tokens per second, this rank
         out["step_time_s"] = dt
         return out
@@ -426,7 +413,7 @@ class Run:
             "step_time_s": statistics.median(steady) if steady else None,
             "device": str(dist_env.device()),
             **device_identity(dist_env.device()),  # the selection refuses another device's figures
-            # a probe's steps after the first: the spread the selection weighs (memfit.workflow.select)
+            # a probe's steps after the first: the spread the selection weighs (memfit.estimate.selection)
             **({"steady_step_times_s": [round(t, 6) for t in steady]} if self.cfg.probe_steps else {}),
             "memory_source": "torch.cuda.max_memory_allocated"
             if torch.cuda.is_available()

@@ -177,9 +177,16 @@ def experts_left_frozen(model, config):
 
 
 def load_model(
-    path: str, cand: Candidate, trainable: bool, lora: dict[str, Any] | None = None, quant_type: str = "nf4"
+    path: str,
+    cand: Candidate,
+    trainable: bool,
+    lora: dict[str, Any] | None = None,
+    quant_type: str = "nf4",
+    score_pad_id: int | None = None,
 ):
-    """A HF causal LM with the candidate's attention, dtype, checkpointing and adapters.
+    """A HF causal LM with the candidate's attention, dtype, checkpointing and adapters; with
+    `score_pad_id` a reward model instead (memfit.train.preference.rm.build_reward_model: a
+    one-output score head, trained beside LoRA adapters as peft's modules_to_save).
 
     `path` may be an adapter-only export (adapter_config.json, no config.json): the base model it
     names is loaded and the adapter merged in, so DPO can start from an SFT run that exported
@@ -193,7 +200,12 @@ def load_model(
         # adapter-disabled forward sees
         kwargs.update(qlora_load_kwargs(cand, quant_type))
     base = adapter_base(path)
-    model = AutoModelForCausalLM.from_pretrained(base or path, **kwargs)
+    if score_pad_id is None:
+        model = AutoModelForCausalLM.from_pretrained(base or path, **kwargs)
+    else:
+        from memfit.train.preference.rm import build_reward_model
+
+        model = build_reward_model(base or path, score_pad_id, **kwargs)
     if base is not None:
         model = _merge_adapter(model, path)
         for p in model.parameters():  # peft froze the base weights; a full fine-tune trains them
@@ -232,6 +244,8 @@ def load_model(
         config = lora_config(model, cand.lora_rank, lora.get("alpha"), lora.get("dropout", 0.0), lora.get("targets"))
         if expert_weights:
             config = experts_left_frozen(model, config)
+        if score_pad_id is not None:  # the new score head trains in full (TRL's RewardTrainer with peft)
+            config.modules_to_save = ["score"]
         model = get_peft_model(model, config)
         if cand.grad_ckpt and cand.finetune == "lora":
             model.enable_input_require_grads()

@@ -1,4 +1,4 @@
-"""The DPO reference model: its engine and log-probs, precomputing them once (`ref: precomputed`),
+"""The DPO (and KTO) reference model: its engine and log-probs, precomputing them once (`ref: precomputed`),
 and its memory: a workaround that lets a dropped ZeRO-3 reference engine be freed, and how to
 check that it was."""
 
@@ -103,9 +103,12 @@ def reference_logps(
     rank: int,
     loss_impl: str = "full",
     loss_chunk_tokens: int | None = None,
+    method: str = "dpo",
 ) -> torch.Tensor:
-    """[len(rows), 2] summed log-probs (chosen, rejected); ranks split the rows, then all-reduce.
+    """[len(rows), 2] summed log-probs: DPO (chosen, rejected); KTO (the row's completion, its KL
+    completion: `kl_completion_ids`, fixed at prep time). Ranks split the rows, then all-reduce.
     `loss_impl` as the policy's (StepRunner): chunked never holds the reference's full logits."""
+    from memfit.train.preference import kto
     from memfit.train.steps import StepRunner
 
     runner = StepRunner("dpo", engine, None, pad_id, loss_impl=loss_impl, loss_chunk_tokens=loss_chunk_tokens)
@@ -113,15 +116,20 @@ def reference_logps(
     device = dist_env.device()
     with torch.no_grad():
         for idx, batch_rows in rank_batches(rows, micro, world, rank):
-            batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, pad_id).items()}
-            token_lp, _ = runner.token_logps(
-                engine, batch["labels"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
-            )
-            lp = token_lp.sum(-1)
             n = len(batch_rows)
+            if method == "kto":
+                batch = {k: v.to(device) for k, v in kto.collate(batch_rows, pad_id).items()}
+                parts = [kto._sequence_logps(runner, engine, batch, prefix) for prefix in ("", "kl_")]
+            else:
+                batch = {k: v.to(device) for k, v in collate("dpo", batch_rows, pad_id).items()}
+                token_lp, _ = runner.token_logps(
+                    engine, batch["labels"], input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                )
+                lp = token_lp.sum(-1)
+                parts = [lp[:n], lp[n:]]
             if idx:
-                out[idx, 0] = lp[:n].double().cpu()
-                out[idx, 1] = lp[n:].double().cpu()
+                out[idx, 0] = parts[0].double().cpu()
+                out[idx, 1] = parts[1].double().cpu()
     totals = dist_env.all_reduce_sum(out.flatten().tolist())  # each row was filled by exactly one rank
     return torch.tensor(totals, dtype=torch.float64).view(len(rows), 2)
 
@@ -192,6 +200,7 @@ def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
                 run.rank,
                 run.cand.loss_impl,
                 run.cfg.loss_chunk_tokens,
+                run.cfg.method,
             )
             for k, rows in splits.items()
         }
@@ -208,6 +217,7 @@ def precompute_reference(run, ds_cfg: dict[str, Any]) -> None:
         if run.rank == 0 and key is not None:
             save_cached(cache, key, values)
             (run.out / LEGACY_CACHE).unlink(missing_ok=True)
+    names = ("ref_logps", "ref_KL_logps") if run.cfg.method == "kto" else ("ref_chosen_logps", "ref_rejected_logps")
     for k, rows in splits.items():
-        for row, (chosen, rejected) in zip(rows, values[k].tolist(), strict=True):
-            row["ref_chosen_logps"], row["ref_rejected_logps"] = chosen, rejected
+        for row, pair in zip(rows, values[k].tolist(), strict=True):
+            row.update(zip(names, pair, strict=True))

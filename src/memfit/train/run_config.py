@@ -15,7 +15,9 @@ from memfit.space import Candidate
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
 PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
 PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; the stopped ranks exit 1
-METHODS = ("sft", "dpo")  # what the trainer runs (memfit.train.losses)
+# what the trainer runs: memfit.train.losses (sft, dpo) and memfit.train.preference (the others)
+METHODS = ("sft", "dpo", "rm", "orpo", "simpo", "kto")
+REFERENCE_METHODS = ("dpo", "kto")  # a reference model (candidate.ref: model, adapter or precomputed)
 REFUSED_EXIT_CODE = 2  # `memfit launch`: the ranks refused the run (RunRefused), as for any bad input
 
 # The peak learning rate a run gets when its config gives none (`train.<method>.lr` omitted), per method
@@ -35,6 +37,25 @@ DEFAULT_LR = {
     ("dpo", "full"): 5e-7,
     ("dpo", "lora"): 5e-6,
     ("dpo", "qlora"): 5e-6,
+    # The preference methods (values checked against TRL 1.16's config dataclasses):
+    # - rm full 1e-5: Ouyang et al. 2022 (InstructGPT, arXiv:2203.02155, Appendix C.2: 9e-6 for the 6B
+    #   reward model); LoRA/QLoRA 1e-4: TRL's RewardConfig default learning_rate (trl/trainer/reward_config.py).
+    ("rm", "full"): 1e-5,
+    ("rm", "lora"): 1e-4,
+    ("rm", "qlora"): 1e-4,
+    # - orpo, simpo, kto full 1e-6: TRL's ORPOConfig, CPOConfig (SimPO is CPO's loss_type "simpo") and
+    #   KTOConfig defaults (trl/experimental/orpo/orpo_config.py, trl/experimental/cpo/cpo_config.py,
+    #   trl/trainer/kto_config.py); SimPO's Llama-3-8B-Instruct recipe uses 1e-6 too (Meng et al. 2024,
+    #   arXiv:2405.14734, Table 7). LoRA/QLoRA 1e-5: the factor 10 of the Zephyr DPO recipes above.
+    ("orpo", "full"): 1e-6,
+    ("orpo", "lora"): 1e-5,
+    ("orpo", "qlora"): 1e-5,
+    ("simpo", "full"): 1e-6,
+    ("simpo", "lora"): 1e-5,
+    ("simpo", "qlora"): 1e-5,
+    ("kto", "full"): 1e-6,
+    ("kto", "lora"): 1e-5,
+    ("kto", "qlora"): 1e-5,
 }
 
 
@@ -83,6 +104,8 @@ class RunConfig:
     lora_targets: str | list[str] = "all-linear"  # peft target_modules
     qlora_quant_type: str = "nf4"  # finetune qlora: 4-bit data type of the base weights, nf4 or fp4
     dpo: dict[str, Any] = field(default_factory=dict)  # DPOConfig fields: beta, loss_type, label_smoothing
+    # rm, orpo, simpo, kto: their hyperparameters under TRL's names (memfit.train.preference.make_config)
+    pref: dict[str, Any] = field(default_factory=dict)
     ref_model_path: str | None = None  # DPO reference (default: model_path, i.e. the SFT output)
     probe_steps: int = 0  # >0: probe mode: this many steps on the worst-case batch, no checkpoints
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (GPU only)
@@ -113,10 +136,11 @@ class RunConfig:
                 f"invalid run config: method {self.method!r} is not one memfit trains (allowed: {allowed})"
             )
         problems = option_problems(self.method, self.loss_on, self.packing, self.export_format, [self.cand.finetune])
-        if self.method == "dpo" and self.cand.ref is None:
+        if self.method in REFERENCE_METHODS and self.cand.ref is None:
             problems.append(
-                "DPO needs a reference mode (search.ref: model, adapter or precomputed); the candidate has none"
+                f"{self.method} needs a reference mode (search.ref: model, adapter or precomputed); the candidate has none"
             )
+        problems += preference_problems(self.method, self.pref, self.cand.micro_batch)
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
         if self.lr is None:
@@ -137,6 +161,26 @@ class RunConfig:
     @property
     def cand(self) -> Candidate:
         return Candidate.from_dict(self.candidate)
+
+
+def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -> list[str]:
+    """What is wrong with the `pref` hyperparameters of rm, orpo, simpo or kto (each naming its key),
+    and KTO's micro batch 1 (TRL's KTOTrainer refuses it: its KL batch is the batch's rotation)."""
+    from memfit.train import preference
+
+    out = []
+    if method not in preference.METHODS:
+        return [f"train.{method}: hyperparameters {sorted(values)} apply to rm, orpo, simpo, kto"] if values else []
+    try:
+        preference.make_config(method, values)
+    except (ValueError, TypeError) as e:
+        out.append(f"train.{method}: {e}")
+    if method == "kto" and micro_batch < 2:
+        out.append(
+            "kto needs a micro batch of 2 or more (search.micro_batch; TRL's KTOTrainer refuses 1: "
+            "the KL term's mismatched pairs come from the batch)"
+        )
+    return out
 
 
 def option_problems(method: str, loss_on: str, packing: bool, export: str, finetunes: list[str]) -> list[str]:

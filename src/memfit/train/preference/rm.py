@@ -72,8 +72,8 @@ def step(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.
     rewards = out.logits.squeeze(-1).float()
     n = len(rows)
     margin = None
-    if any("margin" in r for r in rows):
-        if not all("margin" in r for r in rows):
+    if any(r.get("margin") is not None for r in rows):  # a prepared rm dataset: a margin or null
+        if not all(r.get("margin") is not None for r in rows):
             raise ValueError("rm: some rows of the batch have a `margin` and some do not; give every row one or none")
         margin = torch.tensor([float(r["margin"]) for r in rows], device=rewards.device)
     losses, metrics = rm_loss(rewards[:n], rewards[n:], runner.pref, margin)

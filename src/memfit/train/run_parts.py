@@ -1,0 +1,39 @@
+"""Pieces of `memfit.train.loop.Run.setup` that depend on the method: the frozen reference
+engine (DPO and KTO with `ref: model`) and the `StepRunner` every step, evaluation and probe runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfit.space import Candidate
+from memfit.train.reference import reference_engine
+from memfit.train.run_config import REFERENCE_METHODS, RunConfig
+from memfit.train.steps import StepRunner
+
+
+def frozen_reference(cfg: RunConfig, cand: Candidate, ds_cfg: dict[str, Any]):
+    """The reference as a DeepSpeed inference engine when the method has one and the candidate
+    keeps it as a model (`ref: model`); None otherwise (adapter, precomputed, no reference)."""
+    if cfg.method not in REFERENCE_METHODS or cand.ref != "model":
+        return None
+    ref = cfg.ref_model_path or cfg.model_path
+    return reference_engine(cand, ref, ds_cfg, cfg.qlora_quant_type, cfg.mlp_tile_tokens)
+
+
+def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int, shard) -> StepRunner:
+    """The run's forward and loss (memfit.train.steps): DPO's and the preference methods'
+    hyperparameters from the run config, the loss implementation from the candidate."""
+    return StepRunner(
+        cfg.method,
+        engine,
+        ref_engine,
+        pad_id,
+        dpo=cfg.dpo,
+        ref=cand.ref,
+        loss_on=cfg.loss_on,
+        flatten_packs=cand.attn == "flash",
+        loss_impl=cand.loss_impl,
+        loss_chunk_tokens=cfg.loss_chunk_tokens,
+        shard=shard,
+        pref=cfg.pref,
+    )
