@@ -59,7 +59,7 @@ LLAMAFACTORY_FIELDS = {
     "model_name_or_path", "flash_attn", "disable_gradient_checkpointing", "quantization_bit",
     "quantization_method", "quantization_type", "double_quantization", "dataset", "dataset_dir", "cutoff_len",
     "train_on_prompt", "packing", "neat_packing", "val_size", "stage", "finetuning_type", "lora_rank", "lora_alpha",
-    "lora_dropout", "lora_target", "pref_beta", "pref_loss", "dpo_label_smoothing", "ref_model",
+    "lora_dropout", "lora_target", "pref_beta", "pref_loss", "dpo_label_smoothing", "ref_model", "mask_history",
 }  # fmt: skip
 LLAMAFACTORY_CHOICES = {
     "flash_attn": {
@@ -334,9 +334,10 @@ def test_without_a_step_count_the_trainers_count_their_own(tmp_path):
 
 def test_the_workflow_declares_every_export(repo):
     """select_config's outputs in workflow/rules/plan.smk are exactly memfit.exports.FILES."""
-    text = (repo / "workflow/rules/plan.smk").read_text()
+    # res(...): the results root of the config's run: name (results/ or results/NAME/); whitespace-free
+    text = "".join((repo / "workflow/rules/plan.smk").read_text().split())
     for key, rel in exports.FILES.items():
-        assert f'{key}="results/{{model}}/{{gpu}}/{{method}}/{rel}",' in text
+        assert f'{key}=res("{{model}}/{{gpu}}/{{method}}/{rel}"' in text, key
 
 
 def test_a_sequence_parallel_selection_exports_its_batch_and_says_where_a_trainer_cannot_split(tmp_path):
@@ -379,3 +380,123 @@ def test_the_tiled_mlp_and_activation_offload_export_where_a_trainer_has_them(tm
     _, missing = openrlhf_script(plan)
     assert any(m == "activation_offload: no activation offload flag" for m in missing)
     assert any(m.startswith("tiled_mlp: OpenRLHF") for m in missing)
+
+
+# ------------------------------------------------------------------ chat rows (memfit.data.chat)
+_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "2 + 3?"},
+    {"role": "assistant", "content": "5"},
+    {"role": "user", "content": "and 2 + 4?"},
+    {"role": "assistant", "content": "6"},
+]
+_SHAREGPT = [{"from": {"user": "human", "assistant": "gpt"}.get(t["role"], t["role"]), "value": t["content"]}
+             for t in _TURNS]  # fmt: skip
+
+
+def _chat_plan(tmp_path: Path, method: str, row: dict, name: str = "rows.jsonl", **plan) -> exports.ExportPlan:
+    """An export plan whose data source is a file of `row`s in a chat form the data prep reads."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    src = tmp_path / name
+    if name.endswith(".parquet"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist([row, row]), src)
+    else:
+        src.write_text((json.dumps(row) + "\n") * 2)
+    return dataclasses.replace(_plan(tmp_path, method, {"zero": 2}), data_source=str(src), **plan)
+
+
+def _exported(plan: exports.ExportPlan) -> tuple[dict, list[str], dict, dict, str]:
+    """(LLaMA-Factory YAML, OpenRLHF argv, its dataset_info entry, HF `_memfit`, every file's text)."""
+    files = exports.write_all(plan)
+    y = yaml.safe_load(files["llamafactory"].read_text())
+    info = json.loads(files["llamafactory_dataset_info"].read_text())[f"memfit_{plan.run.method}"]
+    argv = exports.script_argv(files["openrlhf"].read_text())
+    flags = {t for t in argv if t.startswith("--")}
+    assert flags <= OPENRLHF_FLAGS[plan.run.method], flags - OPENRLHF_FLAGS[plan.run.method]
+    assert set(y) <= LLAMAFACTORY_FIELDS | _hf_fields(), set(y) - LLAMAFACTORY_FIELDS - _hf_fields()
+    hf = json.loads(files["hf_args"].read_text())["_memfit"]
+    text = "\n".join(files[k].read_text() for k in ("openrlhf", "llamafactory", "hf_args"))
+    return y, argv, info, hf, text
+
+
+def _hf_fields() -> set[str]:
+    from transformers import Seq2SeqTrainingArguments
+
+    return {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
+
+
+@pytest.mark.parametrize("assistant_loss", ["all", "last"])
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.parquet"])
+def test_sft_messages_export_the_assistant_turns_memfit_scores(tmp_path, assistant_loss, name):
+    plan = _chat_plan(tmp_path, "sft", {"messages": _TURNS}, name, assistant_loss=assistant_loss)
+    y, argv, info, hf, text = _exported(plan)
+    # LLaMA-Factory: sharegpt rows with role/content tags; mask_history scores the last turn only
+    assert info["formatting"] == "sharegpt" and info["columns"] == {"messages": "messages"}
+    assert info["tags"]["role_tag"] == "role" and info["tags"]["assistant_tag"] == "assistant"
+    assert y["mask_history"] is (assistant_loss == "last")
+    # OpenRLHF: the conversation column through the chat template; --data.multiturn scores every turn
+    assert argv[argv.index("--data.input_key") + 1] == "messages"
+    assert "--data.output_key" not in argv and "--data.apply_chat_template" in argv
+    assert ("--data.multiturn" in argv) == (assistant_loss == "all")
+    assert "last assistant turn only" not in text
+    # TRL: the conversational rows as they are, loss on the assistant turns
+    assert hf["trl_fields"]["assistant_only_loss"] is True
+    assert "completion_only_loss" not in hf["trl_fields"]
+    assert ("assistant_loss last: assistant_only_loss scores every assistant turn" in text) == (
+        assistant_loss == "last"
+    )
+
+
+def test_sharegpt_conversations_export_their_tags_and_say_what_openrlhf_cannot_read(tmp_path):
+    plan = _chat_plan(tmp_path, "sft", {"conversations": _SHAREGPT}, assistant_loss="last")
+    y, argv, info, hf, text = _exported(plan)
+    assert info["columns"] == {"messages": "conversations"}
+    assert info["tags"] == {"role_tag": "from", "content_tag": "value", "user_tag": "human",
+                            "assistant_tag": "gpt", "system_tag": "system"}  # fmt: skip
+    assert y["mask_history"] is True
+    assert argv[argv.index("--data.input_key") + 1] == "conversations"
+    assert "--data.multiturn" not in argv
+    assert "ShareGPT turns ({from, value}) under `conversations`" in text  # OpenRLHF's note
+
+
+def test_prompt_response_rows_keep_the_plain_columns(tmp_path):
+    plan = _chat_plan(tmp_path, "sft", {"prompt": "2 + 3?", "response": "5"})
+    y, argv, info, hf, _ = _exported(plan)
+    assert "formatting" not in info and "mask_history" not in y
+    assert argv[argv.index("--data.output_key") + 1] == "response" and "--data.multiturn" not in argv
+    assert "assistant_only_loss" not in hf["trl_fields"] and "completion_only_loss" in hf["trl_fields"]
+
+
+def test_conversational_dpo_pairs_export_their_prompt_column_or_say_it_is_implicit(tmp_path):
+    chosen, rejected = [{"role": "assistant", "content": "5"}], [{"role": "assistant", "content": "6"}]
+    explicit = _chat_plan(tmp_path / "e", "dpo", {"prompt": _TURNS[:2], "chosen": chosen, "rejected": rejected})
+    y, argv, info, hf, text = _exported(explicit)
+    assert argv[argv.index("--data.prompt_key") + 1] == "prompt" and "--data.apply_chat_template" in argv
+    assert info["formatting"] == "sharegpt" and info["ranking"] is True
+    assert info["columns"] == {"messages": "prompt", "chosen": "chosen", "rejected": "rejected"}
+    assert "conversational DPO pairs: LLaMA-Factory's sharegpt ranking rows" in text  # must be converted
+    assert "implicit-prompt" not in text and "single turn objects" not in text  # TRL reads them as they are
+
+    implicit = {"chosen": _TURNS[:2] + chosen, "rejected": _TURNS[:2] + rejected}
+    _, argv, _, _, text = _exported(_chat_plan(tmp_path / "i", "dpo", implicit))
+    assert "--data.prompt_key" not in argv  # OpenRLHF: chosen but its last turn is the prompt
+    assert "implicit-prompt pairs: OpenRLHF takes all of chosen but its last turn" in text
+    assert "and implicit prompts (no prompt column)" in text
+
+
+def test_llamafactory_ranking_rows_export_as_they_are_for_llamafactory(tmp_path):
+    row = {
+        "conversations": _SHAREGPT[:2],
+        "chosen": {"from": "gpt", "value": "5"},
+        "rejected": {"from": "gpt", "value": "6"},
+    }
+    y, argv, info, hf, text = _exported(_chat_plan(tmp_path, "dpo", row))
+    assert info["columns"] == {"messages": "conversations", "chosen": "chosen", "rejected": "rejected"}
+    assert info["tags"]["role_tag"] == "from"
+    assert "conversational DPO pairs" not in text  # LLaMA-Factory's own form
+    assert argv[argv.index("--data.prompt_key") + 1] == "conversations"
+    assert "chosen/rejected as single turn objects: OpenRLHF takes turn lists" in text
+    assert "chosen/rejected as single turn objects (LLaMA-Factory's ranking rows): DPOTrainer" in text

@@ -30,6 +30,10 @@ FILES = {
 # What select_config writes instead of the exports when no candidate fits (a plan-only run).
 NONE_FITS = "exports/NONE_FITS.txt"
 
+# the role names memfit.data.chat reads (its ROLES: ShareGPT's human/gpt/system, OpenAI's); repeated
+# here, as memfit.exports may not import memfit.data (tools/check_shape.py layers)
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
+
 ADAM_BETAS = (0.9, 0.95)  # memfit.train.dsconfig.build's AdamW defaults
 ADAM_EPS = 1e-8
 
@@ -52,6 +56,8 @@ class ExportPlan:
     warmup_steps: int | None
     data_source: str | None  # the raw dataset the workflow prepares (config data.<method>)
     eval_fraction: float = 0.0
+    # SFT chat rows: loss on every assistant turn ("all") or the last only (config data.assistant_loss)
+    assistant_loss: str = "all"
     # paths(): where each export is written, for the references between them
     files: dict[str, Path] = dataclasses.field(default_factory=dict)
 
@@ -85,24 +91,90 @@ def int_alpha(plan: ExportPlan, tool: str, missing: list[str]) -> int:
     return int(a)
 
 
-def source_format(source: str | None) -> str:
-    """'messages' when the dataset's first row has a `messages` list, else 'prompt' (memfit.data's two SFT forms)."""
+@dataclass(frozen=True)
+class SourceShape:
+    """The raw dataset's row form, as memfit.data.chat reads it (docs/data.md), from its first row.
+
+    form: "prompt" (prompt/response or prompt/chosen/rejected strings), "chat" (an SFT
+    conversation under `key`: `messages` or ShareGPT `conversations`) or "chat_pairs"
+    (conversational DPO: chosen/rejected turn lists, TRL's format, or single turn objects beside a
+    `conversations` prompt, LLaMA-Factory's sharegpt ranking rows)."""
+
+    form: str = "prompt"
+    key: str | None = None  # chat: the conversation's column; chat_pairs: the prompt's (None: implicit)
+    sharegpt_turns: bool = False  # turns {from, value} with human/gpt/system, not {role, content}
+    turn_objects: bool = False  # chat_pairs: chosen/rejected one turn object each, not a list
+
+
+def _first_row(source: str | None) -> dict | None:
+    """The first row of a .jsonl or .parquet dataset; None when there is none to read."""
     if not source:
-        return "prompt"
+        return None
     p = Path(source)
     try:
         if p.suffix == ".jsonl":
             with p.open() as f:
                 for line in f:
                     if line.strip():
-                        return "messages" if "messages" in json.loads(line) else "prompt"
+                        row = json.loads(line)
+                        return row if isinstance(row, dict) else None
         elif p.suffix == ".parquet":
             import pyarrow.parquet as pq
 
-            return "messages" if "messages" in pq.read_schema(p).names else "prompt"
+            f = pq.ParquetFile(p)
+            rows = f.read_row_group(0).slice(0, 1).to_pylist() if f.num_row_groups else []
+            return rows[0] if rows else None
     except (OSError, ValueError):
         pass
-    return "prompt"
+    return None
+
+
+def _sharegpt(turns: object) -> bool:
+    first = turns[0] if isinstance(turns, list) and turns else turns
+    # Arrow struct columns give every turn every field, the absent ones null (memfit.data.chat.turns)
+    return isinstance(first, dict) and first.get("from") is not None and first.get("role") is None
+
+
+def source_format(source: str | None) -> SourceShape:
+    """The form of `source`'s rows (memfit.data.chat's precedence: `messages` over `conversations`
+    over prompt/response; a DPO row is conversational when chosen/rejected are turns)."""
+    row = _first_row(source)
+    if row is None:
+        return SourceShape()
+    chosen = row.get("chosen")
+    if isinstance(chosen, (list, dict)):
+        prompt = row.get("prompt")
+        if isinstance(prompt, list):
+            key = "prompt"
+        elif row.get("conversations") is not None:
+            key = "conversations"
+        elif isinstance(prompt, str) and _first_role(chosen) == "assistant":
+            key = "prompt"  # a string prompt beside assistant-only turns: the user turn
+        else:
+            key = None  # implicit: the shared prefix of chosen and rejected (a string prompt is ignored)
+        turns = row[key] if key and isinstance(row[key], list) else chosen
+        return SourceShape("chat_pairs", key, _sharegpt(turns), isinstance(chosen, dict))
+    key = next((k for k in ("messages", "conversations") if row.get(k) is not None), None)
+    if key is None:
+        return SourceShape()
+    return SourceShape("chat", key, _sharegpt(row[key]))
+
+
+def _first_role(turns: object) -> str | None:
+    """The first turn's role, ShareGPT's names mapped (memfit.data.chat.ROLES)."""
+    first = turns[0] if isinstance(turns, list) and turns else turns
+    if not isinstance(first, dict):
+        return None
+    return ROLES.get(first.get("from") if _sharegpt(first) else first.get("role"))
+
+
+def sharegpt_tags(shape: SourceShape) -> dict[str, str]:
+    """LLaMA-Factory's sharegpt `tags` for the rows' turns (its data/README.md defaults for {from, value})."""
+    if shape.sharegpt_turns:
+        return {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
+                "system_tag": "system"}  # fmt: skip
+    return {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+            "system_tag": "system"}  # fmt: skip
 
 
 def header(plan: ExportPlan, tool: str, comment: str = "#") -> list[str]:

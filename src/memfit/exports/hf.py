@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.exports.common import ExportPlan, hf_schedule, tiled_mlp_missing
+from memfit.exports.common import ExportPlan, hf_schedule, source_format, tiled_mlp_missing
 
 
 def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
@@ -100,7 +100,8 @@ def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str]) -> 
     }
     if run.method == "sft":
         trl_class = "trl.SFTConfig"
-        trl |= {"completion_only_loss": run.loss_on == "response", "packing": run.packing}
+        trl |= _trl_sft_loss(plan, missing)
+        trl["packing"] = run.packing
         if run.packing:
             trl["packing_strategy"] = "bfd"  # memfit.data.pack: best-fit decreasing, TRL's default
     else:
@@ -112,9 +113,33 @@ def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str]) -> 
             "label_smoothing": dpo.get("label_smoothing", 0.0),
             "precompute_ref_log_probs": c.ref == "precomputed",
         }
+        if source_format(plan.data_source).turn_objects:
+            missing.append(
+                "chosen/rejected as single turn objects (LLaMA-Factory's ranking rows): DPOTrainer takes TRL's "
+                "conversational pairs, turn lists; convert the rows first"
+            )
         if c.ref == "model" and c.finetune != "full":
             missing.append(
                 "ref model with LoRA: pass DPOTrainer(ref_model=<a frozen copy>); without one TRL "
                 "disables the adapter (memfit's ref adapter)"
             )
     return trl_class, trl
+
+
+def _trl_sft_loss(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
+    """What SFTConfig scores: the completion of prompt/response rows, the assistant turns of chat
+    rows (SFTTrainer converts ShareGPT `conversations` to `messages` itself: maybe_convert_to_chatml)."""
+    response_only = plan.run.loss_on == "response"
+    if source_format(plan.data_source).form != "chat":
+        return {"completion_only_loss": response_only}
+    if response_only:
+        # TRL masks by the chat template's {% generation %} blocks (return_assistant_tokens_mask)
+        missing.append(
+            "assistant_only_loss needs a chat template with {% generation %} markers; TRL refuses a template "
+            "without them (memfit finds the assistant turns by rendering prefixes)"
+        )
+        if plan.assistant_loss == "last":
+            missing.append(
+                "assistant_loss last: assistant_only_loss scores every assistant turn; memfit scores the last one only"
+            )
+    return {"assistant_only_loss": response_only}

@@ -8,7 +8,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memfit.exports.common import ExportPlan, hf_schedule, int_alpha, source_format, targets, tiled_mlp_missing
+from memfit.exports.common import (
+    ExportPlan,
+    SourceShape,
+    hf_schedule,
+    int_alpha,
+    sharegpt_tags,
+    source_format,
+    targets,
+    tiled_mlp_missing,
+)
 
 
 def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -56,6 +65,7 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
         "processor_utils.py infer_seqlen); memfit never cuts a prompt (drops the row) and cuts responses only"
     )
     y |= _method_args(plan, missing)
+    y |= _chat_args(plan, fmt, missing)
     y |= _long_context(c, missing)
     y |= hf_schedule(plan, missing)
     y |= {
@@ -132,31 +142,38 @@ def _method_args(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
     return y
 
 
-def _dataset_entry(plan: ExportPlan, fmt: str) -> dict[str, Any]:
-    """The dataset_info.json entry: the data file, its columns (sharegpt tags for `messages`)."""
+def _chat_args(plan: ExportPlan, fmt: SourceShape, missing: list[str]) -> dict[str, Any]:
+    """Chat rows: which assistant turns carry loss, what LLaMA-Factory reads of DPO pairs."""
+    if fmt.form == "chat" and plan.run.method == "sft":
+        # data/processor/supervised.py: mask_history keeps the labels of the last turn only
+        return {"mask_history": plan.assistant_loss == "last"}
+    if fmt.form == "chat_pairs" and not (fmt.turn_objects and fmt.key == "conversations"):
+        missing.append(
+            "conversational DPO pairs: LLaMA-Factory's sharegpt ranking rows (data/converter.py) take the prompt "
+            "turns under `conversations` and chosen/rejected as one turn object each; TRL's turn lists"
+            + (" and implicit prompts (no prompt column)" if fmt.key is None else "")
+            + " must be converted to that first"
+        )
+    return {}
+
+
+def _dataset_entry(plan: ExportPlan, fmt: SourceShape) -> dict[str, Any]:
+    """The dataset_info.json entry: the data file, its columns (sharegpt tags for chat rows)."""
     run = plan.run
-    columns = (
-        {"messages": "messages"}
-        if fmt == "messages" and run.method == "sft"
-        else {"prompt": "prompt", "response": "response"}
-        if run.method == "sft"
-        else {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
-    )
+    if fmt.form == "chat" and run.method == "sft":
+        columns = {"messages": fmt.key}
+    elif fmt.form == "chat_pairs" and run.method == "dpo":
+        columns = {"messages": fmt.key or "chosen", "chosen": "chosen", "rejected": "rejected"}
+    elif run.method == "sft":
+        columns = {"prompt": "prompt", "response": "response"}
+    else:
+        columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
     entry: dict[str, Any] = {
         "file_name": str(Path(plan.data_source).resolve()) if plan.data_source else "",
         "columns": columns,
     }
-    if fmt == "messages" and run.method == "sft":
-        entry |= {
-            "formatting": "sharegpt",
-            "tags": {
-                "role_tag": "role",
-                "content_tag": "content",
-                "user_tag": "user",
-                "assistant_tag": "assistant",
-                "system_tag": "system",
-            },
-        }
+    if fmt.form != "prompt":
+        entry |= {"formatting": "sharegpt", "tags": sharegpt_tags(fmt)}
     if run.method == "dpo":
         entry["ranking"] = True
     return entry

@@ -13,6 +13,7 @@ from memfit.exports.common import (
     ADAM_EPS,
     OPENRLHF_VERSION,
     ExportPlan,
+    SourceShape,
     header,
     int_alpha,
     not_expressible,
@@ -64,24 +65,50 @@ def _data_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
         a.append(("--data.dataset", plan.data_source))
     else:
         missing.append("data: no data source in the config (plan only); set --data.dataset")
-    if run.method == "sft":
-        if source_format(plan.data_source) == "messages":
-            a.append(("--data.input_key", "messages"))
-            missing.append(
-                "SFT rows in `messages` form: memfit scores the last assistant turn only; OpenRLHF's "
-                "SFTDataset with --data.input_key messages (no output key) does not split it the same way"
-            )
-        else:
-            a += [("--data.input_key", "prompt"), ("--data.output_key", "response")]
-    else:
-        a += [
-            ("--data.prompt_key", "prompt"),
-            ("--data.chosen_key", "chosen"),
-            ("--data.rejected_key", "rejected"),
-        ]
+    fmt = source_format(plan.data_source)
+    a += _sft_data_args(plan, fmt) if run.method == "sft" else _dpo_data_args(fmt, missing)
+    if fmt.sharegpt_turns:
+        missing.append(
+            f"ShareGPT turns ({{from, value}}) under `{fmt.key or 'chosen'}`: OpenRLHF hands the turns to the "
+            "tokenizer's chat template as they are, which reads {role, content}; convert the rows first"
+        )
     a.append(("--data.apply_chat_template", True))
     a.append(("--data.max_len", c.seq_len))
     return a
+
+
+def _sft_data_args(plan: ExportPlan, fmt: SourceShape) -> list[tuple[str, Any]]:
+    """SFT columns; chat rows: the conversation column, loss on every assistant turn or the last."""
+    if fmt.form != "chat":
+        return [("--data.input_key", "prompt"), ("--data.output_key", "response")]
+    a: list[tuple[str, Any]] = [("--data.input_key", fmt.key)]
+    if plan.assistant_loss == "all":
+        # datasets/sft_dataset.py: --data.multiturn labels every assistant turn of the conversation;
+        # without it (no output key) the last turn is the response and the rest the prompt
+        a.append(("--data.multiturn", True))
+    return a
+
+
+def _dpo_data_args(fmt: SourceShape, missing: list[str]) -> list[tuple[str, Any]]:
+    """DPO columns; conversational pairs without a prompt column: OpenRLHF's implicit prompt."""
+    a: list[tuple[str, Any]] = []
+    if fmt.form != "chat_pairs":
+        a.append(("--data.prompt_key", "prompt"))
+    elif fmt.key is None:
+        # datasets/reward_dataset.py (is_dpo, no prompt key): the prompt is chosen[:-1], the last turn
+        # the response; memfit's implicit prompt is the shared prefix (the same when only the last turn differs)
+        missing.append(
+            "implicit-prompt pairs: OpenRLHF takes all of chosen but its last turn as the prompt; memfit takes "
+            "the prefix chosen and rejected share"
+        )
+    else:
+        a.append(("--data.prompt_key", fmt.key))
+    if fmt.turn_objects:  # LLaMA-Factory's ranking rows
+        missing.append(
+            "chosen/rejected as single turn objects: OpenRLHF takes turn lists (TRL's conversational "
+            "format); convert the rows first"
+        )
+    return a + [("--data.chosen_key", "chosen"), ("--data.rejected_key", "rejected")]
 
 
 def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:

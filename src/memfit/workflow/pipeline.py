@@ -292,6 +292,7 @@ def select_config(
             warmup_steps=schedule["warmup_steps"],
             data_source=cfg.raw["data"].get(method),
             eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)),
+            assistant_loss=cfg.raw["data"].get("assistant_loss", "all"),
             files=files,
         )
     )
