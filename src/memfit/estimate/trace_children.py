@@ -23,10 +23,9 @@ from contextlib import contextmanager
 from typing import Any
 
 from memfit.estimate.arch import ModelArch
-from memfit.estimate.trace_step import TraceError
+from memfit.estimate.trace_step import TRACE_LAYERS, TraceError, trace_keys  # noqa: F401 - TRACE_LAYERS is API here
 
 ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
-TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer (memfit.estimate.trace.LayerTrace)
 
 # Where progress lines go while something traces (`progress_to`): a stack of callables, the
 # top one in use; process-wide, so the threads memfit.estimate.fit starts report too.
@@ -111,7 +110,7 @@ def _trace_in_children(
 
     if in_process:
         try:
-            res = _trace_keys(arch, keys, lambda i, r: done(keys[i], float(r["seconds"])))
+            res = trace_keys(arch, keys, lambda i, r: done(keys[i], float(r["seconds"])))
         except Exception as exc:  # noqa: BLE001 - as a child's failure reads
             raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
         return [(r["runs"], float(r["seconds"])) for r in res]
@@ -184,32 +183,3 @@ def _worker_run(task):
     from memfit.estimate.trace_worker import run
 
     return run(task)
-
-
-def _trace_keys(
-    arch: ModelArch, keys: list[dict[str, Any]], each: Callable[[int, dict[str, Any]], None] = lambda i, r: None
-) -> list[dict[str, Any]]:
-    """Trace each key (1 and 2 layers): [{"runs": {layers: MEASURES}, "seconds": s}, ...];
-    `each(i, result)` as each is done."""
-    from memfit.estimate.trace_step import per_sequence  # torch and transformers load here
-
-    res = []
-    for key in keys:
-        t0 = time.perf_counter()
-        runs = {
-            str(n): per_sequence(
-                arch,
-                num_layers=n,
-                seq_len=key["seq_len"],
-                attn=key["attn"],
-                precision=key["precision"],
-                grad_ckpt=key["grad_ckpt"],
-                finetune=key["finetune"],
-                lora_rank=key["lora_rank"] or 16,
-                lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
-            )
-            for n in TRACE_LAYERS
-        }
-        res.append({"runs": runs, "seconds": time.perf_counter() - t0})
-        each(len(res) - 1, res[-1])
-    return res

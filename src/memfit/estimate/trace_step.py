@@ -9,6 +9,8 @@ are imported here only, lazily.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 from memfit.estimate.arch import ModelArch
@@ -430,3 +432,33 @@ def _run(
             **(_count_flops(model, ids, labels, loss_module) if count_flops else dict.fromkeys(_FLOPS, 0)),
         }
     return out, tracker.series, windows
+
+
+TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer (memfit.estimate.trace.LayerTrace)
+
+
+def trace_keys(
+    arch: ModelArch, keys: list[dict[str, Any]], each: Callable[[int, dict[str, Any]], None] = lambda i, r: None
+) -> list[dict[str, Any]]:
+    """Trace each key (1 and 2 layers, TRACE_LAYERS): [{"runs": {layers: MEASURES}, "seconds": s}, ...];
+    `each(i, result)` as each is done."""
+    res = []
+    for key in keys:
+        t0 = time.perf_counter()
+        runs = {
+            str(n): per_sequence(
+                arch,
+                num_layers=n,
+                seq_len=key["seq_len"],
+                attn=key["attn"],
+                precision=key["precision"],
+                grad_ckpt=key["grad_ckpt"],
+                finetune=key["finetune"],
+                lora_rank=key["lora_rank"] or 16,
+                lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
+            )
+            for n in TRACE_LAYERS
+        }
+        res.append({"runs": runs, "seconds": time.perf_counter() - t0})
+        each(len(res) - 1, res[-1])
+    return res

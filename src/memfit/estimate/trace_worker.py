@@ -20,7 +20,7 @@ import peft  # noqa: E402, F401 - the point of this module: imported once, befor
 import torch  # noqa: E402
 import transformers  # noqa: E402, F401
 
-from memfit.estimate import trace_step  # noqa: E402, F401
+from memfit.estimate import trace_step  # noqa: E402
 from memfit.estimate.arch import ModelArch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -28,11 +28,9 @@ torch.set_num_threads(1)
 
 def run(task: tuple[int, ModelArch, dict]) -> tuple[int, dict | None, float, str]:
     """One shape: (its index, the 1- and 2-layer measures, seconds, "" or the error)."""
-    from memfit.estimate.trace_children import _trace_keys
-
     index, arch, key = task
     try:
-        r = _trace_keys(arch, [key])[0]
+        r = trace_step.trace_keys(arch, [key])[0]
     except Exception as exc:  # noqa: BLE001 - reported by the estimating process as a TraceError
         return index, None, 0.0, str(exc) if isinstance(exc, trace_step.TraceError) else f"{type(exc).__name__}: {exc}"
     return index, r["runs"], float(r["seconds"]), ""
