@@ -124,7 +124,7 @@ def test_the_launch_records_the_digests_in_a_copy_and_leaves_run_json_alone(tmp_
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        ({"method": "ppo"}, "method 'ppo' is not one memfit trains (allowed: 'sft', 'dpo')"),
+        ({"method": "ppo"}, "method 'ppo' is not one memfit trains (allowed: 'sft', 'dpo', 'rm', 'orpo', 'simpo', 'kto')"),
         ({"model_path": "meta-llama/Llama-3.1-8B"}, "model_path 'meta-llama/Llama-3.1-8B' does not exist"),
         ({"data_dir": "{tmp}/nowhere"}, "data_dir '{tmp}/nowhere' does not exist"),
         ({"data_dir": "{tmp}/model"}, "data_dir '{tmp}/model' has no train.parquet"),

@@ -252,6 +252,30 @@ def longest_first(lengths: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------ prepare
 
 
+def _read_all(job: _Job, tokenize, progress: bool | None) -> int:
+    """Every source row through `tokenize`, CHUNK_ROWS at a time; the rows read (blank lines too)."""
+    from tqdm import tqdm
+
+    show = job.src.total >= PROGRESS_MIN_ROWS if progress is None else progress
+    rows_read = 0
+    with tqdm(total=job.src.total, desc=f"tokenizing {job.src.path.name}", unit="row", disable=not show) as bar:
+        chunk: list[tuple[int, dict]] = []
+        for row, record in job.src.records:
+            rows_read += 1
+            if record is None:
+                job.dropped["blank_line"] += 1
+            else:
+                chunk.append((row, record))
+            if len(chunk) == CHUNK_ROWS:
+                tokenize(job, chunk)
+                bar.update(len(chunk))
+                chunk = []
+        tokenize(job, chunk)
+        bar.update(bar.total - bar.n)
+
+    return rows_read
+
+
 def _check_arguments(method: str, max_len: int, eval_fraction: float, min_response: int, assistant_loss: str) -> None:
     if method not in SCHEMAS:
         raise ValueError(f"method must be one of {', '.join(SCHEMAS)}, got {method!r}")
@@ -290,40 +314,11 @@ def prepare(
     truncated = dict.fromkeys(TRUNCATION_REASONS[method], 0)
     tokenize = {"sft": _tokenize_sft, "kto": tokenize_kto}.get(method, _tokenize_dpo)
     builder = _Builder(method)
-    job = _Job(
-        tok,
-        Renderer(tok, tokenizer_dir),
-        src,
-        max_len,
-        min_response_tokens,
-        assistant_loss,
-        seed,
-        dropped,
-        truncated,
-        builder,
-        method,
-        {},
-    )
+    render = Renderer(tok, tokenizer_dir)
+    job = _Job(tok, render, src, max_len, min_response_tokens, assistant_loss, seed, dropped, truncated, builder)
+    job.method, job.margins = method, {}
 
-    from tqdm import tqdm
-
-    show = src.total >= PROGRESS_MIN_ROWS if progress is None else progress
-    rows_read = 0
-    with tqdm(total=src.total, desc=f"tokenizing {src.path.name}", unit="row", disable=not show) as bar:
-        chunk: list[tuple[int, dict]] = []
-        for row, record in src.records:
-            rows_read += 1
-            if record is None:
-                dropped["blank_line"] += 1
-            else:
-                chunk.append((row, record))
-            if len(chunk) == CHUNK_ROWS:
-                tokenize(job, chunk)
-                bar.update(len(chunk))
-                chunk = []
-        tokenize(job, chunk)
-        bar.update(bar.total - bar.n)
-
+    rows_read = _read_all(job, tokenize, progress)
     if rows_read == 0:
         raise DataError(src.path, "no rows")
     if not builder.keys:

@@ -40,7 +40,7 @@ from memfit.train.modeling import check_hardware, export_model, hidden_size, loa
 from memfit.train.preference import finish_metrics
 from memfit.train.reference import precompute_reference
 from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, REFERENCE_METHODS, RunConfig
-from memfit.train.run_parts import frozen_reference, step_runner
+from memfit.train.run_parts import check_data, frozen_reference, step_runner
 from memfit.units import MIB
 
 _STOP_REQUESTED = threading.Event()
@@ -84,6 +84,7 @@ class Run:
 
         self.train_rows = load_split(cfg.data_dir, "train")
         self.eval_rows = load_split(cfg.data_dir, "eval")
+        check_data(cfg, self.train_rows)  # data prepared for another method: refused here
         # What a step draws: rows, or with packing packed sequences (global_batch counts those).
         self.train_units: list[Any] = self.train_rows
         self.packing: dict[str, Any] | None = None

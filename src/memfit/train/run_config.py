@@ -141,6 +141,7 @@ class RunConfig:
                 f"{self.method} needs a reference mode (search.ref: model, adapter or precomputed); the candidate has none"
             )
         problems += preference_problems(self.method, self.pref, self.cand.micro_batch)
+        problems += data_problems(self.method, self.data_dir)
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
         if self.lr is None:
@@ -161,6 +162,28 @@ class RunConfig:
     @property
     def cand(self) -> Candidate:
         return Candidate.from_dict(self.candidate)
+
+
+def _data_kind(method: str) -> str:
+    """What prepare_data writes for `method`: SFT rows, KTO's unpaired rows, or pairs (dpo, rm, orpo, simpo)."""
+    return method if method in ("sft", "kto") else "pairs"
+
+
+def data_problems(method: str, data_dir: str) -> list[str]:
+    """Data prepared for a method whose rows `method` cannot read (its stats.json's `method`):
+    SFT rows, pairs (dpo, rm, orpo and simpo read each other's) or KTO's unpaired rows. Nothing
+    when stats.json is absent or names no method (the launcher's input checks report a missing one)."""
+    try:
+        prepared = json.loads((Path(data_dir) / "stats.json").read_text()).get("method")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if not isinstance(prepared, str) or _data_kind(prepared) == _data_kind(method):
+        return []
+    hint = " (kto takes pairs too: each becomes a desirable and an undesirable row)" if method == "kto" else ""
+    return [
+        f"data_dir {data_dir} was prepared for {prepared} (its stats.json), whose rows {method} cannot "
+        f"train on; prepare the data with method {method}{hint}"
+    ]
 
 
 def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -> list[str]:

@@ -37,3 +37,27 @@ def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int
         shard=shard,
         pref=cfg.pref,
     )
+
+
+# the columns each method reads from a prepared dataset (memfit.data.SCHEMAS): rm, orpo and simpo
+# train on DPO pairs (rm's margin column is optional), kto on its unpaired rows
+COLUMNS = {
+    "sft": ("input_ids", "labels"),
+    "kto": ("prompt_ids", "completion_ids", "label", "kl_completion_ids"),
+}
+PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def check_data(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
+    """RunRefused, before any model is loaded, when the prepared rows lack a column `cfg.method`
+    reads: data prepared for another method (its stats.json names that method)."""
+    from memfit.train.run_config import RunRefused
+
+    need = COLUMNS.get(cfg.method, PAIR_COLUMNS)
+    missing = [c for c in need if rows and c not in rows[0]]
+    if missing:
+        raise RunRefused(
+            f"data_dir {cfg.data_dir} was not prepared for {cfg.method} (its rows lack {', '.join(missing)}; "
+            f"its stats.json says which method it was prepared for): prepare the data with method {cfg.method}"
+            + (" (kto takes pairs too: each becomes a desirable and an undesirable row)" if cfg.method == "kto" else "")
+        )
