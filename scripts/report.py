@@ -11,4 +11,5 @@ write_report(
     data_stats=snakemake.input.data,
     out_html=snakemake.output[0],
     facts_root=snakemake.params.facts_root,  # the working directory, also for results/<run>/report.html
+    bench_dir=snakemake.params.bench_dir,  # this run's benchmarks/ (benchmarks/<run>/ for a named run)
 )

@@ -77,3 +77,21 @@ def test_fit_map_longest_sequence_per_gpu_type_for_a_catalog_model(tmp_path: Pat
 def test_fit_map_says_why_it_is_missing(tmp_path: Path):
     text = _text(_render(tmp_path, _dpo_run(tmp_path)))  # demo-tiny: no catalog card, no run.json
     assert "No fit map for demo-tiny · cpu · dpo" in text
+
+
+def test_run_facts_hold_this_runs_benchmarks_only(tmp_path: Path):
+    """A clone with a named run beside the default one (`run: qlora` writes benchmarks/qlora/...):
+    each report's "Run facts" sum only its own run's rule times."""
+    from memfit.report.facts import run_facts
+
+    head = "s\th:m:s\tmax_rss\tmax_vms\n"
+    mine = tmp_path / "benchmarks" / "demo-tiny" / "cpu" / "sft"
+    other = tmp_path / "benchmarks" / "qlora" / "demo-tiny" / "cpu" / "sft"
+    for folder, secs in ((mine, "100.0"), (other, "7.0")):
+        folder.mkdir(parents=True)
+        (folder / "train.tsv").write_text(head + f"{secs}\t0:01:40\t900\t2000\n")
+    default = run_facts(tmp_path, models={"demo-tiny"})
+    assert dict(default["per_rule"]) == {"train": 100.0}
+    named = run_facts(tmp_path, tmp_path / "benchmarks" / "qlora", {"demo-tiny"})
+    assert dict(named["per_rule"]) == {"train": 7.0}
+    assert [target for _, target, _, _ in named["benchmarks"]] == ["demo-tiny/cpu/sft"]

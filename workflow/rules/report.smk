@@ -23,6 +23,7 @@ rule report:
     params:
         # the "Run facts" section reads config/ and benchmarks/ here, wherever RESULTS is
         facts_root=".",
+        bench_dir=BENCHMARKS,
     script:
         "../../scripts/report.py"
 

@@ -48,6 +48,7 @@ def write_report(
     data_stats: Paths | None,
     out_html: str | os.PathLike,
     facts_root: str | os.PathLike | None = None,
+    bench_dir: str | os.PathLike | None = None,
 ) -> Path:
     """Write the report page to `out_html` atomically; return its path.
 
@@ -55,11 +56,13 @@ def write_report(
     (`<run>/train/summary.json`, `<run>/verify_resume.json`); any that match no run are
     still shown, under "Inputs not matched to a run", so a failed check is never hidden.
     `facts_root` (default: the parent of `out_html`'s directory) is where config/ and
-    benchmarks/ are read for the "Run facts" section.
+    benchmarks/ are read for the "Run facts" section; `bench_dir` is the run's benchmark folder
+    (a config's `benchmarks_dir`: benchmarks/<run>/ for a named run; default facts_root/benchmarks).
     """
     out = Path(out_html)
     # the report rule writes results/report.html: the Snakemake working directory is its parent's parent
     root = Path(facts_root) if facts_root is not None else out.resolve().parent.parent
-    page = render(read_inputs(selected, summaries, resume, data_stats), facts_root=root, link_base=out.parent)
+    bench = Path(bench_dir) if bench_dir is not None else None
+    page = render(read_inputs(selected, summaries, resume, data_stats), root, out.parent, bench)
     write_text_atomic(out, page)
     return out

@@ -59,15 +59,19 @@ def config_hashes(root: Path) -> list[tuple[str, str]]:
     ]
 
 
-def benchmarks(root: Path) -> list[tuple[str, str, float, float | None]]:
-    """(rule, target, wall seconds, max RSS MB) for each benchmarks/**/<rule>.tsv row."""
+def benchmarks(bench_dir: Path, models: set[str] | None = None) -> list[tuple[str, str, float, float | None]]:
+    """(rule, target, wall seconds, max RSS MB) for each <bench_dir>/**/<rule>.tsv row; with `models`,
+    only the rows of those models (every rule writes <bench_dir>/{model}/..., workflow/rules/*.smk), so
+    the default run's report leaves out the named runs' benchmarks/<run>/ beside its own."""
     rows = []
-    for p in sorted((root / "benchmarks").rglob("*.tsv")):
+    for p in sorted(bench_dir.rglob("*.tsv")):
+        if models is not None and p.relative_to(bench_dir).parts[0] not in models:
+            continue
         try:
             with p.open(newline="") as f:
                 for rec in csv.DictReader(f, delimiter="\t"):
                     rss = rec.get("max_rss")
-                    rel = p.relative_to(root / "benchmarks")
+                    rel = p.relative_to(bench_dir)
                     # probe_candidate writes benchmarks/{model}/{gpu}/{method}/probes/{cand}.tsv (workflow/rules/plan.smk)
                     rule, target = (
                         ("probe_candidate", str(rel.with_suffix("")))
@@ -87,9 +91,11 @@ def benchmarks(root: Path) -> list[tuple[str, str, float, float | None]]:
     return rows
 
 
-def run_facts(root: Path) -> dict:
-    """The "Run facts" section's data (templates/facts.html.j2)."""
-    bench = benchmarks(root)
+def run_facts(root: Path, bench_dir: Path | None = None, models: set[str] | None = None) -> dict:
+    """The "Run facts" section's data (templates/facts.html.j2): config/ under `root`, the benchmark
+    files of `models` under `bench_dir` (default root/benchmarks: the run's `benchmarks_dir`)."""
+    bench_dir = root / "benchmarks" if bench_dir is None else Path(bench_dir)
+    bench = benchmarks(bench_dir, models)
     total: dict[str, float] = {}
     for rule, _, s, _ in bench:
         total[rule] = total.get(rule, 0.0) + s
@@ -98,7 +104,7 @@ def run_facts(root: Path) -> dict:
         "commit": git_commit(root),
         "config_hashes": config_hashes(root),
         "benchmarks": bench,
-        "benchmark_dir": root / "benchmarks",
+        "benchmark_dir": bench_dir,
         "per_rule": sorted(total.items(), key=lambda x: -x[1]),  # summed over each rule's jobs
     }
 

@@ -43,8 +43,12 @@ def environment() -> jinja2.Environment:
     return env
 
 
-def render(inputs: Inputs, facts_root: Path | None = None, link_base: Path | None = None) -> str:
+def render(
+    inputs: Inputs, facts_root: Path | None = None, link_base: Path | None = None, bench_dir: Path | None = None
+) -> str:
     """The whole page as one string; with `facts_root` (the Snakemake working directory) a "Run facts" section.
     `link_base` is the folder the page is written to: links to each run's launch files and exports
-    are relative to it (absolute file:// links without it)."""
-    return environment().get_template("page.html.j2").render(page_context(inputs, facts_root, link_base)) + "\n"
+    are relative to it (absolute file:// links without it). `bench_dir`: the run's benchmark folder
+    (default facts_root/benchmarks)."""
+    context = page_context(inputs, facts_root, link_base, bench_dir)
+    return environment().get_template("page.html.j2").render(context) + "\n"

@@ -364,8 +364,10 @@ def data_section(path: Path, stats: dict[str, Any], anchor: str) -> dict[str, An
     }  # fmt: skip
 
 
-def page_context(inputs: Inputs, facts_root: Path | None = None, link_base: Path | None = None) -> dict[str, Any]:
-    """Everything page.html.j2 shows."""
+def page_context(
+    inputs: Inputs, facts_root: Path | None = None, link_base: Path | None = None, bench_dir: Path | None = None
+) -> dict[str, Any]:
+    """Everything page.html.j2 shows (`bench_dir`: this run's benchmark folder, see facts.run_facts)."""
     runs = inputs.runs
 
     def distinct(key: str) -> str:
@@ -405,5 +407,7 @@ def page_context(inputs: Inputs, facts_root: Path | None = None, link_base: Path
             "plan_only": bool(runs) and all(r.selection.plan_only for r in runs),
             "sections": [data_section(p, s, f"data-{i}") for i, (p, s) in enumerate(inputs.stats)],
         },  # fmt: skip
-        "facts": run_facts(facts_root) if facts_root is not None else None,
+        "facts": (
+            run_facts(facts_root, bench_dir, {str(r.selection.model) for r in runs}) if facts_root is not None else None
+        ),
     }
