@@ -20,6 +20,10 @@ Rows (`memfit.data.chat` reads the chat shapes; docs/data.md shows each)
        `chosen`/`rejected` full conversations whose shared prefix is the prompt
        (trl.data_utils.extract_prompt). Either way the answer is the assistant turn's content,
        tokenized as a string answer is: a conversational pair prepares exactly as its string pair.
+  rm, orpo, simpo  DPO's pairs; rm keeps an optional number `margin` per pair (all pairs or none).
+  KTO  `{"prompt", "completion", "label": bool}` (TRL's unpaired format; prompt and completion
+       strings, or a message list and one assistant turn), or DPO pairs, each converted to a
+       desirable and an undesirable row (`memfit.data.unpaired`).
   Other keys are ignored. Blank JSONL lines are skipped and counted (`dropped.blank_line`).
 
 Tokenization (the convention of TRL's DPOTrainer.tokenize_row and SFT prompt-completion
@@ -35,6 +39,10 @@ Columns (the trainer and the probes read exactly these)
        losses use; unshifted, HF models shift inside), length int32.
   DPO  row, prompt_ids, chosen_ids, rejected_ids (list<int32>; responses end with EOS unless
        truncated), length int32 = len(prompt) + max(len(chosen), len(rejected)).
+       rm adds margin float64 (null without one); orpo and simpo are DPO's columns.
+  KTO  row, prompt_ids, completion_ids, label bool, kl_completion_ids (another prompt's
+       completion, fixed per split: memfit.data.unpaired.add_kl_pairing), length int32 =
+       len(prompt) + max(len(completion), len(kl_completion)).
 
 Filtering and truncation (never silent: every reason is a key in stats.json, zero included)
   - A prompt (everything before the final assistant turn, earlier scored turns included) is
