@@ -149,3 +149,17 @@ def test_kto_killed_and_resumed_equals_the_uninterrupted_run(kto_runs):
     a = load_file(str(ref_dir / "model/model.safetensors"))
     b = load_file(str(out / "model/model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reward_model_with_lora_trains_its_score_head_and_exports_merged(demo_model, pref_data, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    out = tmp_path / "rm-lora"
+    cfg = _config(demo_model, pref_data / "rm", out, "rm", steps=3, finetune="lora", lora_rank=8)
+    rows = run(cfg)
+    assert [r["step"] for r in _train(rows)] == [1, 2, 3] and all(r["grad_norm"] > 0 for r in _train(rows))
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    assert model.config.num_labels == 1 and not any("lora" in k for k in model.state_dict())
+    # the score head trained beside the adapters (peft's modules_to_save): its reward margin grew
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert evals[-1]["margin"] > evals[0]["margin"], evals

@@ -244,8 +244,8 @@ def load_model(
         config = lora_config(model, cand.lora_rank, lora.get("alpha"), lora.get("dropout", 0.0), lora.get("targets"))
         if expert_weights:
             config = experts_left_frozen(model, config)
-        if score_pad_id is not None:  # the new score head trains in full (TRL's RewardTrainer with peft)
-            config.modules_to_save = ["score"]
+        if score_pad_id is not None:  # peft's SEQ_CLS task: the new score head trains in full beside the adapters
+            config.task_type, config.modules_to_save = "SEQ_CLS", ["score"]
         model = get_peft_model(model, config)
         if cand.grad_ckpt and cand.finetune == "lora":
             model.enable_input_require_grads()
