@@ -84,6 +84,23 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path):
         checkpoint.check_compatible(meta, {"seed": 1}, tmp_path / "step00000010", world=1)
 
 
+def test_a_preference_method_resumes_only_with_its_hyperparameters(tmp_path):
+    """A SimPO run relaunched with another gamma is another run; a checkpoint written before
+    RunConfig.pref existed (none recorded) continues a run without hyperparameters."""
+    import json
+
+    save(tmp_path, 10)
+    where = tmp_path / "step00000010"
+    meta = json.loads((where / "memfit.json").read_text())
+    then = meta["run_config"]
+    meta["run_config"] = then | {"pref": {"simpo_gamma": 0.5}}
+    with pytest.raises(ValueError, match=r"pref: checkpoint \{'simpo_gamma': 0.5\} != now \{'simpo_gamma': 1.0\}"):
+        checkpoint.check_compatible(meta, then | {"pref": {"simpo_gamma": 1.0}}, where, world=1)
+    assert checkpoint.check_compatible(meta, then | {"pref": {"simpo_gamma": 0.5}}, where, world=1)
+    meta["run_config"] = {k: v for k, v in then.items() if k != "pref"}
+    assert checkpoint.check_compatible(meta, then | {"pref": {}}, where, world=1)
+
+
 def test_metrics_travel_with_the_checkpoint_and_a_torn_line_is_dropped(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "split": "train", "loss": 2.0}\n{"step": 2, "split": "train", "loss": 1.5}\n')

@@ -124,7 +124,10 @@ def test_the_launch_records_the_digests_in_a_copy_and_leaves_run_json_alone(tmp_
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        ({"method": "ppo"}, "method 'ppo' is not one memfit trains (allowed: 'sft', 'dpo', 'rm', 'orpo', 'simpo', 'kto')"),
+        (
+            {"method": "ppo"},
+            "method 'ppo' is not one memfit trains (allowed: 'sft', 'dpo', 'rm', 'orpo', 'simpo', 'kto')",
+        ),
         ({"model_path": "meta-llama/Llama-3.1-8B"}, "model_path 'meta-llama/Llama-3.1-8B' does not exist"),
         ({"data_dir": "{tmp}/nowhere"}, "data_dir '{tmp}/nowhere' does not exist"),
         ({"data_dir": "{tmp}/model"}, "data_dir '{tmp}/model' has no train.parquet"),
@@ -267,3 +270,19 @@ def test_an_adapter_only_sft_output_is_identified_with_its_base_model(tmp_path):
         identity.InputError, match=r"adapter_config.json: base_model_name_or_path .*gone.* is not a local"
     ):
         identity.run_inputs(cfg)
+
+
+def test_a_kto_run_records_its_reference_like_dpo(tmp_path, digest_cache):
+    """KTO has a reference model as DPO does: its digest is recorded, so the precomputed
+    reference log-probs are cached and a changed reference is seen."""
+    model, data = start_dirs(tmp_path)
+    cfg = RunConfig(
+        method="kto",
+        model_path=str(model),
+        data_dir=str(data),
+        out_dir=str(tmp_path / "out"),
+        candidate={"zero": 0, "micro_batch": 2, "ref": "precomputed"},
+    )
+    inputs = identity.run_inputs(cfg)
+    assert inputs["ref"] == inputs["model"]
+    assert "ref" not in identity.run_inputs(run_config(tmp_path, method="sft"))

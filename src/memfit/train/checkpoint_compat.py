@@ -79,6 +79,9 @@ def check_compatible(meta: dict[str, Any], run_config: dict[str, Any], where: Pa
         for k in MUST_MATCH
         if k != "candidate" and then.get(k) != now.get(k)
     ]
+    # a preference method's hyperparameters (RunConfig.pref); a checkpoint that predates them had none
+    if (then.get("pref") or {}) != (now.get("pref") or {}):
+        diffs.append(f"pref: checkpoint {then.get('pref') or {}!r} != now {now.get('pref') or {}!r}")
     # a field a checkpoint predates (sequence_parallel, loss_impl) had its default then
     defaults = dataclasses.asdict(Candidate())
     c_then, c_now = defaults | (then.get("candidate") or {}), defaults | (now.get("candidate") or {})

@@ -27,6 +27,7 @@ from typing import Any
 
 from memfit.atomic import write_json_atomic
 from memfit.digest import sha256_file, stat_signature
+from memfit.train.run_config import REFERENCE_METHODS
 
 # The files of a model directory that make the model: weights, configs, tokenizer files
 # (tokenizer.json, tokenizer.model, vocab/merges .txt, .tiktoken), a chat template, remote code.
@@ -162,7 +163,7 @@ def run_inputs(cfg: Any) -> dict[str, str]:
         raise InputError("; ".join(problems))
     model = Path(cfg.model_path)
     out = {"model": model_digest(model)}
-    if cfg.method == "dpo":
+    if cfg.method in REFERENCE_METHODS:
         ref = Path(cfg.ref_model_path or cfg.model_path)
         out["ref"] = out["model"] if ref.resolve() == model.resolve() else model_digest(ref)
     out["data"] = tree_digest(data_files(Path(cfg.data_dir)), Path(cfg.data_dir))

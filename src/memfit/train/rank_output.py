@@ -20,13 +20,18 @@ from typing import IO
 
 # the exception line Python prints for memfit.train.run_config.RunRefused (module-qualified)
 REFUSAL = re.compile(r"^memfit\.train\.run_config\.RunRefused: ", re.MULTILINE)
+# once a rank has joined the process group, torch.distributed's excepthook prints every line of an
+# uncaught traceback as "[rank0]: ..." (torch/distributed/distributed_c10d.py, init_process_group's
+# _distributed_excepthook): read through the prefix, or such a refusal would print as a traceback
+# and exit 1
+RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")
 TRACEBACK = "Traceback (most recent call last):"
 RELEASE_S = 5.0  # a rank still printing this long after a traceback survived it: pass it on
 
 
 def refusal_message(lines: list[str]) -> str | None:
     """The refusal's message when the traceback `lines` end in a RunRefused, else None."""
-    text = "".join(lines)
+    text = "".join(RANK_PREFIX.sub("", line) for line in lines)
     found = list(REFUSAL.finditer(text))
     if not found:
         return None
@@ -65,7 +70,7 @@ class RankOutput:
             if held is not None and time.monotonic() - since > RELEASE_S:
                 self._write(self.err, "".join(held))  # the rank lived on: not its end
                 held = None
-            if held is None and line.startswith(TRACEBACK):
+            if held is None and RANK_PREFIX.sub("", line).startswith(TRACEBACK):
                 held, since = [line], time.monotonic()
             elif held is not None:
                 held.append(line)
