@@ -246,3 +246,75 @@ def test_a_named_run_lives_under_its_own_folders(config):
     assert cfg.calibration_inputs("demo-tiny", "cpu") == ["results/qlora/demo-tiny/cpu/calibration.json"]
     default = WorkflowConfig.load(copy.deepcopy(config))
     assert (default.results_dir, default.run_dir("m", "g", "sft")) == ("results", "results/m/g/sft")
+
+
+def _check_config(cfg: dict, path, capsys) -> tuple[int, str, str]:
+    from memfit import cli
+
+    path.write_text(yaml.safe_dump(cfg))
+    code = cli.main(["check-config", str(path)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_a_learning_rate_far_from_its_kind_warns_naming_key_value_and_range(config, tmp_path, capsys):
+    """A full SFT at 1e-3 (100x the cited 1e-5) or DPO at 1e-3 (2,000x Zephyr's 5e-7): check-config
+    still passes (exit 0, a warning is no error) but says, per method, which key, value and range."""
+    cfg = copy.deepcopy(config)
+    for method, lr in (("sft", 1e-3), ("dpo", 1e-3)):
+        cfg["train"][method]["lr"] = lr
+        cfg["train"][method].pop("lr_check", None)
+    cfg["search"]["finetune"] = ["full"]
+    code, out, err = _check_config(cfg, tmp_path / "hot.yaml", capsys)
+    assert code == 0 and out.strip().endswith("valid")
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert "train.sft.lr 0.001 is outside the usual range 1e-06..0.0001 for full sft" in lines[0]
+    assert "train.dpo.lr 0.001 is outside the usual range 5e-08..5e-06 for full dpo" in lines[1]
+    assert all("may diverge" in line and "lr_check: false" in line for line in lines)
+    # a rate 100x below the LoRA default is as suspicious: it barely trains
+    cfg["search"]["finetune"] = ["lora"]
+    cfg["train"]["sft"]["lr"] = 1e-6
+    cfg["train"]["dpo"]["lr"] = 5e-6  # LoRA DPO's own default: no warning
+    code, _, err = _check_config(cfg, tmp_path / "cold.yaml", capsys)
+    assert code == 0
+    assert err.strip().splitlines() == [
+        f"memfit check-config: {tmp_path / 'cold.yaml'}: warning: train.sft.lr 1e-06 is outside the usual range "
+        "1e-05..0.001 for lora sft (10x either side of memfit's cited default 0.0001) and may barely move "
+        "the weights; set train.sft.lr_check: false if it is meant"
+    ]
+
+
+def test_the_demo_configs_say_their_large_rates_are_meant_and_do_not_warn(repo, monkeypatch, capsys):
+    """The demo configs train tiny random-init models at rates far above a pretrained model's range;
+    they set train.<method>.lr_check: false, so neither check-config nor a run warns on every run."""
+    from memfit import cli
+
+    monkeypatch.chdir(repo)
+    for name in ("config.yaml", "flagship-tiny.yaml", "gpu-demo.yaml"):
+        raw = yaml.safe_load((repo / "config" / name).read_text())
+        assert all(raw["train"][m]["lr_check"] is False for m in raw["methods"]), name
+        if name != "gpu-demo.yaml":  # gpus: [detect] needs an NVIDIA GPU to validate
+            assert cli.main(["check-config", f"config/{name}"]) == 0
+            assert "warning" not in capsys.readouterr().err, name
+
+
+def test_the_run_log_line_carries_the_lr_warning_unless_lr_check_is_false(config, tmp_path):
+    """The train log's learning-rate line (RunConfig.describe_lr, logged by rank 0) holds the same
+    warning; a default lr never warns, and lr_check: false silences a given one."""
+    cfg = copy.deepcopy(config)
+    cfg["train"]["sft"].pop("lr_check")
+    loaded = WorkflowConfig.load(cfg)
+    cand = loaded.candidates("sft")[0].to_dict()
+    run = loaded.run_config("sft", cand, "p", "d", str(tmp_path))
+    assert run.describe_lr() == (
+        "learning rate 0.003 (train.sft.lr); warning: train.sft.lr 0.003 is outside the usual range "
+        "1e-06..0.0001 for full sft (10x either side of memfit's cited default 1e-05) and may diverge; "
+        "set train.sft.lr_check: false if it is meant"
+    )
+    assert "\n" not in run.describe_lr()
+    quiet = WorkflowConfig.load(copy.deepcopy(config)).run_config("sft", cand, "p", "d", str(tmp_path))
+    assert quiet.lr_check is False and "warning" not in quiet.describe_lr()
+    del cfg["train"]["sft"]["lr"]
+    default = WorkflowConfig.load(cfg).run_config("sft", cand, "p", "d", str(tmp_path))
+    assert "warning" not in default.describe_lr()

@@ -64,6 +64,35 @@ def default_lr(method: str, finetune: str) -> float:
     return DEFAULT_LR[(method, finetune)]
 
 
+# The sane range of a configured peak learning rate: one order of magnitude either side of the
+# default for its method and finetune. The sources cited at DEFAULT_LR spread by 2x at most around
+# it (full SFT 1e-5 vs TRL's 2e-5, QLoRA 1e-4 vs 2e-4, full DPO 5e-7 vs TRL's and the DPO paper's
+# 1e-6); 10x above is where the issue's diverging runs lie (1e-3 full SFT; DPO at 1e-3 is 2,000x
+# Zephyr's 5e-7), 10x below is a run that barely moves its weights.
+LR_SANE_FACTOR = 10.0
+
+
+def lr_range(method: str, finetune: str) -> tuple[float, float]:
+    """(low, high): LR_SANE_FACTOR either side of default_lr(method, finetune)."""
+    d = default_lr(method, finetune)
+    return d / LR_SANE_FACTOR, d * LR_SANE_FACTOR
+
+
+def lr_warning(method: str, finetune: str, lr: float) -> str | None:
+    """One line when `lr` (train.<method>.lr) lies outside lr_range for its method and finetune,
+    naming the key, the value and the range; None inside it. A warning, never an error: a tiny or
+    randomly initialised model may need such a rate (`train.<method>.lr_check: false` silences it)."""
+    low, high = lr_range(method, finetune)
+    if low <= lr <= high:
+        return None
+    effect = "may diverge" if lr > high else "may barely move the weights"
+    return (
+        f"warning: train.{method}.lr {lr:g} is outside the usual range {low:g}..{high:g} for {finetune} "
+        f"{method} (10x either side of memfit's cited default {default_lr(method, finetune):g}) and {effect}; "
+        f"set train.{method}.lr_check: false if it is meant"
+    )
+
+
 class RunRefused(ValueError):
     """A clear refusal a rank raises (every rank alike): `memfit launch` prints its message once,
     without the ranks' tracebacks (memfit.train.rank_output), and exits with REFUSED_EXIT_CODE."""
@@ -82,6 +111,7 @@ class RunConfig:
     # run.json, run.resolved.json and the run's log say the number trained with
     lr: float | None = None
     lr_source: str = "config"  # "config": given by the user | "default": DEFAULT_LR for the method and finetune
+    lr_check: bool = True  # False: no warning for a given lr outside lr_range (train.<method>.lr_check)
     epochs: float = 1.0  # passes over the training rows (ignored when max_steps is set)
     max_steps: int | None = None  # optimizer steps; overrides epochs
     warmup_steps: int = 10  # linear warmup steps
@@ -154,7 +184,9 @@ class RunConfig:
                 f"learning rate {self.lr:g} (memfit's default for {self.cand.finetune} {self.method}; "
                 f"set train.{self.method}.lr to change it)"
             )
-        return f"learning rate {self.lr:g} (train.{self.method}.lr)"
+        line = f"learning rate {self.lr:g} (train.{self.method}.lr)"
+        warning = lr_warning(self.method, self.cand.finetune, self.lr) if self.lr_check else None
+        return f"{line}; {warning}" if warning else line
 
     def save(self, path: str | Path) -> None:
         write_json_atomic(Path(path), dataclasses.asdict(self))
