@@ -288,7 +288,7 @@ def test_help_shows_every_default(command, capsys):
     text = "".join(capsys.readouterr().out.split())  # without the line wrapping
     p = parser(f"memfit {command}", command == "fit")
     for action in p._actions:
-        if action.required or action.dest == "help" or action.option_strings == ["--no-grad-ckpt"]:
+        if action.required or action.dest in ("help", "explain") or action.option_strings == ["--no-grad-ckpt"]:
             continue
         words = "".join(action.help.split()).replace("%%", "%")
         assert words in text, action.option_strings

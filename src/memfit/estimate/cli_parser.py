@@ -53,6 +53,20 @@ def _listed(convert, choices=None):
     return parse
 
 
+class _Explain(argparse.Action):
+    """--explain: print the glossary of the table's terms and exit 0, as --help does (no other
+    flag needed)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from memfit.estimate.cli_render import explain
+
+        print(explain())
+        parser.exit(0)
+
+
 def _on_off(text: str) -> bool:
     return _ON[text.lower()]
 
@@ -93,6 +107,12 @@ def parser(prog: str, maximize: bool) -> argparse.ArgumentParser:
             default=None,
             help="seq_len: the longest length searched (default: the model's context, or with "
             "--allow-beyond-context as long as memory allows)",
+        )
+    else:
+        p.add_argument(
+            "--explain",
+            action=_Explain,
+            help="print what each line of the table means and which module computes it, then exit",
         )
     _add_job_args(p, maximize)
     _add_lever_args(p, maximize)

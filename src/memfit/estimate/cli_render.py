@@ -22,6 +22,62 @@ LEGEND = (
 )
 
 
+# `memfit estimate --explain` and docs/estimator.md's glossary (tests/test_estimate_explain.py keeps the
+# two equal): every line of the table, its meaning in one line, and the module that computes it (whose
+# docstrings cite the papers, DeepSpeed and PyTorch sources; docs/estimator.md's component table).
+GLOSSARY = (
+    ("params", "the model's weights held on this GPU (sharded by ZeRO-3; QLoRA's 4-bit base)", "estimate.states"),
+    ("grads", "gradients held on this GPU (16-bit; sharded by ZeRO-2/3; LoRA: the adapter's only)", "estimate.states"),
+    (
+        "optimizer",
+        "AdamW's two moments and the fp32 master weights on this GPU (0 when offloaded)",
+        "estimate.states (ZeRO paper: 12 bytes per trainable parameter)",
+    ),
+    (
+        "activations",
+        "what autograd saves in one micro step for the backward (less with gradient checkpointing)",
+        "estimate.activation_memory (Korthikanti et al. 2022), or a traced run",
+    ),
+    ("logits", "the head's logits and the loss's fp32 log-softmax (one chunk with chunked loss)", "estimate.logits"),
+    ("reference", "DPO's frozen reference copy of the weights (0 with ref precomputed or adapter)", "estimate.phases"),
+    ("temporaries", LEGEND.split("; ")[0].split(" = ")[1], "estimate.phases, estimate.states"),
+    ("overheads", LEGEND.split("; ")[1].split(" = ")[1], "estimate.costs (a calibration file replaces them)"),
+    ("device total", "the sum of the terms above: what nvidia-smi shows for one rank at its peak", "estimate.core"),
+    ("allocated", "the tensors inside the total: torch.cuda.max_memory_allocated", "estimate.phases"),
+    (
+        "reserved",
+        "allocated plus the caching allocator's cached free blocks: torch.cuda.max_memory_reserved",
+        "estimate.allocator",
+    ),
+    ("usable", "the GPU's memory less the headroom kept free for spikes and fragmentation", "estimate.calibration"),
+    (
+        "margin",
+        "usable less the device total: negative is the shortfall of a config that does not fit",
+        "estimate.core",
+    ),
+    (
+        "host RAM per node",
+        "each rank's process, offloaded states, pinned buffers, model load and resume",
+        "estimate.costs",
+    ),
+    (
+        "step time",
+        "one optimizer step: compute, communication, offload, optimizer and a fixed overhead",
+        "estimate.costs",
+    ),
+    ("MFU", "the step's model FLOPs (no recompute) per second over the GPU's peak at the precision", "estimate.core"),
+)
+
+
+def explain() -> str:
+    """What `memfit estimate --explain` prints: each term of the table, its meaning, its source."""
+    width = max(len(term) for term, _, _ in GLOSSARY)
+    lines = ["what each line of `memfit estimate` means (per GPU unless it says otherwise):"]
+    lines += [f"  {term:<{width}}  {meaning}  [{source}]" for term, meaning, source in GLOSSARY]
+    lines.append("sources and accuracy: docs/estimator.md, 'What it models, its sources, its accuracy'")
+    return "\n".join(lines)
+
+
 def verdict_line(result: Estimate, gpu: GPU) -> str:
     why = []
     limit = result.usable_device_bytes or result.device_memory_bytes
