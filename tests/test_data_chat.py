@@ -385,26 +385,14 @@ def test_workflow_config_refuses_a_bad_assistant_loss_naming_the_key(tmp_path, c
 # ------------------------------------------------------------------- trained from chat data
 
 
-def _demo_rows(name: str) -> list[dict]:
-    return [json.loads(line) for line in (DEMO / name).read_text().splitlines()]
-
-
 @pytest.mark.slow
-def test_sharegpt_chats_train_sft_on_two_ranks(demo_model, tmp_path):
-    """3-exchange ShareGPT chats, loss on every answer, through memfit's DeepSpeed trainer (2 CPU ranks)."""
+def test_the_demo_chats_train_sft_on_two_ranks(demo_model, tmp_path):
+    """The shipped 3-exchange chats (data/demo/chat_sft.jsonl), loss on every answer, through
+    memfit's DeepSpeed trainer (2 CPU ranks): the loss falls."""
     from deepspeed_runs import base_run, run
 
-    sft = _demo_rows("sft.jsonl")[:240]
-    chats = [
-        {
-            "conversations": [
-                t for r in sft[i : i + 3] for t in _sharegpt([_user(r["prompt"]), _assistant(r["response"])])
-            ]
-        }
-        for i in range(0, len(sft), 3)
-    ]
-    stats = data.prepare("sft", _jsonl(tmp_path / "chats.jsonl", chats), demo_model, tmp_path / "data/sft", max_len=96)
-    assert stats["dropped"]["prompt_too_long"] == 0 and sum(stats["rows_kept"].values()) == 80
+    stats = data.prepare("sft", DEMO / "chat_sft.jsonl", demo_model, tmp_path / "data/sft", max_len=96)
+    assert stats["dropped"]["prompt_too_long"] == 0 and sum(stats["rows_kept"].values()) == 320
     cfg = base_run(demo_model, tmp_path / "data", tmp_path / "sft", zero=0, seq_len=96, micro_batch=4)
     rows = run(dataclasses.replace(cfg, max_steps=4, save_every=4, eval_every=4))
     losses = [r["loss"] for r in rows if r["split"] == "train"]
@@ -412,15 +400,14 @@ def test_sharegpt_chats_train_sft_on_two_ranks(demo_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_conversational_pairs_train_dpo_on_two_ranks(demo_model, tmp_path):
-    """TRL implicit-prompt pairs through memfit's DeepSpeed DPO (2 CPU ranks, precomputed reference)."""
+def test_the_demo_conversational_pairs_train_dpo_on_two_ranks(demo_model, tmp_path):
+    """The shipped multi-turn pairs (data/demo/chat_dpo.jsonl, TRL's explicit-prompt format) through
+    memfit's DeepSpeed DPO (2 CPU ranks, precomputed reference): the first loss is log 2."""
     from deepspeed_runs import base_run, run
 
-    pairs = [
-        DPO_SHAPES["implicit prompt"](r["prompt"], r["chosen"], r["rejected"]) for r in _demo_rows("dpo.jsonl")[:96]
-    ]
-    data.prepare("dpo", _jsonl(tmp_path / "pairs.jsonl", pairs), demo_model, tmp_path / "data/dpo", max_len=32)
-    cfg = base_run(demo_model, tmp_path / "data", tmp_path / "dpo", method="dpo", zero=0, ref="precomputed")
+    stats = data.prepare("dpo", DEMO / "chat_dpo.jsonl", demo_model, tmp_path / "data/dpo", max_len=96)
+    assert sum(stats["rows_kept"].values()) == 192
+    cfg = base_run(demo_model, tmp_path / "data", tmp_path / "dpo", method="dpo", zero=0, ref="precomputed", seq_len=96)
     rows = run(dataclasses.replace(cfg, max_steps=1, save_every=1, eval_every=1))
     first = next(r for r in rows if r["split"] == "train")
     assert first["loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy starts as its reference: log 2
