@@ -26,7 +26,28 @@ ON_GPU = any(g != "cpu" for g in GPUS)
 # "(?!)" matches nothing, for a config with no built model.
 BUILT_MODELS = "|".join(CFG.built_models()) or "(?!)"
 # GPU clusters run rules in the pinned CUDA env; the CPU default in the CPU env.
-CONDA_ENV = "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml"
+CONDA_ENV_FILE = (
+    "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml"
+)
+
+
+def CONDA_ENV(wildcards):
+    """Every rule's `conda:` (memfit.workflow.slurm.conda_env): its env file, none in a dry run on
+    a machine without conda (a plan-only preview), a clear stop for a real run without conda.
+    """
+    import shutil
+
+    from snakemake_interface_executor_plugins.settings import DeploymentMethod
+
+    from memfit.workflow import slurm
+
+    return slurm.conda_env(
+        CONDA_ENV_FILE,
+        uses_conda=DeploymentMethod.CONDA
+        in workflow.deployment_settings.deployment_method,
+        dryrun=workflow.dryrun,
+        conda_found=shutil.which("conda") is not None,
+    )
 
 
 wildcard_constraints:

@@ -13,6 +13,7 @@ nodes starts one launcher per node is memfit.train.launch (`per_node_srun`).
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,41 @@ def host_bytes_of(selected_json: Path | None, estimates: list[Mapping[str, Any]]
     if not estimates:
         raise SlurmConfigError("no estimates to derive host RAM from")
     return max(int(e.get("host_bytes", 0)) for e in estimates)
+
+
+# -- conda --------------------------------------------------------------------------------------
+# The slurm profile runs every rule in the workflow's conda env (`use-conda: true`). Snakemake asks
+# `conda info` while it builds the DAG, even for a dry run that creates no env: without conda a
+# plan-only preview (`snakemake -n --profile slurm`) would fail on "conda: command not found".
+NO_CONDA_PROFILE = "slurm/no-conda"  # a workflow profile that turns use-conda off (docs/slurm.md)
+_noted: list[str] = []
+
+
+class NoCondaError(RuntimeError):
+    """A real run with conda deployment on and no conda to run it."""
+
+
+def conda_env(env_file: str, *, uses_conda: bool, dryrun: bool, conda_found: bool) -> str | None:
+    """The conda directive of every rule: `env_file`, except in a dry run with no conda on PATH,
+    which lists the jobs without their env (a dry run creates none) after a note saying so. A real
+    run without conda stops before any job with what to do instead."""
+    if not uses_conda or conda_found:
+        return env_file
+    where = env_file.rsplit("/", 2)[-2:]
+    env = "/".join(where)
+    if dryrun:
+        if not _noted:
+            _noted.append(env)
+            print(
+                f"memfit: conda is not on PATH; this dry run lists the jobs without their conda env "
+                f"({env}, use-conda: true in the slurm profile). A real run needs conda here and on "
+                f"the nodes, or your own environment: add --workflow-profile {NO_CONDA_PROFILE}",
+                file=sys.stderr,
+            )
+        return None
+    raise NoCondaError(
+        f"conda is not on PATH, and this run deploys every rule in the conda env {env} "
+        f"(use-conda: true in the slurm profile, or --use-conda/--sdm conda). Install conda here and "
+        f"on the nodes, or run in your own environment (memfit installed) with "
+        f"--workflow-profile {NO_CONDA_PROFILE}; a dry run (-n) needs neither"
+    )
