@@ -318,3 +318,27 @@ def test_the_run_log_line_carries_the_lr_warning_unless_lr_check_is_false(config
     del cfg["train"]["sft"]["lr"]
     default = WorkflowConfig.load(cfg).run_config("sft", cand, "p", "d", str(tmp_path))
     assert "warning" not in default.describe_lr()
+
+
+def test_the_lr_warning_is_per_finetune_and_per_method_and_lr_check_must_be_a_boolean(config, tmp_path, capsys):
+    """search.finetune [full, lora] at train.sft.lr 1e-3: wrong for full (10x-100x its 1e-5), the
+    top of LoRA's range; prepare_data asks for its own method's lines only. A non-boolean lr_check
+    is refused by check-config (exit 2) naming the key."""
+    from memfit.workflow.check_config import lr_warnings
+
+    cfg = copy.deepcopy(config)
+    cfg["search"]["finetune"] = ["full", "lora"]
+    cfg["train"]["sft"].update(lr=1e-3, lr_check=True)
+    cfg["train"]["dpo"].update(lr=1e-3, lr_check=True)
+    loaded = WorkflowConfig.load(cfg)
+    sft = lr_warnings(loaded, ["sft"])
+    assert len(sft) == 1 and "for full sft" in sft[0]
+    assert [w.split(" is outside")[0] for w in lr_warnings(loaded)] == [
+        "warning: train.sft.lr 0.001",
+        "warning: train.dpo.lr 0.001",
+        "warning: train.dpo.lr 0.001",
+    ]
+    cfg["train"]["sft"]["lr_check"] = "maybe"
+    code, out, err = _check_config(cfg, tmp_path / "bad.yaml", capsys)
+    assert code == 2 and out == ""
+    assert "train.sft.lr_check: 'maybe' is not of type 'boolean'" in err and "Traceback" not in err
