@@ -113,7 +113,7 @@ def test_a_real_run_without_conda_stops_before_any_job_naming_the_way_out(tmp_pa
     assert "conda is not on PATH, and this run deploys every rule in the conda env envs/memfit-gpu.yaml" in out
     assert "(use-conda: true in the slurm profile" in out
     assert "--workflow-profile slurm/no-conda" in out
-    assert "sbatch" not in out  # stopped while building the DAG: nothing was submitted
+    assert "Building DAG" not in out and "sbatch" not in out  # stopped while reading the workflow
     assert not (ROOT / "results" / run).exists() and not (ROOT / "logs" / run).exists()
 
 
@@ -129,3 +129,10 @@ def test_a_real_run_without_conda_stops_before_any_job_naming_the_way_out(tmp_pa
 def test_conda_env_of_a_rule(uses_conda, dryrun, found, expected):
     got = slurm.conda_env("../../envs/x.yaml", uses_conda=uses_conda, dryrun=dryrun, conda_found=found)
     assert got == (None if expected is None else "../../envs/x.yaml")
+
+
+def test_conda_env_of_a_real_run_without_conda_names_both_ways_out():
+    with pytest.raises(
+        slurm.NoCondaError, match=r"envs/x\.yaml .*--workflow-profile slurm/no-conda.*leave out --use-conda"
+    ):
+        slurm.conda_env("../../envs/x.yaml", uses_conda=True, dryrun=False, conda_found=False)

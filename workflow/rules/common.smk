@@ -25,16 +25,12 @@ ON_GPU = any(g != "cpu" for g in GPUS)
 # directory (the normal case: `path:` to a local HF model) is an input that already exists.
 # "(?!)" matches nothing, for a config with no built model.
 BUILT_MODELS = "|".join(CFG.built_models()) or "(?!)"
-# GPU clusters run rules in the pinned CUDA env; the CPU default in the CPU env.
-CONDA_ENV_FILE = (
-    "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml"
-)
 
 
-def CONDA_ENV(wildcards):
-    """Every rule's `conda:` (memfit.workflow.slurm.conda_env): its env file, none in a dry run on
-    a machine without conda (a plan-only preview), a clear stop for a real run without conda.
-    """
+# GPU clusters run rules in the pinned CUDA env; the CPU default in the CPU env. Without conda on
+# PATH under a conda deployment (the slurm profile's use-conda): none for a dry run (a plan-only
+# preview, with a note), a stop naming the way out for a real run (memfit.workflow.slurm.conda_env).
+def _conda_env():
     import shutil
 
     from snakemake_interface_executor_plugins.settings import DeploymentMethod
@@ -42,12 +38,15 @@ def CONDA_ENV(wildcards):
     from memfit.workflow import slurm
 
     return slurm.conda_env(
-        CONDA_ENV_FILE,
+        "../../envs/memfit-gpu.yaml" if ON_GPU else "../../envs/memfit-cpu.yaml",
         uses_conda=DeploymentMethod.CONDA
         in workflow.deployment_settings.deployment_method,
-        dryrun=workflow.dryrun,
+        dryrun=bool(getattr(workflow.output_settings, "dryrun", False)),
         conda_found=shutil.which("conda") is not None,
     )
+
+
+CONDA_ENV = _conda_env()
 
 
 wildcard_constraints:

@@ -206,7 +206,8 @@ class NoCondaError(RuntimeError):
 def conda_env(env_file: str, *, uses_conda: bool, dryrun: bool, conda_found: bool) -> str | None:
     """The conda directive of every rule: `env_file`, except in a dry run with no conda on PATH,
     which lists the jobs without their env (a dry run creates none) after a note saying so. A real
-    run without conda stops before any job with what to do instead."""
+    run without conda stops (NoCondaError) while the workflow is read, before the DAG and any job,
+    with what to do instead."""
     if not uses_conda or conda_found:
         return env_file
     where = env_file.rsplit("/", 2)[-2:]
@@ -224,6 +225,7 @@ def conda_env(env_file: str, *, uses_conda: bool, dryrun: bool, conda_found: boo
     raise NoCondaError(
         f"conda is not on PATH, and this run deploys every rule in the conda env {env} "
         f"(use-conda: true in the slurm profile, or --use-conda/--sdm conda). Install conda here and "
-        f"on the nodes, or run in your own environment (memfit installed) with "
-        f"--workflow-profile {NO_CONDA_PROFILE}; a dry run (-n) needs neither"
+        f"on the nodes, or run in your own environment (memfit installed): under --profile slurm add "
+        f"--workflow-profile {NO_CONDA_PROFILE}, elsewhere leave out --use-conda; a dry run (-n) "
+        f"needs no conda"
     )
