@@ -14,6 +14,7 @@ does this after the demo). Skipped, with the reason, where no Chromium binary ex
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -105,6 +106,11 @@ def _section(text: str, run: Path) -> str:
     return text[mine[0] : later[0] if later else len(text)]
 
 
+def _html(page: Path) -> str:
+    """The page's source with entities decoded: what a reader reaches by opening the folded parts."""
+    return html.unescape(page.read_text())
+
+
 def test_no_console_errors_and_nothing_fetched(seen):
     assert seen.errors == []
     assert seen.resources == [], "the page must render from the file alone"
@@ -149,20 +155,22 @@ def test_resume_and_training_numbers_match_their_files(page, seen):
         if resume.is_file():
             check = json.loads(resume.read_text())
             verdict = "passed" if check["passed"] else "FAILED"
-            assert f"result\t{verdict}" in text, f"{run}: resume verdict {verdict} not shown"
+            assert f"Resume check figures: result {verdict}" in text, f"{run}: resume verdict {verdict} not shown"
             if not check["passed"]:
                 assert "Resume check did NOT pass" in text
-            assert check["resumed_from"] in text
-            assert f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in text
+            folded = _html(page)  # the figures fold under the verdict: in the page, one click away
+            assert check["resumed_from"] in folded
+            assert f"{_plain(check['max_rel_loss_diff'])} (tolerance {_plain(check['rtol'])})" in folded
             checked += 1
         summary = run / "train" / "summary.json"
         if summary.is_file():
             s = json.loads(summary.read_text())
             assert "Did training work?" in text
             assert f"steps\t{_plain(s['steps'])}" in text
-            for n, f in enumerate(s.get("fallbacks") or [], 1):  # each OOM fallback listed and marked
-                assert f"OOM {n} at step {f['oom_step']}" in text
-                assert f"resumed from the checkpoint at step {f['resumed_from_step']} on {f['to']}" in text
+            for n, f in enumerate(s.get("fallbacks") or [], 1):  # each OOM fallback listed, and marked (folded)
+                assert f"OOM {n} at step {f['oom_step']}" in _html(page)
+                assert f"resumed from the checkpoint at step {f['resumed_from_step']} on {f['to']}" in _html(page)
+                assert f["to"] in text
             assert f"peak allocated per device\t{_bytes(s['peak_allocated_bytes'])}" in text
             rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line]
             for split in ("train", "eval"):
@@ -186,13 +194,18 @@ def test_every_combination_is_in_the_contents_and_folds(page, seen):
 
 
 # The page's parts (templates/*.html.j2) as a reader sees their headings, in order.
-PAGE_PARTS = ("memfit report", "Generated", "Contents", "Runs", "What hardware fits: GPU type × model × method", "Data")
-RUN_PARTS = (  # selected.html.j2, selection.html.j2, the charts, fitmap.html.j2
+PAGE_PARTS = (
+    "memfit report",
+    "Generated",
+    "Runs: the answer",
+    "Contents",
+    "What hardware fits: GPU type × model × method",
+    "Data",
+)
+RUN_PARTS = (  # selected.html.j2, selection.html.j2, the charts (folded), a link to the one fit map
     "Selected configuration",
     "Selection: every candidate",
     "Will it fit? Memory per candidate",
-    "Predicted memory breakdown",
-    "What hardware fits: longest sequence per GPU type",
 )
 TRAINED_PARTS = ("Did training work?", "Resume check")  # training.html.j2, resume.html.j2
 
@@ -217,7 +230,7 @@ def test_every_part_of_the_page_renders_in_order(page, seen):
         sel = json.loads((run / "selected.json").read_text())
         assert " · ".join(sel[k] for k in ("model", "gpu", "method")) in head
     facts = seen.text[seen.text.rfind("Run facts") :]
-    assert "git commit\t" in facts and "memfit\t" in facts
+    assert "git commit " in facts and "packages" in facts
 
 
 def test_every_run_section_renders_each_part(page, seen):
@@ -228,20 +241,23 @@ def test_every_run_section_renders_each_part(page, seen):
         trained = not sel.get("plan_only") and (run / "train" / "summary.json").is_file()
         _in_order(text, RUN_PARTS + (TRAINED_PARTS if trained else ()))
         title = " · ".join(sel[k] for k in ("model", "gpu", "method"))
-        figures = _shown(seen)
-        assert f"memory per candidate, {title}" in figures
+        assert "What hardware fits: the fit map above" in text or f"No fit map for {title}" in text
+        figures, source = _shown(seen), _html(page)
+        assert f'alt="memory per candidate, {title}"' in source  # folded: one click away
         if (run / "candidates.json").is_file():
-            assert f"predicted memory breakdown per candidate, {title}" in figures
-        if trained and (run / "train" / "metrics.jsonl").is_file():
+            assert f'alt="predicted memory breakdown per candidate, {title}"' in source
+        if trained and (run / "train" / "metrics.jsonl").is_file():  # the curves stay in view
             assert any(a.startswith(f"training curves, {title}") for a in figures)
-        # the selection table: every candidate listed, or counted among the folded unprobed ones
+        # the selection table: the top ten in view, the others counted and folded below them
         ids = [c["id"] for c in sel["candidates"]]
         missing = [i for i in ids if not re.search(rf"(?<![\w-]){re.escape(i)}(?![\w-])", text)]
+        assert len(missing) == max(0, len(ids) - 10)
         if missing:
-            assert f"{len(missing)} more candidates judged on predictions only (not probed)" in text
-        # the fit map: a row per catalog GPU type, or why there is none
-        fitmap = text[text.find("What hardware fits: longest sequence per GPU type") :]
-        assert "No fit map for" in fitmap or all(f"\n{g}\t" in fitmap for g in gpus)
+            assert f"{len(missing)} more candidates, ranked below the top 10" in text
+    # the fit map, once: a row per catalog GPU type (ten in view, the rest folded), or why there is none
+    assert seen.text.count("What hardware fits: GPU type × model × method") == 1
+    fitmap = _html(page)[_html(page).find('id="fitmap"') :]
+    assert "No fit map for" in fitmap or all(f"<tr><td>{g}</td>" in fitmap for g in gpus)
 
 
 def test_data_section_shows_each_stats_file(page, seen):

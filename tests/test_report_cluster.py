@@ -100,14 +100,17 @@ def test_plan_only_shows_the_plan_and_no_training(planned):
 
 
 def _grid(page: str) -> tuple[list[str], dict[str, list[tuple[str, str]]]]:
-    """The fit grid's column headers and, per GPU type, each cell's (text, class)."""
-    table = re.search(r"<table class='grid'>(.*?)</table>", page, re.S).group(1)
-    rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
-    heads = re.findall(r"<th[^>]*>(.*?)</th>", rows[1])
-    cells = {}
-    for r in rows[2:]:
-        name = re.match(r"<td>([^<]+)</td>", r).group(1)
-        cells[name] = re.findall(r"<td class='n ([^']*)'[^>]*>([^<]*)</td>", r)
+    """The fit grid's column headers and, per GPU type, each cell's (text, class): the rows in view
+    and the ones folded below them (a second table of the same columns)."""
+    tables = re.findall(r"<table class='grid'>(.*?)</table>", page, re.S)
+    assert 1 <= len(tables) <= 2, "the fit map is drawn once (its folded rows apart)"
+    cells, heads = {}, []
+    for table in tables:
+        rows = re.findall(r"<tr>(.*?)</tr>", table, re.S)
+        heads = re.findall(r"<th[^>]*>(.*?)</th>", rows[1])
+        for r in rows[2:]:
+            name = re.match(r"<td>([^<]+)</td>", r).group(1)
+            cells[name] = re.findall(r"<td class='n ([^']*)'[^>]*>([^<]*)</td>", r)
     return heads, {k: [(t, c) for c, t in v] for k, v in cells.items()}
 
 

@@ -46,7 +46,7 @@ FLAGS = (
 )
 
 _PROBE_ID = "memfit-browser-probe"
-_PROBE = """<script>
+_PROBE = r"""<script>
 (function () {
   var errors = [];
   var origError = console.error;
@@ -63,6 +63,26 @@ _PROBE = """<script>
     }
   }, true);
   window.addEventListener("unhandledrejection", function (e) { errors.push("unhandled rejection: " + e.reason); });
+  // the text a reader sees without scrolling: every visible text node whose box ends within the top
+  // __SCREEN__ px (the height asked for: headless Chromium's window keeps some of it for itself)
+  function firstScreen() {
+    var walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT), out = [], range = document.createRange();
+    while (walker.nextNode()) {
+      var node = walker.currentNode;
+      if (!node.textContent.trim()) continue;
+      range.selectNodeContents(node);
+      var r = range.getBoundingClientRect();
+      if (r.height > 0 && r.width > 0 && r.bottom <= __SCREEN__ && r.right <= window.innerWidth) {
+        out.push(node.textContent.replace(/\s+/g, " ").trim());
+      }
+    }
+    return out.join(" ");
+  }
+  function headings() {
+    return Array.prototype.map.call(document.querySelectorAll("h1, h2, h3, h4"), function (h) {
+      return {tag: h.tagName.toLowerCase(), text: h.innerText, top: Math.round(h.getBoundingClientRect().top + window.scrollY)};
+    });
+  }
   window.addEventListener("load", function () {
     var imgs = Array.prototype.map.call(document.images, function (im) {
       return {src: (im.getAttribute("src") || "").slice(0, 60), alt: im.alt || "",
@@ -76,7 +96,9 @@ _PROBE = """<script>
                bodyScrollWidth: document.body.scrollWidth,
                innerWidth: window.innerWidth,
                scrollHeight: document.documentElement.scrollHeight,
-               text: document.body.innerText};
+               innerHeight: window.innerHeight,
+               text: document.body.innerText,
+               firstScreen: firstScreen(), headings: headings()};
     var pre = document.createElement("pre");
     pre.id = "__PROBE_ID__";
     pre.style.display = "none";
@@ -102,6 +124,9 @@ class PageCheck:
     inner_width: int
     scroll_height: int
     text: str  # document.body.innerText: what a reader can read
+    inner_height: int = 0  # the window's height, CSS px
+    first_screen: str = ""  # the text on the first `height` px of the page (text nodes ending there), spaces joined
+    headings: tuple = ()  # every h1-h4: {"tag", "text", "top"} (px from the top of the page)
 
 
 def find_chromium() -> str | None:
@@ -143,7 +168,8 @@ def inspect_page(
     chromium: str | None = None,
     timeout: float = 90.0,
 ) -> PageCheck:
-    """Load `page` (an HTML file) in headless Chromium at `width` x `height` and return what it saw."""
+    """Load `page` (an HTML file) in headless Chromium at `width` x `height` and return what it saw
+    (`first_screen`: the text on the page's first `height` px)."""
     exe = _chromium(chromium)
     src = Path(page)
     if not src.is_file():
@@ -152,7 +178,7 @@ def inspect_page(
     m = re.search(r"<head[^>]*>", text, flags=re.I)
     if m is None:
         raise BrowserError(f"{src}: no <head> element to add the probe to")
-    probed = text[: m.end()] + _PROBE + text[m.end() :]
+    probed = text[: m.end()] + _PROBE.replace("__SCREEN__", str(int(height))) + text[m.end() :]
     with tempfile.TemporaryDirectory(prefix="memfit-browser-") as tmp:
         tmp_path = Path(tmp)
         copy = tmp_path / "page.html"
@@ -189,6 +215,9 @@ def inspect_page(
         inner_width=int(seen["innerWidth"]),
         scroll_height=int(seen["scrollHeight"]),
         text=seen["text"],
+        inner_height=int(seen["innerHeight"]),
+        first_screen=seen["firstScreen"],
+        headings=tuple(seen["headings"]),
     )
 
 

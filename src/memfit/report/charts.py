@@ -206,9 +206,11 @@ def curves_figure(metrics: list[dict[str, Any]], title: str, marks: list | None 
     if not any(_num(r.get("loss")) is not None for r in metrics):
         return None
     panels = [p for p in CURVE_PANELS if any(_num(r.get(k)) is not None for r in metrics for k, _ in p[1])]
-    cols = 2 if len(panels) > 1 else 1
+    # more panels a row as they grow (three from five, four from seven) across the page's full width
+    # (1,200 px at 96 dpi): a DPO run's ten panels take three rows, not five
+    cols = 4 if len(panels) >= 7 else 3 if len(panels) >= 5 else 2 if len(panels) > 1 else 1
     nrows = math.ceil(len(panels) / cols)
-    fig = _figure(9 if cols == 2 else 6, 2.7 * nrows + 0.4)
+    fig = _figure({1: 6, 2: 9, 3: 12.5, 4: 12.5}[cols], (2.3 if cols == 4 else 2.5) * nrows + 0.4)
     marks = marks or []
     for i, (name, series, kind) in enumerate(panels):
         ax = fig.add_subplot(nrows, cols, i + 1)

@@ -3,9 +3,9 @@ GPU type of the catalog (config/gpus.yaml), computed at report time with `memfit
 (what `memfit fit --maximize seq_len` prints: a binary search over seq_len with analytic
 activations, so a few milliseconds per GPU type).
 
-`fit_results` computes it once per run (templates/fitmap.html.j2 shows one run's, with why a GPU
-type cannot train it at all); `fit_grid` lays out all runs at once: GPU types down, model x method
-across (templates/fitgrid.html.j2).
+`fit_results` computes it once per run; `fit_grid` lays out all runs at once, the page's only fit map:
+GPU types down, model x method across, with why a GPU type cannot train a setup at all
+(templates/fitgrid.html.j2).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .inputs import RunOutputs
 
 SETTINGS = dataclasses.replace(DEFAULT_SETTINGS, activations="analytic")
 MAX_NOTE = " (the model's maximum)"
+GRID_SHOWN = 10  # GPU types the grid shows; the rest fold below it
 
 
 @dataclass(frozen=True)
@@ -146,10 +147,18 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> dict:
         for c in ordered:
             g = next((g for g in c["res"].gpus if g.gpu == name), None)
             cells.append(None if g is None else _cell(c["res"], g, name in c["gpus"]))
-        rows.append({"gpu": name, "memory_gib": mem[name], "cells": cells})
+        rows.append(
+            {"gpu": name, "memory_gib": mem[name], "cells": cells, "here": any(name in c["gpus"] for c in ordered)}
+        )
+    # ten rows in view, the runs' own GPU types among them wherever the catalog lists them; the rest fold away
+    shown = [r for r in rows if r["here"]][:GRID_SHOWN]
+    shown += [r for r in rows if not r["here"]][: GRID_SHOWN - len(shown)]
+    rest = [r for r in rows if r not in shown]
+    rows = [r for r in rows if r in shown]
     legend = [
         {"number": i, "model": c["run"].selection.model, "method": c["run"].selection.method, "id": c["run"].shown.id,
-         "selected": c["run"].selected is not None, "gpus": c["gpus"], "num_gpus": c["res"].num_gpus, "seq_len": c["res"].seq_len}
+         "selected": c["run"].selected is not None, "gpus": c["gpus"], "num_gpus": c["res"].num_gpus, "seq_len": c["res"].seq_len,
+         "cannot": [(g.gpu, g.why) for g in c["res"].gpus if not g.longest]}
         for i, c in enumerate(columns, 1)
     ]  # fmt: skip
     return {
@@ -163,6 +172,7 @@ def fit_grid(runs: list[RunOutputs], results: list[FitResult]) -> dict:
             for c in ordered
         ],
         "rows": rows,
+        "rest": rest,
         "legend": legend,
         "unmapped": unmapped,
     }

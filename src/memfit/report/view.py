@@ -15,6 +15,7 @@ from typing import Any
 
 from memfit import __version__
 
+from .answer import PROBE_TPS, TRAIN_TPS, answer_row
 from .charts import (
     accuracy_chart,
     breakdown_chart,
@@ -30,7 +31,7 @@ from .fmt import _bytes, _measured, _num, _plain, _secs, _tps, _verdict, describ
 from .inputs import Inputs, RunOutputs
 from .marks import changed_levers, read_fallbacks, training_marks
 
-FOLD_OVER = 5  # more unprobed candidates than this fold away below the ones the selection weighed
+SHOWN = 10  # the selection table shows the ten best-ranked candidates; the rest fold away
 
 
 def resume_status(check: dict[str, Any] | None) -> tuple[str, str]:
@@ -124,7 +125,7 @@ def training_pairs(summary: dict[str, Any], metrics: list[dict[str, Any]] | None
     train = [r for r in metrics or [] if r.get("split", "train") == "train"]
     tps = sorted(v for v in (_num(r.get("tokens_per_s")) for r in train) if v is not None)
     if tps:
-        pairs.append(("throughput (median of logged steps)", _tps(tps[len(tps) // 2])))
+        pairs.append(("training throughput (real tokens, rank 0; median of logged steps)", _tps(tps[len(tps) // 2])))
     for split in ("train", "eval"):
         last = next(
             (
@@ -172,16 +173,14 @@ def _selection_row(r: dict[str, Any], selected_id: str | None) -> dict[str, Any]
 
 
 def selection_table(run: RunOutputs) -> dict[str, list[dict[str, Any]]]:
-    """Every ranked candidate; those judged on predictions alone fold away (`rest`) below the ones
-    the selection weighed, so a long search space does not bury the probes (nothing selected:
-    the closest candidate, ranked first, heads the table)."""
+    """Every ranked candidate: the top SHOWN (the selected one among them wherever it ranks) in view,
+    the rest (`rest`) folded below, ranks kept, so a long search space does not bury the answer."""
     sid = run.selected_id
     rows = [_selection_row(r, sid) for r in run.ranked]
-    weighed = [i for i, r in enumerate(rows) if r["selected"] or r["source"] != "predicted" or (sid is None and i == 0)]
-    rest = [i for i in range(len(rows)) if i not in set(weighed)]
-    if len(rest) <= FOLD_OVER or not weighed:
+    if len(rows) <= SHOWN:
         return {"weighed": rows, "rest": []}
-    return {"weighed": [rows[i] for i in weighed], "rest": [rows[i] for i in rest]}
+    top = rows[:SHOWN] + [r for r in rows[SHOWN:] if r["selected"]]
+    return {"weighed": top, "rest": [r for r in rows[SHOWN:] if not r["selected"]]}
 
 
 def time_check(run: RunOutputs) -> dict[str, Any] | None:
@@ -278,22 +277,8 @@ def _training_word(run: RunOutputs) -> str:
 
 
 def overview(runs: list[RunOutputs]) -> dict[str, Any]:
-    """The Runs table: one row per run."""
-    plan = all(r.selection.plan_only for r in runs)  # nothing trained anywhere: no training columns
-    rows = []
-    for i, run in enumerate(runs):
-        s = run.selected
-        status, cls = resume_status(run.resume)
-        word = _training_word(run)
-        rows.append({
-            "index": i, "title": run.title, "none_fits": run.none_fits, "id": None if s is None else s.id,
-            "device_bytes": None if s is None else s.device_bytes, "source": None if s is None else s.source,
-            "tokens_per_s": None if s is None else s.tokens_per_s, "training": word,
-            "training_class": "bad" if s is not None and "fallback" in word else "", "resume": status, "resume_class": cls,
-        })  # fmt: skip
-    header = ["run (model · GPU · method)", "selected candidate", "device peak", "judged on", "throughput"]
-    return {"plan": plan, "none_fits": any(r.selected is None for r in runs), "rows": rows,
-            "header": header + ([] if plan else ["training", "resume check"])}  # fmt: skip
+    """What the answer table says of all runs at once: nothing trained anywhere, some run where nothing fits."""
+    return {"plan": all(r.selection.plan_only for r in runs), "none_fits": any(r.selected is None for r in runs)}
 
 
 def run_view(
@@ -360,6 +345,7 @@ def data_section(path: Path, stats: dict[str, Any], anchor: str) -> dict[str, An
     return {
         "anchor": anchor, "title": title, "path": path, "source": stats.get("source", "—"), "pairs": pairs,
         "counts": counts, "length_keys": keys, "length": [(k, length[k]) for k in keys],
+        "length_brief": ", ".join(f"{k} {_plain(length[k], 5)}" for k in ("p50", "max") if k in length),
         "chart": length_chart(stats, title) if length else None,
     }  # fmt: skip
 
@@ -401,6 +387,14 @@ def page_context(
             for i, r in enumerate(runs)
         ],
         "overview": overview(runs),
+        "answer": {
+            "rows": [
+                answer_row(r, i, resume_status(r.resume)) | {"training_word": _training_word(r)}
+                for i, r in enumerate(runs)
+            ],
+            "probe_tps": PROBE_TPS,
+            "train_tps": TRAIN_TPS,
+        },  # fmt: skip
         "grid": fit_grid(runs, fits),
         "loose": loose,
         "data": {
