@@ -315,3 +315,55 @@ def test_predicted_and_measured_step_times_of_the_probes_are_compared(tmp_path):
         "Step time of the 2 probed candidates, predicted against measured: median error 13%, worst 16%, "
         "rank correlation (Spearman) 1.00" in text
     )
+
+
+def _answer(page: str) -> str:
+    """The answer section's text: from its heading to the contents below it."""
+    return _text(page[page.index('<h2 id="runs">') : page.index('<nav class="toc">')])
+
+
+def test_answer_states_margin_losses_resume_and_predicted_vs_measured(page):
+    """The top of the page answers (#43): the configuration in words, the usable budget less the
+    training peak, the final losses, the resume verdict, predicted vs measured peak and step time."""
+    from memfit.report.fmt import _bytes
+
+    answer = _answer(page)
+    usable = 4 * GiB * (1 - 0.1)  # budget 4 GiB, 10% headroom kept free
+    left = usable - 158 * MiB  # the training peak (allocated: the CPU reports no reserved figure)
+    assert f"{_bytes(left)} ({left / usable:.0%}) below the usable {_bytes(usable)}" in answer
+    assert "training peak allocated" in answer
+    assert "train 0.45 (step 8) · eval 0.54 (step 8)" in answer
+    assert "FAILED" in answer  # the fixture's resume check did not pass
+    assert "predicted 150.0 MiB, training 158.0 MiB (-5%)" in answer
+    assert "predicted 0.420 s, training 0.500 s (-16%)" in answer
+    assert "ZeRO-2, no offload" in answer and WINNER in answer
+    # two throughputs, each said with its definition
+    assert "training 4,005 tok/s" in answer  # the median of the logged steps and "probe 4,096 tok/s" in answer
+    assert (
+        "probe tok/s: padded worst-case batch, all ranks" in answer and "training tok/s: real tokens, rank 0" in answer
+    )
+
+
+def test_plan_only_answer_says_why_the_next_best_lost(tmp_path):
+    page = _render(tmp_path, _dpo_run(tmp_path, plan_only=True, reason="predicted 1.00 GiB > usable 0.90 GiB"))
+    answer = _answer(page)
+    assert f"why not the next best: #2 {OOM} does not fit" in answer
+    assert "does not fit : predicted 1.00 GiB > usable 0.90 GiB." in answer  # the verdict, then why
+    assert "final loss" not in answer and "resume check" not in answer  # nothing trained: no such columns
+    assert "predicted 4,096 tok/s" in answer
+
+
+def test_selection_table_shows_the_top_ten_and_folds_the_rest(tmp_path):
+    paths = _dpo_run(tmp_path)
+    sel = json.loads(paths["selected"].read_text())
+    for i in range(13):
+        sel["candidates"].append({
+            "id": f"z3-extra-{i:02d}", "candidate": _cand(3, 1, 16), "predicted": _pred(100 * MiB, 120 * MiB, 1.0 + i),
+            "source": "predicted", "fits": True, "reason": "not probed: predicted to fit, ranked below the probed candidates",
+        })  # fmt: skip
+    _write(paths["selected"], sel)
+    page = _render(tmp_path, paths)
+    shown, folded = page.split('<details class="fold"><summary>5 more candidates, ranked below the top 10</summary>', 1)
+    in_view = shown[shown.rindex("<h3>Selection: every candidate</h3>") :]
+    assert len(re.findall(r"<tr( class=\"selected\")?><td class=\"n\">\d+</td>", in_view)) == 10
+    assert WINNER in in_view and f"z3-extra-{12:02d}" in folded.split("</details>")[0]

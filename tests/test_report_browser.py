@@ -18,6 +18,7 @@ import html
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from test_report_curves import _with_fallback
 from memfit import report
 from memfit.estimate import catalog
 from memfit.report.browser import find_chromium, inspect_page
-from memfit.report.fmt import _bytes, _plain, _tps
+from memfit.report.fmt import _bytes, _plain, _secs, _tps, describe
 
 pytestmark = pytest.mark.skipif(
     find_chromium() is None,
@@ -67,6 +68,36 @@ def _synthetic(tmp_path: Path) -> Path:
         summaries=[str(trained["summary"])],
         resume=[str(trained["resume"])],
         data_stats=[str(trained["data"])],
+        out_html=str(out),
+    )
+    return out
+
+
+def _demo_like(tmp_path: Path) -> Path:
+    """The demo's page from fixtures: a trained DPO run (a crash, an OOM fallback, a failed resume
+    check) and a trained SFT run beside it, each with 40 candidates as a search space gives."""
+    trained = _with_fallback(tmp_path)
+    dpo = trained["selected"].parent
+    sel = json.loads(trained["selected"].read_text())
+    base = sel["candidates"][-1]
+    for i in range(40 - len(sel["candidates"])):
+        sel["candidates"].append(base | {"id": f"z3-gc-sdpa-full-mb{i + 1}-s32-fp32-ref-model-loss-chunked",
+                                         "source": "predicted", "fits": True, "probe": None,
+                                         "reason": "not probed: predicted to fit, ranked below the probed candidates"})  # fmt: skip
+    trained["selected"].write_text(json.dumps(sel))
+    sft = dpo.parent / "sft"
+    shutil.copytree(dpo, sft)
+    sel.update(method="sft", launch=sel["launch"].replace("/dpo/", "/sft/"))
+    (sft / "selected.json").write_text(json.dumps(sel))
+    stats = json.loads(trained["data"].read_text()) | {"method": "sft"}
+    (trained["data"].parent.parent / "sft").mkdir()
+    (trained["data"].parent.parent / "sft" / "stats.json").write_text(json.dumps(stats))
+    out = tmp_path / "results" / "report.html"
+    report.write_report(
+        selected=[str(dpo / "selected.json"), str(sft / "selected.json")],
+        summaries=[str(d / "train" / "summary.json") for d in (dpo, sft)],
+        resume=[str(d / "verify_resume.json") for d in (dpo, sft)],
+        data_stats=[str(trained["data"]), str(trained["data"].parent.parent / "sft" / "stats.json")],
         out_html=str(out),
     )
     return out
@@ -271,3 +302,69 @@ def test_data_section_shows_each_stats_file(page, seen):
         _in_order(data, [title, f"rows read\t{_plain(s['rows_read'])}"])
         if s.get("length"):
             assert f"length distribution, {title}" in _shown(seen)
+
+
+SCREEN = 800  # a laptop's first screen: 1280 x 800 CSS px
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory) -> tuple[Path, object]:
+    """The demo's page (MEMFIT_REPORT_HTML, else built from fixtures) as Chromium shows its first 1280 x 800."""
+    given = os.environ.get("MEMFIT_REPORT_HTML")
+    page = Path(given).resolve() if given else _demo_like(tmp_path_factory.mktemp("demo"))
+    return page, inspect_page(page, width=WIDTH, height=SCREEN)
+
+
+def test_first_screen_holds_the_answer(demo):
+    """Without scrolling: per run the configuration in words, the margin to the budget, the final
+    train and eval loss, the resume verdict, predicted vs measured peak and step time (#43)."""
+    page, seen = demo
+    first = seen.first_screen
+    for run in _runs(page):
+        sel = json.loads((run / "selected.json").read_text())
+        title = " · ".join(sel[k] for k in ("model", "gpu", "method"))
+        assert title in first, f"{title} is not on the first {SCREEN} px"
+        if sel["selected"] is None:
+            assert f"does not fit: {sel['none_fits']}" in first
+            continue
+        chosen = sel["selected"]
+        assert chosen["id"] in first
+        assert describe(chosen["candidate"], sel["method"], 2).split(", ")[0] in first  # the words begin there
+        assert "below the usable" in first or "OVER the usable" in first  # the margin to the budget
+        assert f"predicted {_bytes(chosen['predicted']['peak_allocated_bytes'])}" in first
+        summary = run / "train" / "summary.json"
+        if summary.is_file():
+            s = json.loads(summary.read_text())
+            assert f"training {_bytes(s['peak_allocated_bytes'])}" in first
+            assert f"training {_secs(s['step_time_s'])}" in first
+            rows = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines() if line]
+            for split in ("train", "eval"):
+                last = [r for r in rows if r.get("split", "train") == split and r.get("loss") is not None]
+                if last:
+                    assert f"{split} {_plain(last[-1]['loss'])} (step {last[-1]['step']})" in first
+        resume = run / "verify_resume.json"
+        if resume.is_file():
+            verdict = "passed" if json.loads(resume.read_text())["passed"] else "FAILED"
+            assert re.search(rf"\(step \d+\) {verdict}\b", first), f"{title}: resume verdict {verdict} not in view"
+    # one definition per throughput figure, said where the figures are
+    assert "probe tok/s: padded worst-case batch, all ranks" in first
+    assert "training tok/s: real tokens, rank 0" in first
+
+
+def test_demo_page_is_at_most_8000_px_high(demo):
+    page, seen = demo
+    assert seen.scroll_height <= 8000, f"{page} is {seen.scroll_height} px high at {WIDTH} px (at most 8,000)"
+    assert seen.text.count("What hardware fits: GPU type × model × method") == 1  # the fit map once
+
+
+def test_long_tables_show_their_top_ten(demo):
+    page, seen = demo
+    for run in _runs(page):
+        sel = json.loads((run / "selected.json").read_text())
+        text = _section(seen.text, run)
+        ids = [c["id"] for c in sel["candidates"]]
+        shown = [i for i in ids if re.search(rf"(?<![\w-]){re.escape(i)}(?![\w-])", text)]
+        assert len(shown) == min(10, len(ids)), f"{run}: {len(shown)} candidates in view"
+        if len(ids) > 10:
+            assert f"{len(ids) - 10} more candidates, ranked below the top 10" in text
+            assert all(i in _html(page) for i in ids)  # the others folded, not dropped
