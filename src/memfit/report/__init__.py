@@ -13,7 +13,8 @@ none) untouched. Files found beside the inputs (candidates.json, metrics.jsonl) 
 optional: when missing or unreadable the page says so and goes on.
 
 Modules: `inputs` (reading and checking the files into `RunOutputs`; each run's candidates as
-rows of the `memfit.results` table), `view` (what the page shows, as plain data), `charts`
+rows of the `memfit.results` table), `view` (what the page shows, as plain data), `answer` (the first screen:
+each run's answer), `charts`
 (figures), `fitmap`, `marks`, `facts` (their data), `fmt` (numbers and configurations in words),
 `page` (the Jinja2 environment: templates/*.html.j2, autoescaped, render the page);
 `run_summary`, the same outputs and Snakemake's log as one JSON a machine reads (each job's

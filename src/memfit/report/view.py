@@ -196,11 +196,13 @@ def time_check(run: RunOutputs) -> dict[str, Any] | None:
     if len(pairs) < 2:
         return None
     errs = sorted(abs(p / m - 1) for _, p, m in pairs)
+    worst = max(pairs, key=lambda x: abs(x[1] / x[2] - 1))
     rho = spearman([p for _, p, _ in pairs], [m for _, _, m in pairs])
     return {
         "n": len(pairs),
         "median_error": statistics.median(errs),
         "worst_error": errs[-1],
+        "worst": {"id": worst[0], "predicted": worst[1], "measured": worst[2]},
         "spearman": None if rho != rho else rho,  # nan: a constant side
     }
 
