@@ -45,3 +45,14 @@ def forward(runner, rows: list[dict[str, Any]], pad_to: int | None, nll_on: str)
     n = len(rows)
     nll = -(token_lp[:n] * scored[:n]).sum() / scored[:n].sum().clamp(min=1)
     return PairLogps(mean_lp[:n], mean_lp[n:], nll, tokens)
+
+
+def step(
+    runner, rows: list[dict[str, Any]], pad_to: int | None, loss_fn, nll_on: str
+) -> tuple[torch.Tensor, dict[str, float], int]:
+    """One micro batch through the policy alone (chosen and rejected in one forward), scored by
+    `loss_fn(chosen, rejected, nll, cfg) -> (per-pair losses, per-pair metrics)`: ORPO's and SimPO's step."""
+    lp = forward(runner, rows, pad_to, nll_on=nll_on)
+    losses, metrics = loss_fn(lp.chosen, lp.rejected, lp.nll, runner.pref)
+    sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
+    return losses.mean(), sums, lp.tokens

@@ -62,7 +62,4 @@ def simpo_loss(
 
 def step(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.Tensor, dict[str, float], int]:
     """One micro batch through the policy alone (chosen and rejected in one forward)."""
-    lp = pairs.forward(runner, rows, pad_to, nll_on="response")
-    losses, metrics = simpo_loss(lp.chosen, lp.rejected, lp.nll, runner.pref)
-    sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
-    return losses.mean(), sums, lp.tokens
+    return pairs.step(runner, rows, pad_to, simpo_loss, nll_on="response")
