@@ -122,7 +122,8 @@ def seen(page):
 
 
 def _runs(page: Path) -> list[Path]:
-    runs = sorted(p.parent for p in page.parent.rglob("selected.json"))
+    # the page's own runs: <model>/<gpu>/<method>/ beside it (not another `run: NAME`'s, results/NAME/...)
+    runs = sorted(p.parent for p in page.parent.glob("*/*/*/selected.json"))
     assert runs, f"no selected.json under {page.parent}"
     return runs
 
