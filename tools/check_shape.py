@@ -38,7 +38,7 @@ PACKAGE_ROOT = "src"
 # The layers, bottom up: what each subpackage (or top-level module) may import besides itself and
 # the shared vocabulary. A name allows the package or module and everything under it. Modules not
 # listed (memfit.cli, the `memfit` command) may import anything.
-VOCABULARY = ("memfit", "memfit.space", "memfit.units", "memfit.atomic", "memfit.digest")
+VOCABULARY = ("memfit", "memfit.space", "memfit.methods", "memfit.units", "memfit.atomic", "memfit.digest")
 MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "memfit.data": (),
     "memfit.train": ("memfit.data",),

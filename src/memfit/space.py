@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Method = Literal["sft", "dpo"]
+Method = Literal["sft", "dpo", "rm", "orpo", "simpo", "kto"]  # memfit.methods.SHAPES
 Finetune = Literal["full", "lora", "qlora"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Attn = Literal["flash", "sdpa", "eager"]

@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
+
+# what the trainer runs (memfit.train.losses: sft, dpo; memfit.train.preference: the others), and
+# which of them hold a reference model (candidate.ref: model, adapter or precomputed)
+from memfit.methods import METHODS, REFERENCE_METHODS
 from memfit.space import Candidate
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
 PREEMPTED_EXIT_CODE = 4  # checkpointed on SIGTERM/SIGUSR1; re-run to resume
 PREEMPTED_MARKER = "preempted.json"  # written by rank 0 beside the checkpoints; the stopped ranks exit 1
-# what the trainer runs: memfit.train.losses (sft, dpo) and memfit.train.preference (the others)
-METHODS = ("sft", "dpo", "rm", "orpo", "simpo", "kto")
-REFERENCE_METHODS = ("dpo", "kto")  # a reference model (candidate.ref: model, adapter or precomputed)
 REFUSED_EXIT_CODE = 2  # `memfit launch`: the ranks refused the run (RunRefused), as for any bad input
 
 # The peak learning rate a run gets when its config gives none (`train.<method>.lr` omitted), per method

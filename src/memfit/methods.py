@@ -1,0 +1,68 @@
+"""What each training method runs in one micro step: the shape the estimator, the probes,
+selection, the workflow and the trainer share.
+
+One row of a method's data is what `micro_batch` counts: an SFT example, a preference pair
+(DPO, reward model, ORPO, SimPO: chosen and rejected, two sequences) or a KTO row (one
+completion with a desirable/undesirable label, plus its mismatched KL completion).
+
+| method | sequences with gradient | policy forwards without gradient | reference | head |
+|---|---|---|---|---|
+| sft | 1 | 0 | none | vocabulary logits |
+| dpo | 2 (chosen, rejected) | 0 | model, adapter or precomputed (2 sequences) | vocabulary logits |
+| rm | 2 | 0 | none | one score per token (`AutoModelForSequenceClassification`, num_labels=1) |
+| orpo, simpo | 2 | 0 | none | vocabulary logits |
+| kto | 1 (the row) | 1 (the KL batch) | model, adapter or precomputed (2 sequences) | vocabulary logits |
+
+Sources: TRL 1.16's trainers (`RewardTrainer`: one forward of chosen+rejected through a
+sequence-classification model; `CPOTrainer` with `loss_type="simpo"` and `ORPOTrainer`: the
+concatenated pair, no reference; `KTOTrainer`: the policy's KL log-probs under `torch.no_grad()`,
+the reference on the rows and the KL batch) and memfit.train.preference, which follows them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class MethodShape:
+    name: str
+    grad_sequences: int  # sequences per row whose activations are kept for the backward
+    nograd_sequences: int  # sequences per row the policy runs without gradient (KTO's KL batch)
+    reference: bool  # a reference model's log-probs (candidate.ref: model | adapter | precomputed)
+    head: Literal["lm", "score"]  # lm: vocabulary logits; score: one output per token (reward model)
+    data: Literal["sft", "pairs", "unpaired"]  # what a prepared row holds (memfit.data)
+
+    @property
+    def sequences(self) -> int:
+        """Sequences per row the policy runs forward (with or without gradient)."""
+        return self.grad_sequences + self.nograd_sequences
+
+    @property
+    def reference_sequences(self) -> int:
+        """Sequences per row the reference runs forward (0 without a reference)."""
+        return self.sequences if self.reference else 0
+
+
+SHAPES: dict[str, MethodShape] = {
+    s.name: s
+    for s in (
+        MethodShape("sft", 1, 0, False, "lm", "sft"),
+        MethodShape("dpo", 2, 0, True, "lm", "pairs"),
+        MethodShape("rm", 2, 0, False, "score", "pairs"),
+        MethodShape("orpo", 2, 0, False, "lm", "pairs"),
+        MethodShape("simpo", 2, 0, False, "lm", "pairs"),
+        MethodShape("kto", 1, 1, True, "lm", "unpaired"),
+    )
+}
+METHODS: tuple[str, ...] = tuple(SHAPES)
+REFERENCE_METHODS: tuple[str, ...] = tuple(m for m, s in SHAPES.items() if s.reference)
+
+
+def shape(method: str) -> MethodShape:
+    """The method's shape; a ValueError naming the methods memfit trains for anything else."""
+    try:
+        return SHAPES[method]
+    except KeyError:
+        raise ValueError(f"unknown method {method!r}: memfit trains {', '.join(METHODS)}") from None
