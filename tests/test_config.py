@@ -30,7 +30,7 @@ def test_cluster_example_is_valid_as_a_plan(repo, monkeypatch):
     [
         (lambda c: c.update(gpus=["a100-81gb"]), r"gpus\[0\]: .*a100-81gb.*allowed: .*a100-80gb"),
         (lambda c: c["search"].update(zero=[0, 4]), r"search\.zero\.1: 4 is not allowed \(allowed: 0, 1, 2, 3\)"),
-        (lambda c: c.update(methods=["sft", "ppo"]), r"methods\.1: 'ppo' is not allowed \(allowed: 'sft', 'dpo'\)"),
+        (lambda c: c.update(methods=["sft", "ppo"]), r"methods\.1: 'ppo' is not allowed \(allowed: 'sft', 'dpo', 'rm', 'orpo', 'simpo', 'kto'\)"),
         (lambda c: c.update(num_gpus="two"), r"num_gpus: 'two' is not of type 'integer'"),
         (lambda c: c["train"].update(batch=8), r"train: .*'batch' was unexpected.*allowed keys: .*global_batch"),
         (lambda c: c["data"].update(sft="data/demo/nope.jsonl"), r"data\.sft: data/demo/nope\.jsonl does not exist"),
@@ -197,7 +197,7 @@ def test_the_documented_lr_defaults_are_the_ones_applied(repo):
 
     schema = yaml.safe_load((repo / "workflow/schemas/config.schema.yaml").read_text())
     text = schema["definitions"]["train_common"]["properties"]["lr"]["description"]
-    for method in ("sft", "dpo"):
+    for method in ("sft", "dpo", "rm", "orpo", "simpo", "kto"):
         full, lora = DEFAULT_LR[(method, "full")], DEFAULT_LR[(method, "lora")]
         assert DEFAULT_LR[(method, "qlora")] == lora
         assert f"{method} full {full:g}" in text and f"{method} lora/qlora {lora:g}" in text
@@ -291,7 +291,7 @@ def test_the_demo_configs_say_their_large_rates_are_meant_and_do_not_warn(repo, 
     from memfit import cli
 
     monkeypatch.chdir(repo)
-    for name in ("config.yaml", "flagship-tiny.yaml", "gpu-demo.yaml"):
+    for name in ("config.yaml", "flagship-tiny.yaml", "gpu-demo.yaml", "preference.yaml"):
         raw = yaml.safe_load((repo / "config" / name).read_text())
         assert all(raw["train"][m]["lr_check"] is False for m in raw["methods"]), name
         if name != "gpu-demo.yaml":  # gpus: [detect] needs an NVIDIA GPU to validate
@@ -342,3 +342,56 @@ def test_the_lr_warning_is_per_finetune_and_per_method_and_lr_check_must_be_a_bo
     code, out, err = _check_config(cfg, tmp_path / "bad.yaml", capsys)
     assert code == 2 and out == ""
     assert "train.sft.lr_check: 'maybe' is not of type 'boolean'" in err and "Traceback" not in err
+
+
+@pytest.fixture()
+def preference(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    return yaml.safe_load((repo / "config/preference.yaml").read_text())
+
+
+def test_the_preference_methods_train_on_the_dpo_pairs_from_the_sft_output(preference, tmp_path):
+    """rm, orpo, simpo and kto read data.dpo unless data.<method> is given, start from the SFT
+    output, and carry their TRL-named hyperparameters into run.json; only kto holds a reference."""
+    cfg = WorkflowConfig.load(preference)
+    assert cfg.methods == ["sft", "rm", "orpo", "simpo", "kto"]
+    for m in ("rm", "orpo", "simpo", "kto"):
+        assert cfg.data_source(m) == "data/demo/dpo.jsonl" and cfg.data_key(m) == "data.dpo"
+        assert cfg.policy_path("demo-tiny", "cpu", m) == "results/preference/demo-tiny/cpu/sft/train/model"
+    own = copy.deepcopy(preference)
+    own["data"]["kto"] = "data/demo/dpo.jsonl"
+    assert WorkflowConfig.load(own).data_key("kto") == "data.kto"
+    for m in ("rm", "orpo", "simpo"):  # no reference: no ref-<mode> in the ids, no reference path
+        assert all(c.ref is None and "ref-" not in c.id for c in cfg.candidates(m))
+        assert cfg.run_config(m, cfg.candidates(m)[0].to_dict(), "base", str(tmp_path), "o").ref_model_path is None
+    kto = cfg.candidates("kto")
+    assert kto and all(c.ref == "model" and c.micro_batch >= 2 for c in kto)
+    run = cfg.run_config("kto", kto[0].to_dict(), "base", str(tmp_path), "o")
+    assert run.ref_model_path == "base" and run.dpo == {}
+    assert run.pref == {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0}
+    simpo = cfg.run_config("simpo", cfg.candidates("simpo")[0].to_dict(), "base", str(tmp_path), "o")
+    assert simpo.pref == {"beta": 2.0, "simpo_gamma": 0.5}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            lambda c: c["train"]["orpo"].update(loss_type="ipo"),
+            r"train\.orpo\.loss_type: a hyperparameter of dpo, not of orpo \(orpo takes beta\)",
+        ),
+        (
+            lambda c: c["train"]["rm"].update(simpo_gamma=1.0),
+            r"train\.rm\.simpo_gamma: a hyperparameter of simpo, not of rm \(rm takes center_rewards_coefficient\)",
+        ),
+        (lambda c: c["train"]["simpo"].update(label_smoothing=0.5), r"train\.simpo: simpo label_smoothing must be in"),
+        (lambda c: c["search"].update(micro_batch=[1]), r"search\.micro_batch: kto needs 2 or more rows per micro batch"),
+        (lambda c: c["data"].pop("dpo"), r"data\.dpo: missing \(methods lists rm \(or data\.rm\)\)"),
+        (lambda c: c["train"].pop("kto"), r"train\.kto: missing \(methods lists kto\)"),
+    ],
+)
+def test_a_bad_preference_config_names_the_key(preference, change, expected):
+    bad = copy.deepcopy(preference)
+    change(bad)
+    with pytest.raises(ConfigError, match=expected):
+        validate_config(bad)

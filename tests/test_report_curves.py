@@ -66,7 +66,7 @@ def test_curves_draw_every_logged_metric_with_eval_points_and_labelled_marks(tmp
     marks = training_marks(run)
     fig = curves_figure(run.metrics, run.title, marks)
     titles = [ax.get_title() for ax in fig.axes]
-    for want in ("loss", "DPO reward accuracy", "DPO reward margin", "DPO rewards", "learning rate", "gradient norm",
+    for want in ("loss", "reward accuracy", "reward margin", "rewards (DPO", "learning rate", "gradient norm",
                  "throughput, rank 0", "device memory", "host RSS", "policy log-prob"):  # fmt: skip
         assert any(t.startswith(want) for t in titles), f"no {want!r} panel in {titles}"
     loss = fig.axes[0]
@@ -172,3 +172,16 @@ def test_a_real_resumed_training_is_marked_where_it_resumed(shared_runs, tmp_pat
         "training resumed from its checkpoint at step 3 (a relaunch after a crash or preemption; from metrics.jsonl)"
         in text
     )
+
+
+def test_a_reward_models_curves_show_its_pair_accuracy_and_margin_not_dpo_panels():
+    """rm logs TRL RewardTrainer's `accuracy` and `margin`: their panels, and no empty DPO reward panels."""
+    rows = [
+        {"step": s, "split": split, "loss": 0.7 - 0.02 * s, "accuracy": 0.5 + 0.03 * s, "margin": 0.1 * s}
+        for s in range(1, 9)
+        for split in (("train", "eval") if s % 4 == 0 else ("train",))
+    ]
+    titles = [ax.get_title() for ax in curves_figure(rows, "demo-tiny / cpu / rm").axes]
+    assert any(t.startswith("reward model: pair accuracy") for t in titles), titles
+    assert any(t.startswith("reward model: score margin") for t in titles), titles
+    assert not any(t.startswith(("rewards (", "reward accuracy")) for t in titles), titles

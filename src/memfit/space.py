@@ -15,6 +15,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from memfit.methods import shape as method_shape
+
 Method = Literal["sft", "dpo", "rm", "orpo", "simpo", "kto"]  # memfit.methods.SHAPES
 Finetune = Literal["full", "lora", "qlora"]
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -229,6 +231,6 @@ def compute_engine(c: Candidate) -> Candidate:
 
 def compute_key(method: str, c: Candidate) -> str:
     """One micro step's computation: the model (`compute_engine`'s levers) and the batch it runs:
-    method, rows, tokens per row, loss implementation and (DPO) where the reference comes from."""
-    ref = c.ref if method == "dpo" else "-"
+    method, rows, tokens per row, loss implementation and (DPO, KTO) where the reference comes from."""
+    ref = c.ref if method_shape(method).reference else "-"
     return f"{method}|{engine_key(compute_engine(c))}|mb={c.micro_batch}|seq={c.seq_len}|loss={c.loss_impl}|ref={ref}"

@@ -52,7 +52,7 @@ CONDA_ENV = _conda_env()
 wildcard_constraints:
     model="|".join(MODELS) if MODELS else "[a-z0-9._-]+",
     gpu="[a-z0-9._-]+",
-    method="sft|dpo",
+    method="|".join(METHODS),
     cand="[A-Za-z0-9.-]+",
 
 
@@ -107,7 +107,8 @@ def data_input(w):
 
 
 def data_source(w):
-    return config["data"][w.method]
+    # data.<method>, else (rm, orpo, simpo, kto) the DPO pairs (WorkflowConfig.data_source)
+    return CFG.data_source(w.method)
 
 
 def probe_outputs(w):

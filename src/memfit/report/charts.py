@@ -172,15 +172,23 @@ def breakdown_chart(run: RunOutputs) -> Plot:
 
 
 # The training curves' panels: (title with unit, [(metrics key, series name)], y unit kind).
-# Units: loss is the mean token cross-entropy in nats (SFT) or the DPO loss -log σ(β·margin);
-# DPO rewards are β·(log π - log π_ref) of the chosen/rejected completion (Rafailov et al. 2023,
-# arXiv:2305.18290, eq. 7 and TRL's DPOTrainer logs); tokens_per_s counts non-padding tokens of
-# rank 0 (memfit.train.loop.Trainer.train_step); peaks are running maxima since the launch or resume.
+# Units: loss is the mean token cross-entropy in nats (SFT) or the method's loss (DPO -log σ(β·margin));
+# rewards are DPO's and KTO's β·(log π - log π_ref) of the chosen/rejected completion (Rafailov et al.
+# 2023, arXiv:2305.18290, eq. 7 and TRL's DPOTrainer logs), ORPO's and SimPO's β·mean log π (TRL's
+# ORPOTrainer, CPOTrainer); a reward model logs its scores' pair accuracy and margin (TRL's
+# RewardTrainer: `accuracy`, `margin`); ORPO its NLL and log σ(log odds ratio) (Hong et al. 2024,
+# eq. 6); KTO its reference point z0 = KL(π‖π_ref) on the mismatched batch (Ethayarajh et al. 2024,
+# eq. 4). tokens_per_s counts non-padding tokens of rank 0 (memfit.train.loop.Trainer.train_step);
+# peaks are running maxima since the launch or resume.
 CURVE_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("loss", (("loss", "loss"),), ""),
-    ("DPO rewards β·log(π/π_ref)", (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")), ""),
-    ("DPO reward accuracy (pairs ranked right)", (("rewards/accuracies", "accuracy"),), "fraction"),
-    ("DPO reward margin (chosen - rejected)", (("rewards/margins", "margin"),), ""),
+    ("rewards (DPO, KTO: β·log π/π_ref; ORPO, SimPO: β·mean log π)", (("rewards/chosen", "chosen"), ("rewards/rejected", "rejected")), ""),
+    ("reward accuracy (pairs ranked right)", (("rewards/accuracies", "accuracy"),), "fraction"),
+    ("reward margin (chosen - rejected)", (("rewards/margins", "margin"),), ""),
+    ("reward model: pair accuracy (chosen scored higher)", (("accuracy", "accuracy"),), "fraction"),
+    ("reward model: score margin (chosen - rejected)", (("margin", "margin"),), ""),
+    ("ORPO: NLL and log σ(log odds ratio)", (("nll_loss", "NLL"), ("log_odds_ratio", "log σ(odds ratio)")), "nats"),
+    ("KTO: reference point z0 = KL(π‖π_ref)", (("kl", "z0"),), "nats"),
     ("policy log-prob per completion", (("logps/chosen", "chosen"), ("logps/rejected", "rejected")), "nats"),
     ("learning rate", (("lr", "lr"),), ""),
     ("gradient norm (global)", (("grad_norm", "grad norm"),), ""),

@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from memfit.methods import REFERENCE_METHODS
 from memfit.units import GIB, MIB, fmt_bytes
 
 
@@ -90,7 +91,7 @@ def describe(cand: dict[str, Any], method: str | None = None, world_size: Any = 
         parts.append(f"seq len {_plain(c['seq_len'])} tokens")
     if c.get("precision"):
         parts.append(str(c["precision"]))
-    if method == "dpo" and c.get("ref"):
+    if method in REFERENCE_METHODS and c.get("ref"):
         ref = {
             "model": "frozen reference model",
             "adapter": "reference = model with the adapter disabled",

@@ -137,7 +137,22 @@ def training_pairs(summary: dict[str, Any], metrics: list[dict[str, Any]] | None
         )
         if last is not None:
             pairs.append((f"final {split} loss (step {last['step']})", _plain(last["loss"])))
+    for key, what in FINAL_ACCURACIES:  # held-out pairs ranked right: what a preference run is for
+        last = next(
+            (r for r in reversed(metrics or []) if r.get("split") == "eval" and _num(r.get(key)) is not None), None
+        )
+        if last is not None:
+            pairs.append((f"{what} (step {last['step']}; chance 0.5)", f"{_num(last[key]):.3f}"))
     return pairs
+
+
+# the held-out accuracy each method logs under TRL's names: rm's score ranks the chosen response
+# higher (RewardTrainer's `accuracy`); DPO, ORPO and SimPO's implicit rewards do
+# (`rewards/accuracies`); KTO's rows are unpaired and have none
+FINAL_ACCURACIES = (
+    ("accuracy", "held-out pair accuracy (chosen scored higher)"),
+    ("rewards/accuracies", "held-out reward accuracy (chosen rewarded higher)"),
+)
 
 
 def _or_predicted(value: Any, predicted: Any, fmt) -> str:

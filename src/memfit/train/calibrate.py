@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from memfit.atomic import write_json_atomic
+from memfit.methods import REFERENCE_METHODS
 from memfit.space import UNPARTITIONED, Candidate, compute_engine, compute_key, engine_key
 from memfit.train import determinism, dsconfig, long_context
 from memfit.train import dist as dist_env
@@ -82,6 +83,7 @@ class Spec:
     lora: dict[str, Any] = dataclasses.field(default_factory=dict)  # alpha, dropout, targets
     qlora_quant_type: str = "nf4"
     dpo: dict[str, Any] = dataclasses.field(default_factory=dict)  # DPOConfig fields
+    pref: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # orpo/simpo/kto -> TRL-named fields
     loss_on: str = "response"
     loss_chunk_tokens: int | None = None
     mlp_tile_tokens: int | None = None
@@ -104,14 +106,19 @@ def _sync() -> None:
 
 def _rows(method: str, c: Candidate, vocab: int) -> list[dict[str, Any]]:
     """A micro batch of `c.micro_batch` rows of exactly `c.seq_len` tokens (the probes' worst case:
-    no padding); half prompt, half response. DPO rows carry zero precomputed reference log-probs."""
+    no padding); half prompt, half response. DPO and KTO rows carry zero precomputed reference
+    log-probs; KTO rows alternate desirable and undesirable, each with its own KL completion."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for _ in range(c.micro_batch):
+    for i in range(c.micro_batch):
         ids = torch.randint(3, vocab, (c.seq_len,), generator=g).tolist()
         half = c.seq_len // 2
         if method == "sft":
             out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * half + ids[half:]})
+        elif method == "kto":
+            kl = torch.randint(3, vocab, (c.seq_len - half,), generator=g).tolist()
+            row = {"prompt_ids": ids[:half], "completion_ids": ids[half:], "label": i % 2 == 0}
+            out.append(row | {"kl_completion_ids": kl, "ref_logps": 0.0, "ref_KL_logps": 0.0})
         else:
             alt = torch.randint(3, vocab, (c.seq_len - half,), generator=g).tolist()
             out.append(
@@ -183,9 +190,10 @@ class _Engine:
         return StepRunner(
             method,
             self.engine,
-            self.ref if (method == "dpo" and c.ref == "model") else None,
+            self.ref if (method in REFERENCE_METHODS and c.ref == "model") else None,
             0,
-            dpo=self.spec.dpo,
+            dpo=self.spec.dpo if method == "dpo" else None,
+            pref=self.spec.pref.get(method),
             ref=c.ref,
             loss_on=self.spec.loss_on,
             loss_impl=c.loss_impl,
@@ -254,10 +262,10 @@ def plan(candidates: dict[str, list[Candidate]]) -> dict[str, Any]:
             base = compute_engine(c)
             e = compute.setdefault(engine_key(base), {"cand": base, "shapes": {}, "ref": False})
             e["shapes"].setdefault(compute_key(method, c), (method, c))
-            e["ref"] |= method == "dpo" and c.ref == "model"
+            e["ref"] |= method in REFERENCE_METHODS and c.ref == "model"
             if engine_key(c) != engine_key(base):
                 r = runtime.setdefault(engine_key(c), {"cand": c, "ref": False})
-                r["ref"] |= method == "dpo" and c.ref == "model" and c.zero == 3
+                r["ref"] |= method in REFERENCE_METHODS and c.ref == "model" and c.zero == 3
     for e in compute.values():  # every engine's overhead is measured at the smallest shape of its compute twin
         e["shape0"] = min(e["shapes"].values(), key=lambda mc: (mc[0] != "sft", mc[1].micro_batch, mc[1].seq_len))
     return {"compute": compute, "runtime": runtime}

@@ -20,9 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.estimate import catalog
 from memfit.estimate.rows import Budget, derived_budget
+from memfit.methods import shape as method_shape
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
-from memfit.workflow.config_checks import AUTO  # headroom auto or absent: the derived margin (rows.derived_budget)
+from memfit.workflow.config_checks import (
+    AUTO,  # headroom auto or absent: the derived margin (rows.derived_budget)
+    DPO_KEYS,
+    KTO_MIN_MICRO_BATCH,
+)
 
 if TYPE_CHECKING:
     from memfit.train.run_config import RunConfig
@@ -168,8 +173,9 @@ class WorkflowConfig:
 
     def calibration_inputs(self, model: str, gpu: str) -> list[str]:
         """The step-time calibration estimate_candidates reads: this machine's, measured where the
-        probes run; none for a plan (plan_only: the GPUs are not here) or with probe.calibrate false."""
-        if self.plan_only or not self.probe.calibrate:
+        probes run; none for a plan (plan_only: the GPUs are not here), with probe.calibrate false, or
+        when every method is rm (the calibration's engines are causal LMs: memfit.workflow.calibrate.spec)."""
+        if self.plan_only or not self.probe.calibrate or all(method_shape(m).head != "lm" for m in self.methods):
             return []
         return [f"{self.results_dir}/{model}/{gpu}/calibration.json"]
 
@@ -187,9 +193,9 @@ class WorkflowConfig:
         """The configured search space, grad_accum set so every candidate trains the same global batch."""
         axes = {k: v for k, v in self.raw["search"].items() if k != "seq_len"}
         fixed: dict[str, Any] = {"seq_len": self.seq_len}
-        if method != "dpo":
+        if not method_shape(method).reference:
             axes.pop("ref", None)
-            fixed["ref"] = None  # no reference model: SFT ids carry no ref-<mode> (memfit.space.Candidate.id)
+            fixed["ref"] = None  # no reference model: such ids carry no ref-<mode> (memfit.space.Candidate.id)
         world = self.world_size
         global_batch = int(self.raw["train"]["global_batch"])
         out = []
@@ -197,12 +203,22 @@ class WorkflowConfig:
         for cand in enumerate_space(axes, fixed=fixed):
             if world % cand.sequence_parallel:
                 continue  # a sequence-parallel group must fit the ranks evenly
+            if method == "kto" and cand.micro_batch < KTO_MIN_MICRO_BATCH:
+                continue  # memfit.train.run_config.preference_problems: KTO's KL batch needs two rows
             if packing and cand.sequence_parallel > 1 and cand.attn != "flash":
                 continue  # packed rows under Ulysses need flash (memfit.train.sequence_parallel.PACKING_NEEDS_FLASH)
             per_step = cand.micro_batch * cand.data_parallel(world)
             if global_batch % per_step:
                 continue  # this micro batch cannot make the global batch on this many ranks
             out.append(dataclasses.replace(cand, grad_accum=global_batch // per_step))
+        if (
+            not out
+            and method == "kto"
+            and all(m < KTO_MIN_MICRO_BATCH for m in self.raw["search"].get("micro_batch", [1]))
+        ):
+            raise ValueError(
+                f"search.micro_batch: kto needs {KTO_MIN_MICRO_BATCH} or more rows per micro batch (its KL batch pairs each row with another row's completion)"
+            )
         if not out:
             raise ValueError(
                 f"train.global_batch={global_batch} is not a multiple of micro_batch x ranks for any "
@@ -213,11 +229,16 @@ class WorkflowConfig:
     # -- one run ---------------------------------------------------------------------------
     def run_config(self, method: str, cand: dict[str, Any], model_path: str, data_dir: str, out_dir: str) -> RunConfig:
         """The `RunConfig` of one candidate: the config's `train` section plus the method's."""
+        from memfit.train import preference
         from memfit.train.run_config import RunConfig
 
         train = self.raw["train"]
         per_method = dict(train[method])
-        dpo = {k: per_method.pop(k) for k in ("beta", "loss_type", "label_smoothing") if k in per_method}
+        # the method's own hyperparameters: DPO's (memfit.train.losses.DPOConfig) and the preference
+        # methods' under TRL's names (memfit.train.preference); a key of another method stays and
+        # RunConfig refuses it, naming it (memfit.workflow.config_checks names train.<method>.<key>)
+        dpo = {k: per_method.pop(k) for k in DPO_KEYS if k in per_method} if method == "dpo" else {}
+        pref = {k: per_method.pop(k) for k in preference.hyperparameters(method) if k in per_method}
         if "export" in per_method:  # train.<method>.export: merged | adapter
             per_method["export_format"] = per_method.pop("export")
         common = {
@@ -241,7 +262,8 @@ class WorkflowConfig:
             out_dir=out_dir,
             candidate=cand,
             dpo=dpo,
-            ref_model_path=model_path if method == "dpo" else None,
+            pref=pref,
+            ref_model_path=model_path if method_shape(method).reference else None,
             **common,
             **per_method,
         )
@@ -277,17 +299,30 @@ class WorkflowConfig:
             return m.path
         return m.arch or name
 
+    def data_source(self, method: str) -> str | None:
+        """The data `method` trains on: `data.<method>`, else (rm, orpo, simpo, kto) the DPO pairs
+        `data.dpo` (KTO splits each pair into a desirable and an undesirable row)."""
+        data = self.raw["data"]
+        if data.get(method) or method_shape(method).data == "sft":
+            return data.get(method)
+        return data.get("dpo")
+
+    def data_key(self, method: str) -> str:
+        """The config key `data_source(method)` comes from (for messages)."""
+        return f"data.{method}" if self.raw["data"].get(method) or method_shape(method).data == "sft" else "data.dpo"
+
     def run_dir(self, model: str, gpu: str, method: str) -> str:
         return f"{self.results_dir}/{model}/{gpu}/{method}"
 
     def policy_path(self, model: str, gpu: str, method: str) -> str | None:
-        """What training starts from: the SFT output for DPO when the workflow trains SFT, else the base model."""
-        if method == "dpo" and "sft" in self.methods:
+        """What training starts from: the SFT output for every other method when the workflow
+        trains SFT (for dpo and kto the reference too), else the base model."""
+        if method != "sft" and "sft" in self.methods:
             return f"{self.run_dir(model, gpu, 'sft')}/train/model"
         return self.model_path(model)
 
     def policy_inputs(self, model: str, gpu: str, method: str) -> list[str]:
-        if method == "dpo" and "sft" in self.methods:
+        if method != "sft" and "sft" in self.methods:
             # the SFT run's summary is written after its model export (merged or adapter only)
             return [f"{self.run_dir(model, gpu, 'sft')}/train/summary.json"]
         return self.model_inputs(model)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.estimate import catalog
+from memfit.methods import METHODS, REFERENCE_METHODS
 
 AUTO = "auto"  # headroom auto or absent: the derived margin (memfit.estimate.rows.derived_budget)
 
@@ -104,6 +105,36 @@ def _ranks_per_node_problems(cfg: Any) -> list[str]:
     ]
 
 
+DPO_KEYS = ("beta", "loss_type", "label_smoothing")  # memfit.train.losses.DPOConfig's fields
+KTO_MIN_MICRO_BATCH = 2  # memfit.train.run_config.preference_problems (TRL's KTOTrainer refuses 1)
+
+
+def _hyperparameters(method: str) -> tuple[str, ...]:
+    from memfit.train import preference
+
+    return DPO_KEYS if method == "dpo" else preference.hyperparameters(method)
+
+
+def hyperparameter_problems(method: str, section: dict[str, Any]) -> list[str]:
+    """A `train.<method>` key that is another method's hyperparameter (DPO's loss_type under orpo,
+    simpo_gamma under dpo), named with the keys the method takes; then the method's values checked
+    by its own config (memfit.train.preference: TRL's names and ranges)."""
+    from memfit.train import preference
+    from memfit.train.run_config import preference_problems
+
+    every = set(DPO_KEYS).union(*(preference.hyperparameters(m) for m in preference.METHODS))
+    own = _hyperparameters(method)
+    stray = sorted(k for k in section if k in every and k not in own)
+    if stray:
+        takes = f"{method} takes {', '.join(own)}" if own else f"{method} takes none of them"
+        owners = [m for m in ("dpo", *preference.METHODS) if stray[0] in _hyperparameters(m)]
+        return [f"train.{method}.{stray[0]}: a hyperparameter of {', '.join(owners)}, not of {method} ({takes})"]
+    if method not in preference.METHODS:
+        return []
+    # the search space's micro batches are checked by WorkflowConfig.candidates (KTO drops those below 2)
+    return preference_problems(method, {k: section[k] for k in own if k in section}, KTO_MIN_MICRO_BATCH)
+
+
 def semantic_problems(cfg: Any) -> list[str]:
     from memfit.train.run_config import option_problems
 
@@ -137,7 +168,7 @@ def semantic_problems(cfg: Any) -> list[str]:
             )
     search = raw["search"]
     if (
-        "dpo" in cfg.methods
+        any(m in REFERENCE_METHODS for m in cfg.methods)
         and "adapter" in search.get("ref", [])
         and set(search.get("finetune", ["full"])) == {"full"}
     ):
@@ -148,15 +179,15 @@ def semantic_problems(cfg: Any) -> list[str]:
     for method in cfg.methods:
         if method not in raw["train"]:
             out.append(f"train.{method}: missing (methods lists {method})")
-        src = raw["data"].get(method)
+        src, key = cfg.data_source(method), cfg.data_key(method)
         if not cfg.plan_only:
             if not src:
-                out.append(f"data.{method}: missing (methods lists {method})")
+                also = "" if key == f"data.{method}" else f" (or data.{method})"
+                out.append(f"{key}: missing (methods lists {method}{also})")
             elif not Path(src).exists():
-                out.append(f"data.{method}: {src} does not exist")
-    for method in ("sft", "dpo"):
-        t = raw["train"].get(method)
-        if t is not None:
+                out.append(f"{key}: {src} does not exist")
+    for method, t in raw["train"].items():
+        if method in METHODS and isinstance(t, dict):
             out += option_problems(
                 method,
                 t.get("loss_on", "response"),
@@ -164,6 +195,7 @@ def semantic_problems(cfg: Any) -> list[str]:
                 t.get("export", "merged"),
                 list(raw["search"].get("finetune", ["full"])),
             )
+            out += hyperparameter_problems(method, t)
     if not out:
         from memfit.workflow.search_checks import search_problems
 

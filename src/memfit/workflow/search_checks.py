@@ -20,6 +20,7 @@ from typing import Any
 
 from memfit.estimate import catalog
 from memfit.estimate.validity import hardware_problems
+from memfit.methods import shape as method_shape
 from memfit.space import Candidate, enumerate_space
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
@@ -62,7 +63,7 @@ def search_warnings(cfg: Any) -> list[str]:
 
 def _axes(cfg: Any, method: str) -> dict[str, list[Any]]:
     axes = {k: list(v) for k, v in cfg.raw["search"].items() if k != "seq_len"}
-    if method != "dpo":
+    if not method_shape(method).reference:
         axes.pop("ref", None)
     return axes
 
@@ -88,8 +89,9 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
                 reasons[f"{keys}: {problem}" if keys else problem] = None
     try:
         return cfg.candidates(method), list(reasons)
-    except ValueError:
-        pass
+    except ValueError as e:
+        if str(e).startswith("search.micro_batch: kto"):
+            return [], [*reasons, str(e)]
     world = cfg.world_size
     packing = bool((cfg.raw["train"].get(method) or {}).get("packing", False))
     batch = int(cfg.raw["train"]["global_batch"])

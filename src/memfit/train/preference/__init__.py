@@ -33,6 +33,11 @@ def make_config(method: str, values: dict[str, Any] | None = None):
     return cls(**(values or {}))
 
 
+def hyperparameters(method: str) -> tuple[str, ...]:
+    """The TRL-named hyperparameters `method`'s `train.<method>` section may carry (its config's fields)."""
+    return tuple(f.name for f in fields(_CONFIGS[method])) if method in _CONFIGS else ()
+
+
 def step(runner, rows: list[dict[str, Any]], pad_to: int | None):
     """`runner.method`'s micro batch: (mean loss, summed metrics, non-padding tokens)."""
     if runner.shard is not None:
