@@ -50,6 +50,23 @@ def demo_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory) -> Path:
+    """The demo's tokenizer (trained on data/demo, as build_demo_model trains it), saved once per session."""
+    from memfit.workflow import demo
+
+    path = tmp_path_factory.mktemp("tok")
+    demo.train_tokenizer(REPO / "data/demo").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+@pytest.fixture(scope="session")
 def demo_data(demo_model, tmp_path_factory) -> Path:
     """The demo SFT and DPO data prepared for the demo model (max_len 32), once per session.
 

@@ -17,20 +17,6 @@ DEMO = REPO / "data" / "demo"
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tok")
-    demo.train_tokenizer(DEMO).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
-@pytest.fixture(scope="module")
 def sft_out(tok_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sft") / "prepared"
     data.prepare("sft", DEMO / "sft.jsonl", tok_dir, out, max_len=64, eval_fraction=0.1, seed=0)

@@ -30,20 +30,6 @@ CHAT = [  # three user/assistant exchanges
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tok")
-    demo.train_tokenizer(DEMO).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
-
-
 def _jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

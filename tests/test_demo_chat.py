@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from memfit import data
-from memfit.workflow import demo, demo_chat
+from memfit.workflow import demo_chat
 
 DEMO = Path(__file__).resolve().parents[1] / "data" / "demo"
 MAX_LEN = 96  # the longest shipped conversation renders as 80 tokens with the demo template
@@ -18,20 +16,6 @@ MAX_LEN = 96  # the longest shipped conversation renders as 80 tokens with the d
 
 def _rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (DEMO / name).read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tok")
-    demo.train_tokenizer(DEMO).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok_dir)
 
 
 def test_the_shipped_chat_files_are_what_the_generator_writes(tmp_path):
