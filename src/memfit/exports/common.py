@@ -34,6 +34,17 @@ NONE_FITS = "exports/NONE_FITS.txt"
 # here, as memfit.exports may not import memfit.data (tools/check_shape.py layers)
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant"}
 
+# memfit's hyperparameters of rm, orpo, simpo and kto when `train.<method>` gives none: the defaults of
+# memfit.train.preference's RMConfig, ORPOConfig, SimPOConfig and KTOConfig (TRL 1.16's names and
+# defaults, but SimPO's cpo_alpha 0: TRL CPOConfig's 1.0 is CPO-SimPO). Repeated here, as memfit.exports
+# may not import memfit.train.preference (tools/check_shape.py); tests/test_exports_pref.py holds them equal.
+PREF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "rm": {"center_rewards_coefficient": None},
+    "orpo": {"beta": 0.1},
+    "simpo": {"beta": 0.1, "simpo_gamma": 0.5, "cpo_alpha": 0.0, "label_smoothing": 0.0},
+    "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
+}
+
 ADAM_BETAS = (0.9, 0.95)  # memfit.train.dsconfig.build's AdamW defaults
 ADAM_EPS = 1e-8
 
@@ -79,6 +90,11 @@ class ExportPlan:
         return str(self.files.get(key, FILES[key].format(method=self.run.method)))
 
 
+def pref_values(run: RunConfig) -> dict[str, Any]:
+    """The run's rm/orpo/simpo/kto hyperparameters as it trains with them: `run.pref` over memfit's defaults."""
+    return PREF_DEFAULTS[run.method] | dict(run.pref)
+
+
 def targets(run: RunConfig) -> list[str]:
     t = run.lora_targets
     return [t] if isinstance(t, str) else list(t)
@@ -95,15 +111,19 @@ def int_alpha(plan: ExportPlan, tool: str, missing: list[str]) -> int:
 class SourceShape:
     """The raw dataset's row form, as memfit.data.chat reads it (docs/data.md), from its first row.
 
-    form: "prompt" (prompt/response or prompt/chosen/rejected strings), "chat" (an SFT
-    conversation under `key`: `messages` or ShareGPT `conversations`) or "chat_pairs"
-    (conversational DPO: chosen/rejected turn lists, TRL's format, or single turn objects beside a
-    `conversations` prompt, LLaMA-Factory's sharegpt ranking rows)."""
+    form: "prompt" (prompt/response, prompt/chosen/rejected or KTO's prompt/completion/label
+    strings), "chat" (an SFT conversation under `key`: `messages` or ShareGPT `conversations`),
+    "chat_pairs" (conversational pairs: chosen/rejected turn lists, TRL's format, or single turn
+    objects beside a `conversations` prompt, LLaMA-Factory's sharegpt ranking rows) or
+    "chat_unpaired" (KTO rows whose prompt or completion are turns, TRL's conversational
+    unpaired format)."""
 
     form: str = "prompt"
     key: str | None = None  # chat: the conversation's column; chat_pairs: the prompt's (None: implicit)
     sharegpt_turns: bool = False  # turns {from, value} with human/gpt/system, not {role, content}
-    turn_objects: bool = False  # chat_pairs: chosen/rejected one turn object each, not a list
+    turn_objects: bool = False  # chosen/rejected (chat_unpaired: completion) one turn object each, not a list
+    margin: bool = False  # pairs with a `margin` (rm: subtracted inside the sigmoid)
+    unpaired: bool = False  # KTO's unpaired rows {prompt, completion, label}, not pairs
 
 
 def _first_row(source: str | None) -> dict | None:
@@ -137,10 +157,17 @@ def _sharegpt(turns: object) -> bool:
 
 def source_format(source: str | None) -> SourceShape:
     """The form of `source`'s rows (memfit.data.chat's precedence: `messages` over `conversations`
-    over prompt/response; a DPO row is conversational when chosen/rejected are turns)."""
+    over prompt/response; a pair is conversational when chosen/rejected are turns; a row with
+    `completion` and `label` is KTO's unpaired row, memfit.data.unpaired.kto_rows)."""
     row = _first_row(source)
     if row is None:
         return SourceShape()
+    if row.get("completion") is not None and row.get("label") is not None:  # memfit.data.unpaired.kto_rows
+        prompt, completion = row.get("prompt"), row["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return SourceShape(unpaired=True)
+        turns = prompt if isinstance(prompt, (list, dict)) else completion
+        return SourceShape("chat_unpaired", "prompt", _sharegpt(turns), isinstance(completion, dict), unpaired=True)
     chosen = row.get("chosen")
     if isinstance(chosen, (list, dict)):
         prompt = row.get("prompt")
@@ -153,10 +180,10 @@ def source_format(source: str | None) -> SourceShape:
         else:
             key = None  # implicit: the shared prefix of chosen and rejected (a string prompt is ignored)
         turns = row[key] if key and isinstance(row[key], list) else chosen
-        return SourceShape("chat_pairs", key, _sharegpt(turns), isinstance(chosen, dict))
+        return SourceShape("chat_pairs", key, _sharegpt(turns), isinstance(chosen, dict), row.get("margin") is not None)
     key = next((k for k in ("messages", "conversations") if row.get(k) is not None), None)
     if key is None:
-        return SourceShape()
+        return SourceShape(margin=row.get("margin") is not None)
     return SourceShape("chat", key, _sharegpt(row[key]))
 
 

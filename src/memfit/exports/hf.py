@@ -1,14 +1,17 @@
 """HF: `hf/training_args.json` + `hf/ds_config.json`, `transformers.TrainingArguments` keyword
 arguments (`HfArgumentParser(TrainingArguments).parse_dict`) and their DeepSpeed JSON. The
-`_memfit` key is not an argument: it holds the TRL `SFTConfig`/`DPOConfig` fields (max length,
-packing, DPO beta/loss, reference) and peft's `LoraConfig`, which TrainingArguments has no field
-for, and the levers no field expresses."""
+`_memfit` key is not an argument: it holds the fields of the method's TRL config (`TRL_CLASSES`:
+SFTConfig, DPOConfig, RewardConfig, ORPOConfig, CPOConfig for SimPO, KTOConfig: max length,
+packing, the method's hyperparameters, the reference) and peft's `LoraConfig`, which
+TrainingArguments has no field for, the levers no field expresses (`not_expressible`) and what the
+trainer does as memfit does without a field for it (`notes`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from memfit.exports.common import ExportPlan, hf_schedule, source_format, tiled_mlp_missing
+from memfit.exports.common import ExportPlan, hf_schedule, pref_values, source_format, tiled_mlp_missing
+from memfit.methods import shape
 
 
 def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
@@ -36,24 +39,9 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
         }
     dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[c.precision]
     attn = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}[c.attn]
-    trl_class, trl = _trl_fields(plan, dtype, attn, missing)
-    peft = None
-    if c.finetune != "full":
-        peft = {
-            "r": c.lora_rank,
-            "lora_alpha": plan.lora_alpha,
-            "lora_dropout": run.lora_dropout,
-            "target_modules": run.lora_targets,
-            "task_type": "CAUSAL_LM",
-        }
-        if c.finetune == "qlora":
-            trl["model_init_kwargs"]["quantization_config"] = {
-                "load_in_4bit": True,
-                "bnb_4bit_quant_type": "nf4",
-                "bnb_4bit_use_double_quant": True,
-                "bnb_4bit_compute_dtype": dtype,
-                "bnb_4bit_quant_storage": dtype,
-            }
+    notes: list[str] = []
+    trl = _trl_fields(plan, dtype, attn, missing, notes)
+    peft = _peft_config(plan, dtype, trl)
     if c.loss_impl == "chunked":
         missing.append(
             "loss_impl chunked: TrainingArguments/TRL have no chunked-vocabulary loss (closest: "
@@ -82,8 +70,9 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
         "HfArgumentParser(TrainingArguments).parse_dict(args)",
         "written_with": {"transformers": transformers.__version__},
         "candidate": c.id,
-        "trl_class": trl_class,
+        "trl_class": TRL_CLASSES[run.method],
         "trl_fields": trl,
+        "notes": notes,
         "peft_lora_config": peft,
         "parallelism_config": parallelism,
         "not_expressible": missing,
@@ -91,21 +80,59 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
     return args, missing
 
 
-def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str]) -> tuple[str, dict[str, Any]]:
-    """(TRL config class, its fields): `SFTConfig` or `DPOConfig` as memfit's run sets them."""
+def _peft_config(plan: ExportPlan, dtype: str, trl: dict[str, Any]) -> dict[str, Any] | None:
+    """peft's LoraConfig fields (None: full fine-tuning); QLoRA's quantization goes into `trl`'s model_init_kwargs."""
+    run, c = plan.run, plan.run.cand
+    if c.finetune == "full":
+        return None
+    peft: dict[str, Any] = {
+        "r": c.lora_rank,
+        "lora_alpha": plan.lora_alpha,
+        "lora_dropout": run.lora_dropout,
+        "target_modules": run.lora_targets,
+        "task_type": "CAUSAL_LM",
+    }
+    if shape(run.method).head == "score":
+        # memfit.train.modeling: peft's SEQ_CLS task, the new score head trained in full beside the
+        # adapters (TRL's RewardTrainer docs recommend modules_to_save=["score"] too)
+        peft |= {"task_type": "SEQ_CLS", "modules_to_save": ["score"]}
+    if c.finetune == "qlora":
+        trl["model_init_kwargs"]["quantization_config"] = {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": dtype,
+            "bnb_4bit_quant_storage": dtype,
+        }
+    return peft
+
+
+# The TRL 1.16 config class each method's trainer takes (ORPO's and CPO's live under trl.experimental
+# there: trl/experimental/orpo/orpo_config.py, trl/experimental/cpo/cpo_config.py)
+TRL_CLASSES = {
+    "sft": "trl.SFTConfig",
+    "dpo": "trl.DPOConfig",
+    "rm": "trl.RewardConfig",
+    "orpo": "trl.experimental.orpo.ORPOConfig",
+    "simpo": "trl.experimental.cpo.CPOConfig",
+    "kto": "trl.KTOConfig",
+}
+TRL_TRAINERS = {m: c.rsplit(".", 1)[1].replace("Config", "Trainer") for m, c in TRL_CLASSES.items()}
+
+
+def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str], notes: list[str]) -> dict[str, Any]:
+    """The fields of the method's TRL config (`TRL_CLASSES`) as memfit's run sets them."""
     run, c = plan.run, plan.run.cand
     trl: dict[str, Any] = {
         "max_length": c.seq_len,
         "model_init_kwargs": {"attn_implementation": attn, "dtype": dtype},
     }
     if run.method == "sft":
-        trl_class = "trl.SFTConfig"
         trl |= _trl_sft_loss(plan, missing)
         trl["packing"] = run.packing
         if run.packing:
             trl["packing_strategy"] = "bfd"  # memfit.data.pack: best-fit decreasing, TRL's default
-    else:
-        trl_class = "trl.DPOConfig"
+    elif run.method == "dpo":
         dpo = run.dpo
         trl |= {
             "beta": dpo.get("beta", 0.1),
@@ -113,17 +140,65 @@ def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str]) -> 
             "label_smoothing": dpo.get("label_smoothing", 0.0),
             "precompute_ref_log_probs": c.ref == "precomputed",
         }
-        if source_format(plan.data_source).turn_objects:
-            missing.append(
-                "chosen/rejected as single turn objects (LLaMA-Factory's ranking rows): DPOTrainer takes TRL's "
-                "conversational pairs, turn lists; convert the rows first"
+    else:
+        trl |= _trl_pref_fields(plan, missing, notes)
+    if run.method in ("orpo", "simpo"):
+        # ORPOTrainer and CPOTrainer load the model with device_map "auto" unless told otherwise
+        # (trl/experimental/orpo/orpo_trainer.py, cpo/cpo_trainer.py __init__), which spreads it over
+        # every visible GPU; under DeepSpeed each rank loads it whole, as memfit does
+        trl["model_init_kwargs"]["device_map"] = None
+    trainer = TRL_TRAINERS[run.method]
+    if shape(run.method).data == "pairs" and source_format(plan.data_source).turn_objects:
+        missing.append(
+            f"chosen/rejected as single turn objects (LLaMA-Factory's ranking rows): {trainer} takes TRL's "
+            "conversational pairs, turn lists; convert the rows first"
+        )
+    if shape(run.method).reference and c.ref == "model" and c.finetune != "full":
+        missing.append(
+            f"ref model with LoRA: pass {trainer}(ref_model=<a frozen copy>); without one TRL "
+            "disables the adapter (memfit's ref adapter)"
+        )
+    return trl
+
+
+def _trl_pref_fields(plan: ExportPlan, missing: list[str], notes: list[str]) -> dict[str, Any]:
+    """RewardConfig, ORPOConfig, CPOConfig (SimPO) or KTOConfig fields from the run's hyperparameters."""
+    run, c = plan.run, plan.run.cand
+    p = pref_values(run)
+    fmt = source_format(plan.data_source)
+    if run.method == "rm":
+        if fmt.margin:  # trl/trainer/reward_trainer.py DataCollatorForPreference: the `margin` key
+            notes.append(
+                "margin: the rows carry a `margin`; RewardTrainer subtracts it inside the sigmoid as memfit does "
+                "(no config field: its collator reads the dataset's margin column)"
             )
-        if c.ref == "model" and c.finetune != "full":
-            missing.append(
-                "ref model with LoRA: pass DPOTrainer(ref_model=<a frozen copy>); without one TRL "
-                "disables the adapter (memfit's ref adapter)"
+        return {"center_rewards_coefficient": p["center_rewards_coefficient"]}
+    if run.method == "kto":
+        if not fmt.unpaired and plan.data_source:
+            notes.append(
+                "pairs: KTOTrainer unpairs them itself (unpair_preference_dataset), as memfit's prepare_data does"
             )
-    return trl_class, trl
+        missing.append(
+            "KL batch: KTOTrainer pairs each row with the completion of the row before it in its micro batch "
+            "(_get_kl_dataset); memfit pairs at prep time with the closest earlier row whose prompt differs, so "
+            "the reference point z0 differs slightly"
+        )
+        return {
+            "loss_type": "kto",  # memfit.train.preference.kto: Ethayarajh et al. 2024's loss, TRL's "kto"
+            "beta": p["beta"],
+            "desirable_weight": p["desirable_weight"],
+            "undesirable_weight": p["undesirable_weight"],
+            "precompute_ref_log_probs": c.ref == "precomputed",
+        }
+    fields: dict[str, Any] = {"beta": p["beta"]}
+    if run.method == "simpo":  # Meng et al. 2024 through CPOTrainer (its docs: loss_type="simpo", cpo_alpha=0)
+        fields |= {
+            "loss_type": "simpo",
+            "simpo_gamma": p["simpo_gamma"],
+            "cpo_alpha": p["cpo_alpha"],
+            "label_smoothing": p["label_smoothing"],
+        }
+    return fields
 
 
 def _trl_sft_loss(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:

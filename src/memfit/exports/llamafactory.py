@@ -13,11 +13,18 @@ from memfit.exports.common import (
     SourceShape,
     hf_schedule,
     int_alpha,
+    pref_values,
     sharegpt_tags,
     source_format,
     targets,
     tiled_mlp_missing,
 )
+from memfit.methods import shape
+
+# LLaMA-Factory's stage for each method (hparams/finetuning_args.py `stage`); ORPO and SimPO are
+# losses of its DPO stage (`pref_loss`: train/dpo/trainer.py odds_ratio_loss, simpo_loss)
+STAGES = {"sft": "sft", "dpo": "dpo", "rm": "rm", "orpo": "dpo", "simpo": "dpo", "kto": "kto"}
+NAMES = {"dpo": "DPO", "rm": "reward-model", "orpo": "ORPO", "simpo": "SimPO", "kto": "KTO"}
 
 
 def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
@@ -30,7 +37,7 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
     name = f"memfit_{run.method}"
     y: dict[str, Any] = {
         "model_name_or_path": run.model_path,
-        "stage": run.method,
+        "stage": STAGES[run.method],
         "do_train": True,
         "finetuning_type": "full" if c.finetune == "full" else "lora",
     }
@@ -64,7 +71,8 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
         "truncation: LLaMA-Factory shortens prompt and response to fit cutoff_len (data/processor/"
         "processor_utils.py infer_seqlen); memfit never cuts a prompt (drops the row) and cuts responses only"
     )
-    y |= _method_args(plan, missing)
+    y |= _method_args(plan) if run.method in ("sft", "dpo") else _pref_args(plan, fmt, missing)
+    y |= _reference_args(plan, missing)
     y |= _chat_args(plan, fmt, missing)
     y |= _long_context(c, missing)
     y |= hf_schedule(plan, missing)
@@ -114,9 +122,9 @@ def _long_context(c, missing: list[str]) -> dict[str, Any]:
     return {}
 
 
-def _method_args(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
-    """SFT: prompt tokens in the loss, packing; DPO: beta, loss, label smoothing, the reference."""
-    run, c = plan.run, plan.run.cand
+def _method_args(plan: ExportPlan) -> dict[str, Any]:
+    """SFT: prompt tokens in the loss, packing; DPO: beta, loss, label smoothing."""
+    run = plan.run
     y: dict[str, Any] = {}
     if run.method == "sft":
         y["train_on_prompt"] = run.loss_on == "all"
@@ -130,27 +138,103 @@ def _method_args(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
             "pref_loss": loss,
             "dpo_label_smoothing": dpo.get("label_smoothing", 0.0),
         }
-        if c.ref == "model":
-            # a frozen copy; for LoRA without ref_model LLaMA-Factory would disable the adapter instead
-            y["ref_model"] = run.ref_model_path or run.model_path
-        elif c.ref == "precomputed":
+    return y
+
+
+def _reference_args(plan: ExportPlan, missing: list[str]) -> dict[str, Any]:
+    """DPO's and KTO's reference: a model path, the adapter-disabled model, or (not expressible) precomputed."""
+    run, c = plan.run, plan.run.cand
+    if not shape(run.method).reference:
+        return {}
+    if c.ref == "model":
+        # a frozen copy; for LoRA without ref_model LLaMA-Factory would disable the adapter instead
+        return {"ref_model": run.ref_model_path or run.model_path}
+    if c.ref == "precomputed":
+        missing.append(
+            f"ref precomputed: LLaMA-Factory's {NAMES[run.method]} trainer turns TRL's precompute_ref_log_probs off; "
+            "it holds a reference model (a copy for full fine-tuning)"
+        )
+    # ref adapter: LoRA without ref_model = the adapter-disabled model (train/trainer_utils.py create_ref_model)
+    return {}
+
+
+def _pref_args(plan: ExportPlan, fmt: SourceShape, missing: list[str]) -> dict[str, Any]:
+    """rm, orpo, simpo, kto: their hyperparameters under LLaMA-Factory's names (hparams/finetuning_args.py
+    RLHFArguments), what its trainers compute otherwise."""
+    run = plan.run
+    p = pref_values(run)
+    if run.method == "rm":
+        # train/rm/trainer.py compute_loss: -logsigmoid(r_chosen - r_rejected).mean(), nothing else
+        if p["center_rewards_coefficient"] is not None:
             missing.append(
-                "ref precomputed: LLaMA-Factory's DPO trainer turns TRL's precompute_ref_log_probs off; "
-                "it holds a reference model (a copy for full fine-tuning)"
+                f"center_rewards_coefficient {p['center_rewards_coefficient']}: LLaMA-Factory's reward loss has no "
+                "centering term"
             )
-        # ref adapter: LoRA without ref_model = the adapter-disabled model (train/trainer_utils.py create_ref_model)
+        if fmt.margin:
+            missing.append("margin: LLaMA-Factory's reward loss has no margin; the rows' `margin` is not used")
+        missing.append(
+            "reward head: LLaMA-Factory trains TRL's value head (AutoModelForCausalLMWithValueHead, saved as "
+            "value_head.safetensors beside the model); memfit trains AutoModelForSequenceClassification's score "
+            "head, the same one-output linear layer read at the last token, saved in the model"
+        )
+        return {}
+    if run.method == "kto":
+        missing.append(
+            "KL batch: LLaMA-Factory pairs each row with the completion of the row before it in its preprocessing "
+            "batch (data/processor/feedback.py); memfit pairs at prep time with the closest earlier row whose "
+            "prompt differs, so the reference point z0 differs slightly"
+        )
+        return {
+            "pref_beta": p["beta"],
+            "kto_chosen_weight": p["desirable_weight"],
+            "kto_rejected_weight": p["undesirable_weight"],
+        }
+    y: dict[str, Any] = {"pref_beta": p["beta"], "pref_loss": run.method}
+    if run.method == "orpo":
+        missing.append(
+            "ORPO's NLL term: LLaMA-Factory scores each chosen response's tokens, averaged per pair; memfit (as "
+            "TRL's ORPOTrainer) the chosen prompt and response tokens, averaged over the batch's tokens"
+        )
+        return y
+    y["simpo_gamma"] = p["simpo_gamma"]
+    if p["cpo_alpha"]:
+        # train/dpo/trainer.py get_batch_loss_metrics: losses += pref_ftx * (-chosen length-averaged log-prob)
+        y["pref_ftx"] = p["cpo_alpha"]
+        missing.append(
+            f"cpo_alpha {p['cpo_alpha']} as pref_ftx: LLaMA-Factory averages the chosen NLL per pair; memfit (as "
+            "TRL's CPOTrainer) over the batch's chosen tokens"
+        )
+    if p["label_smoothing"]:
+        missing.append(
+            f"label_smoothing {p['label_smoothing']}: LLaMA-Factory's SimPO loss has none (dpo_label_smoothing "
+            "is for the sigmoid loss only)"
+        )
     return y
 
 
 def _chat_args(plan: ExportPlan, fmt: SourceShape, missing: list[str]) -> dict[str, Any]:
-    """Chat rows: which assistant turns carry loss, what LLaMA-Factory reads of DPO pairs."""
-    if fmt.form == "chat" and plan.run.method == "sft":
+    """Chat rows: which assistant turns carry loss, what LLaMA-Factory reads of pairs and KTO rows."""
+    method = plan.run.method
+    if fmt.form == "chat" and method == "sft":
         # data/processor/supervised.py: mask_history keeps the labels of the last turn only
         return {"mask_history": plan.assistant_loss == "last"}
+    if method == "kto":
+        if plan.data_source and not fmt.unpaired:
+            missing.append(
+                "KTO from pairs: LLaMA-Factory's KTO stage reads unpaired rows with a kto_tag; convert each pair into "
+                "a desirable and an undesirable row {prompt, completion, label} first (memfit's prepare_data does) "
+                "and set file_name in dataset_info.json"
+            )
+        elif fmt.form == "chat_unpaired":
+            missing.append(
+                "conversational KTO rows (TRL's format): LLaMA-Factory's KTO rows are sharegpt `messages` with a "
+                "kto_tag, or prompt/completion strings; convert the rows first"
+            )
+        return {}
     if fmt.form == "chat_pairs" and not (fmt.turn_objects and fmt.key == "conversations"):
         missing.append(
-            "conversational DPO pairs: LLaMA-Factory's sharegpt ranking rows (data/converter.py) take the prompt "
-            "turns under `conversations` and chosen/rejected as one turn object each; TRL's turn lists"
+            f"conversational {NAMES[method]} pairs: LLaMA-Factory's sharegpt ranking rows (data/converter.py) take "
+            "the prompt turns under `conversations` and chosen/rejected as one turn object each; TRL's turn lists"
             + (" and implicit prompts (no prompt column)" if fmt.key is None else "")
             + " must be converted to that first"
         )
@@ -158,22 +242,26 @@ def _chat_args(plan: ExportPlan, fmt: SourceShape, missing: list[str]) -> dict[s
 
 
 def _dataset_entry(plan: ExportPlan, fmt: SourceShape) -> dict[str, Any]:
-    """The dataset_info.json entry: the data file, its columns (sharegpt tags for chat rows)."""
+    """The dataset_info.json entry: the data file, its columns (sharegpt tags for chat rows); pairs
+    are `ranking` rows, KTO's unpaired rows carry their label as `kto_tag` (data/parser.py)."""
     run = plan.run
-    if fmt.form == "chat" and run.method == "sft":
+    data = shape(run.method).data
+    file_name = str(Path(plan.data_source).resolve()) if plan.data_source else ""
+    if data == "unpaired":
+        # data/converter.py AlpacaDatasetConverter: the kto_tag's bool marks the response desirable
+        columns = {"prompt": "prompt", "response": "completion", "kto_tag": "label"}
+        return {"file_name": file_name if fmt.form == "prompt" and fmt.unpaired else "", "columns": columns}
+    if fmt.form == "chat" and data == "sft":
         columns = {"messages": fmt.key}
-    elif fmt.form == "chat_pairs" and run.method == "dpo":
+    elif fmt.form == "chat_pairs" and data == "pairs":
         columns = {"messages": fmt.key or "chosen", "chosen": "chosen", "rejected": "rejected"}
-    elif run.method == "sft":
+    elif data == "sft":
         columns = {"prompt": "prompt", "response": "response"}
     else:
         columns = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
-    entry: dict[str, Any] = {
-        "file_name": str(Path(plan.data_source).resolve()) if plan.data_source else "",
-        "columns": columns,
-    }
+    entry: dict[str, Any] = {"file_name": file_name, "columns": columns}
     if fmt.form != "prompt":
         entry |= {"formatting": "sharegpt", "tags": sharegpt_tags(fmt)}
-    if run.method == "dpo":
+    if data == "pairs":
         entry["ranking"] = True
     return entry

@@ -1,7 +1,8 @@
-"""OpenRLHF: `openrlhf/train_<method>.sh`, a `deepspeed --module openrlhf.cli.train_sft|train_dpo`
-command line (OpenRLHF 0.11.2 flag names, `openrlhf/cli/train_sft.py`, `train_dpo.py`). OpenRLHF
-builds its DeepSpeed config from the flags (`openrlhf/utils/deepspeed/deepspeed_utils.py
-get_train_ds_config`), so there is no JSON beside it."""
+"""OpenRLHF: `openrlhf/train_<method>.sh`, a `deepspeed --module openrlhf.cli.train_sft|train_dpo|
+train_rm` command line (OpenRLHF 0.11.2 flag names, `openrlhf/cli/train_sft.py`, `train_dpo.py`,
+`train_rm.py`). OpenRLHF builds its DeepSpeed config from the flags (`openrlhf/utils/deepspeed/
+deepspeed_utils.py get_train_ds_config`), so there is no JSON beside it. OpenRLHF has no trainer
+for ORPO, SimPO or KTO (`NO_TRAINER`): their script says so and exits 2, running nothing."""
 
 from __future__ import annotations
 
@@ -17,15 +18,30 @@ from memfit.exports.common import (
     header,
     int_alpha,
     not_expressible,
+    pref_values,
     source_format,
     targets,
     tiled_mlp_missing,
 )
 
+# The methods OpenRLHF 0.11.2 has no trainer for: its openrlhf/cli holds train_sft, train_dpo,
+# train_rm and train_ppo_ray only (train_kto was removed in 0.9.6, commit 6a981c8c "refactor: remove
+# KTO, PRM, KD, batch_inference, and interactive_chat modules")
+NO_TRAINER = {
+    "orpo": "OpenRLHF 0.11.2 has no ORPO trainer: its DPO trainer (train_dpo) always holds a reference model and "
+    "has no odds-ratio loss",
+    "simpo": "OpenRLHF 0.11.2 has no SimPO trainer: its DPO trainer (train_dpo) always holds a reference model "
+    "and has no length-normalised reward or target margin",
+    "kto": "OpenRLHF 0.11.2 has no KTO trainer: openrlhf.cli.train_kto was removed in OpenRLHF 0.9.6",
+}
+
 
 def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
-    """(bash script, levers OpenRLHF 0.11.2 cannot express): `deepspeed --module openrlhf.cli.train_<method>`."""
+    """(bash script, levers OpenRLHF 0.11.2 cannot express): `deepspeed --module openrlhf.cli.train_<method>`;
+    for a method without an OpenRLHF trainer (`NO_TRAINER`) a script that says so and exits 2."""
     run, c = plan.run, plan.run.cand
+    if run.method in NO_TRAINER:
+        return _no_trainer_script(plan)
     missing: list[str] = []
     a: list[tuple[str, Any]] = [("--model.model_name_or_path", run.model_path)]
     if run.method == "dpo":
@@ -35,7 +51,7 @@ def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
     a += [("--train.micro_batch_size", c.micro_batch), ("--train.batch_size", plan.global_batch)]
     a += _deepspeed_args(plan, missing)
     a += _optimizer_args(plan, missing)
-    a += _sft_args(plan, missing) if run.method == "sft" else _dpo_args(plan, missing)
+    a += {"sft": _sft_args, "dpo": _dpo_args, "rm": _rm_args}[run.method](plan, missing)
     a += _bookkeeping_args(plan, missing)
     launcher = ["deepspeed", "--num_gpus", str(plan.num_gpus)]
     if plan.num_nodes > 1:
@@ -57,6 +73,18 @@ def openrlhf_script(plan: ExportPlan) -> tuple[str, list[str]]:
     return "\n".join(lines) + "\n", missing
 
 
+def _no_trainer_script(plan: ExportPlan) -> tuple[str, list[str]]:
+    """The script of a method OpenRLHF has no trainer for: the statement, and exit 2 if run."""
+    import textwrap
+
+    why = NO_TRAINER[plan.run.method]
+    statement = f"{why}. memfit wrote no command; the LLaMA-Factory and TRL exports (exports/llamafactory, exports/hf) train this configuration."
+    lines = ["#!/usr/bin/env bash", *header(plan, f"OpenRLHF {OPENRLHF_VERSION}")]
+    lines += ["# " + line for line in textwrap.wrap(statement, 100)]
+    lines += [f"echo {shlex.quote(statement)} >&2", "exit 2"]
+    return "\n".join(lines) + "\n", [why]
+
+
 def _data_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
     """Dataset flags: memfit's rows {prompt, response} / {prompt, chosen, rejected}, chat template applied."""
     run, c = plan.run, plan.run.cand
@@ -66,7 +94,7 @@ def _data_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
     else:
         missing.append("data: no data source in the config (plan only); set --data.dataset")
     fmt = source_format(plan.data_source)
-    a += _sft_data_args(plan, fmt) if run.method == "sft" else _dpo_data_args(fmt, missing)
+    a += _sft_data_args(plan, fmt) if run.method == "sft" else _pair_data_args(fmt, missing)
     if fmt.sharegpt_turns:
         missing.append(
             f"ShareGPT turns ({{from, value}}) under `{fmt.key or 'chosen'}`: OpenRLHF hands the turns to the "
@@ -89,8 +117,9 @@ def _sft_data_args(plan: ExportPlan, fmt: SourceShape) -> list[tuple[str, Any]]:
     return a
 
 
-def _dpo_data_args(fmt: SourceShape, missing: list[str]) -> list[tuple[str, Any]]:
-    """DPO columns; conversational pairs without a prompt column: OpenRLHF's implicit prompt."""
+def _pair_data_args(fmt: SourceShape, missing: list[str]) -> list[tuple[str, Any]]:
+    """DPO's and the reward model's columns (datasets/reward_dataset.py serves both); conversational
+    pairs without a prompt column: OpenRLHF's implicit prompt."""
     a: list[tuple[str, Any]] = []
     if fmt.form != "chat_pairs":
         a.append(("--data.prompt_key", "prompt"))
@@ -229,6 +258,18 @@ def _dpo_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
     a.append(("--model.label_smoothing", dpo.get("label_smoothing", 0.0)))
     if c.ref != "model":
         missing.append(f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)")
+    return a
+
+
+def _rm_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """The reward model: the Bradley-Terry loss (`sigmoid`: models/loss.py PairWiseLoss), the margin."""
+    a: list[tuple[str, Any]] = [("--model.loss_type", "sigmoid")]
+    if source_format(plan.data_source).margin:
+        # trainer/rm_trainer.py: -logsigmoid(r_c - r_r - margin) with the rows' `margin` (datasets/reward_dataset.py)
+        a.append(("--model.margin_loss_enable", True))
+    c = pref_values(plan.run)["center_rewards_coefficient"]
+    if c is not None:
+        missing.append(f"center_rewards_coefficient {c}: OpenRLHF's reward loss has no centering term")
     return a
 
 
