@@ -178,15 +178,22 @@ def _write_jsonl(rows: list[dict], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_data(out_dir: str | os.PathLike, seed: int = DATA_SEED) -> dict[str, Path]:
-    """Write `sft.jsonl` and `dpo.jsonl` into `out_dir`; returns their paths."""
+def write_sets(out_dir: str | os.PathLike, sets: dict[str, tuple[list[dict], str]]) -> dict[str, Path]:
+    """Write each method's rows (`{method: (rows, file name)}`) as JSONL into `out_dir`, each file
+    atomically; returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sft, dpo = generate_data(seed)
-    paths = {"sft": out / "sft.jsonl", "dpo": out / "dpo.jsonl"}
-    _write_jsonl(sft, paths["sft"])
-    _write_jsonl(dpo, paths["dpo"])
+    paths = {}
+    for method, (rows, name) in sets.items():
+        paths[method] = out / name
+        _write_jsonl(rows, paths[method])
     return paths
+
+
+def write_data(out_dir: str | os.PathLike, seed: int = DATA_SEED) -> dict[str, Path]:
+    """Write `sft.jsonl` and `dpo.jsonl` into `out_dir`; returns their paths."""
+    sft, dpo = generate_data(seed)
+    return write_sets(out_dir, {"sft": (sft, "sft.jsonl"), "dpo": (dpo, "dpo.jsonl")})
 
 
 # ----------------------------------------------------------------------- tokenizer

@@ -24,7 +24,7 @@ import os
 import random
 from pathlib import Path
 
-from memfit.workflow.demo import TASK_SHARE, TASKS, Problem, _answer, _problems, _prompt, _write_jsonl, _wrong_answer
+from memfit.workflow.demo import TASK_SHARE, TASKS, Problem, _answer, _problems, _prompt, _wrong_answer, write_sets
 
 CHAT_SEED = 0  # the committed chat files are generated with this seed
 N_CHAT_SFT = 320  # conversations
@@ -77,13 +77,8 @@ def generate_chat_data(seed: int = CHAT_SEED) -> tuple[list[dict], list[dict]]:
 
 def write_chat_data(out_dir: str | os.PathLike, seed: int = CHAT_SEED) -> dict[str, Path]:
     """Write `chat_sft.jsonl` and `chat_dpo.jsonl` into `out_dir`; returns their paths."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     sft, dpo = generate_chat_data(seed)
-    paths = {"sft": out / "chat_sft.jsonl", "dpo": out / "chat_dpo.jsonl"}
-    _write_jsonl(sft, paths["sft"])
-    _write_jsonl(dpo, paths["dpo"])
-    return paths
+    return write_sets(out_dir, {"sft": (sft, "chat_sft.jsonl"), "dpo": (dpo, "chat_dpo.jsonl")})
 
 
 def main(argv: list[str] | None = None) -> int:
