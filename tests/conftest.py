@@ -67,6 +67,31 @@ def tok(tok_dir):
 
 
 @pytest.fixture(scope="session")
+def mixed_dpo_pairs(demo_model, tmp_path_factory) -> tuple[list[dict], list[dict]]:
+    """Four of the demo's DPO pairs tokenized by memfit (max_len 24) with mixed prompt and response
+    lengths, so padding and masking differ across rows, and their source records: the batch the
+    TRL parity tests (test_trl_parity, test_pref_losses) compare on."""
+    import json
+
+    from memfit import data
+
+    out = tmp_path_factory.mktemp("mixed_pairs")
+    data.prepare("dpo", REPO / "data/demo/dpo.jsonl", demo_model, out, max_len=24, eval_fraction=0.05)
+    rows = data.load_split(out, "train")
+    chosen, seen = [], set()
+    for r in rows:
+        key = (len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"]))
+        if key not in seen:
+            seen.add(key)
+            chosen.append(r)
+    chosen = chosen[:4]
+    chosen += [r for r in rows if r not in chosen][: 4 - len(chosen)]
+    assert len(chosen) == 4 and len({len(r["chosen_ids"]) + len(r["prompt_ids"]) for r in chosen}) > 1
+    lines = (REPO / "data/demo/dpo.jsonl").read_text().splitlines()
+    return chosen, [json.loads(lines[r["row"] - 1]) for r in chosen]
+
+
+@pytest.fixture(scope="session")
 def demo_data(demo_model, tmp_path_factory) -> Path:
     """The demo SFT and DPO data prepared for the demo model (max_len 32), once per session.
 

@@ -19,7 +19,6 @@ model, so log-ratios, margins and accuracies are not trivial.
 
 from __future__ import annotations
 
-import json
 import math
 from types import SimpleNamespace
 
@@ -32,28 +31,12 @@ trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
 TOL = 1e-5
-N_PAIRS = 4
 
 
 @pytest.fixture(scope="module")
-def pairs(demo_model, repo, tmp_path_factory):
-    """memfit's tokenized DPO rows for N_PAIRS demo pairs of mixed lengths, and their records."""
-    from memfit import data
-
-    out = tmp_path_factory.mktemp("pref_pairs")
-    data.prepare("dpo", repo / "data/demo/dpo.jsonl", demo_model, out, max_len=24, eval_fraction=0.05)
-    all_rows = data.load_split(out, "train")
-    rows, seen = [], set()
-    for r in all_rows:
-        key = (len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"]))
-        if key not in seen:
-            seen.add(key)
-            rows.append(r)
-    rows = rows[:N_PAIRS]
-    rows += [r for r in all_rows if r not in rows][: N_PAIRS - len(rows)]
-    assert len(rows) == N_PAIRS and len({len(r["chosen_ids"]) + len(r["prompt_ids"]) for r in rows}) > 1
-    lines = (repo / "data/demo/dpo.jsonl").read_text().splitlines()
-    return rows, [json.loads(lines[r["row"] - 1]) for r in rows]
+def pairs(mixed_dpo_pairs):
+    """memfit's tokenized rows for four demo pairs of mixed lengths, and their records (conftest)."""
+    return mixed_dpo_pairs
 
 
 def _noisy(model, seed=0, scale=0.02):

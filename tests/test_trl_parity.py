@@ -24,8 +24,6 @@ Label smoothing is compared at 0 only: in TRL 1.16 `loss_type="sigmoid"` ignores
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -45,26 +43,9 @@ METRICS = (
 
 
 @pytest.fixture(scope="module")
-def pairs(demo_model, repo, tmp_path_factory):
-    """memfit's tokenized rows for N_PAIRS demo pairs (mixed lengths), and their source records."""
-    from memfit import data
-
-    out = tmp_path_factory.mktemp("dpo_parity")
-    data.prepare("dpo", repo / "data/demo/dpo.jsonl", demo_model, out, max_len=24, eval_fraction=0.05)
-    rows = data.load_split(out, "train")
-    # Mixed prompt and response lengths, so padding and masking differ across rows.
-    chosen, seen = [], set()
-    for r in rows:
-        key = (len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"]))
-        if key not in seen:
-            seen.add(key)
-            chosen.append(r)
-    chosen = chosen[:N_PAIRS]
-    chosen += [r for r in rows if r not in chosen][: N_PAIRS - len(chosen)]
-    assert len(chosen) == N_PAIRS and len(seen) > 1
-    lines = (repo / "data/demo/dpo.jsonl").read_text().splitlines()
-    records = [json.loads(lines[r["row"] - 1]) for r in chosen]
-    return chosen, records
+def pairs(mixed_dpo_pairs):
+    """memfit's tokenized rows for four demo pairs of mixed lengths, and their records (conftest)."""
+    return mixed_dpo_pairs
 
 
 def _models(demo_model):
