@@ -2,19 +2,22 @@
 
 `select_config` writes, beside selected.json (`FILES`, under exports/):
 
-- `openrlhf/train_<method>.sh`: a `deepspeed --module openrlhf.cli.train_sft|train_dpo`
-  command line (OpenRLHF 0.11.2 flag names, `openrlhf/cli/train_sft.py`, `train_dpo.py`).
-  OpenRLHF builds its DeepSpeed config from the flags (`openrlhf/utils/deepspeed/
-  deepspeed_utils.py get_train_ds_config`), so there is no JSON beside it.
+- `openrlhf/train_<method>.sh`: a `deepspeed --module openrlhf.cli.train_sft|train_dpo|train_rm`
+  command line (OpenRLHF 0.11.2 flag names, `openrlhf/cli/train_sft.py`, `train_dpo.py`,
+  `train_rm.py`). OpenRLHF builds its DeepSpeed config from the flags (`openrlhf/utils/deepspeed/
+  deepspeed_utils.py get_train_ds_config`), so there is no JSON beside it. OpenRLHF has no ORPO,
+  SimPO or KTO trainer: for those the script says so and exits 2 (`openrlhf.NO_TRAINER`).
 - `llamafactory/train_<method>.yaml` + `llamafactory/ds_config.json` + `llamafactory/
   dataset_info.json`: a `llamafactory-cli train` config (LLaMA-Factory 0.9.5,
-  `src/llamafactory/hparams/*.py`), the DeepSpeed JSON it points to, and the dataset registry
-  LLaMA-Factory reads from `dataset_dir` (the file must carry that name).
+  `src/llamafactory/hparams/*.py`; rm is `stage: rm`, ORPO and SimPO `stage: dpo` with
+  `pref_loss: orpo|simpo`, KTO `stage: kto`), the DeepSpeed JSON it points to, and the dataset
+  registry LLaMA-Factory reads from `dataset_dir` (the file must carry that name).
 - `hf/training_args.json` + `hf/ds_config.json`: `transformers.TrainingArguments` keyword
   arguments (`HfArgumentParser(TrainingArguments).parse_dict`) and their DeepSpeed JSON. The
-  `_memfit` key is not an argument: it holds the TRL `SFTConfig`/`DPOConfig` fields (max length,
-  packing, DPO beta/loss, reference) and peft's `LoraConfig`, which TrainingArguments has no
-  field for, and the levers no field expresses.
+  `_memfit` key is not an argument: it holds the fields of the method's TRL config
+  (`hf.TRL_CLASSES`: SFTConfig, DPOConfig, RewardConfig, ORPOConfig, CPOConfig with
+  loss_type "simpo", KTOConfig), peft's `LoraConfig`, which TrainingArguments has no field for,
+  and the levers no field expresses.
 
 Every file lists, in it, the selected levers the tool cannot express (`not_expressible`). The
 DeepSpeed JSONs are memfit's ds_config.json (exactly what memfit's trainer runs); the HF and
@@ -26,8 +29,11 @@ memfit's step count, the scheduler's steps. Paths are written as the workflow pa
 
 This package owns the export files, one module per trainer (`openrlhf`, `llamafactory`, `hf`)
 on a shared skeleton (`common`: `ExportPlan`, `FILES`, headers, the HF schedule fields), and
-`write_all`. It may import `memfit.atomic` and, for annotations, `memfit.train.run_config`; nothing
-else of memfit (the workflow's select_config calls it, the report reads `FILES`).
+`write_all`. It may import the shared vocabulary (`memfit.atomic`, `memfit.methods`) and, for
+annotations, `memfit.train.run_config`; nothing else of memfit (the workflow's select_config calls
+it, the report reads `FILES`): memfit's defaults of the preference methods' hyperparameters are
+repeated in `common.PREF_DEFAULTS`, which tests/test_exports_pref.py holds equal to
+memfit.train.preference's.
 """
 
 from __future__ import annotations

@@ -179,9 +179,9 @@ def _trl_pref_fields(plan: ExportPlan, missing: list[str], notes: list[str]) -> 
                 "pairs: KTOTrainer unpairs them itself (unpair_preference_dataset), as memfit's prepare_data does"
             )
         missing.append(
-            "KL batch: KTOTrainer pairs each row with the completion of the row before it in its micro batch "
-            "(_get_kl_dataset); memfit pairs at prep time with the closest earlier row whose prompt differs, so "
-            "the reference point z0 differs slightly"
+            "KL batch: KTOTrainer pairs each row with the completion of the row before it within blocks of "
+            "per_device_train_batch_size dataset rows (add_kl_completion_ids); memfit pairs at prep time with the "
+            "closest earlier row whose prompt differs, so the reference point z0 differs slightly"
         )
         return {
             "loss_type": "kto",  # memfit.train.preference.kto: Ethayarajh et al. 2024's loss, TRL's "kto"
