@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import importlib.util
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -262,3 +263,35 @@ def test_llamafactory_parses_the_exports_where_installed(written):
     y = yaml.safe_load(files["llamafactory"].read_text())
     _, _, training, finetuning, _ = _parse_train_args(_on_this_machine(dict(y)))
     assert finetuning.stage == y["stage"] and training.per_device_train_batch_size == plan.run.cand.micro_batch
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_trl_trains_a_step_from_the_exported_files(demo_model, tmp_path, method, monkeypatch):
+    """What a user pastes: the TrainingArguments and the TRL fields of the export, the export's LoRA
+    config and data file, given to TRL's own trainer for the method, train one step (here on the CPU,
+    without the DeepSpeed JSON: test_trl_config_is_the_methods_own... checks that against the arguments)."""
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, HfArgumentParser
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    cand, pref, row = CASES[method]
+    cand = cand | {"precision": "fp32"}
+    plan = _plan(tmp_path, method, cand, pref, row)
+    plan = dataclasses.replace(plan, run=dataclasses.replace(plan.run, model_path=str(demo_model)))
+    d = json.loads(exports.write_all(plan)["hf_args"].read_text())
+    extra = d.pop("_memfit")
+    module, name = extra["trl_class"].rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), name)
+    d = {k: v for k, v in d.items() if k != "deepspeed"} | {"output_dir": str(tmp_path / "out"), "max_steps": 1,
+                                                             "warmup_steps": 0, "save_strategy": "no"}  # fmt: skip
+    (args,) = HfArgumentParser(cls).parse_dict(_on_this_machine(d) | extra["trl_fields"], allow_extra_keys=False)
+    trainer_cls = getattr(importlib.import_module(module), name.replace("Config", "Trainer"))
+    peft = LoraConfig(**extra["peft_lora_config"]) if extra["peft_lora_config"] else None
+    rows = [row] * 4 if method != "kto" else [row, {**row, "completion": "6", "label": False}] * 2
+    Path(plan.data_source).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_dataset("json", data_files=plan.data_source, split="train")
+    tok = AutoTokenizer.from_pretrained(demo_model)
+    trainer = trainer_cls(model=str(demo_model), args=args, train_dataset=data, processing_class=tok, peft_config=peft)
+    out = trainer.train()
+    assert out.global_step == 1 and math.isfinite(out.training_loss)
