@@ -1,6 +1,6 @@
 """Every `memfit ...` command shown in README.md and docs/*.md is run, so no example goes stale.
 
-The convention the pages follow (docs/development.md#cli-examples-in-the-docs):
+The convention the pages follow (docs/development.md, "CLI examples in the docs"):
 
 - In a fenced block of any language, a line `$ memfit ...` is a command whose output follows it,
   up to the next `$ ` line or the end of the block. In a ```bash, ```sh or ```console block a
