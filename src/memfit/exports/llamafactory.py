@@ -202,7 +202,7 @@ def _pref_args(plan: ExportPlan, fmt: SourceShape, missing: list[str]) -> dict[s
         y["pref_ftx"] = p["cpo_alpha"]
         missing.append(
             f"cpo_alpha {p['cpo_alpha']} as pref_ftx: LLaMA-Factory averages the chosen NLL per pair; memfit (as "
-            "TRL's CPOTrainer) over the batch's chosen tokens"
+            "TRL's CPOTrainer) over the batch's chosen response tokens"
         )
     if p["label_smoothing"]:
         missing.append(
