@@ -295,3 +295,35 @@ def test_trl_trains_a_step_from_the_exported_files(demo_model, tmp_path, method,
     trainer = trainer_cls(model=str(demo_model), args=args, train_dataset=data, processing_class=tok, peft_config=peft)
     out = trainer.train()
     assert out.global_step == 1 and math.isfinite(out.training_loss)
+
+
+@pytest.mark.parametrize("method", list(CASES))
+def test_the_workflows_selection_exports_the_method_with_the_pairs_it_trains_on(repo, tmp_path, monkeypatch, method):
+    """select_config with the shipped config/preference.yaml (no data.<method>: the methods train on
+    data.dpo's pairs) writes each method's exports, pointing at those pairs."""
+    from memfit.workflow.pipeline import select_config
+
+    config = yaml.safe_load((repo / "config" / "preference.yaml").read_text()) | {"plan_only": True}
+    assert method not in config["data"]
+    monkeypatch.chdir(repo)  # data paths are relative to the workflow directory, as Snakemake runs it
+    run_dir = tmp_path / method
+    out = {k: str(run_dir / f"{k}.{ext}") for k, ext in (("selected", "json"), ("ds_config", "json"),
+                                                          ("run", "json"), ("launch", "sh"))}  # fmt: skip
+    candidates = repo / "tests/fixtures/select/dpo/candidates.json"
+    select_config(config, "demo-tiny", "cpu", method, str(candidates), [], "results/demo-tiny/model",
+                  str(tmp_path / "data"), str(run_dir / "train"), out)  # fmt: skip
+    files = exports.paths(run_dir, method)
+    info = json.loads(files["llamafactory_dataset_info"].read_text())[f"memfit_{method}"]
+    y = yaml.safe_load(files["llamafactory"].read_text())
+    hf = json.loads(files["hf_args"].read_text())["_memfit"]
+    assert y["stage"] == {"rm": "rm", "orpo": "dpo", "simpo": "dpo", "kto": "kto"}[method]
+    assert hf["trl_fields"]["max_length"] == y["cutoff_len"]
+    pairs = str(repo / "data/demo/dpo.jsonl")
+    if method == "kto":  # pairs: TRL unpairs them itself, LLaMA-Factory needs unpaired rows
+        assert info["file_name"] == "" and "#   - KTO from pairs" in files["llamafactory"].read_text()
+        assert any("KTOTrainer unpairs them itself" in n for n in hf["notes"])
+    else:
+        assert info["file_name"] == pairs
+    if method == "rm":
+        argv = exports.script_argv(files["openrlhf"].read_text())
+        assert argv[argv.index("--data.dataset") + 1] == "data/demo/dpo.jsonl"

@@ -290,7 +290,7 @@ def select_config(
             num_nodes=cfg.num_nodes,
             total_steps=total_steps,
             warmup_steps=schedule["warmup_steps"],
-            data_source=cfg.raw["data"].get(method),
+            data_source=cfg.data_source(method),  # data.<method>, else data.dpo for the pair methods and kto
             eval_fraction=float(cfg.raw["data"].get("eval_fraction", 0.0)),
             assistant_loss=cfg.raw["data"].get("assistant_loss", "all"),
             files=files,
