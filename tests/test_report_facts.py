@@ -95,3 +95,21 @@ def test_run_facts_hold_this_runs_benchmarks_only(tmp_path: Path):
     named = run_facts(tmp_path, tmp_path / "benchmarks" / "qlora", {"demo-tiny"})
     assert dict(named["per_rule"]) == {"train": 7.0}
     assert [target for _, target, _, _ in named["benchmarks"]] == ["demo-tiny/cpu/sft"]
+
+
+def test_an_openrlhf_script_for_a_method_it_cannot_train_is_labelled_so(tmp_path: Path):
+    """ORPO has no OpenRLHF trainer: its export only says so, and the report's label says that too."""
+    from memfit import exports
+    from memfit.report.facts import launch_files
+
+    run_dir = tmp_path / "demo-tiny" / "cpu" / "orpo"
+    script = exports.paths(run_dir, "orpo")["openrlhf"]
+    script.parent.mkdir(parents=True)
+    script.write_text("#!/bin/sh\necho 'OpenRLHF 0.11.2 has no ORPO trainer' >&2\nexit 2\n")
+    labels = {p.name: what for p, what in launch_files(run_dir, "orpo")}
+    assert labels[script.name] == "OpenRLHF has no orpo trainer: the script says why and exits 2"
+    dpo_script = exports.paths(tmp_path / "dpo", "dpo")["openrlhf"]
+    dpo_script.parent.mkdir(parents=True)
+    dpo_script.write_text("#!/bin/sh\ndeepspeed --module openrlhf.cli.train_dpo\n")
+    dpo = {p.name: what for p, what in launch_files(tmp_path / "dpo", "dpo")}
+    assert dpo[dpo_script.name].startswith("OpenRLHF command")

@@ -140,7 +140,12 @@ def launch_files(run_dir: Path, method: str) -> list[tuple[Path, str]]:
     none_fits = run_dir / exports.NONE_FITS
     if none_fits.is_file():
         found.insert(0, (none_fits, "why nothing was selected"))
-    found += [(p, _EXPORT_WHAT.get(k, k)) for k, p in exports.paths(run_dir, method).items()]
+    from memfit.exports.openrlhf import NO_TRAINER
+
+    what = dict(_EXPORT_WHAT)
+    if method in NO_TRAINER:  # its script only says so (and exits 2)
+        what["openrlhf"] = f"OpenRLHF has no {method} trainer: the script says why and exits 2"
+    found += [(p, what.get(k, k)) for k, p in exports.paths(run_dir, method).items()]
     known = {p for p, _ in found}
     extra = (
         sorted(p for p in run_dir.iterdir() if p.suffix in _OTHER_SUFFIXES and p.name not in _NOT_EXPORTS)
