@@ -77,6 +77,12 @@ class Run:
 
         cfg, cand = self.cfg, self.cand
         check_hardware(cand)
+        if cfg.compile:  # no C++ compiler for inductor's CPU backend: refused before anything loads
+            from memfit.train.compile import compile_problem
+            from memfit.train.run_config import RunRefused
+
+            if why := compile_problem():
+                raise RunRefused(why)
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -123,6 +129,10 @@ class Run:
         if said := long_context.prepare(model, cand, cfg.mlp_tile_tokens):  # the tiled MLP (DeepSpeed ALST)
             self.log(said)
         mpu, shard = sequence_parallel.setup(model, cand, cfg.method)  # Ulysses: the attention and groups
+        if cfg.compile:  # regional compile of the decoder layers, before DeepSpeed wraps the model
+            from memfit.train.compile import compile_layers
+
+            self.log(compile_layers(model))
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine, _, _, self.scheduler = deepspeed.initialize(
             model=model, model_parameters=params, config=ds_cfg, mpu=mpu

@@ -130,6 +130,10 @@ class RunConfig:
     export_format: str = "merged"  # merged: full HF model | adapter: peft adapter only (LoRA/QLoRA)
     loss_on: str = "response"  # SFT: response (prompt tokens masked) | all (prompt too, never padding)
     packing: bool = False  # SFT: pack short rows into sequences of up to seq_len tokens
+    # speed levers (docs/speed.md), off by default: regional torch.compile of the decoder layers
+    # (memfit.train.compile); SFT micro batches as one row of concatenated rows (memfit.train.steps)
+    compile: bool = False
+    padding_free: bool = False
     lora_alpha: float | None = None  # default 2 * rank
     lora_dropout: float = 0.0
     lora_targets: str | list[str] = "all-linear"  # peft target_modules
@@ -173,6 +177,7 @@ class RunConfig:
             )
         problems += preference_problems(self.method, self.pref, self.cand.micro_batch)
         problems += data_problems(self.method, self.data_dir)
+        problems += speed_problems(self.method, self.padding_free, self.cand.sequence_parallel)
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
         if self.lr is None:
@@ -235,6 +240,21 @@ def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -
         out.append(
             "kto needs a micro batch of 2 or more (search.micro_batch; TRL's KTOTrainer refuses 1: "
             "the KL term's mismatched pairs come from the batch)"
+        )
+    return out
+
+
+def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> list[str]:
+    """What is wrong with the padding_free lever (docs/speed.md): SFT only, and not with sequence parallelism."""
+    out = []
+    if padding_free and method != "sft":
+        out.append(
+            f"padding_free: applies to sft only for now ({method}'s paired forward keeps padded rows); set it to false"
+        )
+    if padding_free and sequence_parallel > 1:
+        out.append(
+            f"padding_free: cannot be combined with sequence_parallel {sequence_parallel} (a shard of one "
+            "concatenated row is not implemented); set padding_free: false or sequence_parallel: 1"
         )
     return out
 

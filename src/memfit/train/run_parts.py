@@ -36,6 +36,7 @@ def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         shard=shard,
         pref=cfg.pref,
+        padding_free=cfg.padding_free,
     )
 
 

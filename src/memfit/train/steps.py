@@ -32,6 +32,7 @@ class StepRunner:
         loss_chunk_tokens: int | None = None,
         shard: SequenceShard | None = None,
         pref: dict[str, Any] | None = None,
+        padding_free: bool = False,
     ) -> None:
         """`method` sft or dpo; `ref_engine` the frozen reference (None unless `ref` is "model");
         `dpo` the DPOConfig fields (DPO only); `ref` model, adapter or precomputed (Candidate.ref);
@@ -41,7 +42,9 @@ class StepRunner:
         `shard` this rank's place in a sequence-parallel group (memfit.train.sequence_parallel): it
         runs its slice of every sequence, and the losses are the whole sequences'.
         rm, orpo, simpo, kto (memfit.train.preference): `pref` their TRL-named hyperparameters; rm's
-        `engine` a sequence-classification model; kto's `ref_engine` as DPO's."""
+        `engine` a sequence-classification model; kto's `ref_engine` as DPO's.
+        `padding_free` (SFT): each micro batch runs as one row, its rows concatenated with position
+        ids restarting at every row (`padding_free_batch`), so no padding is computed."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
         self.ref_mode, self.loss_on, self.flatten_packs = ref, loss_on, flatten_packs
         self.dpo = DPOConfig(**(dpo or {})) if method == "dpo" else None
@@ -52,6 +55,9 @@ class StepRunner:
         self._heads: dict[int, ChunkedHead] | None = {} if loss_impl == "chunked" else None
         self.loss_chunk_tokens = loss_chunk_tokens
         self.shard = shard if shard is not None and shard.size > 1 else None
+        if padding_free and method != "sft":
+            raise ValueError(f"padding_free applies to sft only, not {method}")
+        self.padding_free = padding_free
 
     def token_logps(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log p(label) [B, T-1] (fp32) and the scored mask, through `model`'s forward
@@ -89,6 +95,22 @@ class StepRunner:
             batch = shard_batch(batch, self.shard, self.pad_id)
         return {k: v.to(self.device) for k, v in batch.items()}
 
+    def _padding_free(
+        self, rows: list[Any], pad_to: int | None, packed: bool
+    ) -> tuple[torch.Tensor, dict[str, float], int]:
+        """SFT on the micro batch as one row: its rows (with packing: every row of its packs)
+        concatenated, position ids restarting at 0 at each row, no attention mask, so transformers
+        masks block-causally per row (sdpa, eager) or passes cu_seqlens to flash-attention varlen
+        (`collate_packed`). The loss is the per-token mean over the same tokens as the padded batch.
+        `pad_to` (probes): the row is padded to pad_to x rows, the padded batch's worst case."""
+        flat = [r for p in rows for r in p] if packed else list(rows)
+        batch = padding_free_batch(flat, self.pad_id, self.loss_on, pad_to * len(rows) if pad_to else None)
+        batch = self._batch(batch)
+        loss, value = self._sft(
+            batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        )
+        return loss, {"loss": value * len(rows)}, sum(len(r["input_ids"]) for r in flat)
+
     def loss(
         self, rows: list[Any], pad_to: int | None = None, packed: bool = False
     ) -> tuple[torch.Tensor, dict[str, float], int]:
@@ -96,6 +118,8 @@ class StepRunner:
 
         packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
         """
+        if self.padding_free:
+            return self._padding_free(rows, pad_to, packed)
         if packed:  # under sequence parallelism: the pack's shard (flash attention only: sequence_parallel.check)
             batch = self._batch(collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs))
             loss, value = self._sft(
@@ -133,7 +157,7 @@ class StepRunner:
         else:
             with torch.no_grad():
                 if self.ref_mode == "adapter":
-                    with self.engine.module.disable_adapter():
+                    with getattr(self.engine, "module", self.engine).disable_adapter():
                         ref_lp, _ = self.token_logps(self.engine, batch["labels"], **inputs)
                 else:
                     ref_lp, _ = self.token_logps(self.ref, batch["labels"], **inputs)
@@ -142,3 +166,12 @@ class StepRunner:
         sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
         scale = self.shard.loss_scale if self.shard is not None else 1.0
         return losses.mean() * scale, sums, tokens
+
+
+def padding_free_batch(
+    rows: list[dict[str, Any]], pad_id: int, loss_on: str = "response", pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
+    """SFT `rows` as one row [1, sum of lengths] (or [1, pad_to]): input ids, labels and position ids
+    restarting per row, as one pack of `collate_packed`; the first token of each row is not a
+    target, as in the padded batch, where nothing predicts it."""
+    return collate_packed([rows], pad_id, pad_to, loss_on, flatten=True)

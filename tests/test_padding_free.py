@@ -1,0 +1,123 @@
+"""The padding_free lever (run config `padding_free: true`, docs/speed.md): an SFT micro batch runs as
+one row of its rows concatenated, position ids restarting per row, instead of a padded [B, L] batch.
+Its loss and gradients equal the padded batch's (per-token mean over the same tokens) in fp32, and a
+run config that asks for it where it does not apply is refused at the CLI, naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memfit import cli, data
+from memfit.space import Candidate
+from memfit.train.modeling import load_model
+from memfit.train.steps import StepRunner, padding_free_batch
+
+
+@pytest.fixture(scope="module")
+def sft_rows(demo_model, tmp_path_factory, repo):
+    out = tmp_path_factory.mktemp("sft") / "prepared"
+    data.prepare("sft", repo / "data/demo/sft.jsonl", demo_model, out, max_len=32, eval_fraction=0.0)
+    return data.load_split(out, "train")
+
+
+def mixed_rows(rows, n=8):
+    """Rows of different lengths: the padded batch then holds padding the padding-free row drops."""
+    by_len = {}
+    for r in rows:
+        by_len.setdefault(len(r["input_ids"]), r)
+    picked = list(by_len.values())
+    return (picked * n)[:n]
+
+
+def loss_and_grads(demo_model, rows, attn, loss_on, padding_free):
+    torch.manual_seed(0)
+    model = load_model(str(demo_model), Candidate.from_dict({"attn": attn, "precision": "fp32"}), trainable=True)
+    model.train()
+    runner = StepRunner("sft", model, None, 0, loss_on=loss_on, padding_free=padding_free)
+    loss, metrics, tokens = runner.loss(rows)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), metrics, tokens, grads
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("loss_on", ["response", "all"])
+def test_padding_free_loss_and_gradients_equal_the_padded_batch(demo_model, sft_rows, attn, loss_on):
+    """fp32: the losses agree within 1e-5 (the same tokens' log-probs, summed in another order: the
+    per-row attention sees exactly the keys it sees padded), the gradients within 1e-5 relative;
+    and the padding-free row holds only the rows' tokens, where the padded batch holds more."""
+    rows = mixed_rows(sft_rows)
+    lengths = [len(r["input_ids"]) for r in rows]
+    assert len(set(lengths)) > 1, "the demo rows must differ in length for padding to exist"
+    pad_loss, pad_m, pad_tokens, pad_grads = loss_and_grads(demo_model, rows, attn, loss_on, False)
+    free_loss, free_m, free_tokens, free_grads = loss_and_grads(demo_model, rows, attn, loss_on, True)
+    assert free_loss == pytest.approx(pad_loss, abs=1e-5)
+    assert free_m["loss"] == pytest.approx(pad_m["loss"], abs=1e-4)  # loss x rows, for the epoch mean
+    assert free_tokens == pad_tokens == sum(lengths)
+    assert pad_grads.keys() == free_grads.keys()
+    for name, g in pad_grads.items():
+        torch.testing.assert_close(free_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    batch = padding_free_batch(rows, 0, loss_on)
+    assert batch["input_ids"].shape == (1, sum(lengths)) < (1, len(rows) * max(lengths))
+    starts = [0] + list(torch.tensor(lengths).cumsum(0)[:-1])
+    assert all(int(batch["position_ids"][0, s]) == 0 for s in starts)  # positions restart per row
+
+
+def test_padding_free_rows_do_not_see_each_other(demo_model, sft_rows):
+    """The equality above is not vacuous: the same concatenated row run as one causal sequence
+    (no position ids, so no per-row mask) gives another loss."""
+    rows = mixed_rows(sft_rows)
+    model = load_model(str(demo_model), Candidate.from_dict({"attn": "sdpa", "precision": "fp32"}), trainable=False)
+    runner = StepRunner("sft", model, None, 0, padding_free=True)
+    with torch.no_grad():
+        free = float(runner.loss(rows)[0])
+        b = padding_free_batch(rows, 0)
+        leaky = float(runner._sft(b["labels"], input_ids=b["input_ids"], use_cache=False)[0])
+    assert abs(free - leaky) > 1e-3
+
+
+def test_probe_pads_the_padding_free_row_to_the_padded_worst_case(demo_model, sft_rows):
+    """A probe (pad_to = seq_len) runs the row at rows x seq_len tokens: the largest shape training
+    can meet, counted as the rows' own tokens."""
+    rows = mixed_rows(sft_rows, 4)
+    batch = padding_free_batch(rows, 0, pad_to=4 * 32)
+    assert batch["input_ids"].shape == (1, 128)
+    assert int((batch["labels"] != -100).sum()) == int((padding_free_batch(rows, 0)["labels"] != -100).sum())
+
+
+def _run_config(tmp_path, demo_model, demo_data, method, **extra):
+    cfg = {
+        "method": method,
+        "model_path": str(demo_model),
+        "data_dir": str(demo_data / method),
+        "out_dir": str(tmp_path / "out"),
+        "candidate": {"zero": 0, "precision": "fp32", "seq_len": 32, "micro_batch": 2, "ref": "model"},
+        **extra,
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize(
+    "method, extra, expected",
+    [
+        ("dpo", {"padding_free": True}, "padding_free: applies to sft only"),
+        (
+            "sft",
+            {"padding_free": True, "candidate": {"sequence_parallel": 2, "seq_len": 32, "precision": "fp32"}},
+            "padding_free: cannot be combined with sequence_parallel 2",
+        ),
+    ],
+)
+def test_padding_free_where_it_does_not_apply_is_refused_at_the_cli(
+    tmp_path, demo_model, demo_data, capsys, method, extra, expected
+):
+    path = _run_config(tmp_path, demo_model, demo_data, method, **extra)
+    assert cli.main(["launch", "--config", str(path), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()  # nothing half-written
