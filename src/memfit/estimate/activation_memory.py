@@ -13,10 +13,12 @@ measured with `memory.AllocationTracker` (tests/test_estimate_groundtruth.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.logits import chunk_tokens, chunked_loss_terms
+from memfit.estimate.method_terms import forward_seqs, grad_seqs, lm_head, nograd_forward_seqs
 from memfit.estimate.params import lora_adapts_experts, lora_targets, param_layout
 from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings, dtype_bytes
 from memfit.space import Candidate
@@ -50,8 +52,9 @@ class Activations:
 
 @dataclass(frozen=True)
 class _MicroStep:
-    """Shapes of one micro step. t = tokens in the forward (micro_batch * seq_len, doubled for
-    DPO's concatenated chosen+rejected batch), d = compute dtype bytes."""
+    """Shapes of one micro step. t = tokens in the forward whose activations are kept
+    (micro_batch * seq_len times the method's grad_sequences: doubled for the concatenated
+    chosen+rejected batch of DPO, ORPO, SimPO and the reward model), d = compute dtype bytes."""
 
     arch: ModelArch
     dtype: int  # d
@@ -97,7 +100,7 @@ def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     return _MicroStep(
         arch=arch,
         dtype=dtype_bytes(cand.precision),
-        seqs=cand.micro_batch * (2 if method == "dpo" else 1),
+        seqs=grad_seqs(cand, method),
         seq_len=cand.seq_len,
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
@@ -366,7 +369,17 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         acts.attention_scores = L * _eager_probabilities(step)
     # final norm, logits and the loss (HF ForCausalLMLoss / losses.token_logps):
     acts.final = step.rmsnorm(step.full)
-    if cand.loss_impl == "chunked":
+    if not lm_head(method):
+        # a reward model (AutoModelForSequenceClassification, num_labels=1; transformers
+        # modeling_layers.GenericForSequenceClassification.forward): the score Linear(h, 1) trains
+        # (full, or peft's modules_to_save beside LoRA) and saves its input, the final norm's
+        # output; its [t, 1] output is indexed at each row's last non-padding token, which keeps
+        # only the two int64 [b] indices. No vocabulary logits. Its backward: the indexing's
+        # zero-filled [t, 1] gradient and the hidden states' gradient [t, h].
+        acts.final = step.rmsnorm(True)
+        acts.logits_saved = 2 * 8 * step.seqs
+        acts.logits_bwd_extra = d * t * h + d * t
+    elif cand.loss_impl == "chunked":
         acts.logits_saved, acts.logits_bwd_extra = chunked_loss_terms(arch, cand, step.tokens, step.full, settings)
     else:
         # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
@@ -375,7 +388,9 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
         acts.logits_bwd_extra = 8 * t * V
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
-    ids = 3 * 8 * t  # int64 input ids, attention mask and labels
+    # int64 input ids, attention mask and labels of every sequence the step collates (KTO: the
+    # rows and the KL batch)
+    ids = 3 * 8 * forward_seqs(cand, method) * step.seq_len
     if cand.grad_ckpt:
         # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input.
         # Only in train mode: `GradientCheckpointingLayer.forward_with_checkpointing`
@@ -411,11 +426,18 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
-    # DPO reference forward under no_grad, after the policy forward (memfit.train.steps, as TRL and
-    # OpenRLHF do): the policy's saved tensors (its output, logits included, is dropped once its
-    # log-probs are taken: StepRunner.token_logps), then either one reference attention call or
-    # the reference's logits, their fp32 copy in 16-bit training and its log-softmax.
-    if method == "dpo" and cand.ref in ("model", "adapter"):
+    # the forwards without gradient after the policy forward (memfit.train.steps, as TRL and
+    # OpenRLHF do): DPO's and KTO's reference, KTO's policy on the KL batch
+    # (memfit.train.preference.kto.step: the rows, then the KL batch, one forward each). Beside
+    # the policy's saved tensors (its output, logits included, is dropped once its log-probs
+    # are taken: StepRunner.token_logps), one such forward's attention call or its logits, their
+    # fp32 copy in 16-bit training and its log-softmax.
+    ng = nograd_forward_seqs(cand, method)
+    if ng:
+        if ng != step.seqs:
+            step = dataclasses.replace(step, seqs=ng)
+            t = step.tokens
+            attn_fwd, _ = _attention_forward(cand, step)
         # a reference layer's transients: its attention call, or its MLP (the residual stream, the
         # normed input, gate, up and act(gate)*up), which tops the logits where the vocabulary is
         # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
@@ -454,7 +476,7 @@ def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     impl = settings.logits_handling
     if impl not in LOGITS_HANDLING:
         raise EstimateError(f"logits_handling must be one of {LOGITS_HANDLING}, got {impl!r}")
-    if impl == "memfit":
+    if impl == "memfit" or not lm_head(method):  # a reward model has no vocabulary logits
         return 0, 0
     if cand.loss_impl == "chunked":
         raise EstimateError(
@@ -473,6 +495,8 @@ def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Setting
 def fp32_logits_block(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
     """The largest fp32 logits allocation of a step: [t, V] (log_softmax's output and its
     gradients), or one chunk's [c, V] with memfit's chunked loss (`chunked_loss_terms`)."""
+    if not lm_head(method):  # a reward model's [t, 1] score: no logits block
+        return 0
     step = _micro_step(arch, cand, method, settings)
     t = step.tokens
     if cand.loss_impl == "chunked":

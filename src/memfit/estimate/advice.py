@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.core import Estimate, largest_fitting, sequence_parallel_sizes
+from memfit.estimate.method_terms import shape
 from memfit.space import Candidate
 
 # A configuration that fits with less than this share of its usable device memory left (after the
@@ -56,9 +57,10 @@ class Option:
 
 
 def default_ref(finetune: str, method: str) -> str | None:
-    """The DPO reference when none is given: the frozen model for full fine-tuning, the model
-    without its adapter for LoRA; SFT has none (None, as the workflow's SFT candidates)."""
-    if method != "dpo":
+    """The reference when none is given (DPO, KTO): the frozen model for full fine-tuning, the
+    model without its adapter for LoRA; the methods without one (sft, rm, orpo, simpo) None, as
+    the workflow's candidates."""
+    if not shape(method).reference:
         return None
     return "model" if finetune == "full" else "adapter"
 
@@ -100,14 +102,14 @@ def levers(cand: Candidate, arch: ModelArch, world: int, method: str, ref_given:
     """The one-lever changes of `cand` memfit knows that lower memory (without the searched ones:
     a smaller micro batch and a shorter sequence, see `advise`)."""
     out: list[Candidate | None] = []
-    if cand.loss_impl == "full":
+    if cand.loss_impl == "full" and shape(method).head == "lm":  # a reward model has no vocabulary loss
         out.append(_with(cand, loss_impl="chunked"))
     if not cand.grad_ckpt:
         out.append(_with(cand, grad_ckpt=True))
     out += [_with(cand, zero=z) for z in range(cand.zero + 1, 4)]
     kinds = {"full": ("lora", "qlora"), "lora": ("qlora",), "qlora": ()}[cand.finetune]
     for kind in kinds:
-        ref = cand.ref if (method == "dpo" and ref_given) else default_ref(kind, method)
+        ref = cand.ref if (shape(method).reference and ref_given) else default_ref(kind, method)
         out.append(_with(cand, finetune=kind, ref=ref))
     if cand.offload_optimizer == "none":
         out.append(_with(cand, zero=max(cand.zero, 2), offload_optimizer="cpu"))

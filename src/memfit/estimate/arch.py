@@ -84,6 +84,10 @@ class ModelArch:
     # the indices of two layers of that kind (the same index twice when there is one); the trace
     # builds the model up to them and keeps only them. () for the whole model.
     layer_kind: tuple[int, ...] = ()
+    # A reward model (method rm: `AutoModelForSequenceClassification`, num_labels=1): the vocabulary
+    # head replaced by a one-output score Linear(h, 1, bias=False) (modeling_llama
+    # LlamaForSequenceClassification.score), untied. Set by memfit.estimate.method_terms.method_arch.
+    score_head: bool = False
 
     def __post_init__(self) -> None:
         # JSON round trips (memfit.estimate.trace sends the card to a child process) give lists.
@@ -292,6 +296,8 @@ class ModelArch:
         h = self.hidden_size
         embeddings = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h  # Linear(h, V, bias=False)
+        if self.score_head:  # a reward model's score: Linear(h, 1, bias=False)
+            lm_head = h
         final_norm = h
         layers = sum(self.layer_params(i) for i in range(self.num_layers))
         return embeddings + layers + final_norm + lm_head

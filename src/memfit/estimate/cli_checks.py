@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from memfit.estimate.settings import EstimateError
+from memfit.methods import REFERENCE_METHODS, shape
 
 # The most GPUs one node holds: NVIDIA's largest single-node systems, DGX-2/HGX-2 (16 V100 on
 # NVSwitch; the DGX-2 datasheet), hold 16; DGX/HGX A100, H100, H200 and B200 hold 8, and a rack
@@ -117,8 +118,16 @@ def _check_levers(args) -> None:
         raise EstimateError("--lora-rank does nothing with --finetune full; use lora or qlora")
     if full and args.lora_targets:
         raise EstimateError("--lora-targets does nothing with --finetune full; use lora or qlora")
-    if args.method == "sft" and args.ref is not None:
-        raise EstimateError("--ref (the DPO reference) does nothing with --method sft")
+    if not shape(args.method).reference and args.ref is not None:
+        raise EstimateError(
+            f"--ref does nothing with --method {args.method}: {args.method} trains without a reference model "
+            f"(only {' and '.join(REFERENCE_METHODS)} have one); drop --ref"
+        )
+    if shape(args.method).head == "score" and "chunked" in _values(args.loss_impl):
+        raise EstimateError(
+            f"--loss-impl chunked does nothing with --method {args.method}: a reward model's score head "
+            "has no vocabulary logits to chunk; drop --loss-impl"
+        )
     if args.pin_memory and args.offload_optimizer in (None, "none") and args.offload_param in (None, "none"):
         raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
     if args.loss_chunk_tokens is not None and args.loss_impl != "chunked":
@@ -240,3 +249,8 @@ def search_bound(args, arch) -> tuple[int | None, str]:
     if context and not args.allow_beyond_context:
         return context, f"{arch.name}'s context (max_position_embeddings)"
     return None, "memory"
+
+
+def _values(value) -> list:
+    """A flag's values: none, one, or a ranked search's comma-separated list."""
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]

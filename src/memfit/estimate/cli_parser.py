@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.estimate.calibration import UNCALIBRATED_MARGIN
+from memfit.estimate.method_terms import METHODS
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS
 
 # headroom on the cpu device when none is given: what the shipped cpu configs keep
@@ -137,7 +138,14 @@ def _add_job_args(p: argparse.ArgumentParser, maximize: bool) -> None:
     p.add_argument("--gpu", required=True, help="GPU catalog name, or cpu")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs (ranks) per node")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes")
-    p.add_argument("--method", choices=["sft", "dpo"], default="sft", help="training method")
+    p.add_argument(
+        "--method",
+        choices=list(METHODS),
+        default="sft",
+        help="training method: sft (one sequence a row); dpo (chosen + rejected and a reference); rm (a "
+        "reward model: the pair, a one-output score head, no vocabulary logits); orpo, simpo (the pair, "
+        "no reference); kto (one row with gradient, its KL completion without, and a reference)",
+    )
     p.add_argument(
         "--finetune",
         type=_listed(str, ["full", "lora", "qlora"]),
@@ -180,7 +188,7 @@ def _add_lever_args(p: argparse.ArgumentParser, maximize: bool) -> None:
         "--ref",
         choices=["precomputed", "model", "adapter"],
         default=None,
-        help="DPO reference (default: model for full, adapter for LoRA)",
+        help="the reference of dpo and kto (default: model for full, adapter for LoRA)",
     )
     p.add_argument(
         "--advice",

@@ -7,6 +7,7 @@ from memfit.estimate.advice import Option
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.core import Estimate
+from memfit.estimate.method_terms import shape
 from memfit.space import Candidate
 from memfit.units import GIB, gib
 
@@ -185,7 +186,7 @@ def describe(cand: Candidate, method: str, lora_targets: tuple[str, ...] | None)
         f"micro batch {cand.micro_batch} x {cand.seq_len:,} tokens",
         f"grad accum {cand.grad_accum}",
         cand.precision,
-        *([f"reference: {cand.ref}"] if method == "dpo" else []),
+        *([f"reference: {cand.ref}"] if shape(method).reference else []),
         *([f"sequence parallel {cand.sequence_parallel}"] if cand.sequence_parallel > 1 else []),
         *(["tiled MLP"] if cand.tiled_mlp else []),
         *(["activation offload"] if cand.activation_offload else []),

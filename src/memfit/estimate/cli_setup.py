@@ -18,6 +18,7 @@ from memfit.estimate.cli_checks import check_flags, check_space, combinations, f
 from memfit.estimate.cli_parser import CPU_HEADROOM, SPACE_FLAGS, given_flags
 from memfit.estimate.cli_render import describe
 from memfit.estimate.core import Estimate, estimate
+from memfit.estimate.method_terms import shape
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
@@ -189,7 +190,7 @@ def configuration(args, given: set[str], arch: ModelArch, gpu: GPU, cand: Candid
         if dest not in given and not (dest == getattr(args, "maximize", None)):
             value = getattr(cand, dest)
             defaults[FLAG[dest]] = ("on" if value else "off") if dest == "grad_ckpt" else value
-    if args.method == "dpo" and "ref" not in given:
+    if shape(args.method).reference and "ref" not in given:
         defaults["--ref"] = cand.ref
     if cand.finetune != "full" and "lora_rank" not in given:
         defaults["--lora-rank"] = cand.lora_rank

@@ -23,6 +23,7 @@ from memfit.estimate.costs import (
     step_flops,
 )
 from memfit.estimate.generic import generic_arch
+from memfit.estimate.method_terms import METHODS, grad_seqs, method_arch, shape
 from memfit.estimate.offload_activations import offload_checkpoints
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
@@ -96,7 +97,7 @@ class Job:
     gpu: GPU
     num_gpus: int  # ranks per node
     num_nodes: int
-    method: str  # "sft" or "dpo"
+    method: str  # one of memfit.methods.METHODS (sft, dpo, rm, orpo, simpo, kto)
     host_memory_gb: float | None
     budget_bytes: int | None
     settings: Settings
@@ -117,14 +118,21 @@ def _estimable(arch: ModelArch) -> ModelArch:
     return generic_arch({**config.to_diff_dict(), "model_type": config.model_type}, arch.name, source=arch.source)
 
 
+def _job_arch(arch: ModelArch, method: str) -> ModelArch:
+    """The card estimated: `_estimable`'s, as the method builds it (a reward model's score head:
+    method_terms.method_arch); an unknown method is refused by `_check_inputs`."""
+    arch = _estimable(arch)
+    return method_arch(arch, method) if method in METHODS else arch
+
+
 def _check_inputs(job: Job, cand: Candidate) -> None:
-    if job.method not in ("sft", "dpo"):
-        raise EstimateError(f"method must be sft or dpo, got {job.method!r}")
+    if job.method not in METHODS:
+        raise EstimateError(f"method must be one of {', '.join(METHODS)}, got {job.method!r}")
     if job.num_gpus < 1 or job.num_nodes < 1:
         raise EstimateError(f"num_gpus and num_nodes must be >= 1, got {job.num_gpus} and {job.num_nodes}")
     if job.headroom is not None and not 0.0 <= job.headroom < 1.0:
         raise EstimateError(f"headroom must be in [0, 1), got {job.headroom}")
-    if job.method == "dpo" and cand.ref == "adapter" and cand.finetune == "full":
+    if shape(job.method).reference and cand.ref == "adapter" and cand.finetune == "full":
         raise EstimateError("ref=adapter needs finetune=lora or qlora")
     check_arch(job.arch)
 
@@ -274,7 +282,8 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     est.time_breakdown, est.time_source, terms = _step_time(job, arch, cand, gpu, states, settings)
     est.compute_terms = {k: round(v, 6) for k, v in terms.items()}
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
-    sequences = full.micro_batch * (2 if job.method == "dpo" else 1)
+    # the sequences a row trains on (a pair's two; not KTO's KL batch), as the trainer counts tokens/s
+    sequences = grad_seqs(full, job.method)
     tokens = sequences * full.seq_len * full.grad_accum * full.data_parallel(world)
     est.tokens_per_s = tokens / est.step_time_s if est.step_time_s > 0 else 0.0
     peak = gpu.tflops(cand.precision) * 1e12
@@ -349,7 +358,9 @@ def estimate(
     (`calibration.device_margin`, said in `headroom_source`). Invalid hardware combinations return
     `Estimate(invalid=True, reason=...)`; bad input raises `EstimateError`.
     """
-    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
+    job = Job(
+        _job_arch(arch, method), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
+    )
     return _estimate(job, cand or Candidate())
 
 
@@ -368,7 +379,7 @@ def estimate_space(
     candidates = list(candidates)
     if settings.activations == "traced":
         prefetch_traces(arch, gpu, candidates, settings)
-    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
+    job = Job(_job_arch(arch, method), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings)
     rows = []
     for cand in candidates:
         row = _estimate(job, cand).to_dict()
@@ -414,7 +425,9 @@ def fit(
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
     # seq_len: up to the model's context; a model that states none (Mamba) and the batch: 65,536
     hi = upper or ((arch.max_position_embeddings or 65536) if maximize == "seq_len" else 65536)
-    job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)
+    job = Job(
+        _job_arch(arch, method), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
+    )
 
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from memfit.estimate import calibration, roofline, runtime_costs, timing
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
+from memfit.estimate.method_terms import grad_seqs, lm_head, nograd_seqs
 from memfit.estimate.offload_activations import checkpoint_input_bytes
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import DEFAULT_SETTINGS, Settings, dtype_bytes
@@ -221,11 +222,13 @@ def step_flops(
         from memfit.estimate.traced import traced_step_flops
 
         flops = traced_step_flops(arch, cand, method, settings, recompute)
-        if cand.loss_impl == "chunked" and recompute:
-            flops += cand.grad_accum * 2 * arch.hidden_size * arch.vocab_size * cand.micro_batch * cand.seq_len
+        if cand.loss_impl == "chunked" and recompute and lm_head(method):
+            flops += cand.grad_accum * 2 * arch.hidden_size * arch.vocab_size * grad_seqs(cand, method) * cand.seq_len
         return flops
     layout = param_layout(arch)
-    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    tokens = grad_seqs(cand, method) * cand.seq_len  # forward and backward
+    # forward only: KTO's KL batch through the policy, a reference model's forwards (DPO, KTO)
+    nograd_tokens = nograd_seqs(cand, method) * cand.seq_len
     # a token attends over the whole sequence; with Ulysses a rank holds seq_len / SP of them
     # (core.per_rank) and attends for heads / SP over all seq_len: per rank the same as its
     # tokens over seq_len x SP attended positions
@@ -233,15 +236,15 @@ def step_flops(
     attention = 2 * arch.num_layers * attended * arch.num_attention_heads * arch.head_dim
     # the embedding is a lookup, not a matmul; the head is one (h x V) even when it shares the
     # embedding's weight (tied: `layout.lm_head` is 0, the matrix counted once in `total`), and
-    # checkpointing recomputes the layers, not the head
+    # checkpointing recomputes the layers, not the head; a reward model's head is its h x 1 score
+    # (`layout.lm_head` = h: ModelArch.score_head)
     layers_forward = 2 * (layout.total - layout.inactive - layout.embed - layout.lm_head) + attention
     head_forward = 2 * (layout.lm_head or layout.embed)
     passes = 3.0 if cand.finetune == "full" else 2.0
     recomputed = 1.0 if (cand.grad_ckpt and recompute) else 0.0
     flops = (layers_forward * (passes + recomputed) + head_forward * passes) * tokens
-    if method == "dpo" and cand.ref in ("model", "adapter"):
-        flops += (layers_forward + head_forward) * tokens
-    if cand.loss_impl == "chunked" and recompute:
+    flops += (layers_forward + head_forward) * nograd_tokens
+    if cand.loss_impl == "chunked" and recompute and lm_head(method):
         # the head's projection (2 h V per token) runs again in the backward: the recompute of
         # Cut Cross-Entropy (Wijmans et al. 2024) and TRL's chunked_nll
         flops += 2 * arch.hidden_size * arch.vocab_size * tokens
@@ -346,7 +349,7 @@ def ulysses_seconds(
     sp = cand.sequence_parallel
     if sp == 1:
         return 0.0
-    sequences = cand.micro_batch * (2 if method == "dpo" else 1)
+    sequences = grad_seqs(cand, method)
     head = arch.head_dim
     per_layer = (
         dtype_bytes(cand.precision)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.method_terms import grad_seqs
 from memfit.estimate.settings import dtype_bytes
 from memfit.estimate.states import pinned_rounding
 from memfit.space import Candidate
@@ -12,7 +13,7 @@ from memfit.space import Candidate
 
 def checkpoint_input_bytes(arch: ModelArch, cand: Candidate, method: str) -> int:
     """One checkpointed decoder layer's input, the hidden states (d x tokens x hidden)."""
-    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    tokens = grad_seqs(cand, method) * cand.seq_len
     return dtype_bytes(cand.precision) * tokens * arch.hidden_size
 
 

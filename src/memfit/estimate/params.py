@@ -16,7 +16,7 @@ from memfit.space import Candidate
 class ParamLayout:
     total: int  # every parameter, tied embeddings once (MoE: every routed expert)
     embed: int  # V*h
-    lm_head: int  # V*h, 0 when tied
+    lm_head: int  # V*h, 0 when tied; a reward model's score head: h (ModelArch.score_head)
     per_layer: int  # one decoder layer, norms and biases included (MoE: the largest layer)
     layer_tensors: tuple[int, ...]  # numel of each parameter tensor of one decoder layer
     linear_shapes: tuple[tuple[str, int, int], ...]  # (name, in, out) per decoder layer
@@ -102,7 +102,7 @@ def param_layout(arch: ModelArch) -> ParamLayout:
     if arch.generic:
         return _inventory_layout(arch.inventory())
     embed = arch.vocab_size * arch.hidden_size
-    lm_head = 0 if arch.tie_word_embeddings else embed
+    lm_head = arch.hidden_size if arch.score_head else 0 if arch.tie_word_embeddings else embed
     if not arch.is_moe:
         tensors = _layer_tensors(arch)
         per_layer = sum(tensors)
@@ -279,12 +279,17 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
         from memfit.estimate import inventory
 
         return inventory.lora_params(arch.hf_config, r, peft_targets(arch, cand, settings))
+    # a reward model's score head trains in full beside the adapters (peft modules_to_save,
+    # memfit.train.modeling): h parameters
+    score = arch.hidden_size if arch.score_head else 0
     if arch.is_moe:
         experts = expert_lora_params(arch, r) if lora_adapts_experts(arch, settings, cand.finetune) else 0
-        return len(arch.moe_layers()) * experts + sum(
-            r * (i + o) for layer in range(arch.num_layers) for _, i, o in lora_targets(arch, settings, layer)
+        return (
+            score
+            + len(arch.moe_layers()) * experts
+            + sum(r * (i + o) for layer in range(arch.num_layers) for _, i, o in lora_targets(arch, settings, layer))
         )
-    return arch.num_layers * sum(r * (i + o) for _, i, o in lora_targets(arch, settings))
+    return score + arch.num_layers * sum(r * (i + o) for _, i, o in lora_targets(arch, settings))
 
 
 def peft_targets(arch: ModelArch, cand: Candidate, settings: Settings) -> tuple[str, ...] | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from memfit.estimate.activation_memory import Activations
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.method_terms import reference_model
 from memfit.estimate.params import lora_targets, param_layout
 from memfit.estimate.settings import TRAINER_LOADERS, EstimateError, Settings, dtype_bytes
 from memfit.estimate.states import ModelStates
@@ -320,8 +321,8 @@ def step_phases(
 
 
 def _reference_share(states: ModelStates, cand: Candidate, method: str, trainable: int, world: int) -> int:
-    """The DPO reference copy's part of `states.params` (ref=model: the same weights again)."""
-    if not (method == "dpo" and cand.ref == "model"):
+    """The reference copy's part of `states.params` (DPO, KTO with ref=model: the same weights again)."""
+    if not reference_model(cand, method):
         return 0
     if cand.finetune == "full":
         return states.params // 2

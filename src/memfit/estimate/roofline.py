@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from memfit.estimate import calibration
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
+from memfit.estimate.method_terms import grad_seqs, lm_head, nograd_seqs
 from memfit.estimate.params import lora_targets, param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
@@ -201,22 +202,34 @@ def _attention_seconds(arch: ModelArch, cand: Candidate, seqs: int, d: int, r: R
     return matmuls + traffic, 2 * matmuls + traffic
 
 
+def nograd_passes(cand: Candidate, method: str) -> int | float:
+    """The forwards without gradient as multiples of the policy's forward with gradient: DPO's
+    reference runs the same chosen + rejected batch (1); KTO's policy on the KL batch and its
+    reference on the rows and the KL batch (3 forwards of the rows' size, 1 with precomputed
+    reference log-probs)."""
+    ng, g = nograd_seqs(cand, method), grad_seqs(cand, method)
+    return ng // g if ng % g == 0 else ng / g
+
+
 def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, settings: Settings) -> dict[str, float]:
     """Seconds of the step's computation on one rank by class: `gemm` (every linear, the head,
     the experts), `attention` (the attention core) and `memory` (the element-wise operations,
     LoRA's adapters, the loss, the embedding, QLoRA's dequantisation), each operation at its
     roofline (module docstring). Passes: the forward, its recompute under checkpointing, the
-    backward, a DPO reference's forward (`ref: model` or `adapter`); x gradient accumulation."""
+    backward, the forwards without gradient (a reference's, `ref: model` or `adapter`, and KTO's
+    KL batch: `forward_passes`); x gradient accumulation. A reward model's head is its h x 1
+    score: no vocabulary loss."""
     r, d = rates(gpu, cand.precision), dtype_bytes(cand.precision)
     if arch.generic:
         return _traced_seconds(arch, cand, method, settings, r)
-    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    seqs = grad_seqs(cand, method)
     tokens = seqs * cand.seq_len
     trained = cand.finetune == "full"
-    ref = 1 if method == "dpo" and cand.ref in ("model", "adapter") else 0
+    ref = nograd_passes(cand, method)
     forwards = 1 + (1 if cand.grad_ckpt else 0)
     layout = param_layout(arch)
     h, V = arch.hidden_size, arch.vocab_size
+    head_out = V if lm_head(method) else 1  # a reward model's score: Linear(h, 1)
 
     gemm = 0.0
     for layer in range(arch.num_layers):
@@ -231,8 +244,8 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
         router = _gemm(tokens, *arch.router_shape(), d, r)
         gemm += len(arch.moe_layers()) * (experts + router) * (forwards + ref + 1 + (1 if trained else 0))
     gemm += arch.num_layers * _lora_gemm_seconds(arch, cand, settings, tokens, d, r, forwards + ref)
-    head = _gemm(tokens, h, V, d, r)
-    head_forwards = 1 + (1 if cand.loss_impl == "chunked" else 0) + ref
+    head = _gemm(tokens, h, head_out, d, r)
+    head_forwards = 1 + (1 if cand.loss_impl == "chunked" and lm_head(method) else 0) + ref
     gemm += head * (head_forwards + 1 + (1 if trained else 0))
 
     fwd, bwd = _attention_seconds(arch, cand, seqs, d, r)
@@ -245,7 +258,8 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
     lora_fwd, lora_bwd = lora_bytes_per_token(arch, cand, settings, d)
     moved = arch.num_layers * ((base + lora_fwd) * (forwards + ref) + 2 * base + lora_bwd)
     moved += rmsnorm_bytes(d) * h * (1 + ref + 2)  # the final norm (not recomputed)
-    moved += loss_bytes_per_token(arch, cand, d) + ref * (d + 4 + 8) * V
+    if lm_head(method):
+        moved += loss_bytes_per_token(arch, cand, d) + ref * (d + 4 + 8) * V
     moved += 2 * d * h * (1 + ref)  # the embedding lookup (read a row, write it)
     memory = tokens * moved / r.memory
     if trained:  # embedding_dense_backward: the V x h gradient zeroed, the tokens' rows added
@@ -265,14 +279,15 @@ def _traced_seconds(arch: ModelArch, cand: Candidate, method: str, settings: Set
     from memfit.estimate.traced import traced_run
 
     traced = traced_run(arch, cand, settings)
-    seqs, L = cand.micro_batch * (2 if method == "dpo" else 1), arch.num_layers
+    seqs, L = grad_seqs(cand, method), arch.num_layers
     names = ("flops", "attn_flops", "mem_bytes")
     flops, attn, moved = (traced.at(n, L, seqs) for n in names)
-    if method == "dpo" and cand.ref in ("model", "adapter"):  # the reference's forward
+    nograd = nograd_seqs(cand, method)
+    if nograd:  # the forwards without gradient: a reference's, KTO's KL batch
         flops, attn, moved = (
-            x + traced.at(f"fwd_{n}", L, seqs) for x, n in zip((flops, attn, moved), names, strict=True)
+            x + traced.at(f"fwd_{n}", L, nograd) for x, n in zip((flops, attn, moved), names, strict=True)
         )
-    if cand.loss_impl == "chunked":  # the head's matmul again in the backward (costs.step_flops)
+    if cand.loss_impl == "chunked" and lm_head(method):  # the head's matmul again in the backward (costs.step_flops)
         flops += 2 * arch.hidden_size * arch.vocab_size * seqs * cand.seq_len
     terms = {"gemm": (flops - attn) / r.gemm, "attention": attn / 2 / r.attention, "memory": moved / r.memory}
     return {k: cand.grad_accum * v for k, v in terms.items()}

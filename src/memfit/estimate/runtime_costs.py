@@ -28,6 +28,7 @@ from __future__ import annotations
 from memfit.estimate import roofline
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
+from memfit.estimate.method_terms import grad_seqs, lm_head, nograd_forward_passes
 from memfit.estimate.params import lora_targets, param_layout
 from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
 from memfit.space import Candidate
@@ -123,7 +124,7 @@ def module_kernels(
     if layout.units:
         return [(0.0, 0.0)] * (sum(len(u) for u in layout.units) + 3)
     d = dtype_bytes(cand.precision)
-    tokens = cand.micro_batch * (2 if method == "dpo" else 1) * cand.seq_len
+    tokens = grad_seqs(cand, method) * cand.seq_len
     grads = 2 if cand.finetune == "full" else 1
 
     def gemm(rows: float, n_in: int, n_out: int) -> tuple[float, float]:
@@ -142,14 +143,16 @@ def module_kernels(
                 tuple(arch.num_experts * sum(x) for x in zip(*per, strict=True)),
                 gemm(tokens, *arch.router_shape()),
             ]
-    return out + [(0.0, 0.0), (0.0, 0.0), gemm(tokens, arch.hidden_size, arch.vocab_size)]
+    head = arch.vocab_size if lm_head(method) else 1  # a reward model's score: Linear(h, 1)
+    return out + [(0.0, 0.0), (0.0, 0.0), gemm(tokens, arch.hidden_size, head)]
 
 
 def zero3_exposed_host_seconds(arch: ModelArch, cand: Candidate, method: str, r: roofline.Rates) -> float:
     """ZeRO-3's fetch/release host time one micro step adds beyond the kernels: per module and
     pass, `ZERO3_MODULE_S` less that module's own kernels (never below 0), in each forward (the
-    recompute and a DPO reference's forward too) and the backward, plus `ZERO3_MICRO_S`."""
-    forwards = 1 + (1 if cand.grad_ckpt else 0) + (1 if method == "dpo" and cand.ref in ("model", "adapter") else 0)
+    recompute and the forwards without gradient too: a reference's, KTO's KL batch) and the
+    backward, plus `ZERO3_MICRO_S`."""
+    forwards = 1 + (1 if cand.grad_ckpt else 0) + nograd_forward_passes(cand, method)
     h = ZERO3_MODULE_S
     exposed = sum(forwards * max(0.0, h - f) + max(0.0, h - b) for f, b in module_kernels(arch, cand, method, r))
     return ZERO3_MICRO_S + exposed
@@ -210,7 +213,7 @@ def zero_runtime_seconds(
     reduce = g * reduce_bytes_per_param(cand) * trainable / (bandwidth * ELEMENTWISE_SHARE)
     gather = 0.0
     if cand.zero == 3:
-        passes = 2 + (1 if cand.grad_ckpt else 0) + (1 if method == "dpo" and cand.ref in ("model", "adapter") else 0)
+        passes = 2 + (1 if cand.grad_ckpt else 0) + nograd_forward_passes(cand, method)
         d = dtype_bytes(cand.precision)
         copies = passes * 2 * d * total / (bandwidth * ELEMENTWISE_SHARE)
         gather = g * (copies + zero3_exposed_host_seconds(arch, cand, method, roofline.rates(gpu, cand.precision)))

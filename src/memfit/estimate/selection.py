@@ -20,6 +20,7 @@ from typing import Any
 
 from memfit.estimate import device_match
 from memfit.estimate.rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
+from memfit.methods import shape
 from memfit.units import fmt_bytes
 
 __all__ = ["Budget", "NoneFits", "WrongDevice", "choose", "judge"]
@@ -70,7 +71,9 @@ def _measured_device_bytes(probe: dict[str, Any]) -> int:
 
 
 def _tokens_per_step(cand: dict[str, Any], world: int, method: str) -> int:
-    seqs = cand["micro_batch"] * cand["grad_accum"] * world * (2 if method == "dpo" else 1)
+    # the sequences a row trains on (memfit.methods grad_sequences: a pair's two, a KTO row's one;
+    # KTO's KL batch costs time but is no training data), as the trainer counts tokens/s
+    seqs = cand["micro_batch"] * cand["grad_accum"] * world * shape(method).grad_sequences
     return seqs * cand["seq_len"]
 
 

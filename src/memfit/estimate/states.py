@@ -15,6 +15,7 @@ import functools
 from dataclasses import dataclass, field
 
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.method_terms import reference_model
 from memfit.estimate.params import fused_expert_weights, param_layout, trainable_params
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
@@ -151,10 +152,10 @@ def _resident_weight_bytes(arch: ModelArch, cand: Candidate, trainable: int, met
     else:
         weight_bytes = total * d
     adapter_bytes = 0 if cand.finetune == "full" else trainable * d
-    # DPO reference model (frozen, no grads or optimizer): a separate copy for ref=model (DeepSpeed
+    # DPO's and KTO's reference model (frozen, no grads or optimizer): a separate copy for ref=model (DeepSpeed
     # wraps it in an inference engine with the same ZeRO stage), the same weights with adapters
     # disabled for ref=adapter, nothing for precomputed log-probs.
-    reference_bytes = weight_bytes if (method == "dpo" and cand.ref == "model") else 0
+    reference_bytes = weight_bytes if reference_model(cand, method) else 0
     # buffers, generic cards (the inventory has them): GPT-Neo's and GPT-1's causal-mask buffers
     # (max_positions^2 bools per layer) outweigh a small model's weights; rotary tables
     buffers = arch.inventory().buffers if arch.generic else 0
@@ -477,7 +478,7 @@ def model_states(
         states = _stage1_or_2(cand, sizes)
     else:
         states = _stage3(arch, cand, sizes, settings)
-        if method == "dpo" and cand.ref == "model" and world > 1 and settings.zero3_impl == "deepspeed":
+        if reference_model(cand, method) and world > 1 and settings.zero3_impl == "deepspeed":
             ref = dataclasses.replace(cand, grad_ckpt=False)  # memfit.train.reference: no checkpointing
             states.ref_gathered = zero3_gathered_bytes(arch, ref, settings, forward_only=True)
     # Reduce buckets (stage_1_and_2.py setup_buckets / stage3.py IPG buffer): one buffer of

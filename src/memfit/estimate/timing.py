@@ -42,6 +42,7 @@ from typing import Any
 
 from memfit.estimate import device_match
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.method_terms import reference_model
 from memfit.space import Candidate, compute_key, engine_key
 
 FORMAT = 1  # memfit.train.calibrate.FORMAT of the files this reads
@@ -75,7 +76,7 @@ class StepTimeCalibration:
 # Fields of a model card that do not change what one decoder layer costs: names and sources, the
 # depth (priced per layer, above), the context length a config allows, and per-layer lists.
 _NOT_SHAPE = ("name", "source", "hf_repo", "aliases", "num_layers", "max_position_embeddings", "layer_kind")
-_NOT_SHAPE += ("dense_layer_mask", "hf_config")
+_NOT_SHAPE += ("dense_layer_mask", "hf_config", "score_head")
 # Keys of a generic card's config.json (`hf_config`) that are depth, provenance or dtype, not shape.
 _NOT_SHAPE_HF = ("num_hidden_layers", "layer_types", "_name_or_path", "transformers_version", "architectures")
 _NOT_SHAPE_HF += ("torch_dtype", "dtype", "max_position_embeddings", "use_cache")
@@ -204,7 +205,7 @@ def predict(cal: StepTimeCalibration, cand: Candidate, method: str, num_layers: 
     g = cand.grad_accum
     # a runtime cost measured below zero is measurement noise around nothing: priced as 0
     micro = max(_at(rt["micro"], num_layers), 0.0)
-    ref = max(_at(rt["ref"], num_layers), 0.0) if (method == "dpo" and cand.ref == "model" and "ref" in rt) else 0.0
+    ref = max(_at(rt["ref"], num_layers), 0.0) if (reference_model(cand, method) and "ref" in rt) else 0.0
     return {
         "compute": g * _at(cal.compute[compute_key(method, cand)], num_layers),
         "deepspeed": g * micro,

@@ -90,6 +90,7 @@ _NOT_IN_KEY = {
     "num_layers",
     "max_position_embeddings",
     "vision_params",
+    "score_head",  # a reward model is traced as its causal LM (traced.traced_activations swaps the head's terms)
 }
 # The sizes the traced model is built from: ModelArch's required integer fields (the card's
 # sizes; catalog._required names the same fields without a default), less those the trace

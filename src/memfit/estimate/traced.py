@@ -13,6 +13,7 @@ from memfit.estimate.activation_memory import Activations, padding_mask_extra
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.generic import layer_groups
+from memfit.estimate.method_terms import forward_seqs, grad_seqs, lm_head, nograd_seqs
 from memfit.estimate.params import lora_adapts_experts, peft_targets
 from memfit.estimate.settings import EstimateError, Settings, dtype_bytes
 from memfit.estimate.validity import hardware_problems, model_problems
@@ -100,16 +101,21 @@ def traced_run(arch: ModelArch, cand: Candidate, settings: Settings):
 def traced_step_flops(arch: ModelArch, cand: Candidate, method: str, settings: Settings, recompute: bool) -> float:
     """FLOPs of one optimizer step on one rank from the traced step (trace_flops: torch's
     FlopCounterMode formulas, memfit's own for every attention kernel, on the model's own code): per sequence, 1 and 2 layers, scaled to the
-    candidate as the memory is; DPO's reference adds a forward; `recompute=False` takes the
-    checkpointed layers' recomputed forward out (MFU's model FLOPs)."""
+    candidate as the memory is; the forwards without gradient (a reference's, KTO's KL batch) add
+    their sequences' forward; `recompute=False` takes the checkpointed layers' recomputed forward
+    out (MFU's model FLOPs). A reward model is traced as its causal LM: its vocabulary head's
+    matmul (2 h V per token, forward and backward) is taken out, its h x 1 score's left out."""
     traced = traced_run(arch, cand, settings)
-    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    seqs = grad_seqs(cand, method)
     L = arch.num_layers
     flops = traced.at("flops", L, seqs)
     if cand.grad_ckpt and not recompute:
         flops -= L * traced.per_layer("fwd_flops", seqs)
-    if method == "dpo" and cand.ref in ("model", "adapter"):
-        flops += traced.at("fwd_flops", L, seqs)
+    if nograd_seqs(cand, method):
+        flops += traced.at("fwd_flops", L, nograd_seqs(cand, method))
+    if not lm_head(method):
+        head = 2 * arch.hidden_size * arch.vocab_size * seqs * cand.seq_len
+        flops -= head * (3 if cand.finetune == "full" else 2)
     return float(cand.grad_accum * flops)
 
 
@@ -126,13 +132,13 @@ def traced_activations(
     it starts). Kept from the analytic terms: the DPO reference forward (not traced: MemTracker
     follows one forward of a root module) and the eager probabilities' share for the note.
     """
-    seqs = cand.micro_batch * (2 if method == "dpo" else 1)
+    seqs = grad_seqs(cand, method)
     L = arch.num_layers
     traced = traced_run(arch, cand, settings)
     # the int64 input ids, attention mask and labels the trainer's collate makes (created
     # outside the trace's tracker) and the rotary cos/sin table shared by the batch (not in
     # the per-sequence measures): counted as `activations` counts them
-    ids = 3 * 8 * seqs * cand.seq_len + 2 * 4 * cand.seq_len * arch.head_dim
+    ids = 3 * 8 * forward_seqs(cand, method) * cand.seq_len + 2 * 4 * cand.seq_len * arch.head_dim
     acts = Activations()
     acts.saved = traced.saved(L, seqs) + ids
     acts.kept_per_layer = traced.per_layer("saved", seqs)
@@ -177,7 +183,22 @@ def traced_activations(
             acts.forward += L * padded
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
-    if cand.loss_impl == "chunked":
+    if not lm_head(method):
+        # a reward model is traced as its causal LM (the trace shares the LM's cached runs; the
+        # layers are the same modules): the head's terms are swapped for the score's, as the
+        # formulas count them (activation_memory.activations). A hand-written card's forward
+        # peak is the formulas'; a generic card's keeps the traced one (logits included: an
+        # upper bound of the forward phase).
+        acts.saved += analytic.logits_saved - acts.logits_saved
+        acts.saved += analytic.final - acts.final  # the score trains: it saves the final norm's output
+        acts.logits_saved, acts.logits_bwd_extra, acts.final = (
+            analytic.logits_saved,
+            analytic.logits_bwd_extra,
+            analytic.final,
+        )
+        if not arch.generic:
+            acts.forward = min(acts.forward, analytic.forward)
+    elif cand.loss_impl == "chunked":
         # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
         # (memfit.train.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
         acts.saved += analytic.logits_saved - acts.logits_saved

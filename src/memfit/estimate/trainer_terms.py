@@ -15,6 +15,7 @@ from memfit.estimate.activation_memory import (
     held_logits,
 )
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.method_terms import grad_seqs
 from memfit.estimate.params import param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
@@ -59,7 +60,7 @@ def qlora_backward_extra(arch: ModelArch, cand: Candidate, method: str) -> tuple
     if cand.finetune != "qlora":
         return 0, 0
     d = dtype_bytes(cand.precision)
-    t = cand.micro_batch * cand.seq_len * (2 if method == "dpo" else 1)
+    t = grad_seqs(cand, method) * cand.seq_len
     return _largest_per_block(arch, lambda i, o: max(0, d * i * o - 2 * t * i * d))
 
 
