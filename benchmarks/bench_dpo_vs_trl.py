@@ -47,29 +47,29 @@ def batches(rows: list[dict], batch: int, n_steps: int, seed: int) -> list[list[
     return [[rows[perm[(s * batch + i) % len(rows)]] for i in range(batch)] for s in range(n_steps)]
 
 
-def run_trl(model_dir: Path, records: list[dict], a, out: Path) -> dict:
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import DPOConfig, DPOTrainer
+def timed_train(trainer_cls, a, **kwargs) -> dict:
+    """`trainer_cls(**kwargs).train()` (a TRL trainer whose args ran warmup + steps steps), timed by a
+    callback at each step's end: steps/s over the steps after the warm-up."""
+    from transformers import TrainerCallback
 
-    torch.manual_seed(a.seed)
-    policy, ref = load_model(model_dir), load_model(model_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ds = Dataset.from_list(
-        [
-            {
-                "prompt": [{"role": "user", "content": r["prompt"]}],
-                "chosen": [{"role": "assistant", "content": r["chosen"]}],
-                "rejected": [{"role": "assistant", "content": r["rejected"]}],
-            }
-            for r in records
-        ]
-    )
-    args = DPOConfig(
+    stamps: list[float] = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+    trainer_cls(callbacks=[Stamp()], **kwargs).train()
+    assert len(stamps) == a.warmup + a.steps, len(stamps)
+    dt = stamps[-1] - stamps[a.warmup - 1]
+    return {"steps_per_s": a.steps / dt, "seconds": dt}
+
+
+def trl_args(config_cls, a, out: Path, **extra):
+    """The TRL config both benchmarks train with: constant LR, AdamW without weight decay, no
+    clipping, fp32 on the CPU, no logging or saving, warmup + steps steps of `a.batch` rows."""
+    return config_cls(
         output_dir=str(out),
         report_to=[],
-        beta=a.beta,
-        loss_type=["sigmoid"],
         learning_rate=a.lr,
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -79,7 +79,6 @@ def run_trl(model_dir: Path, records: list[dict], a, out: Path) -> dict:
         per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=1,
         max_steps=a.warmup + a.steps,
-        max_length=None,
         gradient_checkpointing=False,
         use_cpu=True,
         bf16=False,
@@ -88,43 +87,89 @@ def run_trl(model_dir: Path, records: list[dict], a, out: Path) -> dict:
         logging_strategy="no",
         save_strategy="no",
         seed=a.seed,
+        **extra,
     )
-    stamps: list[float] = []
 
-    class Stamp(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
 
-    trainer = DPOTrainer(
-        model=policy, ref_model=ref, args=args, train_dataset=ds, processing_class=tok, callbacks=[Stamp()]
+def dpo_dataset(records: list[dict]):
+    """The demo pairs as TRL's conversational preference dataset."""
+    from datasets import Dataset
+
+    return Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            for r in records
+        ]
     )
-    trainer.train()
-    assert len(stamps) == a.warmup + a.steps, len(stamps)
-    dt = stamps[-1] - stamps[a.warmup - 1]
-    return {"steps_per_s": a.steps / dt, "seconds": dt}
 
 
-def run_memfit(model_dir: Path, rows: list[dict], a, pad_id: int) -> dict:
+def run_trl(model_dir: Path, records: list[dict], a, out: Path, peft_config=None, **extra) -> dict:
+    """TRL's DPOTrainer; with `peft_config` the policy trains LoRA adapters and the reference is the
+    adapter-disabled policy (TRL's ref_model=None with peft)."""
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    torch.manual_seed(a.seed)
+    policy = load_model(model_dir)
+    ref = None if peft_config is not None else load_model(model_dir)
+    args = trl_args(DPOConfig, a, out, beta=a.beta, loss_type=["sigmoid"], max_length=None, **extra)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return timed_train(
+        DPOTrainer,
+        a,
+        model=policy,
+        ref_model=ref,
+        args=args,
+        train_dataset=dpo_dataset(records),
+        processing_class=tok,
+        peft_config=peft_config,
+    )
+
+
+def run_memfit(
+    model_dir: Path, rows: list[dict], a, pad_id: int, method: str = "dpo", peft_config=None, **runner
+) -> dict:
+    """memfit's step (`StepRunner.loss`, backward, AdamW) on the plain torch model; `peft_config`:
+    LoRA adapters (DPO's reference the adapter-disabled policy, memfit's ref: adapter); `runner`:
+    StepRunner options (padding_free); `compile` in it: memfit.train.compile.compile_layers."""
     from memfit.train.steps import StepRunner
 
     torch.manual_seed(a.seed)
-    policy, ref = load_model(model_dir), load_model(model_dir)
-    ref.eval().requires_grad_(False)
+    policy = load_model(model_dir)
+    ref, ref_mode = None, None
+    if method == "dpo":
+        ref_mode = "adapter" if peft_config is not None else "model"
+        if peft_config is None:
+            ref = load_model(model_dir).eval().requires_grad_(False)
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        policy = get_peft_model(policy, peft_config)
+    if runner.pop("compile", False):
+        from memfit.train.compile import compile_layers
+
+        compile_layers(policy)
     policy.train()
-    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
-    runner = StepRunner(
-        "dpo", policy, ref, pad_id, dpo={"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0}, ref="model"
-    )
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    dpo = {"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0} if method == "dpo" else None
+    step = StepRunner(method, policy, ref, pad_id, dpo=dpo, ref=ref_mode or "model", **runner)
     stamps: list[float] = []
     loss = torch.tensor(0.0)
+    start = time.perf_counter()
     for b in batches(rows, a.batch, a.warmup + a.steps, a.seed):
-        loss, _, _ = runner.loss(b)
+        loss, _, _ = step.loss(b)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         stamps.append(time.perf_counter())
     dt = stamps[-1] - stamps[a.warmup - 1]
-    return {"steps_per_s": a.steps / dt, "seconds": dt, "last_loss": float(loss)}
+    first = stamps[0] - start  # the first step: with compile, the layers' compilation
+    return {"steps_per_s": a.steps / dt, "seconds": dt, "first_step_s": first, "last_loss": float(loss)}
 
 
 def main() -> None:
