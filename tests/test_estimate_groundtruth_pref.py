@@ -155,6 +155,25 @@ def test_estimate_within_the_sft_dpo_limits(method):
     assert median <= 0.02, f"{method}: median |error| {median:.2%}"
 
 
+@pytest.mark.parametrize("case", [0, 3])  # llama full, qwen2 LoRA
+def test_a_traced_reward_model_within_5_percent(case, tmp_path):
+    """The traced path (Settings.activations="traced", what a generic card always takes): a reward
+    model is traced as its causal LM and the head's terms swapped for the score's
+    (memfit.estimate.traced.traced_activations); the estimate holds the same limit."""
+    kind, method, cand = [c for c in CASES if c[1] == "rm"][case]
+    settings = Settings(
+        optimizer_impl="single",
+        zero0_engine="torch",
+        padding_mask=False,
+        activations="traced",
+        trace_cache=str(tmp_path),
+    )
+    e = estimate(make_arch(kind), CPU, 1, 1, method, cand, settings=settings)
+    measured = measure(kind, method, cand)
+    assert e.activations_source == "traced"
+    assert abs(e.training_peak_bytes / measured - 1) <= 0.05, (cand.id, e.training_peak_bytes, measured)
+
+
 if __name__ == "__main__":
     import sys
 

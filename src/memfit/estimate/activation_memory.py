@@ -370,12 +370,10 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     # final norm, logits and the loss (HF ForCausalLMLoss / losses.token_logps):
     acts.final = step.rmsnorm(step.full)
     if not lm_head(method):
-        # a reward model (AutoModelForSequenceClassification, num_labels=1; transformers
-        # modeling_layers.GenericForSequenceClassification.forward): the score Linear(h, 1) trains
-        # (full, or peft's modules_to_save beside LoRA) and saves its input, the final norm's
-        # output; its [t, 1] output is indexed at each row's last non-padding token, which keeps
-        # only the two int64 [b] indices. No vocabulary logits. Its backward: the indexing's
-        # zero-filled [t, 1] gradient and the hidden states' gradient [t, h].
+        # a reward model (transformers modeling_layers.GenericForSequenceClassification): the
+        # score Linear(h, 1) trains (full, or peft's modules_to_save) and saves the final norm's
+        # output; its [t, 1] output indexed at each row's last token keeps two int64 [b] indices.
+        # Backward: the indexing's zero-filled [t, 1] gradient, the hidden states' [t, h].
         acts.final = step.rmsnorm(True)
         acts.logits_saved = 2 * 8 * step.seqs
         acts.logits_bwd_extra = d * t * h + d * t
@@ -388,8 +386,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
         acts.logits_bwd_extra = 8 * t * V
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
-    # int64 input ids, attention mask and labels of every sequence the step collates (KTO: the
-    # rows and the KL batch)
+    # int64 input ids, attention mask and labels of every sequence collated (KTO: the KL batch too)
     ids = 3 * 8 * forward_seqs(cand, method) * step.seq_len
     if cand.grad_ckpt:
         # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input.
@@ -426,12 +423,10 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
-    # the forwards without gradient after the policy forward (memfit.train.steps, as TRL and
-    # OpenRLHF do): DPO's and KTO's reference, KTO's policy on the KL batch
-    # (memfit.train.preference.kto.step: the rows, then the KL batch, one forward each). Beside
-    # the policy's saved tensors (its output, logits included, is dropped once its log-probs
-    # are taken: StepRunner.token_logps), one such forward's attention call or its logits, their
-    # fp32 copy in 16-bit training and its log-softmax.
+    # the forwards without gradient after the policy's (memfit.train.steps, as TRL and OpenRLHF):
+    # DPO's and KTO's reference, KTO's policy on the KL batch (preference.kto.step: one forward
+    # each). Beside the policy's saved tensors (its output is dropped once its log-probs are
+    # taken), one such forward's attention call or its logits, fp32 copy and log-softmax.
     ng = nograd_forward_seqs(cand, method)
     if ng:
         if ng != step.seqs:

@@ -23,7 +23,7 @@ from memfit.estimate.costs import (
     step_flops,
 )
 from memfit.estimate.generic import generic_arch
-from memfit.estimate.method_terms import METHODS, grad_seqs, method_arch, shape
+from memfit.estimate.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
 from memfit.estimate.offload_activations import offload_checkpoints
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.phases import peak_breakdown, step_phases
@@ -236,6 +236,8 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     problems = hardware_problems(gpu, cand) + model_problems(arch, cand)
     if world % cand.sequence_parallel:
         problems.append(f"sequence_parallel {cand.sequence_parallel} does not divide the {world} ranks")
+    if cand.sequence_parallel > 1 and job.method not in SEQUENCE_PARALLEL_METHODS:
+        problems.append(f"{job.method} does not run under sequence parallelism (sequence_parallel: 1)")
     if problems:
         est.invalid, est.reason = True, "; ".join(problems)
         return est

@@ -13,6 +13,10 @@ from memfit.space import Candidate
 
 __all__ = ["METHODS", "shape", "grad_seqs", "forward_seqs", "nograd_forward_seqs", "reference_runs", "reference_model"]
 
+# the methods the trainer runs under Ulysses sequence parallelism (memfit.train.preference.step
+# refuses a sequence shard for rm, orpo, simpo and kto)
+SEQUENCE_PARALLEL_METHODS = ("sft", "dpo")
+
 
 def grad_seqs(cand: Candidate, method: str) -> int:
     """Sequences of the micro step whose activations autograd keeps (DPO: chosen + rejected)."""
