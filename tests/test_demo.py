@@ -27,7 +27,7 @@ def _rows(name: str) -> list[dict]:
 
 def test_regenerating_data_reproduces_committed_files(tmp_path):
     assert demo.main(["data", "--out", str(tmp_path)]) == 0
-    for name in ("sft.jsonl", "dpo.jsonl"):
+    for name in ("sft.jsonl", "dpo.jsonl", "rm.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), name
 
 
