@@ -51,7 +51,7 @@ CLI_CASES = [
     (EST + ["--seq-len", "1000000"], "beyond llama-3.1-8b's context"),
     (EST + ["--lora-rank", "8"], "--lora-rank does nothing with --finetune full"),
     (EST + ["--lora-targets", "q_proj"], "--lora-targets does nothing with --finetune full"),
-    (EST + ["--ref", "model"], "--ref (the DPO reference) does nothing with --method sft"),
+    (EST + ["--ref", "model"], "--ref does nothing with --method sft"),
     (EST + ["--pin-memory"], "--pin-memory does nothing without"),
     (EST + ["--trace-cache", "{tmp}/c"], "--trace-cache does nothing without --activations traced"),
     (
