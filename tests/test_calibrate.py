@@ -125,3 +125,41 @@ def test_with_offload_candidates_it_measures_cpu_adam_and_the_estimator_prices_o
     assert rate == adam["params_per_s_per_rank"]
     assert "(measured by calibrate" in source and f"{offload_calibration})" in source
     assert "(default" in costs.cpu_adam(catalog.gpu("h100-80gb"), settings)[1]  # measured on another device
+
+
+PREF_Z0 = Candidate(zero=0, micro_batch=2, grad_accum=8, seq_len=16, precision="fp32", ref=None)
+KTO_Z0 = Candidate(zero=0, micro_batch=2, grad_accum=8, seq_len=16, precision="fp32", ref="model")
+
+
+@pytest.fixture(scope="module")
+def preference_calibration(demo_model, tmp_path_factory):
+    """The calibrate ranks on the preference methods: a reward model (its own sequence-classification
+    engine), ORPO (pairs, no reference) and KTO (rows, a KL batch and a reference model)."""
+    out = tmp_path_factory.mktemp("calibrate-pref")
+    spec = {
+        "model_path": str(demo_model),
+        "out": str(out / "calibration.json"),
+        "work_dir": str(out / "work"),
+        "candidates": {"rm": [PREF_Z0.to_dict()], "orpo": [PREF_Z0.to_dict()], "kto": [KTO_Z0.to_dict()]},
+        "pref": {"kto": {"beta": 0.1}},
+        "reps": 2,
+        "model": timing.model_identity(catalog.model(str(demo_model))),
+    }
+    (out / "spec.json").write_text(json.dumps(spec))
+    rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
+    assert rc == 0, (out / "log.txt").read_text()[-3000:]
+    return out / "calibration.json"
+
+
+@pytest.mark.slow
+def test_the_preference_methods_steps_are_measured_and_priced_from_it(preference_calibration, demo_model):
+    d = json.loads(preference_calibration.read_text())
+    cases = (("rm", PREF_Z0), ("orpo", PREF_Z0), ("kto", KTO_Z0))
+    assert set(d["compute"]) == {compute_key(m, c) for m, c in cases}
+    for key, fig in d["compute"].items():
+        assert 0 < fig["1"] < fig["4"], f"{key}: four decoder layers must cost more than one: {fig}"
+    arch = arch_from_hf_config(json.loads((demo_model / "config.json").read_text()), name="demo-tiny")
+    settings = Settings(step_time_calibration=str(preference_calibration))
+    for method, cand in cases:
+        est = estimate(arch, catalog.gpu("cpu"), 2, 1, method, cand, budget_bytes=2**30, settings=settings)
+        assert est.time_source.startswith("measured"), (method, est.time_source)

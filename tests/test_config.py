@@ -351,12 +351,14 @@ def preference(repo, monkeypatch):
 
 
 def test_the_preference_methods_train_on_the_dpo_pairs_from_the_sft_output(preference, tmp_path):
-    """rm, orpo, simpo and kto read data.dpo unless data.<method> is given, start from the SFT
+    """rm, orpo, simpo and kto read data.dpo unless data.<method> is given (the demo's rm has its own), start from the SFT
     output, and carry their TRL-named hyperparameters into run.json; only kto holds a reference."""
     cfg = WorkflowConfig.load(preference)
     assert cfg.methods == ["sft", "rm", "orpo", "simpo", "kto"]
+    assert cfg.data_source("rm") == "data/demo/rm.jsonl" and cfg.data_key("rm") == "data.rm"
     for m in ("rm", "orpo", "simpo", "kto"):
-        assert cfg.data_source(m) == "data/demo/dpo.jsonl" and cfg.data_key(m) == "data.dpo"
+        if m != "rm":
+            assert cfg.data_source(m) == "data/demo/dpo.jsonl" and cfg.data_key(m) == "data.dpo"
         assert cfg.policy_path("demo-tiny", "cpu", m) == "results/preference/demo-tiny/cpu/sft/train/model"
     own = copy.deepcopy(preference)
     own["data"]["kto"] = "data/demo/dpo.jsonl"
@@ -386,7 +388,7 @@ def test_the_preference_methods_train_on_the_dpo_pairs_from_the_sft_output(prefe
         ),
         (lambda c: c["train"]["simpo"].update(label_smoothing=0.5), r"train\.simpo: simpo label_smoothing must be in"),
         (lambda c: c["search"].update(micro_batch=[1]), r"search\.micro_batch: kto needs 2 or more rows per micro batch"),
-        (lambda c: c["data"].pop("dpo"), r"data\.dpo: missing \(methods lists rm \(or data\.rm\)\)"),
+        (lambda c: c["data"].pop("dpo"), r"data\.dpo: missing \(methods lists orpo \(or data\.orpo\)\)"),
         (lambda c: c["train"].pop("kto"), r"train\.kto: missing \(methods lists kto\)"),
     ],
 )

@@ -108,12 +108,16 @@ def refusal(cal: StepTimeCalibration, arch: ModelArch, gpu: str, world: int) -> 
         )
     ours = model_identity(arch)
     theirs = m["model"]
-    if theirs.get("shape_sha256") != ours["shape_sha256"]:
-        shape = theirs.get("shape") if isinstance(theirs.get("shape"), dict) else {}
-        differ = [f"{k} {shape.get(k)!r} vs {v!r}" for k, v in ours["shape"].items() if shape.get(k) != v][:3]
+    shape = theirs.get("shape") if isinstance(theirs.get("shape"), dict) else {}
+    # a reward model is the calibrated causal LM with a score head instead of the vocabulary head
+    # (method_terms.method_arch unties it): the calibration measured its steps on that model
+    # (memfit.train.calibrate builds the reward model from it), so its head's tying is not compared
+    head = ("tie_word_embeddings",) if arch.score_head else ()
+    differ = [f"{k} {shape.get(k)!r} vs {v!r}" for k, v in ours["shape"].items() if shape.get(k) != v and k not in head]
+    if differ if head else theirs.get("shape_sha256") != ours["shape_sha256"]:
         return (
             f"the calibration {cal.path} measured another model, {theirs.get('name', '?')}, not {arch.name} "
-            f"({'; '.join(differ) or 'another layer shape'}): re-run calibrate for this model"
+            f"({'; '.join(differ[:3]) or 'another layer shape'}): re-run calibrate for this model"
         )
     why = device_match.mismatch(m.get("device_name"), m.get("device_total_bytes"), gpu)
     if why:

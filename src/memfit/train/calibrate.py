@@ -162,7 +162,8 @@ def _num_layers(model_path: str) -> int:
 class _Engine:
     """One DeepSpeed engine of the calibration (gradient accumulation 2: boundary every other micro step)."""
 
-    def __init__(self, spec: Spec, path: str, cand: Candidate, with_ref: bool) -> None:
+    def __init__(self, spec: Spec, path: str, cand: Candidate, with_ref: bool, score: bool = False) -> None:
+        """`score`: a reward model (rm's sequence-classification model, memfit.train.preference.rm)."""
         import deepspeed
 
         self.cand = dataclasses.replace(cand, grad_accum=2)
@@ -174,7 +175,14 @@ class _Engine:
 
             hf_ds = HfDeepSpeedConfig(ds_cfg)  # partitioned as it loads, as training does (loop.Run.setup)
         # spec.lora holds RunConfig's alpha/dropout/targets; load_model applies their defaults
-        model = load_model(path, self.cand, trainable=True, lora=spec.lora, quant_type=spec.qlora_quant_type)
+        model = load_model(
+            path,
+            self.cand,
+            trainable=True,
+            lora=spec.lora,
+            quant_type=spec.qlora_quant_type,
+            score_pad_id=0 if score else None,  # the rows hold no padding: token ids start at 3 (`_rows`)
+        )
         long_context.prepare(model, self.cand, spec.mlp_tile_tokens)
         self.vocab = int(model.get_input_embeddings().num_embeddings)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -249,6 +257,9 @@ class _Engine:
             torch.cuda.empty_cache()
 
 
+SCORE_ENGINE = "score|"  # the prefix of a reward model's compute engine in the plan
+
+
 def plan(candidates: dict[str, list[Candidate]]) -> dict[str, Any]:
     """What to measure: the ZeRO-0 compute engines with their (method, candidate) shapes, the
     other engines with the smallest SFT-or-DPO shape of theirs (`shape0`), and which need a
@@ -260,6 +271,11 @@ def plan(candidates: dict[str, list[Candidate]]) -> dict[str, Any]:
             if c.sequence_parallel > 1:  # not calibrated: the estimator prices it (timing.missing says why)
                 continue
             base = compute_engine(c)
+            if method == "rm":  # a reward model: its own compute engines; the DeepSpeed runtime its LM twin's
+                key = f"{SCORE_ENGINE}{engine_key(base)}"
+                e = compute.setdefault(key, {"cand": base, "shapes": {}, "ref": False, "score": True})
+                e["shapes"].setdefault(compute_key(method, c), (method, c))
+                continue
             e = compute.setdefault(engine_key(base), {"cand": base, "shapes": {}, "ref": False})
             e["shapes"].setdefault(compute_key(method, c), (method, c))
             e["ref"] |= method in REFERENCE_METHODS and c.ref == "model"
@@ -306,13 +322,19 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
     out: dict[str, dict[str, Any]] = {"compute": {}, "runtime": {}, "ref0": {}}
     for key, e in sorted(p["compute"].items()):
         t0 = time.perf_counter()
-        eng = _Engine(spec, path, e["cand"], with_ref=e["ref"])
+        eng = _Engine(spec, path, e["cand"], with_ref=e["ref"], score=e.get("score", False))
         method0, c0 = e["shape0"]
         eng.optimizer_steps(method0, c0, WARMUP_STEPS)
         for ck, (method, c) in sorted(e["shapes"].items()):
             # no warm-up per shape: the engine is warm, and the median drops a first slow sample
             out["compute"][ck] = _median([eng.micro(method, c, step=False) for _ in range(spec.reps)])
         eng.engine.zero_grad()
+        if e.get("score"):  # the reward model's compute only: its engine's runtime is the LM twin's
+            eng.close()
+            log(
+                f"{layers} layer(s): reward-model engine {key}: {len(e['shapes'])} shapes in {time.perf_counter() - t0:.1f} s"
+            )
+            continue
         steps = eng.optimizer_steps(method0, c0, spec.reps)
         out["runtime"][key] = {"micro": 0.0, "boundary": _median([b - a for a, b in steps])}
         if e["ref"]:

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from memfit.estimate import catalog, timing
-from memfit.methods import shape as method_shape
 from memfit.train.launch import launch
 from memfit.workflow.config import WorkflowConfig
 
@@ -26,9 +25,7 @@ def spec(cfg: WorkflowConfig, model: str, out_json: Path, work_dir: Path, reps: 
     method of the search space, the run settings that change a step (LoRA, DPO, loss). Where a
     candidate offloads its optimizer, the ranks also measure DeepSpeedCPUAdam (`cpu_adam`)."""
     model_path = cfg.model_path(model)
-    # rm's steps run a sequence-classification model the calibration engines do not build: its
-    # candidates are priced by the modelled step, which says so (memfit.estimate.timing.missing)
-    cands = {m: cfg.candidates(m) for m in cfg.methods if method_shape(m).head == "lm"}
+    cands = {m: cfg.candidates(m) for m in cfg.methods}
     # the settings of a run (train: section), read from the first candidate's run config
     m0 = next(iter(cands))
     run = cfg.run_config(m0, cands[m0][0].to_dict(), str(model_path), "-", "-")

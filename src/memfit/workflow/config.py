@@ -173,9 +173,8 @@ class WorkflowConfig:
 
     def calibration_inputs(self, model: str, gpu: str) -> list[str]:
         """The step-time calibration estimate_candidates reads: this machine's, measured where the
-        probes run; none for a plan (plan_only: the GPUs are not here), with probe.calibrate false, or
-        when every method is rm (the calibration's engines are causal LMs: memfit.workflow.calibrate.spec)."""
-        if self.plan_only or not self.probe.calibrate or all(method_shape(m).head != "lm" for m in self.methods):
+        probes run; none for a plan (plan_only: the GPUs are not here) or with probe.calibrate false."""
+        if self.plan_only or not self.probe.calibrate:
             return []
         return [f"{self.results_dir}/{model}/{gpu}/calibration.json"]
 
