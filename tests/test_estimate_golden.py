@@ -47,7 +47,7 @@ SETTINGS = [
 ]
 
 
-def _cases(n: int = 260, seed: int = 14) -> list[dict]:
+def _cases(n: int = 260, seed: int = 14, methods: tuple[str, ...] = ("sft", "dpo")) -> list[dict]:
     """A fixed random sample over models, GPUs, methods and every candidate axis."""
     rng = random.Random(seed)
     out: list[dict] = []
@@ -84,7 +84,7 @@ def _cases(n: int = 260, seed: int = 14) -> list[dict]:
                 "gpu": rng.choice(GPUS),
                 "num_gpus": rng.choice([1, 2, 4, 8]),
                 "num_nodes": rng.choice([1, 1, 1, 2]),
-                "method": rng.choice(["sft", "dpo"]),
+                "method": rng.choice(methods),
                 "cand": cand,
                 "host_memory_gb": rng.choice([None, None, 256.0]),
                 "budget_bytes": rng.choice([None, None, 24 * 10**9]),
@@ -173,6 +173,29 @@ def test_estimate_matches_recorded_output(i):
     assert got == case["output"], f"case {i}: {case['input']}"
 
 
+# the preference methods beside DPO (issue #44), recorded when the estimator first priced them
+METHOD_CASES = functools.partial(_cases, 48, 44, ("rm", "orpo", "simpo", "kto"))
+
+
+@pytest.mark.parametrize("i", range(48))
+def test_preference_method_matches_recorded_output(i):
+    case = _load()["methods"][i]
+    got = json.loads(json.dumps(_run(case["input"])))
+    assert got == case["output"], f"method case {i}: {case['input']}"
+
+
+def test_method_fixture_covers_the_four_methods_and_their_verdicts():
+    cases = _load()["methods"]
+    assert {c["input"]["method"] for c in cases} == {"rm", "orpo", "simpo", "kto"}
+    assert {c["input"]["cand"]["finetune"] for c in cases} == {"full", "lora", "qlora"}
+    outputs = [c["output"]["estimate"] for c in cases]
+    assert any(o["fits"] for o in outputs) and any(not o["fits"] and not o["invalid"] for o in outputs)
+    # a reward model never holds vocabulary logits
+    assert all(
+        o["breakdown"]["logits"] == 0 for c, o in zip(cases, outputs, strict=True) if c["input"]["method"] == "rm"
+    )
+
+
 @pytest.mark.parametrize("i", range(len(FIT_CASES)))
 def test_fit_matches_recorded_output(i):
     case = _load()["fit"][i]
@@ -202,6 +225,7 @@ def write() -> None:
     data = {
         "estimate": [{"input": c, "output": _run(c)} for c in _cases()],
         "fit": [{"input": c, "output": _run_fit(c)} for c in FIT_CASES],
+        "methods": [{"input": c, "output": _run(c)} for c in METHOD_CASES()],
     }
     FIXTURE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
