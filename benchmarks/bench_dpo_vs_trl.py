@@ -158,18 +158,29 @@ def run_memfit(
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
     dpo = {"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0} if method == "dpo" else None
     step = StepRunner(method, policy, ref, pad_id, dpo=dpo, ref=ref_mode or "model", **runner)
-    stamps: list[float] = []
-    loss = torch.tensor(0.0)
-    start = time.perf_counter()
-    for b in batches(rows, a.batch, a.warmup + a.steps, a.seed):
+    # steps that compiled a graph (compile: the first step, a new batch length, a batch without
+    # padding) are not measured: their time is reported as compile_s and the run goes on until
+    # `a.steps` steps after the warm-up compiled nothing (eager: exactly warmup + steps steps)
+    from torch._dynamo.utils import counters
+
+    measured: list[float] = []
+    compile_s, loss = 0.0, torch.tensor(0.0)
+    for i, b in enumerate(batches(rows, a.batch, a.warmup + a.steps + 200, a.seed)):
+        graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
         loss, _, _ = step.loss(b)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
-    dt = stamps[-1] - stamps[a.warmup - 1]
-    first = stamps[0] - start  # the first step: with compile, the layers' compilation
-    return {"steps_per_s": a.steps / dt, "seconds": dt, "first_step_s": first, "last_loss": float(loss)}
+        dt = time.perf_counter() - t0
+        if counters["stats"]["unique_graphs"] != graphs:
+            compile_s += dt
+        elif i >= a.warmup:
+            measured.append(dt)
+        if len(measured) == a.steps:
+            break
+    assert len(measured) == a.steps, f"{len(measured)} steps without compiling in {i + 1}"
+    dt = sum(measured)
+    return {"steps_per_s": a.steps / dt, "seconds": dt, "compile_s": compile_s, "last_loss": float(loss)}
 
 
 def main() -> None:

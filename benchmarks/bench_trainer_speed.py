@@ -7,7 +7,7 @@ data/demo/dpo.jsonl) prepared by memfit.data.prepare at --max-len tokens. SFT: T
 tokenized rows (input_ids, completion_mask = memfit's response labels), so both train on the same
 tokens and score the same ones. DPO: the settings and pieces of benchmarks/bench_dpo_vs_trl.py
 (imported from it: its TRL config, timing callback, memfit step loop). fp32, sdpa attention, AdamW,
-constant LR, no clipping, no gradient checkpointing, 1 process, batch --batch rows (SFT) or pairs (DPO).
+constant LR, no clipping, no gradient checkpointing, 1 process, --threads torch threads, batch --batch rows (SFT) or pairs (DPO).
 LoRA: peft r=8, alpha=16 on all linear layers, on both sides; DPO's reference then is the
 adapter-disabled policy on both sides (TRL's ref_model=None with peft, memfit's ref: adapter).
 
@@ -19,6 +19,8 @@ other load on the machine spreads over all of them:
   (its Triton kernels need CUDA);
 - memfit: memfit.train.steps.StepRunner + backward + AdamW.step (no DeepSpeed: the step itself);
   memfit+compile: regional torch.compile of the decoder layers (memfit.train.compile, RunConfig.compile);
+  the steps that compiled a graph (the first, a new batch length, a batch without padding) are not
+  measured but summed as compile_s, and the run goes on until --steps steps compiled nothing;
   memfit+padding_free (SFT): RunConfig.padding_free.
 
 Reported per variant, best round: steps/s; non-padding tokens/s = steps/s x batch x the mean
@@ -151,10 +153,19 @@ def main() -> None:
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads, both sides (0: torch's default). 1 by default: on a small shared machine "
+        "(2 cores, other jobs) several intra-op threads slow down by 10x and more when a core is taken",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/trainer_speed_cpu.json")
     a = p.parse_args()
     if a.warmup < 1 or a.steps < 1 or a.rounds < 1:
         p.error("--warmup, --steps and --rounds must be >= 1")
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
     methods, finetunes = a.methods.split(","), a.finetunes.split(",")
     if bad := [m for m in methods if m not in ("sft", "dpo")] + [f for f in finetunes if f not in ("full", "lora")]:
         p.error(f"unknown --methods/--finetunes value(s) {bad} (methods: sft, dpo; finetunes: full, lora)")

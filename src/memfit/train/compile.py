@@ -25,6 +25,7 @@ compiler (`cpp_compiler`).
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import torch
 
@@ -62,6 +63,28 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def drop_truncated_kernels() -> int:
+    """Delete the empty kernel libraries (`*.so` of 0 bytes) in inductor's cache, and return how many.
+
+    Inductor's CPU backend writes a kernel's `.so` in its cache (torch._inductor.runtime.runtime_utils
+    `cache_dir()`, /tmp/torchinductor_<user> by default) and loads it from there on every later run
+    with the same code. A process killed while the compiler wrote it (an OOM-killed rank, a preempted
+    run) leaves an empty file, and each later compile of that code then fails with "ImportError: ...
+    main.so: file too short" (seen on this project's CPU). An empty file is never a finished
+    library, so removing it only makes inductor build it again."""
+    from torch._inductor.runtime.runtime_utils import cache_dir
+
+    dropped = 0
+    for so in Path(cache_dir()).glob("*/*.so"):
+        try:
+            if so.stat().st_size == 0:
+                so.unlink()
+                dropped += 1
+        except OSError:  # another rank removed it first
+            pass
+    return dropped
+
+
 def compile_layers(model: torch.nn.Module) -> str:
     """Compile every decoder layer of `model` in place (`nn.Module.compile`); one log line saying
     how many and what class. Raises RuntimeError when the model has no layer to compile."""
@@ -70,8 +93,12 @@ def compile_layers(model: torch.nn.Module) -> str:
         raise RuntimeError(
             f"compile: found no decoder layer in {type(model).__name__} (no class named in its _no_split_modules)"
         )
+    dropped = drop_truncated_kernels()
     for layer in layers:
         layer.compile()
     kinds = sorted({type(m).__name__ for m in layers})
     backend = "inductor (CUDA, Triton)" if torch.cuda.is_available() else f"inductor (CPU, C++: {cpp_compiler()})"
-    return f"compile: {len(layers)} decoder layers ({', '.join(kinds)}) compiled one by one, {backend}"
+    said = f"compile: {len(layers)} decoder layers ({', '.join(kinds)}) compiled one by one, {backend}"
+    return said + (
+        f"; removed {dropped} empty kernel files a killed compile left in inductor's cache" if dropped else ""
+    )
