@@ -66,6 +66,7 @@ def test_kto_with_a_frozen_reference_holds_a_second_copy_of_the_weights(capsys):
         (["--method", "simpo", "--ref", "precomputed"], "--method simpo"),
         (["--method", "sft", "--ref", "model"], "--method sft"),
         (["--method", "rm", "--loss-impl", "chunked"], "--loss-impl chunked does nothing with --method rm"),
+        (["--method", "kto", "--sequence-parallel", "2"], "--sequence-parallel above 1 with --method kto"),
         (["--method", "ppo"], "--method"),
     ],
 )

@@ -9,6 +9,7 @@ import math
 import os
 from pathlib import Path
 
+from memfit.estimate.method_terms import SEQUENCE_PARALLEL_METHODS
 from memfit.estimate.settings import EstimateError
 from memfit.methods import REFERENCE_METHODS, shape
 
@@ -122,6 +123,11 @@ def _check_levers(args) -> None:
         raise EstimateError(
             f"--ref does nothing with --method {args.method}: {args.method} trains without a reference model "
             f"(only {' and '.join(REFERENCE_METHODS)} have one); drop --ref"
+        )
+    if args.method not in SEQUENCE_PARALLEL_METHODS and any(sp > 1 for sp in _values(args.sequence_parallel)):
+        raise EstimateError(
+            f"--sequence-parallel above 1 with --method {args.method}: memfit trains {args.method} without "
+            f"sequence parallelism (only {' and '.join(SEQUENCE_PARALLEL_METHODS)} run under it); drop --sequence-parallel"
         )
     if shape(args.method).head == "score" and "chunked" in _values(args.loss_impl):
         raise EstimateError(
