@@ -84,3 +84,11 @@ def test_a_flag_the_method_does_not_take_is_one_clear_error(argv, words, capsys)
         assert "rm" in captured.err and "kto" in captured.err
     else:
         assert captured.err.count("\n") == 1
+
+
+def test_the_api_refuses_an_unknown_method_naming_the_six():
+    from memfit.estimate import EstimateError, catalog, estimate
+    from memfit.space import Candidate
+
+    with pytest.raises(EstimateError, match="method must be one of sft, dpo, rm, orpo, simpo, kto, got 'ppo'"):
+        estimate(catalog.model("llama-3.1-8b"), catalog.gpu("a100-80gb"), 1, 1, "ppo", Candidate())
