@@ -148,6 +148,8 @@ class Run:
         self.ref_engine = frozen_reference(cfg, cand, ds_cfg)  # DPO and KTO with ref: model
         del hf_ds
         self.runner = step_runner(cfg, cand, self.engine, self.ref_engine, self.pad_id, shard)
+        if cfg.padding_free:
+            self.log("padding_free: each micro batch runs as one row of its rows' tokens, positions restarting per row")
 
     def _pack(self) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
         """SFT packing: the training rows in packs of at most seq_len tokens (memfit.data.pack)."""
