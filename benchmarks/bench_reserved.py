@@ -73,7 +73,7 @@ def logits_shares(gpu: str) -> dict[str, float]:
     """Per evidence row whose measured peak is the backward (not the optimizer step): the measured
     reserved - allocated as a share of the fp32 logits block (memfit.estimate.allocator's
     logits_cached term); the median is the calibration's `logits_cached_share`."""
-    from memfit.estimate.activation_memory import fp32_logits_block
+    from memfit.estimate.held_logits import fp32_logits_block
     from memfit.estimate.settings import Settings
 
     arch = ge.model_arch(ge.gpu_profile(gpu))

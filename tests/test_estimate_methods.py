@@ -67,6 +67,7 @@ def test_kto_with_a_frozen_reference_holds_a_second_copy_of_the_weights(capsys):
         (["--method", "sft", "--ref", "model"], "--method sft"),
         (["--method", "rm", "--loss-impl", "chunked"], "--loss-impl chunked does nothing with --method rm"),
         (["--method", "kto", "--sequence-parallel", "2"], "--sequence-parallel above 1 with --method kto"),
+        (["--method", "kto", "--micro-batch", "1"], "--micro-batch below 2 with --method kto"),
         (["--method", "ppo"], "--method"),
     ],
 )
@@ -92,3 +93,15 @@ def test_the_api_refuses_an_unknown_method_naming_the_six():
 
     with pytest.raises(EstimateError, match="method must be one of sft, dpo, rm, orpo, simpo, kto, got 'ppo'"):
         estimate(catalog.model("llama-3.1-8b"), catalog.gpu("a100-80gb"), 1, 1, "ppo", Candidate())
+
+
+def test_kto_prices_two_rows_a_micro_batch_when_none_is_given(capsys):
+    """KTO's KL batch needs two rows (the trainer refuses one): the default micro batch is 2, and
+    `memfit fit --maximize micro_batch` searches from 2."""
+    from memfit.estimate.cli_fit import fit_main
+
+    base = [a for a in BASE if a not in ("--micro-batch", "2")]
+    assert main([*base, "--method", "kto"]) == 0
+    assert json.loads(capsys.readouterr().out)["configuration"]["candidate"]["micro_batch"] == 2
+    assert fit_main([*base[:-1], "--method", "kto", "--finetune", "lora", "--maximize", "micro_batch"]) == 0
+    assert "micro_batch 1:" not in capsys.readouterr().err

@@ -33,6 +33,9 @@ class MethodShape:
     reference: bool  # a reference model's log-probs (candidate.ref: model | adapter | precomputed)
     head: Literal["lm", "score"]  # lm: vocabulary logits; score: one output per token (reward model)
     data: Literal["sft", "pairs", "unpaired"]  # what a prepared row holds (memfit.data)
+    # rows a micro batch needs: KTO's KL batch pairs each row with another row's completion (TRL's
+    # KTOTrainer refuses 1; memfit.train.run_config.preference_problems too)
+    min_micro_batch: int = 1
 
     @property
     def sequences(self) -> int:
@@ -53,7 +56,7 @@ SHAPES: dict[str, MethodShape] = {
         MethodShape("rm", 2, 0, False, "score", "pairs"),
         MethodShape("orpo", 2, 0, False, "lm", "pairs"),
         MethodShape("simpo", 2, 0, False, "lm", "pairs"),
-        MethodShape("kto", 1, 1, True, "lm", "unpaired"),
+        MethodShape("kto", 1, 1, True, "lm", "unpaired", min_micro_batch=2),
     )
 }
 METHODS: tuple[str, ...] = tuple(SHAPES)

@@ -20,7 +20,7 @@ from memfit.estimate.arch import ModelArch
 from memfit.estimate.logits import chunk_tokens, chunked_loss_terms
 from memfit.estimate.method_terms import forward_seqs, grad_seqs, lm_head, nograd_forward_seqs
 from memfit.estimate.params import lora_adapts_experts, lora_targets, param_layout
-from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings, dtype_bytes
+from memfit.estimate.settings import Settings, dtype_bytes
 from memfit.space import Candidate
 
 
@@ -356,8 +356,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     decoder layer saves them (see `_layer_saved`), plus the final norm, the loss's logit terms,
     the rotary table, the batch's int64 tensors and the transients of forward and backward."""
     step = _micro_step(arch, cand, method, settings)
-    d, t, h, V, i = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size, arch.intermediate_size
-    L = arch.num_layers
+    d, t, h, L = step.dtype, step.tokens, arch.hidden_size, arch.num_layers
     # MoE models: MoE layers and dense layers save different tensors (`moe_layers()`)
     n_moe = len(arch.moe_layers())
     moe_layer = _layer_saved(cand, settings, step, moe=True) if n_moe else 0
@@ -367,24 +366,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     acts = Activations(per_layer=layer)
     if cand.attn == "eager":
         acts.attention_scores = L * _eager_probabilities(step)
-    # final norm, logits and the loss (HF ForCausalLMLoss / losses.token_logps):
-    acts.final = step.rmsnorm(step.full)
-    if not lm_head(method):
-        # a reward model (transformers modeling_layers.GenericForSequenceClassification): the
-        # score Linear(h, 1) trains (full, or peft's modules_to_save) and saves the final norm's
-        # output; its [t, 1] output indexed at each row's last token keeps two int64 [b] indices.
-        # Backward: the indexing's zero-filled [t, 1] gradient, the hidden states' [t, h].
-        acts.final = step.rmsnorm(True)
-        acts.logits_saved = 2 * 8 * step.seqs
-        acts.logits_bwd_extra = d * t * h + d * t
-    elif cand.loss_impl == "chunked":
-        acts.logits_saved, acts.logits_bwd_extra = chunked_loss_terms(arch, cand, step.tokens, step.full, settings)
-    else:
-        # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
-        # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
-        acts.logits_saved = 4 * t * V
-        # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
-        acts.logits_bwd_extra = 8 * t * V
+    _head_terms(acts, arch, cand, method, step, settings)
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
     # int64 input ids, attention mask and labels of every sequence collated (KTO: the KL batch too)
     ids = 3 * 8 * forward_seqs(cand, method) * step.seq_len
@@ -423,77 +405,53 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
-    # the forwards without gradient after the policy's (memfit.train.steps, as TRL and OpenRLHF):
-    # DPO's and KTO's reference, KTO's policy on the KL batch (preference.kto.step: one forward
-    # each). Beside the policy's saved tensors (its output is dropped once its log-probs are
-    # taken), one such forward's attention call or its logits, fp32 copy and log-softmax.
-    ng = nograd_forward_seqs(cand, method)
-    if ng:
-        if ng != step.seqs:
-            step = dataclasses.replace(step, seqs=ng)
-            t = step.tokens
-            attn_fwd, _ = _attention_forward(cand, step)
-        # a reference layer's transients: its attention call, or its MLP (the residual stream, the
-        # normed input, gate, up and act(gate)*up), which tops the logits where the vocabulary is
-        # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
-        # (tiled: the input, residual, tiles' outputs and their concatenation, one tile's intermediates)
-        mlp = d * t * 4 * h + 3 * d * step.tile_rows * i if step.tile_rows else d * t * (2 * h + 3 * i)
-        if cand.loss_impl == "chunked":  # the reference's logits per chunk only
-            c = chunk_tokens(arch, t, settings)
-            acts.ref_forward = max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
-        else:
-            ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
-            acts.ref_forward = max(ref_logits, attn_fwd + 3 * d * t * h, mlp)
+    acts.ref_forward = _nograd_forward(arch, cand, method, step, settings, attn_fwd)
     return acts
 
 
-def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> tuple[int, int]:
-    """(loss forward's bytes beyond the loss backward's, bytes held through the backward) of the
-    [t, V] logits under another trainer's loss code (`Settings.logits_handling`).
-
-    memfit's trainer (default "memfit"): the model output is dropped before backward and the loss
-    keeps log_softmax's fp32 output (see `activations`): nothing more.
-    - "hf-model-fp32" (transformers <= 4.45 LlamaForCausalLM.forward): `logits = logits.float()`
-      rebinds (the 16-bit tensor is freed, `.float()`'s backward saves nothing), the shifted
-      `.contiguous()` copy and CrossEntropyLoss's log_softmax output: 12 t V in 16-bit training,
-      no more than memfit's loss backward holds (4 + 8 t V). +0.
-    - "hf-loss-function" (transformers >= 4.46): `LlamaForCausalLM.forward` keeps its 16-bit
-      `logits` (d t V) while `self.loss_function` (loss/loss_utils.py `ForCausalLMLoss`) builds
-      the fp32 upcast, the shifted `.contiguous()` copy and log_softmax's output:
-      d + 4 + 4 + 4 t V at the loss forward (the upcast is a no-op in fp32 training), +2 t V
-      over memfit's loss backward in bf16.
-    - "torchtune-held": torchtune's recipes kept `logits` (fp32: TransformerDecoder's output
-      `.float()`) referenced through `loss.backward()` and the optimizer step until the next
-      forward rebinds it; torchtune later added `del logits  # free logits otherwise it peaks
-      backward memory` (recipes/lora_finetune_single_device.py). +4 t V through the backward.
-    Only for the full-vocabulary loss: `loss_impl=chunked` is memfit's own (memfit.train.vocab_loss).
-    """
-    impl = settings.logits_handling
-    if impl not in LOGITS_HANDLING:
-        raise EstimateError(f"logits_handling must be one of {LOGITS_HANDLING}, got {impl!r}")
-    if impl == "memfit" or not lm_head(method):  # a reward model has no vocabulary logits
-        return 0, 0
-    if cand.loss_impl == "chunked":
-        raise EstimateError(
-            f"logits_handling={impl!r} describes another trainer's full-vocabulary loss; "
-            "loss_impl=chunked is memfit's own loss (use logits_handling='memfit')"
-        )
-    step = _micro_step(arch, cand, method, settings)
-    tv, d = step.tokens * arch.vocab_size, step.dtype
-    if impl == "hf-loss-function":
-        return max(0, (d + (4 if d < 4 else 0) + 4 + 4) * tv - 12 * tv), 0
-    if impl == "torchtune-held":
-        return 0, 4 * tv
-    return 0, 0  # hf-model-fp32
+def _head_terms(acts: Activations, arch: ModelArch, cand: Candidate, method: str, step, settings: Settings) -> None:
+    """The final norm's, the head's and the loss's saved tensors and backward transients into
+    `acts` (HF ForCausalLMLoss / losses.token_logps; a reward model's score head)."""
+    d, t, h, V = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size
+    acts.final = step.rmsnorm(step.full)
+    if not lm_head(method):
+        # a reward model (transformers modeling_layers.GenericForSequenceClassification): the
+        # score Linear(h, 1) trains (full, or peft's modules_to_save) and saves the final norm's
+        # output; its [t, 1] output indexed at each row's last token keeps two int64 [b] indices.
+        # Backward: the indexing's zero-filled [t, 1] gradient, the hidden states' [t, h].
+        acts.final = step.rmsnorm(True)
+        acts.logits_saved = 2 * 8 * step.seqs
+        acts.logits_bwd_extra = d * t * h + d * t
+    elif cand.loss_impl == "chunked":
+        acts.logits_saved, acts.logits_bwd_extra = chunked_loss_terms(arch, cand, step.tokens, step.full, settings)
+    else:
+        # memfit's trainer (train.py `loss`) drops the model output before backward, so the logits
+        # themselves are gone; log_softmax keeps its fp32 [t, V] output (losses.token_logps).
+        acts.logits_saved = 4 * t * V
+        # loss backward: gather/nll backward's fp32 [t, V] gradient, then log_softmax_backward's
+        acts.logits_bwd_extra = 8 * t * V
 
 
-def fp32_logits_block(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
-    """The largest fp32 logits allocation of a step: [t, V] (log_softmax's output and its
-    gradients), or one chunk's [c, V] with memfit's chunked loss (`chunked_loss_terms`)."""
-    if not lm_head(method):  # a reward model's [t, 1] score: no logits block
+def _nograd_forward(arch: ModelArch, cand: Candidate, method: str, step, settings: Settings, attn_fwd: int) -> int:
+    """The transient of the forwards without gradient after the policy's (memfit.train.steps, as
+    TRL and OpenRLHF): DPO's and KTO's reference, KTO's policy on the KL batch (preference.kto.step:
+    one forward each). Beside the policy's saved tensors (its output is dropped once its log-probs
+    are taken), one such forward's attention call or its logits, fp32 copy and log-softmax; 0
+    without such forwards. `attn_fwd`: the policy's attention call."""
+    ng = nograd_forward_seqs(cand, method)
+    if not ng:
         return 0
-    step = _micro_step(arch, cand, method, settings)
-    t = step.tokens
-    if cand.loss_impl == "chunked":
-        t = chunk_tokens(arch, t, settings)
-    return 4 * t * arch.vocab_size
+    if ng != step.seqs:
+        step = dataclasses.replace(step, seqs=ng)
+        attn_fwd, _ = _attention_forward(cand, step)
+    d, t, h, V, i = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size, arch.intermediate_size
+    # a reference layer's transients: its attention call, or its MLP (the residual stream, the
+    # normed input, gate, up and act(gate)*up), which tops the logits where the vocabulary is
+    # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
+    # (tiled: the input, residual, tiles' outputs and their concatenation, one tile's intermediates)
+    mlp = d * t * 4 * h + 3 * d * step.tile_rows * i if step.tile_rows else d * t * (2 * h + 3 * i)
+    if cand.loss_impl == "chunked":  # the reference's logits per chunk only
+        c = chunk_tokens(arch, t, settings)
+        return max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
+    ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
+    return max(ref_logits, attn_fwd + 3 * d * t * h, mlp)

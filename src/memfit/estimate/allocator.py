@@ -24,7 +24,7 @@ a later request (c10/cuda/CUDACachingAllocator.cpp, PyTorch 2.x):
 
 Which transient is cached and re-requested where the peak is:
 - the loss backward (LoRA, checkpointing, long sequences): the fp32 [t, V] logits block
-  (log_softmax's output and its gradient, `activation_memory.fp32_logits_block`). Freed after
+  (log_softmax's output and its gradient, `held_logits.fp32_logits_block`). Freed after
   the loss, the next forward's 16-bit [t, V] logits (half its bytes) are carved out of it, so the
   next fp32 request takes a fresh segment and the other half stays cached: `LOGITS_CACHED_SHARE`
   of the block by default, the GPU's measured share where a calibration has one.

@@ -129,6 +129,12 @@ def _check_levers(args) -> None:
             f"--sequence-parallel above 1 with --method {args.method}: memfit trains {args.method} without "
             f"sequence parallelism (only {' and '.join(SEQUENCE_PARALLEL_METHODS)} run under it); drop --sequence-parallel"
         )
+    least = shape(args.method).min_micro_batch
+    if any(mb < least for mb in _values(args.micro_batch)):
+        raise EstimateError(
+            f"--micro-batch below {least} with --method {args.method}: KTO's KL batch pairs each row with "
+            f"another row's completion (TRL's KTOTrainer refuses 1, and so does memfit's trainer); use {least} or more"
+        )
     if shape(args.method).head == "score" and "chunked" in _values(args.loss_impl):
         raise EstimateError(
             f"--loss-impl chunked does nothing with --method {args.method}: a reward model's score head "
@@ -193,8 +199,8 @@ def fill_defaults(args) -> None:
     """After the checks: the levers not given as the estimate reads them."""
     if args.seq_len is None:
         args.seq_len = SEQ_LEN_DEFAULT
-    if args.micro_batch is None:
-        args.micro_batch = MICRO_BATCH_DEFAULT
+    if args.micro_batch is None:  # KTO's KL batch needs 2 rows (memfit.methods.MethodShape.min_micro_batch)
+        args.micro_batch = max(MICRO_BATCH_DEFAULT, shape(args.method).min_micro_batch)
     if args.grad_accum is None:
         args.grad_accum = 1
     for name, value in LEVER_DEFAULTS.items():

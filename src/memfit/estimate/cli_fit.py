@@ -23,6 +23,7 @@ from memfit.estimate.cli_setup import (
 )
 from memfit.estimate.fit import maximize
 from memfit.estimate.settings import EstimateError
+from memfit.methods import shape as method_shape
 from memfit.space import Candidate
 
 
@@ -85,7 +86,7 @@ def _fit_output(args, answer, options, config, arch, gpu, cand, settings) -> int
         return 2
     if result is not None:
         result.notes += answer.notes
-    smallest = 2 if args.maximize == "seq_len" else 1
+    smallest = 2 if args.maximize == "seq_len" else method_shape(args.method).min_micro_batch
     shown = dataclasses.replace(cand, **{args.maximize: max(best, smallest)})  # the answer's configuration
     config = {**config, "candidate": shown.to_dict(), "words": describe(shown, args.method, settings.lora_targets)}
     if args.json:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memfit.estimate import allocator, calibration, timing
-from memfit.estimate.activation_memory import Activations, activations, fp32_logits_block
+from memfit.estimate.activation_memory import Activations, activations
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.costs import (
@@ -23,6 +23,7 @@ from memfit.estimate.costs import (
     step_flops,
 )
 from memfit.estimate.generic import generic_arch
+from memfit.estimate.held_logits import fp32_logits_block
 from memfit.estimate.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
 from memfit.estimate.offload_activations import offload_checkpoints
 from memfit.estimate.params import param_layout, trainable_params
@@ -399,10 +400,13 @@ SEARCH_CAP = 2**34  # no bound given: the doubling stops here (17 billion tokens
 MIN_SEQ_LEN = 2
 
 
-def smallest(maximize: str, cand: Candidate) -> int:
-    """Where the search for the largest `maximize` starts: one row, or the shortest sequence of
-    which every rank of a Ulysses group holds MIN_SEQ_LEN tokens (`per_rank` rounds up)."""
-    return 1 if maximize == "micro_batch" else (MIN_SEQ_LEN - 1) * cand.sequence_parallel + 1
+def smallest(maximize: str, cand: Candidate, method: str = "sft") -> int:
+    """Where the search for the largest `maximize` starts: the method's fewest rows (one; KTO two),
+    or the shortest sequence of which every rank of a Ulysses group holds MIN_SEQ_LEN tokens
+    (`per_rank` rounds up)."""
+    if maximize == "micro_batch":
+        return shape(method).min_micro_batch
+    return (MIN_SEQ_LEN - 1) * cand.sequence_parallel + 1
 
 
 def fit(
@@ -434,7 +438,7 @@ def fit(
     def at(value: int) -> Estimate:
         return _estimate(job, dataclasses.replace(cand, **{maximize: value}))
 
-    return largest_fitting(at, smallest(maximize, cand), hi)
+    return largest_fitting(at, smallest(maximize, cand, method), hi)
 
 
 def largest_fitting(at: Callable[[int], Estimate], lo: int, hi: int | None) -> tuple[int, Estimate]:

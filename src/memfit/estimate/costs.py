@@ -117,7 +117,7 @@ def fragmentation(transient: int, settings: Settings, is_cpu: bool) -> int:
 
 def cached_logits_block(block: int, settings: Settings, is_cpu: bool) -> int:
     """Reserved memory the caching allocator cannot reuse for the next step's logits: one fp32
-    logits block (`activation_memory.fp32_logits_block`, 4 t V, or one chunk's 4 c V).
+    logits block (`held_logits.fp32_logits_block`, 4 t V, or one chunk's 4 c V).
 
     The fp32 [t, V] blocks (log_softmax's output and its gradients) are a step's largest
     transient allocations. Freed after the loss backward they stay cached; the next forward's

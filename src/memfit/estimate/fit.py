@@ -51,6 +51,7 @@ from memfit.estimate.core import (
 from memfit.estimate.generic import layer_groups
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.validity import model_problems
+from memfit.methods import shape as method_shape
 from memfit.space import Candidate
 from memfit.units import GIB
 
@@ -236,7 +237,7 @@ def maximize(
     line per search step."""
     if what not in ("seq_len", "micro_batch"):
         raise EstimateError(f"--maximize must be seq_len or micro_batch, got {what!r}")
-    lo = MIN_SEQ_LEN if what == "seq_len" else 1
+    lo = MIN_SEQ_LEN if what == "seq_len" else method_shape(method).min_micro_batch
     if bound is not None and bound < lo:
         raise EstimateError(f"the search's bound {bound} is below the smallest {what}, {lo}")
     job = Job(_estimable(arch), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom)

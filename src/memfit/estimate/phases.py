@@ -131,7 +131,7 @@ def _forward_backward(
     if acts.loss_forward_extra:  # another trainer's loss forward holds more [t, V] tensors
         out["loss_forward"] = out["loss_backward"] + acts.loss_forward_extra
     # another trainer's logits, referenced from the loss through the backward (and, until the
-    # next forward rebinds them, through that forward: activation_memory.held_logits)
+    # next forward rebinds them, through that forward: held_logits.held_logits)
     return {k: v + acts.held_logits for k, v in out.items()}
 
 

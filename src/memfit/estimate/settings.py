@@ -67,7 +67,7 @@ class Settings:
     activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.estimate.trace, cached)
     trace_cache: str | None = None  # traced: cache directory (None: $MEMFIT_TRACE_CACHE or default)
     # How the trainer holds the [tokens, vocab] logits around its loss (memfit.estimate.
-    # activation_memory.held_logits): "memfit" (memfit's trainer drops the model output before
+    # held_logits.held_logits): "memfit" (memfit's trainer drops the model output before
     # backward), "hf-model-fp32" (transformers <= 4.45), "hf-loss-function" (transformers >= 4.46
     # ForCausalLMLoss), "torchtune-held" (torchtune recipes without `del logits`).
     logits_handling: str = "memfit"

@@ -183,6 +183,15 @@ def traced_activations(
             acts.forward += L * padded
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
+    _head_from_formulas(acts, arch, cand, method, analytic)
+    return acts
+
+
+def _head_from_formulas(
+    acts: Activations, arch: ModelArch, cand: Candidate, method: str, analytic: Activations
+) -> None:
+    """Where the traced run's head and loss are not the ones training runs, their terms in `acts`
+    swapped for the formulas' (`analytic`): a reward model's score head, memfit's chunked loss."""
     if not lm_head(method):
         # a reward model is traced as its causal LM (the trace shares the LM's cached runs; the
         # layers are the same modules): the head's terms are swapped for the score's, as the
@@ -205,7 +214,6 @@ def traced_activations(
         acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
         if not arch.generic:  # no formulas to take the forward's logits out with: kept whole
             acts.forward = min(acts.forward, analytic.forward)
-    return acts
 
 
 def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:

@@ -12,9 +12,9 @@ from memfit.estimate.activation_memory import (
     _layer_saved,
     _linear_names,
     _micro_step,
-    held_logits,
 )
 from memfit.estimate.arch import ModelArch
+from memfit.estimate.held_logits import held_logits
 from memfit.estimate.method_terms import grad_seqs
 from memfit.estimate.params import param_layout
 from memfit.estimate.settings import Settings, dtype_bytes

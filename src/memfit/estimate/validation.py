@@ -42,8 +42,8 @@ import yaml
 # the stable API of memfit.estimate (estimate, Settings, EstimateError survive its split into a
 # package); Estimate is only used for annotations
 from memfit.estimate import NCCL_CUMEM_BYTES, Settings, calibration, catalog, estimate
-from memfit.estimate.activation_memory import fp32_logits_block
 from memfit.estimate.costs import cached_logits_block, device_overheads, nvls_bytes
+from memfit.estimate.held_logits import fp32_logits_block
 from memfit.estimate.params import param_layout, trainable_params
 from memfit.estimate.settings import dtype_bytes
 from memfit.estimate.states import reduce_bucket_elements, zero3_gathered_bytes

@@ -12,6 +12,7 @@ from typing import Any
 
 from memfit.estimate import catalog
 from memfit.methods import METHODS, REFERENCE_METHODS
+from memfit.methods import shape as method_shape
 
 AUTO = "auto"  # headroom auto or absent: the derived margin (memfit.estimate.rows.derived_budget)
 
@@ -106,7 +107,7 @@ def _ranks_per_node_problems(cfg: Any) -> list[str]:
 
 
 DPO_KEYS = ("beta", "loss_type", "label_smoothing")  # memfit.train.losses.DPOConfig's fields
-KTO_MIN_MICRO_BATCH = 2  # memfit.train.run_config.preference_problems (TRL's KTOTrainer refuses 1)
+KTO_MIN_MICRO_BATCH = method_shape("kto").min_micro_batch  # TRL's KTOTrainer refuses 1 (memfit.methods)
 
 
 def _hyperparameters(method: str) -> tuple[str, ...]:
