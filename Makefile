@@ -23,10 +23,14 @@ install: $(STAMP)
 
 # Exactly the versions in requirements-cpu.lock (every package, transitive ones too; torch is the
 # 2.13.0 CPU wheel), so a fresh clone installs what CI tested. `--no-deps`: nothing outside the lock
-# comes in; `pip check` then proves the lock is complete and consistent.
+# comes in; `pip check` then proves the lock is complete and consistent. uv installs the lock
+# (tools/uv_install.py: from wherever pip is configured to install; 18-27 s where pip took 371 s,
+# docs/getting-started.md), pip when uv cannot.
 $(STAMP): pyproject.toml requirements-cpu.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-deps -r requirements-cpu.lock
+	$(BIN)/python -m pip install -q --no-deps "$$(grep -E '^uv==' requirements-cpu.lock)"
+	$(BIN)/python tools/uv_install.py $(BIN)/python requirements-cpu.lock \
+		|| $(BIN)/python -m pip install -q --no-deps -r requirements-cpu.lock
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	$(BIN)/python -m pip check
 	$(MAKE) ops
