@@ -30,7 +30,10 @@ def test_cluster_example_is_valid_as_a_plan(repo, monkeypatch):
     [
         (lambda c: c.update(gpus=["a100-81gb"]), r"gpus\[0\]: .*a100-81gb.*allowed: .*a100-80gb"),
         (lambda c: c["search"].update(zero=[0, 4]), r"search\.zero\.1: 4 is not allowed \(allowed: 0, 1, 2, 3\)"),
-        (lambda c: c.update(methods=["sft", "ppo"]), r"methods\.1: 'ppo' is not allowed \(allowed: 'sft', 'dpo', 'rm', 'orpo', 'simpo', 'kto'\)"),
+        (
+            lambda c: c.update(methods=["sft", "ppo"]),
+            r"methods\.1: 'ppo' is not allowed \(allowed: 'sft', 'dpo', 'rm', 'orpo', 'simpo', 'kto'\)",
+        ),
         (lambda c: c.update(num_gpus="two"), r"num_gpus: 'two' is not of type 'integer'"),
         (lambda c: c["train"].update(batch=8), r"train: .*'batch' was unexpected.*allowed keys: .*global_batch"),
         (lambda c: c["data"].update(sft="data/demo/nope.jsonl"), r"data\.sft: data/demo/nope\.jsonl does not exist"),
@@ -387,7 +390,10 @@ def test_the_preference_methods_train_on_the_dpo_pairs_from_the_sft_output(prefe
             r"train\.rm\.simpo_gamma: a hyperparameter of simpo, not of rm \(rm takes center_rewards_coefficient\)",
         ),
         (lambda c: c["train"]["simpo"].update(label_smoothing=0.5), r"train\.simpo: simpo label_smoothing must be in"),
-        (lambda c: c["search"].update(micro_batch=[1]), r"search\.micro_batch: kto needs 2 or more rows per micro batch"),
+        (
+            lambda c: c["search"].update(micro_batch=[1]),
+            r"search\.micro_batch: kto needs 2 or more rows per micro batch",
+        ),
         (lambda c: c["data"].pop("dpo"), r"data\.dpo: missing \(methods lists orpo \(or data\.orpo\)\)"),
         (lambda c: c["train"].pop("kto"), r"train\.kto: missing \(methods lists kto\)"),
     ],
