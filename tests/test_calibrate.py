@@ -18,23 +18,28 @@ Z3 = Candidate(zero=3, micro_batch=4, grad_accum=4, seq_len=16, precision="fp32"
 DPO_Z3 = Candidate(zero=3, micro_batch=2, grad_accum=8, seq_len=16, precision="fp32", ref="model")
 
 
-@pytest.fixture(scope="module")
-def calibration(demo_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("calibrate")
+def _calibrate(model, out, candidates: dict, **spec_extra):
+    """The calibrate ranks (2, gloo) on `candidates` of `model`'s config: the calibration file."""
     spec = {
-        "model_path": str(demo_model),
+        "model_path": str(model),
         "out": str(out / "calibration.json"),
         "work_dir": str(out / "work"),
-        "candidates": {"sft": [Z0.to_dict(), Z3.to_dict()], "dpo": [DPO_Z3.to_dict()]},
-        "dpo": {"beta": 0.1},
+        "candidates": {m: [c.to_dict() for c in cs] for m, cs in candidates.items()},
         "reps": 2,
         # what memfit.workflow.calibrate puts in the spec: the model the figures are of
-        "model": timing.model_identity(catalog.model(str(demo_model))),
+        "model": timing.model_identity(catalog.model(str(model))),
+        **spec_extra,
     }
     (out / "spec.json").write_text(json.dumps(spec))
     rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
     assert rc == 0, (out / "log.txt").read_text()[-3000:]
     return out / "calibration.json"
+
+
+@pytest.fixture(scope="module")
+def calibration(demo_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrate")
+    return _calibrate(demo_model, out, {"sft": [Z0, Z3], "dpo": [DPO_Z3]}, dpo={"beta": 0.1})
 
 
 @pytest.mark.slow
@@ -96,18 +101,7 @@ def offload_calibration(demo_model, tmp_path_factory):
     model.mkdir()
     config = json.loads((demo_model / "config.json").read_text()) | {"num_hidden_layers": 1}
     (model / "config.json").write_text(json.dumps(config))
-    spec = {
-        "model_path": str(model),
-        "out": str(out / "calibration.json"),
-        "work_dir": str(out / "work"),
-        "candidates": {"sft": [OFFLOAD.to_dict()]},
-        "reps": 2,
-        "model": timing.model_identity(catalog.model(str(model))),
-    }
-    (out / "spec.json").write_text(json.dumps(spec))
-    rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
-    assert rc == 0, (out / "log.txt").read_text()[-3000:]
-    return out / "calibration.json"
+    return _calibrate(model, out, {"sft": [OFFLOAD]})
 
 
 @pytest.mark.slow
@@ -136,19 +130,8 @@ def preference_calibration(demo_model, tmp_path_factory):
     """The calibrate ranks on the preference methods: a reward model (its own sequence-classification
     engine), ORPO (pairs, no reference) and KTO (rows, a KL batch and a reference model)."""
     out = tmp_path_factory.mktemp("calibrate-pref")
-    spec = {
-        "model_path": str(demo_model),
-        "out": str(out / "calibration.json"),
-        "work_dir": str(out / "work"),
-        "candidates": {"rm": [PREF_Z0.to_dict()], "orpo": [PREF_Z0.to_dict()], "kto": [KTO_Z0.to_dict()]},
-        "pref": {"kto": {"beta": 0.1}},
-        "reps": 2,
-        "model": timing.model_identity(catalog.model(str(demo_model))),
-    }
-    (out / "spec.json").write_text(json.dumps(spec))
-    rc = launch(out / "spec.json", 2, log=out / "log.txt", timeout_s=300, rank_command="calibrate")
-    assert rc == 0, (out / "log.txt").read_text()[-3000:]
-    return out / "calibration.json"
+    cands = {"rm": [PREF_Z0], "orpo": [PREF_Z0], "kto": [KTO_Z0]}
+    return _calibrate(demo_model, out, cands, pref={"kto": {"beta": 0.1}})
 
 
 @pytest.mark.slow
