@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     # pip takes a version from whichever index has it; uv, by default, only from the first index
     # that knows the package (`--index-strategy unsafe-best-match` is pip's behaviour)
     sources = [*pip_sources(python), "--index-strategy", "unsafe-best-match"]
-    cmd = [str(uv), "pip", "install", "--python", python, "--no-deps", *sources, "-r", lock]
+    cmd = [str(uv), "pip", "install", "--quiet", "--python", python, "--no-deps", *sources, "-r", lock]
     print("memfit install: " + shlex.join(cmd), flush=True)
     # copy, not hard-link, from uv's cache: the cache and the venv may sit on different filesystems
     env = {**os.environ, "UV_LINK_MODE": os.environ.get("UV_LINK_MODE", "copy")}
