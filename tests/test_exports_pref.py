@@ -299,12 +299,13 @@ def test_trl_trains_a_step_from_the_exported_files(demo_model, tmp_path, method,
 
 @pytest.mark.parametrize("method", list(CASES))
 def test_the_workflows_selection_exports_the_method_with_the_pairs_it_trains_on(repo, tmp_path, monkeypatch, method):
-    """select_config with the shipped config/preference.yaml (no data.<method>: the methods train on
-    data.dpo's pairs) writes each method's exports, pointing at those pairs."""
+    """select_config with the shipped config/preference.yaml (orpo, simpo, kto without data.<method>:
+    they train on data.dpo's pairs; rm on its own data.rm) writes each method's exports, pointing
+    at the pairs the method trains on."""
     from memfit.workflow.pipeline import select_config
 
     config = yaml.safe_load((repo / "config" / "preference.yaml").read_text()) | {"plan_only": True}
-    assert method not in config["data"]
+    assert (method in config["data"]) == (method == "rm")
     monkeypatch.chdir(repo)  # data paths are relative to the workflow directory, as Snakemake runs it
     run_dir = tmp_path / method
     out = {k: str(run_dir / f"{k}.{ext}") for k, ext in (("selected", "json"), ("ds_config", "json"),
@@ -318,7 +319,8 @@ def test_the_workflows_selection_exports_the_method_with_the_pairs_it_trains_on(
     hf = json.loads(files["hf_args"].read_text())["_memfit"]
     assert y["stage"] == {"rm": "rm", "orpo": "dpo", "simpo": "dpo", "kto": "kto"}[method]
     assert hf["trl_fields"]["max_length"] == y["cutoff_len"]
-    pairs = str(repo / "data/demo/dpo.jsonl")
+    source = "data/demo/rm.jsonl" if method == "rm" else "data/demo/dpo.jsonl"
+    pairs = str(repo / source)
     if method == "kto":  # pairs: TRL unpairs them itself, LLaMA-Factory needs unpaired rows
         assert info["file_name"] == "" and "#   - KTO from pairs" in files["llamafactory"].read_text()
         assert any("KTOTrainer unpairs them itself" in n for n in hf["notes"])
@@ -326,4 +328,4 @@ def test_the_workflows_selection_exports_the_method_with_the_pairs_it_trains_on(
         assert info["file_name"] == pairs
     if method == "rm":
         argv = exports.script_argv(files["openrlhf"].read_text())
-        assert argv[argv.index("--data.dataset") + 1] == "data/demo/dpo.jsonl"
+        assert argv[argv.index("--data.dataset") + 1] == source

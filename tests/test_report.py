@@ -192,6 +192,8 @@ def test_training_memory_and_data_figures_with_units(page):
     assert "4,005 tok/s" in text or "4,004 tok/s" in text
     assert "4.00 GiB per device, 10% headroom kept free: 3.60 GiB usable" in text
     assert "Predicted by memfit.estimate (activations traced)" in text
+    # what a preference run is for, held out: the last evaluation's reward accuracy (0.5 + 0.04 x 8)
+    assert "held-out reward accuracy 0.820 at step 8 (chance 0.5)" in text
 
 
 def test_dpo_reference_modes_measured_side_by_side(tmp_path):

@@ -142,7 +142,7 @@ def training_pairs(summary: dict[str, Any], metrics: list[dict[str, Any]] | None
             (r for r in reversed(metrics or []) if r.get("split") == "eval" and _num(r.get(key)) is not None), None
         )
         if last is not None:
-            pairs.append((f"{what} (step {last['step']}; chance 0.5)", f"{_num(last[key]):.3f}"))
+            pairs.append((what, f"{_num(last[key]):.3f} at step {last['step']} (chance 0.5)"))
     return pairs
 
 
@@ -150,8 +150,8 @@ def training_pairs(summary: dict[str, Any], metrics: list[dict[str, Any]] | None
 # higher (RewardTrainer's `accuracy`); DPO, ORPO and SimPO's implicit rewards do
 # (`rewards/accuracies`); KTO's rows are unpaired and have none
 FINAL_ACCURACIES = (
-    ("accuracy", "held-out pair accuracy (chosen scored higher)"),
-    ("rewards/accuracies", "held-out reward accuracy (chosen rewarded higher)"),
+    ("accuracy", "held-out pair accuracy"),
+    ("rewards/accuracies", "held-out reward accuracy"),
 )
 
 
