@@ -84,12 +84,12 @@ def make_arch(kind: str) -> ModelArch:
     return ModelArch(name=f"tiny-{kind}", max_position_embeddings=4096, **SHAPES[kind])
 
 
-def build_model(kind: str, attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+def hf_config(kind: str, attn: str, **extra):
+    """The HF config of the `kind` shape (Llama or Qwen2) with `attn` attention, plus `extra` keys."""
+    from transformers import LlamaConfig, Qwen2Config
 
     s = SHAPES[kind]
-    C, M = (LlamaConfig, LlamaForCausalLM) if kind == "llama" else (Qwen2Config, Qwen2ForCausalLM)
-    cfg = C(
+    return (LlamaConfig if kind == "llama" else Qwen2Config)(
         hidden_size=s["hidden_size"],
         intermediate_size=s["intermediate_size"],
         num_hidden_layers=s["num_layers"],
@@ -101,9 +101,16 @@ def build_model(kind: str, attn: str):
         tie_word_embeddings=s["tie_word_embeddings"],
         attn_implementation=attn,
         use_cache=False,
+        **extra,
     )
+
+
+def build_model(kind: str, attn: str):
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    cfg = hf_config(kind, attn)
     torch.manual_seed(0)
-    return M(cfg)
+    return (LlamaForCausalLM if kind == "llama" else Qwen2ForCausalLM)(cfg)
 
 
 class _Engine:

@@ -21,7 +21,7 @@ import statistics
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_estimate_groundtruth import CPU, SHAPES, _Engine, build_model, make_arch
+from test_estimate_groundtruth import CPU, SHAPES, _Engine, build_model, hf_config, make_arch
 
 from memfit.estimate import Settings, estimate
 from memfit.space import Candidate
@@ -34,29 +34,10 @@ PAD = 0
 def build_reward_model(kind: str, attn: str):
     """`AutoModelForSequenceClassification`'s Llama/Qwen2 class with one output and a pad id, as
     memfit.train.preference.rm.build_reward_model makes it from a causal LM's config."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification, Qwen2Config, Qwen2ForSequenceClassification
+    from transformers import LlamaForSequenceClassification, Qwen2ForSequenceClassification
 
-    s = SHAPES[kind]
-    C, M = (
-        (LlamaConfig, LlamaForSequenceClassification)
-        if kind == "llama"
-        else (Qwen2Config, Qwen2ForSequenceClassification)
-    )
-    cfg = C(
-        hidden_size=s["hidden_size"],
-        intermediate_size=s["intermediate_size"],
-        num_hidden_layers=s["num_layers"],
-        num_attention_heads=s["num_attention_heads"],
-        num_key_value_heads=s["num_kv_heads"],
-        head_dim=s["head_dim"],
-        vocab_size=s["vocab_size"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=s["tie_word_embeddings"],
-        attn_implementation=attn,
-        use_cache=False,
-        num_labels=1,
-        pad_token_id=PAD,
-    )
+    M = LlamaForSequenceClassification if kind == "llama" else Qwen2ForSequenceClassification
+    cfg = hf_config(kind, attn, num_labels=1, pad_token_id=PAD)
     torch.manual_seed(0)
     return M(cfg)
 
