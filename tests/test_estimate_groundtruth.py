@@ -105,6 +105,14 @@ def hf_config(kind: str, attn: str, **extra):
     )
 
 
+def training_mode(model, cand: Candidate):
+    """`model` in train mode with the candidate's checkpointing; its AdamW over the trainable parameters."""
+    model.train()
+    if cand.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False)
+
+
 def build_model(kind: str, attn: str):
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
@@ -139,10 +147,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
                 lora_dropout=0.0,
             ),
         )
-    model.train()
-    if cand.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False)
+    opt = training_mode(model, cand)
     V = SHAPES[kind]["vocab_size"]
     g = torch.Generator().manual_seed(1)
     # The trainer's own step (memfit.train.steps.StepRunner: collate, forward, memfit's losses) on

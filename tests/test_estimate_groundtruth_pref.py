@@ -21,7 +21,7 @@ import statistics
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_estimate_groundtruth import CPU, SHAPES, _Engine, build_model, hf_config, make_arch
+from test_estimate_groundtruth import CPU, SHAPES, _Engine, build_model, hf_config, make_arch, training_mode
 
 from memfit.estimate import Settings, estimate
 from memfit.space import Candidate
@@ -60,10 +60,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2) -> int:
     ref = build_model(kind, cand.attn).eval().requires_grad_(False) if cand.ref == "model" else None
     if cand.finetune == "lora":
         model = _lora(model, cand.lora_rank, reward)
-    model.train()
-    if cand.grad_ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=False)
+    opt = training_mode(model, cand)
     V = SHAPES[kind]["vocab_size"]
     g = torch.Generator().manual_seed(1)
     runner = StepRunner(method, _Engine(model), ref, pad_id=PAD, ref=cand.ref, loss_impl=cand.loss_impl, pref={})
