@@ -33,6 +33,14 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
 
+# On one machine (no --profile slurm), one rank-running job at a time: each takes `gpu` =
+# num_gpus (memfit.workflow.slurm.rule_resources), and Snakemake leaves a resource that
+# --resources does not name unlimited, so two probes, or a probe and the calibration, would share
+# the GPUs and time each other. `--resources gpu=N` overrides it.
+if workflow.local_exec and "gpu" not in workflow.global_resources:
+    workflow.register_resource("gpu", int(config["num_gpus"]))
+
+
 # Short rules run where snakemake runs, never as SLURM jobs: select_config reads a few JSON files,
 # report renders one page, candidates_table writes one table (seconds each); queueing them would
 # cost more than running them.
