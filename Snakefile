@@ -33,12 +33,14 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/report.smk"
 
 
-# On one machine (no --profile slurm), one rank-running job at a time: each takes `gpu` =
-# num_gpus (memfit.workflow.slurm.rule_resources), and Snakemake leaves a resource that
-# --resources does not name unlimited, so two probes, or a probe and the calibration, would share
-# the GPUs and time each other. `--resources gpu=N` overrides it.
-if workflow.local_exec and "gpu" not in workflow.global_resources:
-    workflow.register_resource("gpu", int(config["num_gpus"]))
+# On one machine, one rank-running job at a time (memfit.workflow.slurm.local_gpu_slots).
+from memfit.workflow.slurm import local_gpu_slots  # noqa: E402
+
+GPU_SLOTS = local_gpu_slots(
+    config, local_exec=workflow.local_exec, named="gpu" in workflow.global_resources
+)
+if GPU_SLOTS is not None:
+    workflow.register_resource("gpu", GPU_SLOTS)
 
 
 # Short rules run where snakemake runs, never as SLURM jobs: select_config reads a few JSON files,

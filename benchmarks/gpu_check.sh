@@ -14,9 +14,13 @@
 #   benchmarks/fetch_gpu_wheels.sh                          # here, once: wheelhouse/ (about 47 MiB)
 #   benchmarks/gpu_check.sh wheelhouse DEST [BUDGET_S] [STAGE|--force ...]   # there
 #
-# BUDGET_S (default 560) is the wall time it may take in all: the workflow is stopped at
-# BUDGET_S - 90 s and no evidence probe starts that would end after BUDGET_S - 80 s (a probe may
-# overrun by a minute). STAGEs default to every stage of gpu_evidence.py not yet in the committed
+# BUDGET_S (default 590) is the wall time it may take in all: the workflow is stopped at
+# BUDGET_S - 30 s (the summary and packing take a few seconds) and no evidence probe starts that
+# would end after BUDGET_S - 80 s (a probe may overrun by a minute). On one H200 the install took
+# 28 s and config/gpu-demo.yaml's workflow about 540 s (2026-11-28: benchmarks/results/gpu_check_h200/),
+# so give it the 10-minute call's 590 s; the evidence stages then need a second call on the warm
+# machine. A call that finds this script's run folder from an earlier call on the same machine
+# goes on with it (Snakemake's --rerun-incomplete: what finished stays finished). STAGEs default to every stage of gpu_evidence.py not yet in the committed
 # evidence, in its order; `--force` measures them again. Exit status: the workflow's summary
 # (0: ok), or with MEMFIT_GPU_CHECK_CONFIG=- gpu_evidence.py's. WHEEL_DIR "-"
 # installs nothing (a machine that has memfit's dependencies); MEMFIT_GPU_CHECK_CONFIG=- runs the
@@ -30,7 +34,7 @@
 set -uo pipefail
 WHEELS=${1:?usage: $0 WHEEL_DIR|- DEST_DIR [BUDGET_S] [STAGE|--force ...]}
 DEST=${2:?destination folder}
-BUDGET=${3:-560}
+BUDGET=${3:-590}
 shift $(($# < 3 ? $# : 3))
 mkdir -p "$DEST" || exit 1
 DEST=$(cd "$DEST" && pwd)  # both named from the caller's directory
@@ -91,13 +95,15 @@ ok_rc=0
 if [ "$CONFIG" != "-" ]; then
     say "workflow: $CONFIG ${EXTRA[*]}"
     # in a checkout of links, as CI runs its second workflow: this clone's results/ stay as they are
-    rm -rf "$RUN" && mkdir -p "$RUN" || exit 1
-    for f in Snakefile workflow config data src envs scripts; do ln -s "$REPO/$f" "$RUN/$f"; done
+    mkdir -p "$RUN" || exit 1
+    for f in Snakefile workflow config data src envs scripts; do ln -sfn "$REPO/$f" "$RUN/$f"; done
     cd "$RUN" || exit 1
-    limit=$((BUDGET - 90 - SECONDS))
+    # an earlier call stopped at its limit leaves Snakemake's lock only if it was killed
+    [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ] && $PY -m snakemake --unlock --configfile "$CONFIG" >/dev/null 2>&1
+    limit=$((BUDGET - 30 - SECONDS))
     [ "$limit" -ge 60 ] || limit=60  # timeout 0 would mean no limit
     timeout --signal=INT --kill-after=20 "$limit" \
-        $PY -m snakemake --cores all --configfile "$CONFIG" "${EXTRA[@]}"
+        $PY -m snakemake --cores all --rerun-incomplete --configfile "$CONFIG" "${EXTRA[@]}"
     wf_rc=$?
     wf_s=$SECONDS
     log=$(ls -t .snakemake/log/*.snakemake.log 2>/dev/null | head -1)

@@ -12,6 +12,7 @@ from memfit.workflow.slurm import (
     SlurmConfigError,
     host_bytes_of,
     job_resources,
+    local_gpu_slots,
     mem_mb,
     rule_resources,
     run_host_bytes,
@@ -176,3 +177,42 @@ def test_srun_env_drops_the_one_node_step_it_runs_in():
         "SLURM_CONF": "/etc/slurm/slurm.conf",
         "PATH": "/usr/bin",
     }
+
+
+def test_on_one_machine_rank_rules_run_one_at_a_time_unless_resources_say_otherwise():
+    """A workstation run registers gpu = num_gpus, which each rank-running rule asks for whole, so
+    two probes never share the GPU; a cluster executor or `--resources gpu=N` leaves it alone."""
+    config = {"num_gpus": 1, "num_nodes": 1}
+    slots = local_gpu_slots(config, local_exec=True, named=False)
+    for rule in ("calibrate", "probe_candidate", "train", "verify_resume"):
+        assert rule_resources(config, rule, "h200", host_bytes=16 * GIB)["gpu"] == slots == 1
+    assert local_gpu_slots(config, local_exec=False, named=False) is None
+    assert local_gpu_slots(config, local_exec=True, named=True) is None
+
+
+def test_snakemake_schedules_jobs_asking_the_registered_gpus_one_after_the_other(tmp_path):
+    """What the Snakefile does with local_gpu_slots, in a two-job workflow: the jobs do not overlap
+    although --cores would let both run."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    (tmp_path / "Snakefile").write_text(
+        f"""import sys
+sys.path.insert(0, {str(src)!r})
+from memfit.workflow.slurm import local_gpu_slots
+slots = local_gpu_slots({{"num_gpus": 1}}, local_exec=workflow.local_exec, named="gpu" in workflow.global_resources)
+if slots is not None:
+    workflow.register_resource("gpu", slots)
+rule all:
+    input: "a", "b"
+rule job:
+    output: "{{x}}"
+    resources: gpu=1
+    shell: "date +%s.%N > {{output}}.start; sleep 1; date +%s.%N > {{output}}"
+"""
+    )
+    subprocess.run([sys.executable, "-m", "snakemake", "--cores", "4", "-q"], cwd=tmp_path, check=True)
+    spans = sorted((float((tmp_path / f"{x}.start").read_text()), float((tmp_path / x).read_text())) for x in "ab")
+    assert spans[0][1] <= spans[1][0], spans

@@ -287,11 +287,16 @@ EVIDENCE_FILES = {"h100-80gb": "gpu_evidence_h100-80gb.json", "h200": "gpu_evide
 
 def evidence_rows(results: Path, gpu: str) -> list[tuple[str, float, Estimate]]:
     """(row id, measured seconds per step, memfit's uncalibrated Estimate) for every measured row
-    of `gpu`'s evidence file in `results` (the evidence's 4-layer Llama-3.1-8B on one GPU)."""
+    of `gpu`'s evidence file in `results` (the evidence's 4-layer Llama-3.1-8B on one GPU) at the
+    stages' 2,048 tokens. The long_context stage's rows (75K-83K tokens on the H200) are left out:
+    there the step took 3.6x the estimate and allocated exceeded it by about s^2 bytes, an open
+    finding that docs/gpus.md states; they are not what these step-time constants were set on."""
     doc = json.loads((Path(results) / EVIDENCE_FILES[gpu]).read_text())
     arch = dataclasses.replace(catalog.model("llama-3.1-8b"), num_layers=4)  # the evidence's reduced model
     out = []
-    for stage in doc["stages"].values():
+    for name, stage in doc["stages"].items():
+        if name == "long_context":
+            continue
         for r in stage["rows"]:
             if r.get("status") != "ok" or "candidate" not in r:
                 continue

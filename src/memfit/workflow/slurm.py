@@ -106,6 +106,17 @@ def job_resources(
     return res
 
 
+def local_gpu_slots(config: Mapping[str, Any], *, local_exec: bool, named: bool) -> int | None:
+    """The `gpu` resource a run on one machine registers, or None to leave Snakemake's as it is.
+    Each rank-running job asks for `gpu` = num_gpus (rule_resources), and Snakemake leaves a
+    resource that `--resources` does not name unlimited: without this, two probes, or a probe and
+    the calibration, would share the GPUs and time each other. None under a cluster executor (each
+    job has its own GPUs) or when `--resources gpu=N` names it (`named`)."""
+    if not local_exec or named:
+        return None
+    return int(config["num_gpus"])
+
+
 def partition_account(cluster: Mapping[str, Any], gpu_job: bool = True) -> dict[str, str]:
     """`slurm_partition`/`slurm_account` from the config's `slurm:` mapping, when it names them:
     `partition` for GPU jobs, `cpu_partition` (default: `partition`) for jobs without GPUs."""
