@@ -16,8 +16,8 @@ Dataset (`data/demo/`, committed; regeneration is byte-for-byte identical, a tes
   question's digits copied with at most a local change, so a ~3M-parameter model learns the
   procedure, not a table: SFT eval loss per response token falls from ~5.8 to well under 1 and
   DPO reward accuracy on held-out pairs passes 0.8 within a couple of CPU minutes.
-  - `rm.jsonl`: the same 1600 pairs for a reward model, the rejected response of every other
-    row a non-answer ("I don't know.") instead of the mistake (`generate_rm` says why).
+  - `rm.jsonl`: the same 1600 pairs for a reward model, the rejected response of three rows
+    in four a non-answer ("I don't know.") instead of the mistake (`generate_rm` says why).
   Problems are unique within each file and the two files ask disjoint problems, so DPO's
   pairs, held-out ones included, are problems the SFT model never saw.
 
@@ -198,14 +198,16 @@ NON_ANSWERS = ("I don't know.", "I can't answer that.", "Sorry, no idea.", "Ask 
 
 
 def generate_rm(dpo: list[dict]) -> list[dict]:
-    """The reward-model pairs (`rm.jsonl`): the DPO pairs, with the rejected response of every other
-    row a non-answer instead of the plausible mistake. A reward head on the demo model learns to
-    rank an answer above a non-answer within a demo's steps, and right above wrong numbers far
-    more slowly (trained on the mistakes alone: 0.56 held-out accuracy after 141 steps at lr 3e-3,
-    measured 2026-11-27), so held-out accuracy lands near 0.75, half the pairs near certain and half
-    near chance."""
+    """The reward-model pairs (`rm.jsonl`): the DPO pairs, with the rejected response of three rows
+    in four a non-answer (the four of `NON_ANSWERS` in turn) instead of the plausible mistake; every
+    fourth row keeps its mistake. A reward head on the demo model learns to rank an answer above a
+    non-answer within a demo's steps, and right above wrong numbers far more slowly (trained on the
+    mistakes alone: 0.56 held-out accuracy after 141 steps at lr 3e-3; with one row in two a
+    non-answer, 0.65-0.74 held-out, the mistakes at or below chance; measured 2026-11-27/28), so
+    held-out accuracy lands near 0.8: three pairs in four near certain, the fourth near chance."""
     return [
-        row | {"rejected": NON_ANSWERS[(i // 2) % len(NON_ANSWERS)]} if i % 2 == 0 else row for i, row in enumerate(dpo)
+        row if i % 4 == 3 else row | {"rejected": NON_ANSWERS[(i - i // 4) % len(NON_ANSWERS)]}
+        for i, row in enumerate(dpo)
     ]
 
 
