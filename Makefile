@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: demo test test-fast lint install ops lock upgrade docs
+.PHONY: demo test test-fast test-sweeps lint install ops lock upgrade docs
 
 install: $(STAMP)
 
@@ -71,6 +71,11 @@ test: test-fast
 # Skips the multi-process DeepSpeed runs (pytest marker `slow`); `gpu` tests skip themselves without CUDA.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto -m "not slow"
+
+# The sweep cases `make test` skips (pytest marker `sweep`: the other ZeRO stages and levers of a
+# sweep whose representative case the slow pass runs); after a change to the trainer or estimator.
+test-sweeps: $(STAMP)
+	benchmarks/sweeps.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -16,7 +16,24 @@ os.environ["MEMFIT_TRACE_CACHE"] = _TRACE_CACHE.name
 os.environ["MEMFIT_DIGEST_CACHE"] = os.path.join(_TRACE_CACHE.name, "sha256.json")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--sweeps",
+        action="store_true",
+        help="also run the tests marked `sweep` (the rest of a sweep whose representative case the suite runs)",
+    )
+
+
 def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "sweep: a case of a sweep (ZeRO stages x levers) beyond the suite's representative one; "
+        "skipped unless --sweeps (benchmarks/sweeps.sh)",
+    )
+    _share_cores(config)
+
+
+def _share_cores(config):
     """Under pytest-xdist (`make test-fast`: a worker per core), each worker gets its share of the
     cores, for torch's threads and for the estimator's trace children (memfit.estimate.trace
     `trace_workers`), instead of all of them each."""
@@ -110,6 +127,8 @@ def demo_data(demo_model, tmp_path_factory) -> Path:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """`@pytest.mark.gpu` tests need CUDA: skipped, with the reason shown, where there is none.
+    `@pytest.mark.sweep` cases (the rest of a sweep whose representative case the suite keeps, to
+    keep the slow pass short) are skipped, with the reason shown, unless `--sweeps`.
 
     Under pytest-xdist with `--dist loadgroup`, every `slow` test (multi-process DeepSpeed runs)
     goes to one worker: the session's shared runs (`shared_runs`) are made once, and at most
@@ -117,6 +136,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.xdist_group("deepspeed"))
+    if not config.getoption("--sweeps"):
+        skip_sweep = pytest.mark.skip(reason="a sweep case beyond the representative one: benchmarks/sweeps.sh runs it")
+        for item in items:
+            if item.get_closest_marker("sweep"):
+                item.add_marker(skip_sweep)
     gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_tests:
         return
