@@ -98,13 +98,21 @@ def built(tmp_path_factory):
     return root
 
 
-# The probes in two groups, each made once per module at its first use, so that no test's set-up
-# runs all seven (about 63 s on 2 cores; one test may take at most 60 s).
+# The probes in groups, each group made once per module at its first use (two probes at a time;
+# one test may take at most 60 s): the suite's, one case of each mechanism (ZeRO-0 with gradients
+# held across micro steps, ZeRO-3 with checkpointing; QLoRA), and the sweep's, the other ZeRO
+# stages and methods (pytest marker `sweep`, benchmarks/sweeps.sh).
 GROUPS = {
-    "a": ["z0-dpo-mb8", "z2-sft-mb16", "z3-sft-mb16", "z3-gc-sft-mb4"],
-    "b": ["z3-gc-dpo-mb4", "z2-qlora-gc-sft-mb4", "z0-qlora-gc-dpo-mb2"],
+    "a": ["z0-dpo-mb8", "z3-gc-sft-mb4"],
+    "qlora": ["z2-qlora-gc-sft-mb4"],
+    "sweep": ["z2-sft-mb16", "z3-sft-mb16", "z3-gc-dpo-mb4", "z0-qlora-gc-dpo-mb2"],
 }
+SWEEP = "sweep"
 assert sorted(sum(GROUPS.values(), [])) == sorted(CASES)
+
+
+def _param(name: str, group: str):
+    return pytest.param(name, marks=pytest.mark.sweep) if group == SWEEP else name
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +155,7 @@ def measured(built):
     return get
 
 
-@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("group", [_param(g, g) for g in GROUPS])
 def test_a_probe_writes_its_candidate_peak_and_step_time(built, measured, group):
     """What select_config reads of a probe (was test_train's own ZeRO-2 probe run)."""
     import json
@@ -158,7 +166,7 @@ def test_a_probe_writes_its_candidate_peak_and_step_time(built, measured, group)
         assert res["step_time_s"] > 0 and res["peak_allocated_bytes"] > 0
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [_param(n, g) for g, names in GROUPS.items() for n in names])
 def test_prediction_within_10_percent(built, measured, name):
     method, kw = CASES[name]
     arch = catalog.model(str(built / "model"))
@@ -240,24 +248,27 @@ def test_resume_peak_within_2_percent(shared_runs, demo_model):
 def test_bf16_zero0_resume_loads_in_place_and_within_2_percent(demo_model, demo_data, tmp_path):
     """ZeRO-0 in bf16 (FP16_Optimizer creates m and v before the checkpoint loads, so DeepSpeed's
     own load holds them twice; memfit's copies into them, streaming the mapped file a chunk at a
-    time): a run "killed" after step 4 and relaunched resumes bit for bit, and what loading held
-    on the CPU device is the estimate's resume phase: the state once, no checkpoint copy beside it
-    (it was 1.17x the training peak when the file was read whole)."""
+    time): a run "killed" after step 5 and relaunched resumes from its step-3 checkpoint bit for
+    bit (steps 4 and 5 again: step 5's loss follows step 4's update from the loaded m and v), and
+    what loading held on the CPU device is the estimate's resume phase: the state once, no
+    checkpoint copy beside it (it was 1.17x the training peak when the file was read whole)."""
     import dataclasses
     import json
 
     from deepspeed_runs import base_run, run
 
     cfg = dataclasses.replace(
-        base_run(demo_model, demo_data, tmp_path / "ref", zero=0, precision="bf16", micro_batch=4, grad_accum=1),
+        base_run(demo_model, demo_data, tmp_path / "run", zero=0, precision="bf16", micro_batch=4, grad_accum=1),
         eval_every=100,
     )
-    resumed = dataclasses.replace(cfg, out_dir=str(tmp_path / "resumed"))
-    ref_rows = run(cfg, 1)
-    run(dataclasses.replace(resumed, stop_after_step=4), 1)
-    rows = run(resumed, 1)  # resumes from step 3
-    assert [(r["step"], r["split"], r["loss"]) for r in rows] == [(r["step"], r["split"], r["loss"]) for r in ref_rows]
-    measured = json.loads((Path(resumed.out_dir) / "summary.json").read_text())["resume_peak_allocated_bytes"]
+    first = run(dataclasses.replace(cfg, stop_after_step=5), 1)
+    rows = run(cfg, 1)  # resumes from step 3
+    assert [r.get("resumed_from_step") for r in rows if r["split"] == "train"][3] == 3
+    redone = [(r["step"], r["split"], r["loss"]) for r in rows if r["split"] == "train" and 4 <= r["step"] <= 5]
+    assert len(redone) == 2 and redone == [
+        (r["step"], r["split"], r["loss"]) for r in first if r["split"] == "train" and 4 <= r["step"] <= 5
+    ]
+    measured = json.loads((Path(cfg.out_dir) / "summary.json").read_text())["resume_peak_allocated_bytes"]
     e = estimate(
         catalog.model(str(demo_model)),
         catalog.gpu("cpu"),

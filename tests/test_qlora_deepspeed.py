@@ -1,6 +1,6 @@
 """QLoRA in the real trainer on the CPU: bitsandbytes' 4-bit base, peft LoRA, DeepSpeed (gloo).
 
-SFT on 2 ranks under ZeRO-2 and ZeRO-3 (each once interrupted and resumed), DPO on 1 rank under
+SFT on 2 ranks under ZeRO-2 and ZeRO-3 (ZeRO-3 once interrupted and resumed), DPO on 1 rank under
 ZeRO-0 with the adapter-disabled base as the reference. The estimator against QLoRA probes:
 tests/test_estimate_deepspeed.py (two shapes) and benchmarks/bench_qlora_memory.py (all)."""
 
@@ -29,9 +29,10 @@ def _losses(rows, split="train"):
 
 @pytest.fixture(scope="module")
 def runs(demo_model, demo_data, tmp_path_factory):
-    """`sft`: 4 steps, 2 ranks, ZeRO-2, adapter export; `resumed`: the same "killed" after step 3
-    (checkpoint at 2) and relaunched; `dpo`: 10 steps of 16 pairs on 1 rank, ZeRO-0, ref=adapter,
-    merged export."""
+    """`sft`: 4 steps, 2 ranks, ZeRO-2, adapter export, checkpoints at 2 and 4; `dpo`: 10 steps of
+    16 pairs on 1 rank, ZeRO-0, ref=adapter, merged export. The ZeRO-2 resume: the QLoRA stage of
+    .ci/run (verify_resume of SFT and DPO, ZeRO-0/2, weights bit for bit) and the sweep
+    (benchmarks/sweeps.sh); the suite resumes ZeRO-3 (`z3_runs`)."""
     root = tmp_path_factory.mktemp("qlora")
     sft = dataclasses.replace(
         base_run(demo_model, demo_data, root / "sft", zero=2, **QLORA),
@@ -40,35 +41,43 @@ def runs(demo_model, demo_data, tmp_path_factory):
         eval_every=2,
         export_format="adapter",
     )
-    resumed = dataclasses.replace(sft, out_dir=str(root / "resumed"))
     dpo = dataclasses.replace(
         base_run(demo_model, demo_data, root / "dpo", method="dpo", zero=0, ref="adapter", grad_accum=2, **QLORA),
         max_steps=10,
         save_every=0,
         eval_every=10,
     )
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the 2-rank SFT run beside the 1-rank DPO run
+        sft_rows, dpo_rows = pool.submit(run, sft), pool.submit(run, dpo, 1)
+        sft_rows, dpo_rows = sft_rows.result(), dpo_rows.result()
+    return {"sft": (Path(sft.out_dir), sft_rows), "dpo": (Path(dpo.out_dir), dpo_rows)}
+
+
+def _resumed(sft: RunConfig) -> dict:
+    """`sft` and its copy "killed" after step 3 (checkpoint at 2) and relaunched: {"sft", "first", "resumed"}."""
+    root = Path(sft.out_dir).parent
+    resumed = dataclasses.replace(sft, out_dir=str(root / f"resumed-{Path(sft.out_dir).name}"))
     sft_rows, first = run_side_by_side(sft, dataclasses.replace(resumed, stop_after_step=3))
-    with ThreadPoolExecutor(max_workers=2) as pool:  # the relaunch beside the 1-rank DPO run
-        resumed_rows, dpo_rows = pool.submit(run, resumed), pool.submit(run, dpo, 1)
-        resumed_rows, dpo_rows = resumed_rows.result(), dpo_rows.result()
-    return {
-        "sft": (Path(sft.out_dir), sft_rows),
-        "first": first,
-        "resumed": (Path(resumed.out_dir), resumed_rows),
-        "dpo": (Path(dpo.out_dir), dpo_rows),
-    }
+    return {"sft": (Path(sft.out_dir), sft_rows), "first": first, "resumed": (Path(resumed.out_dir), run(resumed))}
+
+
+def _sft_config(runs, zero: int, name: str) -> RunConfig:
+    sft = json.loads((runs["sft"][0] / "run.json").read_text())
+    return RunConfig(
+        **sft | {"candidate": sft["candidate"] | {"zero": zero}, "out_dir": str(runs["sft"][0].parent / name)}
+    )
 
 
 @pytest.fixture(scope="module")
 def z3_runs(runs):
-    """`sft` and `resumed` of `runs` under ZeRO-3 (the packed 4-bit weights partitioned)."""
-    sft = json.loads((runs["sft"][0] / "run.json").read_text())
-    sft = RunConfig(**sft | {"candidate": sft["candidate"] | {"zero": 3}})
-    root = runs["sft"][0].parent
-    z3 = dataclasses.replace(sft, out_dir=str(root / "sft-z3"))
-    resumed = dataclasses.replace(sft, out_dir=str(root / "resumed-z3"))
-    z3_rows, first = run_side_by_side(z3, dataclasses.replace(resumed, stop_after_step=3))
-    return {"sft": (Path(z3.out_dir), z3_rows), "first": first, "resumed": (Path(resumed.out_dir), run(resumed))}
+    """`runs`' SFT under ZeRO-3 (the packed 4-bit weights partitioned), and resumed."""
+    return _resumed(_sft_config(runs, 3, "sft-z3"))
+
+
+@pytest.fixture(scope="module")
+def z2_runs(runs):
+    """`runs`' SFT under ZeRO-2 again, and resumed (the sweep)."""
+    return _resumed(_sft_config(runs, 2, "sft-z2"))
 
 
 def test_sft_on_two_ranks_learns(runs):
@@ -77,9 +86,9 @@ def test_sft_on_two_ranks_learns(runs):
     assert ev[-1] < ev[0] * 0.9, f"held-out loss did not fall: {ev}"
 
 
-@pytest.mark.parametrize("zero", [2, 3])
+@pytest.mark.parametrize("zero", [pytest.param(2, marks=pytest.mark.sweep), 3])
 def test_resume_is_bit_exact_and_checkpoints_hold_the_adapter_only(request, zero):
-    runs = request.getfixturevalue("runs" if zero == 2 else "z3_runs")
+    runs = request.getfixturevalue(f"z{zero}_runs")
     out, rows = runs["resumed"]
     _, ref = runs["sft"]
     assert max(r["step"] for r in runs["first"]) == 3
