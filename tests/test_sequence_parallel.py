@@ -158,8 +158,10 @@ def _assert_same_training(one, two, tmp_path, rtol=1e-5):
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-5
 
 
+# ZeRO-3 SFT and ZeRO-2 LoRA DPO without the levers: the sweep (benchmarks/sweeps.sh); the suite
+# runs them with every lever (below), against the same 1-rank runs without.
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 3])
+@pytest.mark.parametrize("zero", [0, pytest.param(3, marks=pytest.mark.sweep)])
 def test_sft_full_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does(demo_model, demo_data, tmp_path, zero):
     """Losses, gradient norms (so the gradient DeepSpeed reduces is the whole sequences', at
     ZeRO-3 too, where its reduce-scatter averages over the group) and the exported weights."""
@@ -168,7 +170,9 @@ def test_sft_full_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("zero", "finetune", "ref"), [(2, "lora", "adapter"), (3, "full", "model")])
+@pytest.mark.parametrize(
+    ("zero", "finetune", "ref"), [pytest.param(2, "lora", "adapter", marks=pytest.mark.sweep), (3, "full", "model")]
+)
 def test_dpo_on_two_ranks_splitting_each_sequence_trains_what_one_rank_does(
     demo_model, demo_data, tmp_path, zero, finetune, ref
 ):

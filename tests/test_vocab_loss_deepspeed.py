@@ -31,7 +31,11 @@ CASES = {  # id: (method, candidate fields, dpo loss)
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# ZeRO-0 SFT (no partitioned head to gather): the sweep (benchmarks/sweeps.sh)
+SWEEP = {"sft-z0"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.sweep) if c in SWEEP else c for c in CASES])
 def test_chunked_trains_as_full(demo_model, data, tmp_path, case):
     method, cand, loss_type = CASES[case]
     cfgs = {}
