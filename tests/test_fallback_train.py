@@ -91,12 +91,13 @@ def metrics(d: Path) -> list[dict]:
     return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_its_checkpoint(
-    demo_model, mixed_data, tmp_path
-):
+@pytest.fixture(scope="module")
+def fallen_back(demo_model, mixed_data, tmp_path_factory):
+    """The job as the workflow's train rule runs it (pipeline.train): FIRST runs out of memory at
+    step 4, SECOND completes from the checkpoint of step 3. (run config, summary, job directory)."""
     longest = longest_per_step(mixed_data / "sft", FIRST)
     assert max(longest[:3]) <= 18 and longest[3] >= 76, longest  # the premise: short steps 1-3, a long step 4
-    job = tmp_path / "sft"
+    job = tmp_path_factory.mktemp("fallback") / "sft"
     train_dir = job / "train"
     cfg = dataclasses.replace(
         base_run(demo_model, mixed_data, train_dir, **FIRST),
@@ -109,10 +110,12 @@ def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_i
     job.mkdir(parents=True)
     cfg.save(job / "run.json")
     (job / "selected.json").write_text(json.dumps(ranking_of(cfg, [FIRST, SECOND])))
-    log = job / "train.log"
+    return cfg, pipeline.train(job / "run.json", 2, job / "train.log"), job
 
-    summary = pipeline.train(job / "run.json", 2, log)
 
+def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_its_checkpoint(fallen_back):
+    cfg, summary, job = fallen_back
+    train_dir, log = job / "train", job / "train.log"
     second = Candidate.from_dict({**cfg.candidate, **SECOND})
     [fb] = summary["fallbacks"]
     print("fallback:", fb)
@@ -133,7 +136,14 @@ def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_i
     assert [s for s, split in keys if split == "train"] == list(range(1, 9))
     assert [s for s, split in keys if split == "eval"] == [0, 3, 6, 8]
 
-    # The new candidate run uninterrupted from that same checkpoint gives the same losses.
+
+def test_after_the_switch_the_losses_are_those_of_the_new_candidate_run_from_that_checkpoint(fallen_back, tmp_path):
+    """The new candidate run uninterrupted from that same checkpoint gives the same losses."""
+    cfg, summary, job = fallen_back
+    [fb] = summary["fallbacks"]
+    second = Candidate.from_dict({**cfg.candidate, **SECOND})
+    rows = metrics(job / "train")
+    ckpts = job / "train/checkpoints"
     start = fb["resumed_from_step"]
     ref_cfg = dataclasses.replace(
         cfg,
@@ -153,6 +163,9 @@ def test_training_that_runs_out_of_memory_completes_on_the_next_candidate_from_i
     assert worst <= 1e-6
     assert [r for r in rows if r["step"] <= start] == [r for r in ref if r["step"] <= start]  # the checkpoint's curve
 
-    # verify_resume resumes the finished run (now the fallback candidate) from its previous checkpoint
+
+def test_verify_resume_resumes_the_run_the_fallback_finished(fallen_back):
+    """verify_resume resumes the finished run (now the fallback candidate) from its previous checkpoint."""
+    _, _, job = fallen_back
     res = verify_resume(job / "run.json", 2, job / "verify_resume.json", job / "verify_resume.log")
     assert res["passed"], res
