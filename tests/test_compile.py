@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from deepspeed_runs import base_run, run
+from deepspeed_runs import run
 
 from memfit.train.compile import compile_problem, cpp_compiler
 
@@ -23,14 +23,14 @@ pytestmark = pytest.mark.skipif(compile_problem() is not None, reason=str(compil
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 3])
-def test_compiled_steps_train_like_eager(demo_model, demo_data, tmp_path, zero):
-    eager = dataclasses.replace(
-        base_run(demo_model, demo_data, tmp_path / "eager", zero=zero), max_steps=3, save_every=0, eval_every=100
-    )
-    compiled = dataclasses.replace(eager, out_dir=str(tmp_path / "compiled"), compile=True)
-    a, b = run(eager), run(compiled)
-    la = [r["loss"] for r in a if r["split"] == "train"]
-    lb = [r["loss"] for r in b if r["split"] == "train"]
+def test_compiled_steps_train_like_eager(shared_runs, tmp_path, zero):
+    """The eager run: the session's shared `base_run` of this ZeRO stage (tests/deepspeed_runs.py
+    `SharedRuns`); the compiled run: the same config with `compile: true`, its first 3 steps compared."""
+    _, a = shared_runs[f"sft-z{zero}"]
+    compiled = dataclasses.replace(shared_runs.config(f"sft-z{zero}"), out_dir=str(tmp_path / "compiled"), compile=True)
+    b = run(compiled)
+    la = [r["loss"] for r in a if r["split"] == "train"][:3]
+    lb = [r["loss"] for r in b if r["split"] == "train"][:3]
     assert len(la) == len(lb) == 3
     assert la == pytest.approx(lb, abs=1e-3)
     assert la[-1] < la[0]  # it trains
