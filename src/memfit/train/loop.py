@@ -311,8 +311,8 @@ class Run:
         }
 
     def probe(self) -> dict[str, Any]:
-        """Probe mode: `probe_steps` steps on the worst-case micro batch (padded to seq_len), no
-        resume, evaluation, metrics file or checkpoints; the summary of step times and peaks."""
+        """Probe mode: `probe_steps` steps on the worst-case micro batch (`_worst_case_units`: at
+        seq_len), no resume, evaluation, metrics file or checkpoints; step times and peaks."""
         tracker = self._start_tracking()
         self.resume_peak: dict[str, int] | None = None
         probe_rows = self._worst_case_units()
