@@ -248,27 +248,56 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: boo
     return layer
 
 
+def _padded(cand: Candidate, settings: Settings, step: _MicroStep) -> bool:
+    """Whether the sdpa forward carries a padding mask: rows of different lengths padded to the
+    longest (`Settings.padding_mask`), which takes 2+ sequences. A forward of one sequence is
+    never padded (memfit.train.batches.collate pads to the longest row of the micro batch; the
+    probe fills its row with real tokens, batches.fill_row): transformers drops its all-ones mask
+    (masking_utils `_ignore_causal_mask_sdpa`) and SDPA runs causal with its own GQA. Under
+    sequence parallelism memfit passes positions, no mask (Ulysses masks causally from them:
+    memfit.train.sequence_parallel.shard_batch)."""
+    return cand.attn == "sdpa" and settings.padding_mask and step.seqs >= 2 and cand.sequence_parallel <= 1
+
+
 def _padding_mask_extra(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
-    """What one sdpa layer saves beyond the maskless case when the batch carries a padding mask
-    (`Settings.padding_mask`): the mask turns off SDPA's own GQA (transformers
-    integrations/sdpa_attention.py `use_gqa_in_sdpa`: only without a mask), so `repeat_kv`
-    expands k and v to every head and SDPA saves those instead of the rotated k and v, with the
-    mask in the model dtype (the bool mask converted in each layer). Measured on the CPU (demo
-    model, LoRA, 8 rows of 24 tokens padded to 32, 4 heads over 2 KV heads): +1.18 MB over the
-    same batch unpadded, this term 1.18 MB."""
+    """What one sdpa layer saves beyond the maskless case in a padded forward (`_padded`).
+    transformers 5.24 builds the [b, 1, s, s] bool mask once per forward (masking_utils.sdpa_mask)
+    and hands it to every layer's SDPA as is (integrations/sdpa_attention.py
+    `sdpa_attention_forward`: no conversion there); the mask turns off SDPA's own GQA
+    (`use_gqa_in_sdpa`: only without a mask), so `repeat_kv` expands k and v to every head and
+    SDPA saves those instead of the rotated k and v; and torch's SDPA converts the bool mask to
+    an additive one in the query's dtype in every call (aten/src/ATen/native/transformers/
+    attention.cpp `convert_boolean_attn_mask`), which its backward keeps: d*b*s^2 per layer. The
+    bool mask itself is `_padding_mask_once`. Measured on the CPU (tiny Llama, LoRA, fp32, 2 rows
+    of s=512 and 1024 tokens, 8 short, 4 heads over 2 KV heads, no checkpointing): the padded
+    step over the same rows unpadded, L x (repeated K/V + 4 b s^2) to the byte
+    (tests/test_estimate_padding_mask.py)."""
+    if not _padded(cand, settings, step):
+        return 0
     arch = step.arch
     nh, nkv = arch.num_attention_heads, arch.num_kv_heads
-    # under sequence parallelism memfit passes positions, no mask (Ulysses masks causally from
-    # them: memfit.train.sequence_parallel.shard_batch), so SDPA keeps its own GQA
-    if cand.attn != "sdpa" or not settings.padding_mask or nkv >= nh or cand.sequence_parallel > 1:
-        return 0
     d, b, s, t = step.dtype, step.seqs, step.seq_len, step.tokens
-    return 2 * d * t * (nh - nkv) * arch.head_dim + d * b * s * s
+    repeated_kv = 2 * d * t * (nh - nkv) * arch.head_dim if nkv < nh else 0
+    return repeated_kv + d * b * s * s
+
+
+def _padding_mask_once(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
+    """The padded forward's [b, 1, s, s] bool mask (1 byte an element; masking_utils.sdpa_mask via
+    create_causal_mask in the model's forward, once per forward): alive through the forward and,
+    under checkpointing, through the backward as every checkpointed layer's input (the H200's
+    long-context probes: measured allocated over the estimate by s^2 bytes,
+    benchmarks/results/gpu_evidence_h200.json, before micro batch 1 stopped being padded)."""
+    return step.seqs * step.seq_len**2 if _padded(cand, settings, step) else 0
 
 
 def padding_mask_extra(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
     """`_padding_mask_extra` per decoder layer, for activations traced without a mask."""
     return _padding_mask_extra(cand, settings, _micro_step(arch, cand, method, settings))
+
+
+def padding_mask_once(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
+    """`_padding_mask_once`, for activations traced without a mask."""
+    return _padding_mask_once(cand, settings, _micro_step(arch, cand, method, settings))
 
 
 def _moe_forward_transient(step: _MicroStep) -> int:
@@ -396,6 +425,8 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
             acts.mlp_bwd, acts.attn_bwd = max(acts.mlp_bwd, moe_mlp), max(acts.attn_bwd, moe_attn)
     acts.layer_bwd = max(acts.mlp_bwd, acts.attn_bwd)
     attn_fwd, mask = _attention_forward(cand, step)
+    once = _padding_mask_once(cand, settings, step)  # sdpa's bool mask (eager's is `mask`)
+    mask += once
     if cand.grad_ckpt:
         acts.saved += mask  # the checkpoint keeps the mask among the layer's inputs
     kept_before_last = kept - (acts.kept_per_layer if not cand.grad_ckpt else 0)
@@ -404,7 +435,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         layer_fwd = max(attn_fwd, 2 * d * t * h + 3 * d * step.tile_rows * arch.intermediate_size)
     if n_moe:  # the last layer's MoE block (its saved tensors and transients) may top attention
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
-    acts.forward = kept_before_last + rope + ids + layer_fwd + 2 * d * t * h
+    acts.forward = kept_before_last + rope + ids + layer_fwd + once + 2 * d * t * h
     acts.ref_forward = _nograd_forward(arch, cand, method, step, settings, attn_fwd)
     return acts
 

@@ -39,12 +39,15 @@ class Settings:
     qlora_fp32_upcast: bool = False
     expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     variable_length: bool = True  # batches of varying length (fragmentation), False: padded
-    # memfit's batches reach the attention with a mask: rows padded to the longest of their batch
-    # (the probes' worst case padded to seq_len) and SFT packs alike (transformers builds a block
-    # mask from the packs' position_ids, masking_utils `find_packed_sequence_indices`); with
-    # sdpa, transformers then repeats K/V to every head and SDPA saves them
-    # (`activation_memory._padding_mask_extra`). False: full-length rows, whose all-ones mask
-    # transformers drops (the public tables' runs, the traced step)
+    # memfit's forwards of 2+ rows reach the attention with a mask: rows padded to the longest of
+    # their batch (the probes' worst case padded to seq_len) and SFT packs alike (transformers
+    # builds a block mask from the packs' position_ids, masking_utils
+    # `find_packed_sequence_indices`); with sdpa, transformers then repeats K/V to every head, SDPA
+    # saves them and its dtype copy of the mask (`activation_memory._padding_mask_extra`, the bool
+    # mask once: `_padding_mask_once`). A forward of one row is never padded (the probe fills it
+    # with its own tokens, memfit.train.batches.fill_row): no mask term whatever this says (a
+    # packed micro batch of 1 included: the estimate does not know packing). False: full-length
+    # rows, whose all-ones mask transformers drops (the public tables' runs, the traced step)
     padding_mask: bool = True
     optimizer_impl: str | None = None  # "fused" (DS FusedAdam), "foreach" or "single" (torch)
     mfu: float = 0.40  # model FLOPs utilisation of the GPU's dense peak (Chowdhery et al. 2022)

@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from memfit.estimate.activation_memory import Activations, padding_mask_extra
+from memfit.estimate.activation_memory import Activations, padding_mask_extra, padding_mask_once
 from memfit.estimate.arch import ModelArch
 from memfit.estimate.catalog import GPU
 from memfit.estimate.generic import layer_groups
@@ -168,9 +168,14 @@ def traced_activations(
         acts.per_layer += kept
         acts.kept_per_layer += kept
         acts.forward += len(arch.moe_layers()) * kept
-    # the trace runs an all-ones mask, which transformers drops: a padded batch's repeated K/V
-    # and mask are added as the formulas count them (activation_memory._padding_mask_extra)
+    # the trace runs an all-ones mask, which transformers drops: a padded forward's (2+ rows;
+    # one row is never padded, activation_memory._padded) repeated K/V and per-layer mask, and
+    # its bool mask once, are added as the formulas count them (_padding_mask_extra, _once)
     padded = padding_mask_extra(arch, cand, method, settings)
+    once = padding_mask_once(arch, cand, method, settings)
+    acts.forward += once
+    if cand.grad_ckpt:  # every checkpointed layer's input, kept to the backward
+        acts.saved += once
     if padded:
         acts.per_layer += padded
         if cand.grad_ckpt:  # the recomputed layer saves them again inside its backward

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.methods import shape
 from memfit.train.losses import IGNORE_INDEX
 
 
@@ -46,6 +47,39 @@ def collate(
         "labels": _pad(labels, IGNORE_INDEX, pad_to),
         "attention_mask": _pad([[1] * len(s) for s in ids], 0, pad_to),
     }
+
+
+def fill_row(row: dict[str, Any], length: int) -> dict[str, Any]:
+    """An SFT row of exactly `length` real tokens: its input ids, and its labels alike, repeated
+    from the start (cut at `length`); the probe's worst case for a forward of one sequence.
+
+    Training never pads such a forward (`collate` pads to the longest row of the micro batch), so
+    it reaches the attention without a mask: transformers drops an all-ones mask
+    (masking_utils `_ignore_causal_mask_sdpa`), SDPA runs causal with its own GQA. A row padded
+    to `length` would carry a [1, 1, s, s] mask, turn GQA off (integrations/sdpa_attention.py
+    `use_gqa_in_sdpa`: only without a mask) and measure a step training never runs. The
+    repeated labels keep the loss finite and every token is one the model runs."""
+    ids = list(row["input_ids"])
+    if not ids:
+        raise ValueError("an empty row cannot be filled to a sequence")
+    reps = -(-length // len(ids))
+    out = dict(row)
+    out["input_ids"] = (ids * reps)[:length]
+    if "labels" in row:
+        out["labels"] = (list(row["labels"]) * reps)[:length]
+    return out
+
+
+def probe_rows(method: str, rows: list[dict[str, Any]], seq_len: int) -> list[dict[str, Any]]:
+    """The probe's worst-case micro batch from the longest `rows` (unpacked): a forward of one
+    sequence (the method runs one sequence per row, none without gradient, micro batch 1:
+    memfit.methods) as one row of `seq_len` real tokens (`fill_row`), unpadded as training runs
+    it; forwards of 2+ sequences as they are, padded to seq_len by the caller (their rows differ
+    in length in training too, so training pads them)."""
+    one = shape(method)
+    if one.nograd_sequences == 0 and one.grad_sequences * len(rows) == 1:
+        return [fill_row(rows[0], seq_len)]
+    return rows
 
 
 def collate_packed(

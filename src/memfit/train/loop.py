@@ -33,7 +33,7 @@ from memfit.data import load_split, worst_case_batch
 from memfit.train import checkpoint, dsconfig, long_context, sequence_parallel
 from memfit.train import dist as dist_env
 from memfit.train import resume as train_resume
-from memfit.train.batches import Schedule, rank_batches
+from memfit.train.batches import Schedule, probe_rows, rank_batches
 from memfit.train.device_info import device_identity
 from memfit.train.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.train.modeling import check_hardware, export_model, hidden_size, load_model, model_dir
@@ -311,8 +311,8 @@ class Run:
         }
 
     def probe(self) -> dict[str, Any]:
-        """Probe mode: `probe_steps` steps on the worst-case micro batch (padded to seq_len), no
-        resume, evaluation, metrics file or checkpoints; the summary of step times and peaks."""
+        """Probe mode: `probe_steps` steps on the worst-case micro batch (`_worst_case_units`: at
+        seq_len), no resume, evaluation, metrics file or checkpoints; step times and peaks."""
         tracker = self._start_tracking()
         self.resume_peak: dict[str, int] | None = None
         probe_rows = self._worst_case_units()
@@ -444,10 +444,12 @@ class Run:
     def _worst_case_units(self) -> list[Any]:
         """The probe's micro batch: the longest rows, or with packing the fullest packs, each
         padded to seq_len by the caller, so the probe runs the largest shape training can meet
-        through the same (packed or padded) code path."""
+        through the same (packed or padded) code path; a forward of one sequence is filled with
+        its own tokens instead, unpadded as in training (`batches.probe_rows`)."""
         if self._probe_units is None:
             if not self.cfg.packing:
-                self._probe_units = worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)
+                rows = worst_case_batch(self.cfg.data_dir, self.cand.micro_batch)
+                self._probe_units = probe_rows(self.cfg.method, rows, self.cand.seq_len)
             else:
                 size = [sum(len(r["input_ids"]) for r in p) for p in self.train_units]
                 fullest = sorted(range(len(size)), key=lambda i: (-size[i], i))[: self.cand.micro_batch]
