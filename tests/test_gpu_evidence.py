@@ -83,14 +83,14 @@ def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
 
 # The dry run's 9 stages in three parts, one test each (together about 3 min on 2 cores, a part
 # with the long-context fit's two probes took 113 s; one test may take at most 60 s): the CUDA-only
-# skips and three probe stages; two probe stages and the step-time calibration that prices their
-# probes; the allocator stage and the long-context fit.
+# skips and three probe stages; a probe stage and the step-time calibration that prices its probe;
+# the attention and allocator stages and the long-context fit.
 HALVES = {
     "a": ["context", "sft_zero", "dpo_ref", "qlora"],
-    "b": ["sft_gc_lora", "attention", "step_time"],
-    "c": ["allocator", "long_context"],
+    "b": ["sft_gc_lora", "step_time"],
+    "c": ["attention", "allocator", "long_context"],
 }
-CUDA_ONLY = {"sft-full-z2-flash": "b", "sft-full-z2-expandable-on": "c"}
+CUDA_ONLY = {"sft-full-z2-flash": "c", "sft-full-z2-expandable-on": "c"}
 
 
 def test_the_halves_cover_every_stage_once(repo):
