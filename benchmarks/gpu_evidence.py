@@ -100,6 +100,8 @@ def dry_profile() -> Profile:
 # process start, model load, DeepSpeed init, 3 steps), the whole matrix < 20 minutes.
 STAGES: dict[str, list[Row]] = {
     "context": [],  # CUDA context, cuBLAS workspace, GEMM and SDPA TFLOP/s (no probe; ~20 s)
+    # no probe: SDPA alone at long sequences, per backend, and what transformers passes it (~1 min)
+    "sdpa_long": [],
     "sft_zero": [
         Row("sft-full-z0", "sft", dict(zero=0)),
         Row("sft-full-z2", "sft", dict(zero=2)),
@@ -138,6 +140,7 @@ STAGES: dict[str, list[Row]] = {
 # rows per stage made at run time (no fixed Row list)
 RUNTIME_STAGES = {
     "context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s, GEMM shapes, copies (~30 s)",
+    "sdpa_long": "no probe: causal SDPA forward+backward at 8K-75K tokens per backend, GQA and MHA; transformers' call (~1 min)",
     "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)",
     "step_time": "memfit's step-time calibration of the probed candidates vs their measured step times (~2 min)",
 }
@@ -404,7 +407,10 @@ def run_row(
 
 def _stale(stage: str, doc: dict[str, Any]) -> bool:
     """A finished stage that lacks what the stage measures now: the context stage before
-    `allocator_workspace_bytes` (2026-11-27) runs again (10 s)."""
+    `allocator_workspace_bytes` (2026-11-27) runs again (10 s); so does a long_context stage
+    probed before one-row probes ran their row unpadded (2026-11-28: `probe_batch`)."""
+    if stage == "long_context":
+        return "probe_batch" not in doc["stages"]["long_context"]
     if stage != "context":
         return False
     rows = doc["stages"]["context"].get("rows", [])
@@ -471,6 +477,106 @@ print(json.dumps({"cuda_context_bytes": base, "cublas_workspace_bytes": cublas, 
         return [{"id": "context", "status": "error", "error": p.stderr[-2000:]}]
     m = json.loads(p.stdout.strip().splitlines()[-1])
     return [{"id": "context", "status": "ok", "measured": m}]
+
+
+# Llama-3.1-8B's attention (the evidence model): 32 query heads, 8 key/value heads, head dim 128;
+# 75,621 tokens is the H200's long_context row, where allocated exceeded the estimate by ~s^2 bytes
+SDPA_LONG_CODE = r"""
+import contextlib, json, sys, time, warnings, torch, torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+H, KV, D = 32, 8, 128
+# argv: device, lengths, hidden and intermediate size of the transformers layer (the CPU test runs it small)
+DEV, LENGTHS, HID, INTER = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], int(sys.argv[3]), int(sys.argv[4])
+CUDA = DEV == "cuda"
+def sync(): CUDA and torch.cuda.synchronize()
+def allocated(): return torch.cuda.memory_allocated() if CUDA else 0
+def peak_allocated(): return torch.cuda.max_memory_allocated() if CUDA else 0
+rows = []
+# each backend causal (is_causal, no mask: an unpadded row) with GQA and with K/V repeated to every head; then
+# what a padded row gets from transformers: a (1, 1, s, s) bool mask, is_causal False, K/V repeated
+CASES = [(b, gqa, False) for b in ("default", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+         for gqa in (True, False)] + [("default", False, True), ("EFFICIENT_ATTENTION", False, True)]
+for s in LENGTHS:
+    for backend, gqa, masked in CASES:
+        kind = "masked" if masked else ("gqa" if gqa else "mha")
+        row = {"id": f"sdpa-s{s}-{backend.lower()}-{kind}", "seq_len": s, "backend": backend,
+               "enable_gqa": gqa, "mask": masked}
+        caught = warnings.catch_warnings(record=True)
+        why = caught.__enter__()
+        warnings.simplefilter("always")
+        try:
+            q = torch.randn(1, H, s, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(1, KV if gqa else H, s, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            g = torch.randn(1, H, s, D, device=DEV, dtype=torch.bfloat16)
+            mask = torch.ones(s, s, device=DEV, dtype=torch.bool).tril()[None, None] if masked else None
+            ctx = contextlib.nullcontext() if backend == "default" else sdpa_kernel([getattr(SDPBackend, backend)])
+            times = []
+            with ctx:
+                for _ in range(2):  # the second repetition is timed (the first picks and loads kernels)
+                    q.grad = k.grad = v.grad = None
+                    sync(); CUDA and torch.cuda.reset_peak_memory_stats()
+                    base = allocated(); t0 = time.perf_counter()
+                    if masked:
+                        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                    else:
+                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                    sync(); t1 = time.perf_counter()
+                    fwd_peak = peak_allocated() - base
+                    o.backward(g); sync(); t2 = time.perf_counter()
+                    peak = peak_allocated() - base
+                    del o
+                    times.append((t1 - t0, t2 - t1))
+            row |= {"status": "ok", "measured": {"forward_s": times[-1][0], "backward_s": times[-1][1],
+                    "forward_extra_bytes": fwd_peak, "extra_bytes": peak, "extra_per_s2": peak / s**2}}
+        except Exception as e:  # a backend that refuses these shapes says why (PyTorch warns the reasons)
+            reasons = " | ".join(str(w.message).splitlines()[0][:200] for w in why[:4])
+            row |= {"status": "refused: " + (str(e).splitlines()[0][:200] or type(e).__name__), "why": reasons}
+        caught.__exit__(None, None, None)
+        rows.append(row)
+        q = k = v = g = mask = None
+        CUDA and torch.cuda.empty_cache()
+# what transformers' SDPA path passes for a causal LM step as memfit's trainer runs it (a 2-D all-ones
+# attention mask, labels): one Llama-3.1-8B-shaped layer at 8,192 tokens
+from transformers import LlamaConfig, LlamaForCausalLM
+import transformers.integrations.sdpa_attention as sa
+seen, orig = [], sa.torch.nn.functional.scaled_dot_product_attention
+def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+    seen.append({"attn_mask": None if attn_mask is None else [list(attn_mask.shape), str(attn_mask.dtype)],
+                 "is_causal": bool(is_causal), "enable_gqa": kw.get("enable_gqa"), "kv_heads": k.shape[1]})
+    return orig(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+sa.torch.nn.functional.scaled_dot_product_attention = spy
+cfg = LlamaConfig(hidden_size=HID, intermediate_size=INTER, num_hidden_layers=1, num_attention_heads=H,
+                  num_key_value_heads=KV, vocab_size=1024, max_position_embeddings=131072)
+cfg._attn_implementation = "sdpa"
+m = LlamaForCausalLM(cfg).to(DEV, torch.bfloat16).train()
+ids = torch.randint(0, 1024, (1, LENGTHS[0]), device=DEV)
+m(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False).loss.backward()
+padded = torch.ones_like(ids); padded[:, LENGTHS[0] // 2 :] = 0  # a row padded to twice its length (what the probes ran)
+m(input_ids=ids, attention_mask=padded, labels=ids, use_cache=False).loss.backward()
+rows.append({"id": "transformers-sdpa-call", "status": "ok", "measured": {"unpadded": seen[0], "padded": seen[1],
+             "transformers": __import__("transformers").__version__, "torch": torch.__version__}})
+print(json.dumps(rows))
+"""
+
+
+def stage_sdpa_long(cuda: bool) -> list[dict[str, Any]]:
+    """Causal SDPA alone (forward and backward, bf16, one row) at 8K, 32K and 75,621 tokens, per
+    backend, with grouped-query K/V and with K/V repeated to every head: seconds and the peak
+    beyond the inputs, in bytes and per s^2; and what transformers passes SDPA in a training step.
+    Which kernel allocates the ~s^2 bytes the H200's long_context rows showed, and why their step
+    took 3.6x the estimate."""
+    if not cuda:
+        return [{"id": "sdpa-long", "status": "skipped: needs CUDA (this run has no GPU)"}]
+    p = subprocess.run(
+        [sys.executable, "-c", SDPA_LONG_CODE, "cuda", "8192,32768,75621", "4096", "14336"],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    if p.returncode != 0:
+        return [{"id": "sdpa-long", "status": "error", "error": p.stderr[-2000:]}]
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def stage_long_context(profile: Profile, model_dir, data, work, cuda: bool) -> list[dict[str, Any]]:
@@ -541,12 +647,18 @@ def run_stage(
     no probe starts after `deadline` (time.time()) less the longest probe seen so far."""
     t0 = time.time()
     done = done or {}
+    extra: dict[str, Any] = {}
     if name == "context":
         rows = stage_context(cuda)
+    elif name == "sdpa_long":
+        rows = stage_sdpa_long(cuda)
     else:
         model_dir, data = build(profile, work)
         if name == "long_context":
             rows = stage_long_context(profile, model_dir, data, work, cuda)
+            # micro batch 1: the longest row filled to seq_len with its own tokens, unpadded as
+            # training runs it (memfit.train.batches.probe_rows); before, padded (an s x s mask)
+            extra["probe_batch"] = "one row filled to seq_len"
         elif name == "step_time":
             rows = stage_step_time(profile, model_dir, work, cuda, doc_path, deadline)
         else:
@@ -574,6 +686,7 @@ def run_stage(
         "wall_s": round(time.time() - t0, 1),
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(),
     }
+    part |= extra
     if any(r.get("status") == "skipped: deadline (--deadline)" for r in rows):
         part["partial"] = True  # run the stage again to finish it
     return part
@@ -734,8 +847,15 @@ def table(doc: dict[str, Any]) -> str:
     stages = doc.get("stages", {})
     for st in [stages[k] for k in STAGES if k in stages and k != "step_time"]:
         for r in st["rows"]:
+            if r.get("status") == "ok" and "extra_per_s2" in r.get("measured", {}):  # stage sdpa_long
+                m = r["measured"]
+                lines.append(
+                    f"{r['id']:34} {'ok':8} forward {m['forward_s']:.3f} s, backward {m['backward_s']:.3f} s, "
+                    f"peak beyond inputs {fmt_bytes(m['extra_bytes'])} ({m['extra_per_s2']:.3f} x s^2 bytes)"
+                )
+                continue
             if r.get("status") != "ok" or "estimate" not in r:
-                lines.append(f"{r['id']:34} {r.get('status', '')[:60]}")
+                lines.append(f"{r['id']:34} {str(r.get('status', ''))[:60]} {json.dumps(r.get('measured', ''))[:200]}")
                 continue
             e, m, er = r["estimate"], r["measured"], r["error_rel"]
 

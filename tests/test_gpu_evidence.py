@@ -81,12 +81,12 @@ def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
         calibration.for_gpu("h100-80gb", "9.0", directory=tmp_path)
 
 
-# The dry run's 9 stages in three parts, one test each (together about 3 min on 2 cores, a part
+# The dry run's 10 stages in three parts, one test each (together about 3 min on 2 cores, a part
 # with the long-context fit's two probes took 113 s; one test may take at most 60 s): the CUDA-only
 # skips and three probe stages; a probe stage and the step-time calibration that prices its probe;
 # the attention and allocator stages and the long-context fit.
 HALVES = {
-    "a": ["context", "sft_zero", "dpo_ref", "qlora"],
+    "a": ["context", "sdpa_long", "sft_zero", "dpo_ref", "qlora"],
     "b": ["sft_gc_lora", "step_time"],
     "c": ["attention", "allocator", "long_context"],
 }
@@ -98,7 +98,7 @@ def test_the_halves_cover_every_stage_once(repo):
         [sys.executable, str(repo / "benchmarks/gpu_evidence.py"), "--list-stages"], capture_output=True, text=True
     ).stdout
     stages = [line.split()[0] for line in listed.splitlines()]
-    assert len(stages) == 9 and sorted(stages) == sorted(sum(HALVES.values(), []))
+    assert len(stages) == 10 and sorted(stages) == sorted(sum(HALVES.values(), []))
 
 
 @pytest.mark.slow
@@ -114,7 +114,9 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
     assert set(doc["stages"]) == set(HALVES[half])
     if "context" in doc["stages"]:
         assert doc["stages"]["context"]["rows"][0]["status"].startswith("skipped: needs CUDA")
-    for name in set(HALVES[half]) - {"context", "step_time"}:
+    if "sdpa_long" in doc["stages"]:
+        assert doc["stages"]["sdpa_long"]["rows"][0]["status"].startswith("skipped: needs CUDA")
+    for name in set(HALVES[half]) - {"context", "sdpa_long", "step_time"}:
         ok = [r for r in doc["stages"][name]["rows"] if r["status"] == "ok"]
         assert ok, (name, doc["stages"][name])
         for r in ok:
