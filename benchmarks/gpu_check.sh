@@ -20,8 +20,8 @@
 # 28 s and config/gpu-demo.yaml's workflow about 540 s (2026-11-28: benchmarks/results/gpu_check_h200/),
 # so give it the 10-minute call's 590 s; the evidence stages then need a second call on the warm
 # machine. A call that finds this script's run folder from an earlier call on the same machine
-# goes on with it (Snakemake's --rerun-incomplete: what finished stays finished). STAGEs default to every stage of gpu_evidence.py not yet in the committed
-# evidence, in its order; `--force` measures them again. Exit status: the workflow's summary
+# goes on with it (Snakemake's --rerun-incomplete: what finished stays finished). STAGEs default
+# to every stage of gpu_evidence.py not yet in the committed evidence, in its order; `--force` measures them again. Exit status: the workflow's summary
 # (0: ok), or with MEMFIT_GPU_CHECK_CONFIG=- gpu_evidence.py's. WHEEL_DIR "-"
 # installs nothing (a machine that has memfit's dependencies); MEMFIT_GPU_CHECK_CONFIG=- runs the
 # evidence stages alone (as benchmarks/gpu_evidence_device.sh, which measured the committed

@@ -501,38 +501,36 @@ for s in LENGTHS:
         kind = "masked" if masked else ("gqa" if gqa else "mha")
         row = {"id": f"sdpa-s{s}-{backend.lower()}-{kind}", "seq_len": s, "backend": backend,
                "enable_gqa": gqa, "mask": masked}
-        caught = warnings.catch_warnings(record=True)
-        why = caught.__enter__()
-        warnings.simplefilter("always")
-        try:
-            q = torch.randn(1, H, s, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-            k, v = (torch.randn(1, KV if gqa else H, s, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-                    for _ in range(2))
-            g = torch.randn(1, H, s, D, device=DEV, dtype=torch.bfloat16)
-            mask = torch.ones(s, s, device=DEV, dtype=torch.bool).tril()[None, None] if masked else None
-            ctx = contextlib.nullcontext() if backend == "default" else sdpa_kernel([getattr(SDPBackend, backend)])
-            times = []
-            with ctx:
-                for _ in range(2):  # the second repetition is timed (the first picks and loads kernels)
-                    q.grad = k.grad = v.grad = None
-                    sync(); CUDA and torch.cuda.reset_peak_memory_stats()
-                    base = allocated(); t0 = time.perf_counter()
-                    if masked:
-                        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                    else:
-                        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-                    sync(); t1 = time.perf_counter()
-                    fwd_peak = peak_allocated() - base
-                    o.backward(g); sync(); t2 = time.perf_counter()
-                    peak = peak_allocated() - base
-                    del o
-                    times.append((t1 - t0, t2 - t1))
-            row |= {"status": "ok", "measured": {"forward_s": times[-1][0], "backward_s": times[-1][1],
-                    "forward_extra_bytes": fwd_peak, "extra_bytes": peak, "extra_per_s2": peak / s**2}}
-        except Exception as e:  # a backend that refuses these shapes says why (PyTorch warns the reasons)
-            reasons = " | ".join(str(w.message).splitlines()[0][:200] for w in why[:4])
-            row |= {"status": "refused: " + (str(e).splitlines()[0][:200] or type(e).__name__), "why": reasons}
-        caught.__exit__(None, None, None)
+        with warnings.catch_warnings(record=True) as why:  # a refusing backend warns its reasons
+            warnings.simplefilter("always")
+            try:
+                q = torch.randn(1, H, s, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                k, v = (torch.randn(1, KV if gqa else H, s, D, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                        for _ in range(2))
+                g = torch.randn(1, H, s, D, device=DEV, dtype=torch.bfloat16)
+                mask = torch.ones(s, s, device=DEV, dtype=torch.bool).tril()[None, None] if masked else None
+                ctx = contextlib.nullcontext() if backend == "default" else sdpa_kernel([getattr(SDPBackend, backend)])
+                times = []
+                with ctx:
+                    for _ in range(2):  # the second repetition is timed (the first picks and loads kernels)
+                        q.grad = k.grad = v.grad = None
+                        sync(); CUDA and torch.cuda.reset_peak_memory_stats()
+                        base = allocated(); t0 = time.perf_counter()
+                        if masked:
+                            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                        else:
+                            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                        sync(); t1 = time.perf_counter()
+                        fwd_peak = peak_allocated() - base
+                        o.backward(g); sync(); t2 = time.perf_counter()
+                        peak = peak_allocated() - base
+                        del o
+                        times.append((t1 - t0, t2 - t1))
+                row |= {"status": "ok", "measured": {"forward_s": times[-1][0], "backward_s": times[-1][1],
+                        "forward_extra_bytes": fwd_peak, "extra_bytes": peak, "extra_per_s2": peak / s**2}}
+            except Exception as e:  # a backend that refuses these shapes says why (PyTorch warns the reasons)
+                reasons = " | ".join(str(w.message).splitlines()[0][:200] for w in why[:4])
+                row |= {"status": "refused: " + (str(e).splitlines()[0][:200] or type(e).__name__), "why": reasons}
         rows.append(row)
         q = k = v = g = mask = None
         CUDA and torch.cuda.empty_cache()
@@ -564,8 +562,9 @@ def stage_sdpa_long(cuda: bool) -> list[dict[str, Any]]:
     """Causal SDPA alone (forward and backward, bf16, one row) at 8K, 32K and 75,621 tokens, per
     backend, with grouped-query K/V and with K/V repeated to every head: seconds and the peak
     beyond the inputs, in bytes and per s^2; and what transformers passes SDPA in a training step.
-    Which kernel allocates the ~s^2 bytes the H200's long_context rows showed, and why their step
-    took 3.6x the estimate."""
+    What the masked kernel costs against the causal one, in memory and seconds: the H200's
+    long_context rows, probed on a padded row, measured ~s^2 bytes over the estimate and a step
+    3.6x it."""
     if not cuda:
         return [{"id": "sdpa-long", "status": "skipped: needs CUDA (this run has no GPU)"}]
     p = subprocess.run(
@@ -855,7 +854,8 @@ def table(doc: dict[str, Any]) -> str:
                 )
                 continue
             if r.get("status") != "ok" or "estimate" not in r:
-                lines.append(f"{r['id']:34} {str(r.get('status', ''))[:60]} {json.dumps(r.get('measured', ''))[:200]}")
+                measured = f" {json.dumps(r['measured'])[:200]}" if "measured" in r else ""
+                lines.append(f"{r['id']:34} {str(r.get('status', ''))[:60]}{measured}")
                 continue
             e, m, er = r["estimate"], r["measured"], r["error_rel"]
 
@@ -900,8 +900,8 @@ def summary(doc: dict[str, Any]) -> dict[str, Any]:
 
 def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
     """config/calibration/<gpu>.json from a finished evidence JSON; each value names its source."""
-    # long_context's rows (75K+ tokens) are left out: on the H200 their allocated peak exceeded the
-    # estimate by about s^2 bytes, an open finding (docs/gpus.md), not what these constants describe
+    # long_context's rows (75K+ tokens) are left out: the H200's were probed on a padded row (an
+    # s x s mask training never builds; docs/gpus.md) and wait to be measured again
     rows = {
         r["id"]: r
         for name, st in doc["stages"].items()

@@ -289,8 +289,8 @@ def evidence_rows(results: Path, gpu: str) -> list[tuple[str, float, Estimate]]:
     """(row id, measured seconds per step, memfit's uncalibrated Estimate) for every measured row
     of `gpu`'s evidence file in `results` (the evidence's 4-layer Llama-3.1-8B on one GPU) at the
     stages' 2,048 tokens. The long_context stage's rows (75K-83K tokens on the H200) are left out:
-    there the step took 3.6x the estimate and allocated exceeded it by about s^2 bytes, an open
-    finding that docs/gpus.md states; they are not what these step-time constants were set on."""
+    they were probed on a padded row (an s x s mask and no causal kernel, a step training never
+    runs; docs/gpus.md) and wait to be measured again; nor were these constants set on them."""
     doc = json.loads((Path(results) / EVIDENCE_FILES[gpu]).read_text())
     arch = dataclasses.replace(catalog.model("llama-3.1-8b"), num_layers=4)  # the evidence's reduced model
     out = []
