@@ -49,6 +49,42 @@ def _share_cores(config):
 
 
 REPO = Path(__file__).resolve().parents[1]
+_RANK_SERVER: dict = {}
+
+
+def pytest_collection_finish(session):
+    """The slow tests' DeepSpeed ranks fork from a rank server that has imported torch, DeepSpeed
+    and transformers once (memfit.train.rank_server: about 5 s of each launch's 9-11 s), started
+    here so that it imports while the first tests run. MEMFIT_TEST_RANK_SERVER=0 starts every rank
+    as its own interpreter, as `memfit launch` does for users; the tests that check the launcher's
+    own process handling (tests/test_rank_server.py, test_train's kill -9) start interpreters."""
+    if os.environ.get("MEMFIT_TEST_RANK_SERVER", "1") == "0" or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if not any(item.get_closest_marker("slow") for item in session.items):
+        return
+    import subprocess
+    import sys
+
+    from memfit.train.launch import launch_env, threads_per_rank
+    from memfit.train.rank_server import ENV
+
+    path = os.path.join(_TRACE_CACHE.name, "ranks.sock")
+    log = open(os.path.join(_TRACE_CACHE.name, "rank-server.log"), "w")  # noqa: SIM115 - closed at the end
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit.train.rank_server", path],
+        env=launch_env(threads_per_rank(2)),  # what a rank of a 2-rank run imports its libraries with
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    _RANK_SERVER.update(proc=proc, log=log)
+    os.environ[ENV] = path
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if proc := _RANK_SERVER.pop("proc", None):
+        proc.terminate()
+        proc.wait(timeout=30)
+        _RANK_SERVER.pop("log").close()
 
 
 @pytest.fixture(scope="session")

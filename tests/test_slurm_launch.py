@@ -85,7 +85,8 @@ def test_sigusr1_reaches_the_ranks_and_spares_torchrun(tmp_path):
     import sys
     import time
 
-    from memfit.train.launch import _children, _forward, _ignore_sigusr1
+    from memfit.train.launch import _children, _forward
+    from memfit.train.local_ranks import ignore_sigusr1_preexec
 
     got = tmp_path / "rank-got-usr1"
     rank = (
@@ -105,7 +106,7 @@ def test_sigusr1_reaches_the_ranks_and_spares_torchrun(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", agent, str(got)],
         stdout=subprocess.PIPE,
-        preexec_fn=_ignore_sigusr1,
+        preexec_fn=ignore_sigusr1_preexec,
     )
     assert proc.stdout.readline().strip() == b"ready"
     os.kill(proc.pid, signal.SIGUSR1)  # what SLURM does to every process of the step

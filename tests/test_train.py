@@ -245,7 +245,9 @@ def test_sigkill_during_a_checkpoint_save_then_resume_is_bit_exact(demo_model, d
         "import sys; from pathlib import Path; from memfit.train.launch import launch; "
         f"sys.exit(launch(Path('{out}/run.json'), 2, log=Path('{out}/log.txt')))"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    # ranks started as interpreters, as for users: they die with their parent (PR_SET_PDEATHSIG)
+    env = {k: v for k, v in os.environ.items() if k != "MEMFIT_RANK_SERVER"}
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, env=env)
     ckpts = out / "checkpoints"
     deadline = time.time() + 300
     caught = False

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.train.local_ranks import LocalRanks, free_port
+from memfit.train.local_ranks import LocalRanks, free_port, ignore_sigusr1_preexec
 
 # What a nested srun may inherit: the job's identity and where the config is. Anything else was
 # set for the step this process runs in (a one-node step under the plugin: SLURM_JOB_NODELIST,
@@ -332,7 +332,7 @@ def _start(cmd: list[str], nproc: int, env: dict[str, str], port: int | None, ou
     process that starts them (torchrun; srun, whose per-node launchers take the resolved config)."""
     if port is not None:
         stdout = subprocess.PIPE if console is not None else out
-        ranks = LocalRanks(cmd, nproc, env, port, stdout=stdout, preexec_fn=_ignore_sigusr1)
+        ranks = LocalRanks(cmd, nproc, env, port, stdout=stdout, ignore_sigusr1=True)
         for p in ranks.procs if console is not None else ():
             console.attach(p.stdout)
         return ranks
@@ -343,14 +343,8 @@ def _start(cmd: list[str], nproc: int, env: dict[str, str], port: int | None, ou
         env=srun_env(env) | {RESOLVED_ENV: "1"} if srun else env,
         stdout=out,
         stderr=subprocess.STDOUT if out else None,
-        preexec_fn=None if srun else _ignore_sigusr1,
+        preexec_fn=None if srun else ignore_sigusr1_preexec,
     )
-
-
-def _ignore_sigusr1() -> None:
-    """The ranks' (or torchrun's) preexec: SIGUSR1 ignored (inherited through exec and by torchrun's
-    ranks; a training rank sets its own handler)."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def _forward(proc: subprocess.Popen | LocalRanks, signum: int, to_ranks: bool) -> None:

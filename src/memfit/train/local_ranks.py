@@ -26,8 +26,11 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO
+
+from memfit.train.rank_server import ENV as RANK_SERVER_ENV
+from memfit.train.rank_server import ServerRank
 
 # torch/distributed/elastic/multiprocessing/api.py: PContext.close's default timeout before SIGKILL
 STOP_GRACE_S = 30.0
@@ -39,6 +42,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ignore_sigusr1_preexec() -> None:
+    """A rank's (or torchrun's) preexec: SIGUSR1 ignored (inherited through exec and by torchrun's
+    ranks; a training rank sets its own handler). SLURM signals every process of a step, and the
+    default action would kill it."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 def rank_env(rank: int, nproc: int, port: int, host: str = "127.0.0.1") -> dict[str, str]:
@@ -67,20 +77,28 @@ class LocalRanks:
         nproc: int,
         env: Mapping[str, str],
         port: int,
-        stdout: IO | None = None,
-        preexec_fn: Callable[[], None] | None = None,
+        stdout: IO | int | None = None,
+        ignore_sigusr1: bool = False,
     ) -> None:
         self.args = list(cmd)
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ServerRank] = []
+        # the test suite's rank start-up server (memfit.train.rank_server), for memfit's own ranks
+        server = env.get(RANK_SERVER_ENV) if self.args[1:3] == ["-m", "memfit.cli"] else None
         try:
             for r in range(nproc):
+                rank_env_ = {**env, **rank_env(r, nproc, port)}
+                if server:
+                    self.procs.append(
+                        ServerRank(server, self.args, rank_env_, stdout, stdout is not None, ignore_sigusr1)
+                    )
+                    continue
                 self.procs.append(
                     subprocess.Popen(
                         self.args,
-                        env={**env, **rank_env(r, nproc, port)},
+                        env=rank_env_,
                         stdout=stdout,
                         stderr=subprocess.STDOUT if stdout is not None else None,
-                        preexec_fn=preexec_fn,
+                        preexec_fn=ignore_sigusr1_preexec if ignore_sigusr1 else None,
                     )
                 )
         except BaseException:

@@ -1,0 +1,100 @@
+"""The rank start-up server the slow tests fork their DeepSpeed ranks from
+(memfit.train.rank_server): a rank it forks trains exactly as a started interpreter does, its exit
+code and output reach the launcher as a child's would, and it dies with its launcher."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from deepspeed_runs import base_run, run
+
+from memfit.train.launch import _children
+from memfit.train.rank_server import ENV, ServerRank
+
+pytestmark = pytest.mark.slow
+
+# what a run measures rather than computes: times, and the host RSS (a forked rank maps what the
+# server imported for every kind of run)
+MEASURED = ("tokens_per_s", "step_time_s", "host_rss_bytes")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server of this module's own (the session's, if any, is left alone): (socket path, process)."""
+    from memfit.train.launch import launch_env, threads_per_rank
+
+    path = str(tmp_path_factory.mktemp("server") / "ranks.sock")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit.train.rank_server", path], env=launch_env(threads_per_rank(2))
+    )
+    yield path, proc
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert not Path(path).exists()
+
+
+def _memfit(*args):
+    return [sys.executable, "-m", "memfit.cli", *args]
+
+
+def test_a_forked_rank_trains_exactly_as_a_started_interpreter(server, demo_model, demo_data, tmp_path, monkeypatch):
+    """Losses, evaluation, memory and the exported weights of one run, bit for bit, either way."""
+    monkeypatch.delenv(ENV, raising=False)
+    plain = run(base_run(demo_model, demo_data, tmp_path / "plain", zero=2))
+    monkeypatch.setenv(ENV, server[0])
+    forked = run(base_run(demo_model, demo_data, tmp_path / "forked", zero=2))
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in MEASURED} for r in rows]
+
+    assert strip(forked) == strip(plain)
+    assert (tmp_path / "forked/model/model.safetensors").read_bytes() == (
+        tmp_path / "plain/model/model.safetensors"
+    ).read_bytes()
+    log = (tmp_path / "forked/log.txt").read_text()
+    assert "step 6: eval loss" in log  # the ranks' output reached the launcher's log
+
+
+def test_exit_codes_and_output_reach_the_launcher(server, tmp_path):
+    path, _ = server
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        bad = ServerRank(path, _memfit("no-such-command"), dict(os.environ), stdout=f, stderr_to_stdout=True)
+        assert bad.wait(timeout=120) == 2  # argparse's usage error, as `python -m memfit.cli` exits
+    assert "no-such-command" in out.read_text()
+    ok = ServerRank(path, _memfit("launch", "--help"), dict(os.environ), stdout=subprocess.PIPE)
+    assert ok.wait(timeout=120) == 0
+    assert "Start all ranks of a run on this node." in ok.stdout.read().decode()
+
+
+def test_a_forked_rank_dies_with_its_launcher(server, demo_model, demo_data, tmp_path):
+    """kill -9 of the launcher: the server SIGKILLs its ranks (a started rank dies by PR_SET_PDEATHSIG)."""
+    path, server_proc = server
+    cfg = base_run(demo_model, demo_data, tmp_path / "long", zero=0)
+    cfg.max_steps, cfg.save_every, cfg.eval_every = 10_000, 0, 0
+    Path(cfg.out_dir).mkdir(parents=True)
+    cfg.save(Path(cfg.out_dir) / "run.json")
+    code = (
+        "import sys; from pathlib import Path; from memfit.train.launch import launch; "
+        f"sys.exit(launch(Path('{cfg.out_dir}/run.json'), 2, log=Path('{cfg.out_dir}/log.txt')))"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, ENV: path})
+    metrics = Path(cfg.out_dir) / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count('"train"') >= 2):
+        time.sleep(0.2)
+    ranks = _children(server_proc.pid)
+    assert len(ranks) == 2, (Path(cfg.out_dir) / "log.txt").read_text()[-2000:]
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(Path(f"/proc/{pid}").exists() for pid in ranks):
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+    steps = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
+    assert max(steps) < 10_000
