@@ -1,7 +1,8 @@
-"""The padding_free lever (run config `padding_free: true`, docs/speed.md): an SFT micro batch runs as
-one row of its rows concatenated, position ids restarting per row, instead of a padded [B, L] batch.
-Its loss and gradients equal the padded batch's (per-token mean over the same tokens) in fp32, and a
-run config that asks for it where it does not apply is refused at the CLI, naming the key."""
+"""The padding_free lever (run config `padding_free: true`, docs/speed.md): an SFT or DPO micro batch
+runs as one row of its sequences concatenated, position ids restarting per sequence, instead of a
+padded batch. Its losses and gradients equal the padded batch's in fp32 (SFT: the per-token mean over
+the same tokens; DPO: each sequence's summed response log-probs), and a run config that asks for it
+where it does not apply is refused at the CLI, naming the key."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from memfit import cli, data
 from memfit.space import Candidate
 from memfit.train.modeling import load_model
-from memfit.train.steps import StepRunner, padding_free_batch
+from memfit.train.steps import StepRunner, dpo_padding_free_batch, padding_free_batch
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,59 @@ def test_probe_pads_the_padding_free_row_to_the_padded_worst_case(demo_model, sf
     assert int((batch["labels"] != -100).sum()) == int((padding_free_batch(rows, 0)["labels"] != -100).sum())
 
 
+def dpo_loss_and_grads(demo_model, rows, ref, padding_free, loss_impl="full"):
+    torch.manual_seed(0)
+    cand = Candidate.from_dict({"attn": "sdpa", "precision": "fp32"})
+    model = load_model(str(demo_model), cand, trainable=True)
+    model.train()
+    ref_model = load_model(str(demo_model), cand, trainable=False) if ref == "model" else None
+    if ref_model is not None:  # a reference that differs from the policy, so the log-ratios are not 0
+        with torch.no_grad():
+            for p in ref_model.parameters():
+                p.mul_(0.9)
+    runner = StepRunner(
+        "dpo", model, ref_model, 0, dpo={"beta": 0.1}, ref=ref, padding_free=padding_free, loss_impl=loss_impl
+    )
+    loss, metrics, tokens = runner.loss(rows)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), metrics, tokens, grads
+
+
+@pytest.mark.parametrize("ref, loss_impl", [("model", "full"), ("precomputed", "full"), ("model", "chunked")])
+def test_dpo_padding_free_equals_the_padded_batch(demo_model, mixed_dpo_pairs, ref, loss_impl):
+    """DPO's chosen and rejected sequences of four pairs of mixed lengths as one row: the loss, every
+    metric (rewards, margins, accuracies, log-probs) and the gradients equal the padded [8, L] batch's
+    within 1e-5 in fp32, with the reference as a model (its own forward of the same row) or precomputed,
+    and with the chunked loss; the row holds the sequences' tokens only."""
+    rows = [dict(r) for r in mixed_dpo_pairs[0]]
+    for r in rows:  # precomputed reference log-probs, as the run's pass before training writes them
+        r["ref_chosen_logps"], r["ref_rejected_logps"] = -float(len(r["chosen_ids"])), -float(len(r["rejected_ids"]))
+    pad_loss, pad_m, pad_tokens, pad_grads = dpo_loss_and_grads(demo_model, rows, ref, False, loss_impl)
+    free_loss, free_m, free_tokens, free_grads = dpo_loss_and_grads(demo_model, rows, ref, True, loss_impl)
+    assert free_loss == pytest.approx(pad_loss, abs=1e-5)
+    assert free_m.keys() == pad_m.keys()
+    for k in pad_m:
+        assert free_m[k] == pytest.approx(pad_m[k], abs=1e-4), k
+    lengths = [len(r["prompt_ids"]) + len(r[k]) for k in ("chosen_ids", "rejected_ids") for r in rows]
+    assert free_tokens == pad_tokens == sum(lengths)
+    assert pad_grads.keys() == free_grads.keys()
+    for name, g in pad_grads.items():
+        torch.testing.assert_close(free_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    batch, segments = dpo_padding_free_batch(rows, 0)
+    assert batch["input_ids"].shape == (1, sum(lengths)) < (1, len(lengths) * max(lengths))
+    assert segments.tolist() == [k for k, n in enumerate(lengths) for _ in range(n)]
+
+
+def test_a_dpo_probe_pads_the_row_to_the_padded_worst_case(mixed_dpo_pairs):
+    """pad_to (a probe's seq_len): the row is 2 x rows x seq_len tokens, the padding in no sequence."""
+    rows = mixed_dpo_pairs[0]
+    batch, segments = dpo_padding_free_batch(rows, 0, pad_to=32)
+    assert batch["input_ids"].shape == (1, 2 * len(rows) * 32)
+    real = sum(len(r["prompt_ids"]) + len(r[k]) for k in ("chosen_ids", "rejected_ids") for r in rows)
+    assert int(segments.lt(2 * len(rows)).sum()) == real
+
+
 def _run_config(tmp_path, demo_model, demo_data, method, **extra):
     cfg = {
         "method": method,
@@ -105,7 +159,7 @@ def _run_config(tmp_path, demo_model, demo_data, method, **extra):
 @pytest.mark.parametrize(
     "method, extra, expected",
     [
-        ("dpo", {"padding_free": True}, "padding_free: applies to sft only"),
+        ("kto", {"padding_free": True}, "padding_free: applies to sft and dpo only"),
         (
             "sft",
             {"padding_free": True, "candidate": {"sequence_parallel": 2, "seq_len": 32, "precision": "fp32"}},
@@ -148,16 +202,18 @@ def test_padding_free_under_flash_attention_equals_the_padded_batch(demo_model, 
 
 
 @pytest.mark.slow
-def test_a_padding_free_run_trains_like_the_padded_run(demo_model, demo_data, tmp_path):
-    """Through the trainer (run.json `padding_free: true`, DeepSpeed ZeRO-2, 2 ranks): the first step's
-    loss equals the padded run's within 1e-5 (the same weights, the same tokens); the later steps stay
-    within 1e-4 (fp32 rounding carried through two AdamW steps), and the held-out losses agree."""
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_a_padding_free_run_trains_like_the_padded_run(demo_model, demo_data, tmp_path, method):
+    """Through the trainer (run.json `padding_free: true`, DeepSpeed ZeRO-2, 2 ranks; DPO with its
+    reference model): the first step's loss equals the padded run's within 1e-5 (the same weights, the
+    same tokens); the later steps stay within 1e-4 (fp32 rounding carried through two AdamW steps), and
+    the held-out losses agree."""
     import dataclasses
 
     from deepspeed_runs import base_run, run_side_by_side
 
     padded = dataclasses.replace(
-        base_run(demo_model, demo_data, tmp_path / "padded"), max_steps=3, save_every=0, eval_every=3
+        base_run(demo_model, demo_data, tmp_path / "padded", method=method), max_steps=3, save_every=0, eval_every=3
     )
     free = dataclasses.replace(padded, out_dir=str(tmp_path / "free"), padding_free=True)
     a, b = run_side_by_side(padded, free)

@@ -245,11 +245,12 @@ def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -
 
 
 def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> list[str]:
-    """What is wrong with the padding_free lever (docs/speed.md): SFT only, and not with sequence parallelism."""
+    """What is wrong with the padding_free lever (docs/speed.md): SFT and DPO only, and not with
+    sequence parallelism."""
     out = []
-    if padding_free and method != "sft":
+    if padding_free and method not in ("sft", "dpo"):
         out.append(
-            f"padding_free: applies to sft only for now ({method}'s paired forward keeps padded rows); set it to false"
+            f"padding_free: applies to sft and dpo only for now ({method}'s forward keeps padded rows); set it to false"
         )
     if padding_free and sequence_parallel > 1:
         out.append(

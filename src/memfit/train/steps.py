@@ -9,7 +9,7 @@ import torch
 from memfit.train import preference
 from memfit.train.batches import collate, collate_packed
 from memfit.train.dist import device as _device
-from memfit.train.losses import DPOConfig, dpo_loss, token_logps
+from memfit.train.losses import IGNORE_INDEX, DPOConfig, dpo_loss, token_logps
 from memfit.train.sequence_parallel import SequenceShard, shard_batch
 from memfit.train.vocab_loss import ChunkedHead
 
@@ -43,8 +43,9 @@ class StepRunner:
         runs its slice of every sequence, and the losses are the whole sequences'.
         rm, orpo, simpo, kto (memfit.train.preference): `pref` their TRL-named hyperparameters; rm's
         `engine` a sequence-classification model; kto's `ref_engine` as DPO's.
-        `padding_free` (SFT): each micro batch runs as one row, its rows concatenated with position
-        ids restarting at every row (`padding_free_batch`), so no padding is computed."""
+        `padding_free` (SFT, DPO): each micro batch runs as one row, its sequences concatenated with
+        position ids restarting at every sequence (`padding_free_batch`, `dpo_padding_free_batch`),
+        so no padding is computed."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
         self.ref_mode, self.loss_on, self.flatten_packs = ref, loss_on, flatten_packs
         self.dpo = DPOConfig(**(dpo or {})) if method == "dpo" else None
@@ -55,8 +56,8 @@ class StepRunner:
         self._heads: dict[int, ChunkedHead] | None = {} if loss_impl == "chunked" else None
         self.loss_chunk_tokens = loss_chunk_tokens
         self.shard = shard if shard is not None and shard.size > 1 else None
-        if padding_free and method != "sft":
-            raise ValueError(f"padding_free applies to sft only, not {method}")
+        if padding_free and method not in ("sft", "dpo"):
+            raise ValueError(f"padding_free applies to sft and dpo only, not {method}")
         self.padding_free = padding_free
 
     def token_logps(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +119,14 @@ class StepRunner:
 
         packed (SFT): `rows` are packs (lists of rows), see `collate_packed`.
         """
-        if self.padding_free:
+        if self.padding_free and self.method == "sft":
             return self._padding_free(rows, pad_to, packed)
+        if self.padding_free:  # DPO: the 2 x rows sequences as one row
+            flat, segments = dpo_padding_free_batch(rows, self.pad_id, pad_to)
+            tokens = int(segments.lt(2 * len(rows)).sum())
+            batch = self._batch(flat)
+            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+            return self._dpo(rows, batch["labels"], inputs, tokens, segments.to(self.device))
         if packed:  # under sequence parallelism: the pack's shard (flash attention only: sequence_parallel.check)
             batch = self._batch(collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs))
             loss, value = self._sft(
@@ -142,12 +149,34 @@ class StepRunner:
         if self.method == "sft":
             loss, value = self._sft(batch["labels"], **inputs, use_cache=False)
             return loss, {"loss": value * len(rows)}, tokens
+        return self._dpo(rows, batch["labels"], inputs, tokens)
+
+    def _dpo(
+        self,
+        rows: list[Any],
+        labels: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        tokens: int,
+        segments: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float], int]:
+        """DPO on [chosen rows; rejected rows]: padded [2n, L] (`segments` None), or one row of
+        their tokens whose `segments` say which sequence each token belongs to (2n: padding)."""
         assert self.dpo is not None
-        token_lp, mask = self.token_logps(self.engine, batch["labels"], **inputs, use_cache=False)
-        logps, lengths = token_lp.sum(-1), mask.sum(-1)  # log pi(y|x) summed over the response
+        n = len(rows)
+
+        def per_sequence(token_lp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """log pi(y|x) summed over each sequence's response tokens, and the response lengths."""
+            if segments is None:
+                return token_lp.sum(-1), mask.sum(-1)
+            # position t scores token t + 1 (token_logps shifts): the sequence of the token scored
+            seg = segments[1:]
+            sums = token_lp.new_zeros(2 * n + 1).index_add(0, seg, token_lp[0])
+            lengths = mask.new_zeros(2 * n + 1, dtype=torch.long).index_add(0, seg, mask[0].long())
+            return sums[: 2 * n], lengths[: 2 * n]
+
+        logps, lengths = per_sequence(*self.token_logps(self.engine, labels, **inputs, use_cache=False))
         if self.shard is not None:  # the whole sequences' sums; gradients through this rank's tokens
             logps, lengths = self.shard.sum_with_own_grad(logps), self.shard.sum(lengths)
-        n = len(rows)
         if self.ref_mode == "precomputed":
             ref = torch.tensor(
                 [r["ref_chosen_logps"] for r in rows] + [r["ref_rejected_logps"] for r in rows],
@@ -158,10 +187,10 @@ class StepRunner:
             with torch.no_grad():
                 if self.ref_mode == "adapter":
                     with getattr(self.engine, "module", self.engine).disable_adapter():
-                        ref_lp, _ = self.token_logps(self.engine, batch["labels"], **inputs)
+                        ref_lp = per_sequence(*self.token_logps(self.engine, labels, **inputs))[0]
                 else:
-                    ref_lp, _ = self.token_logps(self.ref, batch["labels"], **inputs)
-                ref = ref_lp.sum(-1) if self.shard is None else self.shard.sum(ref_lp.sum(-1))
+                    ref_lp = per_sequence(*self.token_logps(self.ref, labels, **inputs))[0]
+                ref = ref_lp if self.shard is None else self.shard.sum(ref_lp)
         losses, metrics = dpo_loss(logps[:n], logps[n:], ref[:n], ref[n:], self.dpo, lengths[:n], lengths[n:])
         sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
         scale = self.shard.loss_scale if self.shard is not None else 1.0
@@ -175,3 +204,27 @@ def padding_free_batch(
     restarting per row, as one pack of `collate_packed`; the first token of each row is not a
     target, as in the padded batch, where nothing predicts it."""
     return collate_packed([rows], pad_id, pad_to, loss_on, flatten=True)
+
+
+def dpo_padding_free_batch(
+    rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """DPO `rows` as one row: prompt + chosen of every row, then prompt + rejected (the padded
+    batch's order, `collate`), position ids restarting per sequence, labels on the responses; and
+    each token's sequence index [L] (2 x rows for the padding `pad_to` adds: the probes' worst
+    case, pad_to x 2 x rows tokens). The first token of each sequence is never a target, as padded."""
+    seqs = [
+        {
+            "input_ids": list(r["prompt_ids"]) + list(r[key]),
+            "labels": [IGNORE_INDEX] * len(r["prompt_ids"]) + list(r[key]),
+        }
+        for key in ("chosen_ids", "rejected_ids")
+        for r in rows
+    ]
+    batch = collate_packed([seqs], pad_id, pad_to * len(seqs) if pad_to else None, "response", flatten=True)
+    segments = torch.full((batch["input_ids"].shape[1],), len(seqs), dtype=torch.long)
+    start = 0
+    for k, seq in enumerate(seqs):
+        segments[start : start + len(seq["input_ids"])] = k
+        start += len(seq["input_ids"])
+    return batch, segments
