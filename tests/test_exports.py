@@ -142,7 +142,7 @@ CASES = {
     "dpo-full-precomputed-hinge": (
         "dpo",
         {"zero": 2, "ref": "precomputed", "precision": "bf16"},
-        {"dpo": {"beta": 0.1, "loss_type": "hinge"}},
+        {"dpo": {"beta": 0.1, "loss_type": "hinge"}, "padding_free": True},
     ),
 }
 
@@ -209,12 +209,13 @@ def test_openrlhf_command_uses_only_its_flags_and_maps_the_levers(written):
             "ref adapter",
         ],
         "sft-qlora-chunked": ["loss_impl chunked", "lora_alpha 24.5"],
-        "dpo-full-precomputed-hinge": ["loss_type hinge", "ref precomputed"],
+        "dpo-full-precomputed-hinge": ["loss_type hinge", "ref precomputed", "padding_free with attn sdpa"],
     }[case]
     for lever in expected:
         assert f"#   - {lever}" in notes
     if case == "dpo-lora-z3-offload-ref-adapter-ipo":
         assert "--model.ipo_enable" in argv and got["--model.beta"] == "0.3"
+    assert ("--ds.packing_samples" in argv) == (plan.run.packing or plan.run.padding_free)
 
     src = _openrlhf_source()
     if src is None:
@@ -298,7 +299,9 @@ def test_hf_training_args_parse_and_agree_with_the_deepspeed_json(written, monke
     if plan.run.method == "dpo":
         assert full.beta == plan.run.dpo["beta"] and full.loss_type == [plan.run.dpo["loss_type"]]
         assert full.precompute_ref_log_probs == (plan.run.cand.ref == "precomputed")
+        assert full.padding_free == plan.run.padding_free
     else:
+        assert full.padding_free == plan.run.padding_free
         assert full.packing == plan.run.packing and full.completion_only_loss == (plan.run.loss_on == "response")
     if plan.run.cand.finetune != "full":
         lora = LoraConfig(**extra["peft_lora_config"])

@@ -132,6 +132,7 @@ def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str], not
         trl["packing"] = run.packing
         if run.packing:
             trl["packing_strategy"] = "bfd"  # memfit.data.pack: best-fit decreasing, TRL's default
+        trl["padding_free"] = run.padding_free  # SFTConfig: one row per batch, positions restarting per row
     elif run.method == "dpo":
         dpo = run.dpo
         trl |= {
@@ -139,6 +140,7 @@ def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str], not
             "loss_type": [dpo.get("loss_type", "sigmoid")],
             "label_smoothing": dpo.get("label_smoothing", 0.0),
             "precompute_ref_log_probs": c.ref == "precomputed",
+            "padding_free": run.padding_free,  # DPOConfig: the batch's sequences as one row
         }
     else:
         trl |= _trl_pref_fields(plan, missing, notes)

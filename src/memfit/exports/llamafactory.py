@@ -72,6 +72,11 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
         "processor_utils.py infer_seqlen); memfit never cuts a prompt (drops the row) and cuts responses only"
     )
     y |= _method_args(plan) if run.method in ("sft", "dpo") else _pref_args(plan, fmt, missing)
+    if run.padding_free:
+        missing.append(
+            "padding_free: LLaMA-Factory pads every batch (its packing and neat_packing pack rows into "
+            "sequences: memfit's `packing`, SFT only)"
+        )
     y |= _reference_args(plan, missing)
     y |= _chat_args(plan, fmt, missing)
     y |= _long_context(c, missing)

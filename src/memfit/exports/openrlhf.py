@@ -227,25 +227,31 @@ def _optimizer_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
 
 
 def _sft_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
-    """SFT: what the loss scores, packing."""
-    run, c = plan.run, plan.run.cand
+    """SFT: what the loss scores, packing and padding_free."""
+    run = plan.run
     a: list[tuple[str, Any]] = []
     if run.loss_on == "all":
         missing.append(
             "loss_on all: OpenRLHF scores the output only (--model.pretrain_mode_enable scores a plain "
             "text column, another data format)"
         )
-    if run.packing:
-        a.append(("--ds.packing_samples", True))
-        if c.attn != "flash":
-            missing.append(
-                f"packing with attn {c.attn}: OpenRLHF packs with flash_attention_2 only (it switches to it)"
-            )
-    return a
+    return a + _packing_samples(plan, missing)
+
+
+def _packing_samples(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
+    """memfit's `packing` (SFT) and `padding_free` (SFT, DPO): OpenRLHF's --ds.packing_samples runs a
+    micro batch's samples as one row, each attending within itself (flash-attention varlen)."""
+    run, c = plan.run, plan.run.cand
+    if not (run.packing or run.padding_free):
+        return []
+    if c.attn != "flash":
+        lever = "packing" if run.packing else "padding_free"
+        missing.append(f"{lever} with attn {c.attn}: OpenRLHF packs with flash_attention_2 only (it switches to it)")
+    return [("--ds.packing_samples", True)]
 
 
 def _dpo_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
-    """DPO: beta, loss type, label smoothing, the reference."""
+    """DPO: beta, loss type, label smoothing, the reference, padding_free."""
     run, c = plan.run, plan.run.cand
     a: list[tuple[str, Any]] = []
     dpo = run.dpo
@@ -258,7 +264,7 @@ def _dpo_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
     a.append(("--model.label_smoothing", dpo.get("label_smoothing", 0.0)))
     if c.ref != "model":
         missing.append(f"ref {c.ref}: OpenRLHF always holds a reference model (closest memory lever: --ref.offload)")
-    return a
+    return a + _packing_samples(plan, missing)
 
 
 def _rm_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
