@@ -32,6 +32,7 @@ $(STAMP): pyproject.toml requirements-cpu.lock
 	$(BIN)/python tools/uv_install.py $(BIN)/python requirements-cpu.lock \
 		|| $(BIN)/python -m pip install -q --no-deps -r requirements-cpu.lock
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m compileall -q src  # memfit's own .pyc likewise (tools/uv_install.py)
 	$(BIN)/python -m pip check
 	$(MAKE) ops
 	touch $@

@@ -13,15 +13,20 @@ adapter-disabled policy on both sides (TRL's ref_model=None with peft, memfit's 
 
 Variants per (method, finetune), run in alternating rounds (TRL, memfit, memfit levers, TRL, ...) so
 other load on the machine spreads over all of them:
-- trl: the trainer as configured above; trl+padding_free (SFT): TRL's padding_free=True collator
-  (one row of concatenated rows with position_ids; transformers masks it block-causally under sdpa);
+- trl: the trainer as configured above; trl+padding_free: TRL's padding_free=True (SFTConfig,
+  DPOConfig: one row of concatenated sequences with position_ids; transformers masks it
+  block-causally under sdpa);
   TRL's use_liger_kernel is reported as skipped unless the liger-kernel package and a CUDA GPU exist
   (its Triton kernels need CUDA);
 - memfit: memfit.train.steps.StepRunner + backward + AdamW.step (no DeepSpeed: the step itself);
   memfit+compile: regional torch.compile of the decoder layers (memfit.train.compile, RunConfig.compile);
   the steps that compiled a graph (the first, a new batch length, a batch without padding) are not
   measured but summed as compile_s, and the run goes on until --steps steps compiled nothing;
-  memfit+padding_free (SFT): RunConfig.padding_free.
+  memfit+padding_free: RunConfig.padding_free (SFT and DPO).
+
+The padding share per method (of the tokens a padded batch of --batch rows or pairs computes, the
+share that is padding: mean over 1,000 batches drawn from the same rows) is printed beside the table:
+padding-free's tokens/s gain over the padded step is what that share predicts at most.
 
 Reported per variant, best round: steps/s; non-padding tokens/s = steps/s x batch x the mean
 non-padding tokens of a training unit (a row for SFT; a pair's chosen + rejected sequences for DPO) over the rows
@@ -123,11 +128,31 @@ def flops_per_token(model_dir: Path, finetune: str, method: str, seq: float) -> 
 
 def variants(method: str) -> list[tuple[str, dict]]:
     """(name, options) of each side run for `method`."""
-    out = [("trl", {}), ("memfit", {}), ("memfit+compile", {"compile": True})]
-    if method == "sft":
-        out[1:1] = [("trl+padding_free", {"padding_free": True})]
-        out.append(("memfit+padding_free", {"padding_free": True}))
-    return out
+    return [
+        ("trl", {}),
+        ("trl+padding_free", {"padding_free": True}),
+        ("memfit", {}),
+        ("memfit+compile", {"compile": True}),
+        ("memfit+padding_free", {"padding_free": True}),
+    ]
+
+
+def padding_share(rows: list[dict], method: str, batch: int, seed: int, draws: int = 1000) -> float:
+    """The share of a padded batch's tokens that are padding (`collate` pads each batch to its
+    longest sequence; DPO: the 2 x batch chosen and rejected sequences), over `draws` random batches."""
+    import random
+
+    rng = random.Random(seed)
+    pad = total = 0
+    for _ in range(draws):
+        picked = rng.sample(rows, batch)
+        if method == "sft":
+            lengths = [len(r["input_ids"]) for r in picked]
+        else:
+            lengths = [len(r["prompt_ids"]) + len(r[k]) for k in ("chosen_ids", "rejected_ids") for r in picked]
+        total += len(lengths) * max(lengths)
+        pad += len(lengths) * max(lengths) - sum(lengths)
+    return pad / total
 
 
 def run_one(name: str, opts: dict, method: str, finetune: str, ctx: dict, a, out: Path) -> dict:
@@ -187,10 +212,12 @@ def main() -> None:
             "pad_id": AutoTokenizer.from_pretrained(model_dir).pad_token_id,
         }
         tokens: dict[str, float] = {}
+        ctx_rows: dict[str, list[dict]] = {}
         for m in methods:
             data.prepare(m, REPO / f"data/demo/{m}.jsonl", model_dir, tmp / m, max_len=a.max_len, eval_fraction=0.05)
             rows = data.load_split(tmp / m, "train")[: a.rows]
             ctx["rows"][m] = rows
+            ctx_rows[m] = rows
             if m == "sft":
                 tokens[m] = statistics.mean(len(r["input_ids"]) for r in rows)
             else:
@@ -242,6 +269,8 @@ def main() -> None:
         f"matmul peak {peak / 1e9:.1f} GFLOP/s; load average per round {[(x['before'][0], x['after'][0]) for x in loads]}"
     )
     print(f"TRL use_liger_kernel: {liger_status() or 'available'}")
+    shares = {m: padding_share(ctx_rows[m], m, a.batch, a.seed) for m in methods}
+    print("padding share of a padded batch: " + ", ".join(f"{m} {v:.1%}" for m, v in shares.items()))
     print(f"{'method':6} {'finetune':8} {'variant':22} {'tokens/s':>10} {'MFU':>8} {'x TRL':>7}")
     for row in table:
         print(
@@ -258,6 +287,7 @@ def main() -> None:
         "matmul_peak_flops": peak,
         "flops_per_token": {f"{m}/{f}": v for (m, f), v in fpt.items()},
         "tokens_per_unit": tokens,
+        "padding_share": shares,
         "liger": liger_status() or "available",
         "load_average": loads,
         "best": table,
