@@ -16,7 +16,7 @@ print `order` and their predicted tokens/s/GPU: they are compared within their s
 Then the median |error| over the rows with an absolute figure, the pairwise order agreement of
 every sweep (pairs the table lists as ties skipped) and overall, and the rows not compared,
 with the reason. Every prediction is memfit's ASSUMED step-time model (40% MFU of the catalog
-GPU's dense peak plus un-overlapped communication: memfit.estimate.costs.step_time); no GPU
+GPU's dense peak plus un-overlapped communication: memfit.estimate.time.costs.step_time); no GPU
 calibration exists. --assumptions also prints how each row was mapped where the table leaves a
 setting open (attention kernel, precision, selective checkpointing, inter-node network).
 """
@@ -29,8 +29,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from unittest import mock
 
-from memfit.estimate import costs
-from memfit.estimate import validation_time as v
+from memfit_validation import step_time as v
+
+from memfit.estimate.time import costs
 
 UNITS = {"tokens_per_s_per_gpu": "tok/s/GPU", "seconds_per_step": "s/step"}
 

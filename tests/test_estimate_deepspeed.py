@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import catalog, estimate
+from memfit.estimate import estimate
+from memfit.estimate.models import catalog
 from memfit.space import Candidate
 
 pytestmark = pytest.mark.slow

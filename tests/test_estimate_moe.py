@@ -21,7 +21,6 @@ import torch
 from memfit.estimate import (
     Settings,
     activations,
-    catalog,
     estimate,
     main,
     model_states,
@@ -30,8 +29,9 @@ from memfit.estimate import (
     trainable_params,
     zero3_gathered_bytes,
 )
-from memfit.estimate.costs import step_flops
 from memfit.estimate.coverage import measure_step_peak
+from memfit.estimate.models import catalog
+from memfit.estimate.time.costs import step_flops
 from memfit.space import Candidate
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"

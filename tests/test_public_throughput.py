@@ -1,6 +1,6 @@
 """memfit's step time against published GPU training throughput (tests/public_throughput.yaml).
 
-memfit.estimate.validation_time maps every row of the table to an estimator call and converts
+memfit_validation.step_time maps every row of the table to an estimator call and converts
 the predicted step time to the row's published unit. These tests hold what the comparison
 guarantees today: the table loads and is consistent (sweeps name real rows, each published
 order agrees with the printed figures), every row memfit can represent gets a finite positive
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from memfit_validation import step_time as v
 
-from memfit.estimate import catalog
-from memfit.estimate import validation_time as v
+from memfit.estimate.models import catalog
 
 ROWS, SWEEPS = v.load_table()
 BY_ID = {r.id: r for r in ROWS}

@@ -16,9 +16,9 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.estimate.arch import ModelArch
 from memfit.estimate.core import Estimate, largest_fitting, sequence_parallel_sizes
-from memfit.estimate.method_terms import shape
+from memfit.estimate.memory.method_terms import shape
+from memfit.estimate.models.arch import ModelArch
 from memfit.space import Candidate
 
 # A configuration that fits with less than this share of its usable device memory left (after the

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.estimate.calibration import UNCALIBRATED_MARGIN
-from memfit.estimate.method_terms import METHODS
+from memfit.estimate.memory.method_terms import METHODS
+from memfit.estimate.models.calibration import UNCALIBRATED_MARGIN
 from memfit.estimate.settings import DEFAULT_SETTINGS, LOGITS_HANDLING, TRAINER_LOADERS
 
 # headroom on the cpu device when none is given: what the shipped cpu configs keep
@@ -380,7 +380,7 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
         choices=["analytic", "traced"],
         default="analytic",
         help="activation terms from formulas, or from a traced CPU run of the model's code "
-        "(fake tensors, cached per shape; memfit.estimate.trace); a model without a hand-written "
+        "(fake tensors, cached per shape; memfit.estimate.trace.trace); a model without a hand-written "
         "card is traced either way",
     )
     p.add_argument(

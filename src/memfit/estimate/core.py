@@ -9,30 +9,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate import allocator, calibration, timing
-from memfit.estimate.activation_memory import Activations, activations
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
-from memfit.estimate.costs import (
-    cached_logits_block,
-    compute_source,
-    device_overheads,
-    fragmentation,
-    host_memory,
-    modelled_step,
-    step_flops,
+from memfit.estimate.memory import allocator
+from memfit.estimate.memory.activation_memory import Activations, activations
+from memfit.estimate.memory.held_logits import fp32_logits_block
+from memfit.estimate.memory.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
+from memfit.estimate.memory.offload_activations import offload_checkpoints
+from memfit.estimate.memory.overheads import cached_logits_block, device_overheads, fragmentation, host_memory
+from memfit.estimate.memory.phases import peak_breakdown, step_phases
+from memfit.estimate.memory.states import model_states
+from memfit.estimate.memory.trainer_terms import apply_trainer_terms
+from memfit.estimate.models import calibration
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
+from memfit.estimate.models.generic import generic_arch
+from memfit.estimate.models.params import param_layout, trainable_params
+from memfit.estimate.models.validity import (
+    check_arch,
+    hardware_problems,
+    model_problems,
+    planning_notes,
+    unsupported_features,
 )
-from memfit.estimate.generic import generic_arch
-from memfit.estimate.held_logits import fp32_logits_block
-from memfit.estimate.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
-from memfit.estimate.offload_activations import offload_checkpoints
-from memfit.estimate.params import param_layout, trainable_params
-from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.states import model_states
-from memfit.estimate.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
-from memfit.estimate.trainer_terms import apply_trainer_terms
-from memfit.estimate.validity import check_arch, hardware_problems, model_problems, planning_notes, unsupported_features
+from memfit.estimate.time import timing
+from memfit.estimate.time.costs import compute_source, modelled_step, step_flops
+from memfit.estimate.trace.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
 from memfit.space import Candidate
 from memfit.units import GIB
 
@@ -43,7 +44,7 @@ class Estimate:
 
     peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
     peak_reserved_bytes: int = 0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
-    # what makes reserved exceed the allocated bytes of its phase (memfit.estimate.allocator.Reserved.terms)
+    # what makes reserved exceed the allocated bytes of its phase (memfit.estimate.memory.allocator.Reserved.terms)
     reserved_terms: dict[str, int] = field(default_factory=dict)
     device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
     device_memory_bytes: int = 0  # the device's whole memory (or the budget)
@@ -297,7 +298,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
 def _reserved(job: Job, cand: Candidate, est: Estimate, phases, states, acts, cal) -> None:
     """Reserved memory at the peak: the caching allocator's segments, from its mechanisms
-    (memfit.estimate.allocator); the host has no caching allocator."""
+    (memfit.estimate.memory.allocator); the host has no caching allocator."""
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
     logits_block = fp32_logits_block(job.arch, cand, job.method, job.settings)
     if job.gpu.name == "cpu":  # no caching allocator on the host
@@ -327,7 +328,7 @@ def _step_time(
 ) -> tuple[dict[str, float], str, dict[str, float]]:
     """Seconds per optimizer step by term, where they come from, and the compute term by
     operation class (empty unless the roofline priced it): the machine's calibration
-    (memfit.estimate.timing) when `settings.step_time_calibration` has this candidate on this
+    (memfit.estimate.time.timing) when `settings.step_time_calibration` has this candidate on this
     world size, else the modelled step (costs.modelled_step, its source stated)."""
     why = "no calibration measured (the calibrate stage measures one where probes run)"
     if settings.step_time_calibration:

@@ -1,4 +1,4 @@
-"""What the estimator refuses instead of guessing (re-exported by memfit.estimate.arch)."""
+"""What the estimator refuses instead of guessing (re-exported by memfit.estimate.models.arch)."""
 
 
 class UnsupportedArchitecture(ValueError):

@@ -1,0 +1,13 @@
+"""The cards the estimator reads: what a model and a GPU are, before any memory or time.
+
+Owns the model architecture card (`arch`: `ModelArch`), the model and GPU catalogs (`catalog`,
+config/models.yaml and config/gpus.yaml), config.json parsing (`hf_config`, `config_fields`),
+the layout transformers itself builds (`inventory` on fake tensors from `fake_mode`, `generic`
+for a model without a hand-written card), the parameter layout and LoRA targets (`params`), what
+a card or a GPU cannot run (`validity`), the local GPU (`detect`) and each GPU's measured
+calibration file (`calibration`: config/calibration/<gpu>.json, the device terms and kernel
+rates memory/ and time/ read). The lowest room: may import only the estimator's vocabulary
+(`memfit.estimate.settings`, `memfit.estimate.errors`), the top-level vocabulary
+(`memfit.space`, `memfit.units`, ...) and the trainer's LoRA configuration (`memfit.train.lora`);
+never memory/, trace/, time/ or the modules above them.
+"""
