@@ -37,7 +37,7 @@ CASES = {
     # ZeRO-0 at grad_accum 2: param.grad lives across micro steps (engine.py step boundary)
     "z0-dpo-mb8": ("dpo", dict(zero=0, micro_batch=8, ref="precomputed")),
     "z2-sft-mb16": ("sft", dict(zero=2, micro_batch=16)),
-    # ZeRO-3: gathered parameters kept for reuse (states.zero3_gathered_bytes)
+    # ZeRO-3: gathered parameters kept for reuse (zero3.zero3_gathered_bytes)
     "z3-sft-mb16": ("sft", dict(zero=3, micro_batch=16)),
     # ZeRO-3 + non-reentrant checkpointing: each layer's forward runs again inside its backward
     "z3-gc-sft-mb4": ("sft", dict(zero=3, micro_batch=4, grad_ckpt=True)),

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from memfit.estimate.memory.states import zero3_subgroups
+from memfit.estimate.memory.zero3 import zero3_subgroups
 from memfit.estimate.models import catalog, generic, inventory
 from memfit.estimate.models.params import _inventory_layout, param_layout, trainable_params
 from memfit.estimate.settings import Settings

@@ -117,7 +117,7 @@ def test_explained_rows_say_why():
 # - 2026-11-23 (later): two ZeRO mechanisms from DeepSpeed's source entered the estimator: the reduce
 #   bucket is allocated whole however few parameters train (stage3.py IPG buffer), and ZeRO-3
 #   keeps parameters gathered for reuse within stage3_max_reuse_distance and prefetches up to
-#   stage3_max_live_parameters (states.zero3_gathered_bytes; on 2 CPU ranks DeepSpeed 0.19.8 held
+#   stage3_max_live_parameters (zero3.zero3_gathered_bytes; on 2 CPU ranks DeepSpeed 0.19.8 held
 #   exactly the elements the replay predicts). The two peft DeepSpeed rows run DeepSpeed's
 #   default buckets (no JSON: zero_buckets: deepspeed-defaults). The two QLoRA rows print "GB"
 #   without saying which (unit GB-or-GiB: compared as the interval between the readings, -2.3%

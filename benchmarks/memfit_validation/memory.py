@@ -44,8 +44,9 @@ import yaml
 from memfit.estimate import NCCL_CUMEM_BYTES, Settings, estimate
 from memfit.estimate.memory.held_logits import fp32_logits_block
 from memfit.estimate.memory.overheads import cached_logits_block, device_overheads, nvls_bytes
-from memfit.estimate.memory.states import reduce_bucket_elements, zero3_gathered_bytes
+from memfit.estimate.memory.states import reduce_bucket_elements
 from memfit.estimate.memory.trainer_terms import qlora_dequant
+from memfit.estimate.memory.zero3 import zero3_gathered_bytes
 from memfit.estimate.models import calibration, catalog
 from memfit.estimate.models.params import param_layout, trainable_params
 from memfit.estimate.settings import dtype_bytes

@@ -30,7 +30,8 @@ only the rooms below it (each room's `__init__` says what it owns):
 
 On top, in this package: `settings` (what the estimator takes besides the candidate: `Settings`,
 `EstimateError`; every room may import it, and `errors`), `core` (`estimate()`: phases ->
-breakdown -> verdict, `estimate_space`, `fit`), `fit`, `advice`, `coverage`, `selection` over
+breakdown -> verdict, `estimate_space`), `search` (`fit`: the largest value that fits), `fit`,
+`advice`, `coverage`, `selection` over
 `rows` (which candidate runs and why every other one lost; the workflow's select stage and `rank`
 both use it) and the CLI (`cli`: `memfit estimate` and `memfit fit`). The numbers are per rank
 (one GPU), in bytes. Host memory is per node. The checks against public measurements are outside
@@ -44,7 +45,7 @@ configuration and tracker (`memfit.train.lora`, `memfit.train.memory`) and `memf
 """
 
 from memfit.estimate.cli import fit_main, main, render
-from memfit.estimate.core import Estimate, Job, estimate, estimate_space, fit
+from memfit.estimate.core import Estimate, Job, estimate, estimate_space
 from memfit.estimate.memory.activation_memory import Activations, activations
 from memfit.estimate.memory.overheads import (
     NCCL_CUMEM_BYTES,
@@ -55,15 +56,11 @@ from memfit.estimate.memory.overheads import (
     host_memory,
 )
 from memfit.estimate.memory.phases import StepPhases, peak_breakdown, step_phases
-from memfit.estimate.memory.states import (
-    NF4_BYTES_PER_PARAM,
-    ModelStates,
-    model_states,
-    zero3_gathered_bytes,
-    zero3_subgroups,
-)
+from memfit.estimate.memory.states import NF4_BYTES_PER_PARAM, ModelStates, model_states
+from memfit.estimate.memory.zero3 import zero3_gathered_bytes, zero3_subgroups
 from memfit.estimate.models.params import ParamLayout, lora_targets, param_layout, trainable_params
 from memfit.estimate.models.validity import check_arch, hardware_problems
+from memfit.estimate.search import fit
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.time.costs import step_time
 from memfit.estimate.trace.traced import prefetch_traces, traced_activations

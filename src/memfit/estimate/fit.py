@@ -35,20 +35,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from memfit.estimate.core import (
-    SEARCH_CAP,
-    Estimate,
-    Job,
-    _estimable,
-    _estimate,
-    largest_fitting,
-    per_rank,
-    sequence_parallel_sizes,
-)
+from memfit.estimate.core import Estimate, Job, _estimable, _estimate, per_rank
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
 from memfit.estimate.models.generic import layer_groups
 from memfit.estimate.models.validity import model_problems
+from memfit.estimate.search import SEARCH_CAP, largest_fitting, sequence_parallel_sizes
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.trace import traced as traced_mod
 from memfit.methods import shape as method_shape

@@ -22,7 +22,7 @@ class Settings:
     stage3_param_persistence_threshold: int | None = None
     # whose runtime shards the stage-3 run: "deepspeed" (memfit's trainer) or "fsdp" (PyTorch
     # FSDP FULL_SHARD, for comparing with runs of other stacks): which parameters stay gathered
-    # (`states.zero3_gathered_bytes`) and whether frozen linears keep their inputs
+    # (`zero3.zero3_gathered_bytes`) and whether frozen linears keep their inputs
     # (`activation_memory.zero3_linear_inputs`, DeepSpeed's patched F.linear)
     zero3_impl: str = "deepspeed"
     # whose step runs a stage-0 (unpartitioned) candidate: "deepspeed" (memfit's trainer: the

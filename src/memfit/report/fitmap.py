@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memfit.estimate import DEFAULT_SETTINGS
-from memfit.estimate.core import fit
 from memfit.estimate.models import catalog
+from memfit.estimate.search import fit
 from memfit.space import Candidate
 
 from .fmt import _bytes, _plain

@@ -1,6 +1,6 @@
 """Every memory term of one training step, per rank, in bytes.
 
-Owns the ZeRO model states (`states`: params, grads, optimizer, on the device and offloaded),
+Owns the ZeRO model states (`states`: params, grads, optimizer, on the device and offloaded; `zero3`: ZeRO-3's sub-groups and gathered parameters),
 what each training method adds (`method_terms`: the DPO reference, a reward head, the sequences
 a step runs), what autograd saves (`activation_memory`: the formulas), the logits and the
 loss's share (`logits`, `held_logits`), what the trainer holds beyond autograd (`trainer_terms`),

@@ -146,7 +146,7 @@ def _hold_gradients(
     torch optimizer's param.grad (d*T) stays allocated through the next micro steps' forward and
     backward, and autograd accumulates into it (no new full-size gradient per micro step).
     ZeRO-3 holds no full-size gradient beyond the module in flight (counted with the gathered
-    parameters, `states.zero3_gathered_bytes`): what looked like held gradients on the 2-rank
+    parameters, `zero3.zero3_gathered_bytes`): what looked like held gradients on the 2-rank
     gloo probes is the gathered parameters DeepSpeed keeps for reuse, the same bytes for full
     fine-tuning, present for frozen weights too. ZeRO-1/2, grad_accum > 1: between the micro
     steps of an optimizer step DeepSpeed keeps the gradients of its partition's parameters to
