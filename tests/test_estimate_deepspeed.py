@@ -51,7 +51,7 @@ CASES = {
 }
 # others: 10%. The checkpointed ZeRO-0 DPO shape is predicted 3.3% high (measured 9,869,468 B,
 # predicted 10,206,660 B, 2026-11-26): 2.3% high before the padded batch's mask term
-# (activation_memory._padding_mask_extra) was added, which its rows (15-18 tokens padded to 24)
+# (padding_mask._padding_mask_extra) was added, which its rows (15-18 tokens padded to 24)
 # do carry; 3.5% keeps it on the safe side of the 3% target without hiding a low prediction.
 # The checkpointed ZeRO-2 QLoRA SFT shape (grad_accum 2) is predicted 3.1% high (measured
 # 7,515,300 B, predicted 7,750,084 B, 2026-11-26): the estimate holds the partition's gradients

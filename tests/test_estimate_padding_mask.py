@@ -6,7 +6,7 @@ batch of 1 is never padded: transformers drops its all-ones mask and SDPA runs c
 own GQA. The probe used to pad its longest row to seq_len, measuring a step training never runs
 (the H200's long-context probes: s^2 bytes over the estimate, 3.6x its step time). Now its row
 is filled with its own tokens (batches.fill_row), and the estimator's padding terms
-(activation_memory._padding_mask_extra, _padding_mask_once) apply to 2+ rows only.
+(padding_mask._padding_mask_extra, _padding_mask_once) apply to 2+ rows only.
 """
 
 from __future__ import annotations

@@ -296,7 +296,7 @@ def _settings(d: Mapping[str, Any], targets: tuple[str, ...] | None) -> Settings
         # every row's batches are packed or padded to seq_len (see the rows' notes): one shape
         # every step, the estimator's fixed-shape fragmentation share
         variable_length=False,
-        # priced without a padded batch's attention-mask term (activation_memory._padding_mask_extra):
+        # priced without a padded batch's attention-mask term (padding_mask._padding_mask_extra):
         # most rows run FlashAttention-2, which the term does not touch; the table's values were
         # settled before the term was found, and which of its sdpa rows carried a mask is not published
         padding_mask=False,

@@ -317,7 +317,7 @@ def _until_traced(search, traces, cand: Candidate, lo: int, bound: int | None, s
 def _tiled_worst_below(job: Job, cand: Candidate, seq_len: int, lo: int) -> list[int]:
     """The lengths below `seq_len` that may need more memory than it with the tiled MLP, whose
     rows are padded to a multiple of its tiles, ceil(s / T) for s tokens a rank (T: the tile
-    tokens; activation_memory.mlp_tiles): a padded length adds a zero-filled gradient of the
+    tokens; micro_step.mlp_tiles): a padded length adds a zero-filled gradient of the
     layer's input that a multiple of the tiles does not (seq_len - 1), and one tile more shrinks
     every tile's rows, so the last padded length before the tile count went up, (k - 1) * T - 1
     tokens a rank, has the largest tiles (activation_memory's 7dri + 2drh). Within a tile count

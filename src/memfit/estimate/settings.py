@@ -43,7 +43,7 @@ class Settings:
     # their batch (the probes' worst case padded to seq_len) and SFT packs alike (transformers
     # builds a block mask from the packs' position_ids, masking_utils
     # `find_packed_sequence_indices`); with sdpa, transformers then repeats K/V to every head, SDPA
-    # saves them and its dtype copy of the mask (`activation_memory._padding_mask_extra`, the bool
+    # saves them and its dtype copy of the mask (`padding_mask._padding_mask_extra`, the bool
     # mask once: `_padding_mask_once`). A forward of one row is never padded (the probe fills it
     # with its own tokens, memfit.train.batches.fill_row): no mask term whatever this says (a
     # packed micro batch of 1 included: the estimate does not know packing). False: full-length

@@ -17,10 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from memfit.estimate.memory.logits import chunk_tokens, chunked_loss_terms
-from memfit.estimate.memory.method_terms import forward_seqs, grad_seqs, lm_head, nograd_forward_seqs
+from memfit.estimate.memory.method_terms import forward_seqs, lm_head, nograd_forward_seqs
+from memfit.estimate.memory.micro_step import MicroStep, linear_names, micro_step
+from memfit.estimate.memory.padding_mask import _padding_mask_extra, _padding_mask_once
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.models.params import lora_adapts_experts, lora_targets, param_layout
-from memfit.estimate.settings import Settings, dtype_bytes
+from memfit.estimate.models.params import lora_targets
+from memfit.estimate.settings import Settings
 from memfit.space import Candidate
 
 
@@ -50,83 +52,7 @@ class Activations:
     bottom_bwd: int = 0
 
 
-@dataclass(frozen=True)
-class _MicroStep:
-    """Shapes of one micro step. t = tokens in the forward whose activations are kept
-    (micro_batch * seq_len times the method's grad_sequences: doubled for the concatenated
-    chosen+rejected batch of DPO, ORPO, SimPO and the reward model), d = compute dtype bytes."""
-
-    arch: ModelArch
-    dtype: int  # d
-    seqs: int  # b: sequences in the forward
-    seq_len: int  # s
-    full: bool  # full fine-tuning: every weight (norms included) is trained
-    targets: frozenset[str]  # adapted linears (LoRA/QLoRA)
-    expert_adapters: bool = False  # LoRA on the routed experts and router (peft all-linear, MoE)
-    # every nn.Linear saves its input, frozen ones too (ZeRO-3's patched F.linear: see
-    # `zero3_linear_inputs`)
-    linear_inputs_saved: bool = False
-    # the tiled MLP (Candidate.tiled_mlp, memfit.train.long_context): its tiles (0: not tiled)
-    mlp_tiles: int = 0
-
-    @property
-    def tokens(self) -> int:
-        return self.seqs * self.seq_len
-
-    @property
-    def tile_rows(self) -> int:
-        """Rows of one MLP tile: the micro step's tokens over the tiles (0: not tiled)."""
-        return -(-self.tokens // self.mlp_tiles) if self.mlp_tiles else 0
-
-    def trainable(self, linear: str) -> bool:
-        """Whether the linear's input is saved for the backward: its weight trains (full), it
-        is adapted (LoRA's A saves it), or every linear saves its input (`linear_inputs_saved`)."""
-        return self.full or self.linear_inputs_saved or linear in self.targets
-
-    def rmsnorm(self, out_saved: bool, needs_grad: bool = True) -> int:
-        """Saved by one RMSNorm: the fp32 input (pow() saves it; the input itself when d == 4),
-        the normalised y (weight * y saves it when the weight is trained: full fine-tuning only),
-        the output (saved by the next trained or adapted linear) and rsqrt."""
-        d, t, h = self.dtype, self.tokens, self.arch.hidden_size
-        if not needs_grad:  # input without grad (LoRA layer 0 sees the frozen embedding)
-            return d * t * h if out_saved else 0
-        normalised = d * t * h if self.full else 0
-        out = d * t * h if out_saved else 0
-        return 4 * t * h + normalised + out + 4 * t
-
-
-def _micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> _MicroStep:
-    full = cand.finetune == "full"
-    return _MicroStep(
-        arch=arch,
-        dtype=dtype_bytes(cand.precision),
-        seqs=grad_seqs(cand, method),
-        seq_len=cand.seq_len,
-        full=full,
-        targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
-        expert_adapters=not full and lora_adapts_experts(arch, settings, cand.finetune),
-        mlp_tiles=mlp_tiles(arch, cand, settings) if cand.tiled_mlp else 0,
-    )
-
-
-def mlp_tiles(arch: ModelArch, cand: Candidate, settings: Settings) -> int:
-    """Tiles of the tiled MLP: ceil(seq / tile_tokens) (memfit.train.long_context.tile_mlps;
-    tile_tokens defaults to the hidden size, DeepSpeed's TiledMLP rule `ceil(seqlen / hidden)`)."""
-    return -(-cand.seq_len // (settings.mlp_tile_tokens or arch.hidden_size))
-
-
-def _linear_names(arch: ModelArch) -> dict[str, set[str] | str]:
-    """The decoder layer's linears by role (Llama/Qwen names, or GLM's fused ones)."""
-    names = {n for n, _, _ in param_layout(arch).linear_shapes}
-    return {
-        "qkv": {"q_proj", "k_proj", "v_proj", "query_key_value"} & names,
-        "o": "o_proj" if "o_proj" in names else "dense",
-        "up": {"gate_proj", "up_proj", "gate_up_proj", "dense_h_to_4h"} & names,
-        "down": "down_proj" if "down_proj" in names else "dense_4h_to_h",
-    }
-
-
-def _eager_probabilities(step: _MicroStep) -> int:
+def _eager_probabilities(step: MicroStep) -> int:
     """One layer's fp32 softmax output (and its 16-bit copy in 16-bit training)."""
     d, b, s, nh = step.dtype, step.seqs, step.seq_len, step.arch.num_attention_heads
     return 4 * b * nh * s * s + (d * b * nh * s * s if d < 4 else 0)
@@ -145,7 +71,7 @@ def _moe_router_topk_norm(arch: ModelArch) -> bool:
     return arch.model_type in ("mixtral", "qwen3_moe")
 
 
-def moe_mlp_saved(step: _MicroStep) -> int:
+def moe_mlp_saved(step: MicroStep) -> int:
     """What autograd saves for one MoE block (the MLP of an MoE layer) beyond its input, the
     second norm's output, with transformers' default experts implementation "grouped_mm"
     (PreTrainedModel.get_correct_experts_implementation; integrations/moe.py
@@ -189,15 +115,15 @@ def moe_mlp_saved(step: _MicroStep) -> int:
     return router + experts + shared
 
 
-def _dense_mlp_saved(step: _MicroStep, width: int) -> int:
+def _dense_mlp_saved(step: MicroStep, width: int) -> int:
     """A dense (Swi)GLU MLP's saved tensors beyond its input: gate, silu(gate), up (3dti) and
     the product, down_proj's input, when down_proj trains or is adapted (non-gated: 1 + 1)."""
     d, t = step.dtype, step.tokens
-    down_input = d * t * width if step.trainable(_linear_names(step.arch)["down"]) else 0
+    down_input = d * t * width if step.trainable(linear_names(step.arch)["down"]) else 0
     return (3 if step.arch.gated_mlp else 1) * d * t * width + down_input
 
 
-def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: bool = False) -> int:
+def _layer_saved(cand: Candidate, settings: Settings, step: MicroStep, moe: bool = False) -> int:
     """What autograd saves for one decoder layer (modeling_llama.py LlamaRMSNorm, LlamaAttention,
     LlamaMLP):
       attention:  rotated q dt*qd, rotated k and v dt*kvd each, output dt*qd;
@@ -211,7 +137,7 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: boo
     i = arch.intermediate_size
     nh, nkv = arch.num_attention_heads, arch.num_kv_heads
     qd, kvd = nh * arch.head_dim, nkv * arch.head_dim
-    names = _linear_names(arch)
+    names = linear_names(arch)
     layer = step.rmsnorm(any(step.trainable(n) for n in names["qkv"]))
     layer += d * t * qd + 2 * d * t * kvd  # rotated q, k; v
     if arch.qk_norm:  # Qwen3/Gemma-3 per-head RMSNorm on q and k before rotary
@@ -248,59 +174,7 @@ def _layer_saved(cand: Candidate, settings: Settings, step: _MicroStep, moe: boo
     return layer
 
 
-def _padded(cand: Candidate, settings: Settings, step: _MicroStep) -> bool:
-    """Whether the sdpa forward carries a padding mask: rows of different lengths padded to the
-    longest (`Settings.padding_mask`), which takes 2+ sequences. A forward of one sequence is
-    never padded (memfit.train.batches.collate pads to the longest row of the micro batch; the
-    probe fills its row with real tokens, batches.fill_row): transformers drops its all-ones mask
-    (masking_utils `_ignore_causal_mask_sdpa`) and SDPA runs causal with its own GQA. Under
-    sequence parallelism memfit passes positions, no mask (Ulysses masks causally from them:
-    memfit.train.sequence_parallel.shard_batch)."""
-    return cand.attn == "sdpa" and settings.padding_mask and step.seqs >= 2 and cand.sequence_parallel <= 1
-
-
-def _padding_mask_extra(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
-    """What one sdpa layer saves beyond the maskless case in a padded forward (`_padded`).
-    transformers 5.24 builds the [b, 1, s, s] bool mask once per forward (masking_utils.sdpa_mask)
-    and hands it to every layer's SDPA as is (integrations/sdpa_attention.py
-    `sdpa_attention_forward`: no conversion there); the mask turns off SDPA's own GQA
-    (`use_gqa_in_sdpa`: only without a mask), so `repeat_kv` expands k and v to every head and
-    SDPA saves those instead of the rotated k and v; and torch's SDPA converts the bool mask to
-    an additive one in the query's dtype in every call (aten/src/ATen/native/transformers/
-    attention.cpp `convert_boolean_attn_mask`), which its backward keeps: d*b*s^2 per layer. The
-    bool mask itself is `_padding_mask_once`. Measured on the CPU (tiny Llama, LoRA, fp32, 2 rows
-    of s=512 and 1024 tokens, 8 short, 4 heads over 2 KV heads, no checkpointing): the padded
-    step over the same rows unpadded, L x (repeated K/V + 4 b s^2) to the byte
-    (tests/test_estimate_padding_mask.py)."""
-    if not _padded(cand, settings, step):
-        return 0
-    arch = step.arch
-    nh, nkv = arch.num_attention_heads, arch.num_kv_heads
-    d, b, s, t = step.dtype, step.seqs, step.seq_len, step.tokens
-    repeated_kv = 2 * d * t * (nh - nkv) * arch.head_dim if nkv < nh else 0
-    return repeated_kv + d * b * s * s
-
-
-def _padding_mask_once(cand: Candidate, settings: Settings, step: _MicroStep) -> int:
-    """The padded forward's [b, 1, s, s] bool mask (1 byte an element; masking_utils.sdpa_mask via
-    create_causal_mask in the model's forward, once per forward): alive through the forward and,
-    under checkpointing, through the backward as every checkpointed layer's input (the H200's
-    long-context probes: measured allocated over the estimate by s^2 bytes,
-    benchmarks/results/gpu_evidence_h200.json, before micro batch 1 stopped being padded)."""
-    return step.seqs * step.seq_len**2 if _padded(cand, settings, step) else 0
-
-
-def padding_mask_extra(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
-    """`_padding_mask_extra` per decoder layer, for activations traced without a mask."""
-    return _padding_mask_extra(cand, settings, _micro_step(arch, cand, method, settings))
-
-
-def padding_mask_once(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> int:
-    """`_padding_mask_once`, for activations traced without a mask."""
-    return _padding_mask_once(cand, settings, _micro_step(arch, cand, method, settings))
-
-
-def _moe_forward_transient(step: _MicroStep) -> int:
+def _moe_forward_transient(step: MicroStep) -> int:
     """The MoE block's forward transients on top of what it saves (grouped_mm_experts_forward):
     the weighted expert outputs (S, h) and their reordered copy, in the routing weights' dtype
     (fp32 in Mixtral: bf16 outputs times fp32 weights promote)."""
@@ -309,7 +183,7 @@ def _moe_forward_transient(step: _MicroStep) -> int:
     return 2 * w * step.tokens * arch.num_experts_per_tok * arch.hidden_size
 
 
-def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = False) -> tuple[int, int]:
+def _layer_backward_transients(cand: Candidate, step: MicroStep, moe: bool = False) -> tuple[int, int]:
     """Transient gradients inside a layer's backward, on top of the layer's saved tensors:
     (at the MLP's backward, at the attention's backward). MoE layers: the expert block's
     backward peaks at gate_up_proj's grouped matmul backward, holding the gradient of the
@@ -350,7 +224,7 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = Fa
         # at the softmax backward: the probabilities' and the scores' gradients, the gradient of
         # v and of the hidden state; o_proj's input and the repeated v are already freed
         attn_extra = (d + 4) * b * nh * s * s + d * t * qd + d * t * h
-        freed = (1 if step.trainable(_linear_names(arch)["o"]) else 0) + (1 if nkv < nh else 0)
+        freed = (1 if step.trainable(linear_names(arch)["o"]) else 0) + (1 if nkv < nh else 0)
         attn_extra -= d * t * qd * freed
     else:
         attn_extra = 2 * d * t * (qd + 2 * kvd) + 2 * d * t * h
@@ -365,7 +239,7 @@ def _layer_backward_transients(cand: Candidate, step: _MicroStep, moe: bool = Fa
     return mlp_extra, attn_extra - mlp_saved
 
 
-def _attention_forward(cand: Candidate, step: _MicroStep) -> tuple[int, int]:
+def _attention_forward(cand: Candidate, step: MicroStep) -> tuple[int, int]:
     """Forward transients of one attention call and the additive mask: eager materialises the
     scores (matmul output, scaled copy, masked copy: two alive at a time; the softmax output is
     fp32) next to the additive mask transformers builds once per forward ([b, 1, s, s] in the
@@ -384,7 +258,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     """Bytes autograd keeps for one micro step, tensor by tensor as transformers' Llama/Qwen2
     decoder layer saves them (see `_layer_saved`), plus the final norm, the loss's logit terms,
     the rotary table, the batch's int64 tensors and the transients of forward and backward."""
-    step = _micro_step(arch, cand, method, settings)
+    step = micro_step(arch, cand, method, settings)
     d, t, h, L = step.dtype, step.tokens, arch.hidden_size, arch.num_layers
     # MoE models: MoE layers and dense layers save different tensors (`moe_layers()`)
     n_moe = len(arch.moe_layers())
@@ -412,7 +286,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     else:
         kept = all_layers
         if not step.full:  # layer 0's first norm sees the frozen embedding output: nothing to save
-            qkv_saved = any(step.trainable(n) for n in _linear_names(arch)["qkv"])
+            qkv_saved = any(step.trainable(n) for n in linear_names(arch)["qkv"])
             kept -= step.rmsnorm(qkv_saved) - step.rmsnorm(qkv_saved, needs_grad=False)
         acts.kept_per_layer = layer
     acts.saved = kept + acts.final + acts.logits_saved + rope + ids

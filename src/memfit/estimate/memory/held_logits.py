@@ -6,9 +6,9 @@ logits are held (here)."""
 
 from __future__ import annotations
 
-from memfit.estimate.memory.activation_memory import _micro_step
 from memfit.estimate.memory.logits import chunk_tokens
 from memfit.estimate.memory.method_terms import lm_head
+from memfit.estimate.memory.micro_step import micro_step
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.settings import LOGITS_HANDLING, EstimateError, Settings
 from memfit.space import Candidate
@@ -45,7 +45,7 @@ def held_logits(arch: ModelArch, cand: Candidate, method: str, settings: Setting
             f"logits_handling={impl!r} describes another trainer's full-vocabulary loss; "
             "loss_impl=chunked is memfit's own loss (use logits_handling='memfit')"
         )
-    step = _micro_step(arch, cand, method, settings)
+    step = micro_step(arch, cand, method, settings)
     tv, d = step.tokens * arch.vocab_size, step.dtype
     if impl == "hf-loss-function":
         return max(0, (d + (4 if d < 4 else 0) + 4 + 4) * tv - 12 * tv), 0
@@ -59,7 +59,7 @@ def fp32_logits_block(arch: ModelArch, cand: Candidate, method: str, settings: S
     gradients), or one chunk's [c, V] with memfit's chunked loss (`chunked_loss_terms`)."""
     if not lm_head(method):  # a reward model's [t, 1] score: no logits block
         return 0
-    step = _micro_step(arch, cand, method, settings)
+    step = micro_step(arch, cand, method, settings)
     t = step.tokens
     if cand.loss_impl == "chunked":
         t = chunk_tokens(arch, t, settings)

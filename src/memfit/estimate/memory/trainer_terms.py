@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfit.estimate.memory.activation_memory import (
-    Activations,
-    _layer_saved,
-    _linear_names,
-    _micro_step,
-)
+from memfit.estimate.memory.activation_memory import Activations, _layer_saved
 from memfit.estimate.memory.held_logits import held_logits
 from memfit.estimate.memory.method_terms import grad_seqs
+from memfit.estimate.memory.micro_step import linear_names, micro_step
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.params import param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
@@ -23,7 +19,7 @@ from memfit.space import Candidate
 
 def _largest_per_block(arch: ModelArch, bytes_of) -> tuple[int, int]:
     """(MLP, attention): the largest `bytes_of(in, out)` over each block's decoder linears."""
-    names = _linear_names(arch)
+    names = linear_names(arch)
     attention = set(names["qkv"]) | {names["o"]}
     shapes = param_layout(arch).linear_shapes
     mlp = max((bytes_of(i, o) for n, i, o in shapes if n not in attention), default=0)
@@ -80,7 +76,7 @@ def zero3_linear_inputs(arch: ModelArch, cand: Candidate, method: str, settings:
     full fine-tuning saves every input anyway."""
     if cand.zero != 3 or cand.finetune != "lora" or settings.zero3_impl != "deepspeed":
         return 0, 0
-    plain = _micro_step(arch, cand, method, settings)
+    plain = micro_step(arch, cand, method, settings)
     wrapped = dataclasses.replace(plain, linear_inputs_saved=True)
     moe = bool(arch.moe_layers())
     layer = _layer_saved(cand, settings, wrapped, moe) - _layer_saved(cand, settings, plain, moe)

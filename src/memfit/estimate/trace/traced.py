@@ -9,8 +9,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from memfit.estimate.memory.activation_memory import Activations, padding_mask_extra, padding_mask_once
+from memfit.estimate.memory.activation_memory import Activations
 from memfit.estimate.memory.method_terms import forward_seqs, grad_seqs, lm_head, nograd_seqs
+from memfit.estimate.memory.padding_mask import padding_mask_extra, padding_mask_once
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
 from memfit.estimate.models.generic import layer_groups
@@ -169,7 +170,7 @@ def traced_activations(
         acts.kept_per_layer += kept
         acts.forward += len(arch.moe_layers()) * kept
     # the trace runs an all-ones mask, which transformers drops: a padded forward's (2+ rows;
-    # one row is never padded, activation_memory._padded) repeated K/V and per-layer mask, and
+    # one row is never padded, padding_mask._padded) repeated K/V and per-layer mask, and
     # its bool mask once, are added as the formulas count them (_padding_mask_extra, _once)
     padded = padding_mask_extra(arch, cand, method, settings)
     once = padding_mask_once(arch, cand, method, settings)
