@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from memfit.estimate.memory.zero3 import zero3_subgroups
-from memfit.estimate.models import catalog, generic, inventory
+from memfit.estimate.models import catalog, generic, inventory, layer_counts
 from memfit.estimate.models.params import _inventory_layout, param_layout, trainable_params
 from memfit.estimate.settings import Settings
 from memfit.space import Candidate
@@ -88,8 +88,8 @@ def test_lora_count_of_moe_models_equals_peft_on_the_whole_model(kind):
     text = json.dumps(cfg, sort_keys=True)
     layers = cfg["num_hidden_layers"]
     for targets in (None, ("o_proj",)):
-        per_layer, outside, _ = inventory._peft_params(inventory.config_from_dict(cfg), 8, targets, layers)
-        assert inventory.lora_params(text, 8, targets) == sum(per_layer) + outside
+        per_layer, outside, _ = layer_counts._peft_params(inventory.config_from_dict(cfg), 8, targets, layers)
+        assert layer_counts.lora_params(text, 8, targets) == sum(per_layer) + outside
 
 
 def test_layer_kinds_follow_layer_types_and_experts():

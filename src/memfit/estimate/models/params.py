@@ -250,9 +250,9 @@ def lora_adapts_experts(arch: ModelArch, settings: Settings, finetune: str = "lo
     if finetune == "qlora" and fused_expert_weights(arch):
         return False
     if arch.generic:  # what peft does on the model itself
-        from memfit.estimate.models import inventory
+        from memfit.estimate.models import layer_counts
 
-        return inventory.lora_adapts_experts(arch.hf_config)
+        return layer_counts.lora_adapts_experts(arch.hf_config)
     return arch.model_type in PEFT_ADAPTS_EXPERTS
 
 
@@ -270,15 +270,15 @@ def trainable_params(arch: ModelArch, cand: Candidate, settings: Settings) -> in
     (Hu et al. 2021, sec. 4; peft LoraLayer.update_layer)."""
     if cand.finetune == "full":
         if arch.generic:  # what the step gives a gradient (not a BART-style decoder's cross-attention)
-            from memfit.estimate.models import inventory
+            from memfit.estimate.models import layer_counts
 
-            return param_layout(arch).total - inventory.ungraded_params(arch.hf_config)
+            return param_layout(arch).total - layer_counts.ungraded_params(arch.hf_config)
         return param_layout(arch).total
     r = cand.lora_rank
     if arch.generic:  # what peft adds to the meta model, counted
-        from memfit.estimate.models import inventory
+        from memfit.estimate.models import layer_counts
 
-        return inventory.lora_params(arch.hf_config, r, peft_targets(arch, cand, settings))
+        return layer_counts.lora_params(arch.hf_config, r, peft_targets(arch, cand, settings))
     # a reward model's score head trains in full beside the adapters (peft modules_to_save,
     # memfit.train.modeling): h parameters
     score = arch.hidden_size if arch.score_head else 0

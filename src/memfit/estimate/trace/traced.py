@@ -162,7 +162,7 @@ def traced_activations(
         # MoE layer's forward and the grouped matmul keeps it for the backward; the traced run
         # does not see it (it is made outside the module MemTracker follows): counted here as
         # activation_memory.moe_mlp_saved counts it for the hand-written cards
-        from memfit.estimate.models.inventory import lora_parametrized_numel
+        from memfit.estimate.models.layer_counts import lora_parametrized_numel
 
         kept = dtype_bytes(cand.precision) * lora_parametrized_numel(arch.hf_config)
         acts.saved += len(arch.moe_layers()) * kept
