@@ -1,7 +1,7 @@
 """The cards the estimator reads: what a model and a GPU are, before any memory or time.
 
 Owns the model architecture card (`arch`: `ModelArch`), the model and GPU catalogs (`catalog`,
-config/models.yaml and config/gpus.yaml), config.json parsing (`hf_config`, `config_fields`),
+config/models.yaml and config/gpus.yaml), config.json parsing (`hf_config`, `config_fields`, `hf_layouts`: ChatGLM's and Gemma-3's own layouts),
 the layout transformers itself builds (`inventory` on fake tensors from `fake_mode`, `generic`
 for a model without a hand-written card, `layer_counts`: LoRA and gradient-free parameters counted
 on it), whether a model directory's weights match its config (`checkpoint_check`), the parameter layout and LoRA targets (`params`), what
