@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
+from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to and trace_workers are API here
     ENV_IN_PROCESS,
@@ -73,10 +74,7 @@ from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to a
     reporter,
     trace_workers,
 )
-from memfit.estimate.trace.trace_step import (  # defined with the step that measures them
-    MEASURES,
-    TraceError,
-)
+from memfit.estimate.trace.trace_step import MEASURES  # defined with the step that measures them
 
 TRACE_FORMAT = 7  # bump when what a trace measures changes (old cache files are then ignored)
 ENV_CACHE = "MEMFIT_TRACE_CACHE"

@@ -22,8 +22,9 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from typing import Any
 
+from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.trace.trace_step import TRACE_LAYERS, TraceError, trace_keys  # noqa: F401 - TRACE_LAYERS is API here
+from memfit.estimate.trace.trace_step import TRACE_LAYERS, trace_keys  # noqa: F401 - TRACE_LAYERS is API here
 
 ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
 

@@ -20,6 +20,7 @@ import peft  # noqa: E402, F401 - the point of this module: imported once, befor
 import torch  # noqa: E402
 import transformers  # noqa: E402, F401
 
+from memfit.estimate import errors  # noqa: E402
 from memfit.estimate.models.arch import ModelArch  # noqa: E402
 from memfit.estimate.trace import trace_step  # noqa: E402
 
@@ -32,5 +33,5 @@ def run(task: tuple[int, ModelArch, dict]) -> tuple[int, dict | None, float, str
     try:
         r = trace_step.trace_keys(arch, [key])[0]
     except Exception as exc:  # noqa: BLE001 - reported by the estimating process as a TraceError
-        return index, None, 0.0, str(exc) if isinstance(exc, trace_step.TraceError) else f"{type(exc).__name__}: {exc}"
+        return index, None, 0.0, str(exc) if isinstance(exc, errors.TraceError) else f"{type(exc).__name__}: {exc}"
     return index, r["runs"], float(r["seconds"]), ""
