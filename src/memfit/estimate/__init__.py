@@ -47,6 +47,7 @@ configuration and tracker (`memfit.train.lora`, `memfit.train.memory`) and `memf
 from memfit.estimate.cli import fit_main, main, render
 from memfit.estimate.core import Estimate, Job, estimate, estimate_space
 from memfit.estimate.memory.activation_memory import Activations, activations
+from memfit.estimate.memory.breakdown import peak_breakdown
 from memfit.estimate.memory.overheads import (
     NCCL_CUMEM_BYTES,
     HostMemory,
@@ -55,7 +56,7 @@ from memfit.estimate.memory.overheads import (
     fragmentation,
     host_memory,
 )
-from memfit.estimate.memory.phases import StepPhases, peak_breakdown, step_phases
+from memfit.estimate.memory.phases import StepPhases, step_phases
 from memfit.estimate.memory.states import NF4_BYTES_PER_PARAM, ModelStates, model_states
 from memfit.estimate.memory.zero3 import zero3_gathered_bytes, zero3_subgroups
 from memfit.estimate.models.params import ParamLayout, lora_targets, param_layout, trainable_params

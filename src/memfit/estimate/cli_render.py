@@ -14,7 +14,7 @@ from memfit.units import GIB, gib
 # who loads a checkpoint at resume (Settings.trainer_loader), as the host RAM line names it
 LOADER_WORDS = {"memfit": "memfit's trainer", "deepspeed": "DeepSpeed's own load_checkpoint"}
 
-# what the two catch-all terms of the breakdown hold (memfit.estimate.memory.phases.peak_breakdown,
+# what the two catch-all terms of the breakdown hold (memfit.estimate.memory.breakdown.peak_breakdown,
 # memfit.estimate.memory.overheads.device_overheads and fragmentation)
 LEGEND = (
     "temporaries = communication buckets (ZeRO reduce, prefetch), ZeRO-3 gathered parameters, the "

@@ -10,11 +10,12 @@ from typing import Any
 
 from memfit.estimate.memory import allocator
 from memfit.estimate.memory.activation_memory import Activations, activations
+from memfit.estimate.memory.breakdown import peak_breakdown
 from memfit.estimate.memory.held_logits import fp32_logits_block
 from memfit.estimate.memory.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
 from memfit.estimate.memory.offload_activations import offload_checkpoints
 from memfit.estimate.memory.overheads import cached_logits_block, device_overheads, fragmentation, host_memory
-from memfit.estimate.memory.phases import peak_breakdown, step_phases
+from memfit.estimate.memory.phases import step_phases
 from memfit.estimate.memory.states import model_states
 from memfit.estimate.memory.trainer_terms import apply_trainer_terms
 from memfit.estimate.models import calibration

@@ -6,7 +6,7 @@ a step runs), what autograd saves (`activation_memory`: the formulas, over `micr
 step, and `padding_mask`, what a padded forward adds), the logits and the
 loss's share (`logits`, `held_logits`), what the trainer holds beyond autograd (`trainer_terms`),
 offloaded activation checkpoints (`offload_activations`), the phases of a step and which holds
-the peak (`phases`), the memory no tensor holds: CUDA context, cuBLAS, NCCL, the allocator's
+the peak (`phases`) and what it consists of (`breakdown`), the memory no tensor holds: CUDA context, cuBLAS, NCCL, the allocator's
 fragmentation and host RAM per node (`overheads`), and the reserved-memory term: what the caching
 allocator keeps beyond the allocated peak (`allocator`). May import models/, the estimator's
 vocabulary (`memfit.estimate.settings`, `memfit.estimate.errors`), the top-level vocabulary and
