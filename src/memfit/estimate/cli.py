@@ -17,8 +17,9 @@ import sys
 
 from memfit.estimate.advice import advise, more_gpus, needs_advice
 from memfit.estimate.cli_fit import fit_main
-from memfit.estimate.cli_parser import CPU_HEADROOM, SPACE_FLAGS, parser
+from memfit.estimate.cli_parser import SPACE_FLAGS, parser
 from memfit.estimate.cli_render import LEGEND, advice_lines, configuration_lines, render
+from memfit.estimate.cli_settings_flags import CPU_HEADROOM
 from memfit.estimate.cli_setup import (
     FLAG,
     advice_on,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from memfit.estimate.advice import default_ref
 from memfit.estimate.cli_checks import check_flags, check_space, combinations, fill_defaults
-from memfit.estimate.cli_parser import CPU_HEADROOM, SPACE_FLAGS, given_flags
+from memfit.estimate.cli_parser import SPACE_FLAGS, given_flags
 from memfit.estimate.cli_render import describe
+from memfit.estimate.cli_settings_flags import CPU_HEADROOM
 from memfit.estimate.core import Estimate, estimate
 from memfit.estimate.memory.method_terms import shape
 from memfit.estimate.models import catalog
