@@ -1,6 +1,6 @@
 """The cards the estimator reads: what a model and a GPU are, before any memory or time.
 
-Owns the model architecture card (`arch`: `ModelArch`), the model and GPU catalogs (`catalog`,
+Owns the model architecture card (`arch`: `ModelArch`; `arch_to_hf`: it as a transformers config), the model and GPU catalogs (`catalog`,
 config/models.yaml and config/gpus.yaml), config.json parsing (`hf_config`, `config_fields`, `hf_layouts`: ChatGLM's and Gemma-3's own layouts),
 the layout transformers itself builds (`inventory` on fake tensors from `fake_mode`, `generic`
 for a model without a hand-written card, `layer_counts`: LoRA and gradient-free parameters counted

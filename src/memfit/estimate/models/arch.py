@@ -316,119 +316,13 @@ class ModelArch:
 
     @property
     def hf_model_type(self) -> str:
-        """The transformers model_type whose implementation matches this card."""
-        if self.model_type in _HF_IMPLEMENTED:
-            return self.model_type
-        if self.model_type == "chatglm":
-            # transformers has no chatglm; GlmForCausalLM is its port with identical parameter
-            # counts (convert_glm_weights_to_hf.py splits query_key_value into q/k/v).
-            return "glm"
-        if self.qk_norm:
-            return "qwen3"
-        if self.attention_bias and not self.attention_out_bias:
-            return "qwen2"
-        return "llama"
+        """The transformers model_type whose implementation matches this card (arch_to_hf)."""
+        from memfit.estimate.models.arch_to_hf import hf_model_type
 
-    def _generic_hf_config(self) -> Any:
-        import json
-
-        from memfit.estimate.models import inventory
-
-        config = inventory.config_from_dict(json.loads(self.hf_config), self.source or self.name)
-        return inventory.with_layers(config, self.num_layers)
+        return hf_model_type(self)
 
     def to_hf_config(self) -> Any:
-        """A `transformers.PretrainedConfig` for this architecture (AutoConfig.for_model).
+        """A `transformers.PretrainedConfig` for this architecture (arch_to_hf.to_hf_config)."""
+        from memfit.estimate.models.arch_to_hf import to_hf_config
 
-        Build the model without allocating: `with torch.device("meta"):
-        AutoModelForCausalLM.from_config(arch.to_hf_config())`. Multimodal Gemma-3 cards give the
-        text-only `gemma3_text` config (Gemma3ForCausalLM). Generic cards: their own config.json
-        with `num_layers` layers (`inventory.with_layers`).
-        """
-        from transformers import AutoConfig  # heavy import, only when asked
-
-        if self.generic:
-            return self._generic_hf_config()
-
-        mt = self.hf_model_type
-        kwargs: dict[str, Any] = dict(
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            vocab_size=self.vocab_size,
-            max_position_embeddings=self.max_position_embeddings,
-            tie_word_embeddings=self.tie_word_embeddings,
-            pad_token_id=None,  # class defaults (GLM's 151329) can exceed a small vocabulary
-        )
-        if mt in ("llama", "qwen3", "glm", "gemma3_text", "qwen3_moe", "deepseek_v3"):
-            kwargs["attention_bias"] = self.attention_bias
-        if mt == "llama":
-            kwargs["mlp_bias"] = self.mlp_bias
-        if mt in ("mistral", "gemma3_text", "mixtral", "phi3") and self.sliding_window is not None:
-            kwargs["sliding_window"] = self.sliding_window
-        if mt == "gemma3_text" and self.sliding_window_pattern is not None:
-            kwargs["sliding_window_pattern"] = self.sliding_window_pattern
-        if mt in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            kwargs["use_sliding_window"] = self.sliding_window is not None
-            kwargs["sliding_window"] = self.sliding_window
-        if mt == "mixtral":  # MixtralConfig: intermediate_size is the expert width
-            kwargs.update(
-                intermediate_size=self.moe_intermediate_size,
-                num_local_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-            )
-        if mt in ("qwen2_moe", "qwen3_moe"):
-            kwargs.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                decoder_sparse_step=1,
-                mlp_only_layers=list(self.dense_layers),
-            )
-        if mt == "qwen2_moe":
-            kwargs.update(
-                qkv_bias=self.attention_bias,
-                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
-            )
-        if mt == "deepseek_v3":
-            k = len(self.dense_layers)
-            if self.dense_layers != tuple(range(k)):
-                raise UnsupportedArchitecture(
-                    f"{self.name}: deepseek_v3 has dense layers only as a prefix "
-                    f"(first_k_dense_replace), not {list(self.dense_layers)}"
-                )
-            del kwargs["head_dim"]  # DeepseekV3Config derives it (qk_rope_head_dim)
-            kwargs.update(
-                n_routed_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
-                n_shared_experts=self.shared_expert_intermediate_size // self.moe_intermediate_size,
-                first_k_dense_replace=k,
-                q_lora_rank=self.q_lora_rank or None,
-                kv_lora_rank=self.kv_lora_rank,
-                qk_nope_head_dim=self.qk_nope_head_dim,
-                qk_rope_head_dim=self.qk_rope_head_dim,
-                v_head_dim=self.v_head_dim,
-                n_group=1,  # expert groups only change routing, not shapes
-                topk_group=1,
-            )
-        return AutoConfig.for_model(mt, **kwargs)
-
-
-# model_types whose transformers implementation this module mirrors exactly.
-_HF_IMPLEMENTED = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma3_text",
-    "glm",
-    "phi3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "deepseek_v3",
-)
+        return to_hf_config(self)
