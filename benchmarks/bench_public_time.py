@@ -30,6 +30,7 @@ from pathlib import Path
 from unittest import mock
 
 from memfit_validation import step_time as v
+from memfit_validation import step_time_cases as vc
 
 from memfit.estimate.time import costs
 
@@ -70,7 +71,7 @@ def _spread(s: v.SweepResult, results: dict[str, v.Result]) -> str:
     first, last = results[ids[0]], results[ids[-1]]
     pub = first.row.published[s.sweep.metric] / last.row.published[s.sweep.metric]
     pred = first.metric(s.sweep.metric) / last.metric(s.sweep.metric)
-    if not v.METRIC_IS_RATE[s.sweep.metric]:
+    if not vc.METRIC_IS_RATE[s.sweep.metric]:
         pub, pred = 1 / pub, 1 / pred
     return f"first/last: published x{pub:.3f}, memfit x{pred:.3f}"
 
@@ -91,11 +92,11 @@ def sweep_lines(sweeps: Iterable[v.SweepResult], results: dict[str, v.Result]) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--table", type=Path, default=v.TABLE)
+    p.add_argument("--table", type=Path, default=vc.TABLE)
     p.add_argument("--assumptions", action="store_true", help="print each row's mapping assumptions")
     args = p.parse_args(argv)
 
-    rows, sweeps = v.load_table(args.table)
+    rows, sweeps = vc.load_table(args.table)
     results = v.compare_all(rows)
     # the baseline in the same run: the computation at a fixed 40% MFU of the dense peak (the
     # model before the roofline, 2026-11-27), every other term as now

@@ -63,7 +63,7 @@ def test_advise_fit_keeps_the_levers_that_reach_further():
     cand = Candidate(zero=0, grad_ckpt=True, attn="flash", finetune="lora", ref=None)
 
     def search(c):
-        from memfit.estimate.core import largest_fitting
+        from memfit.estimate.search import largest_fitting
 
         return largest_fitting(
             lambda n: estimate(arch, gpu, 1, 1, "sft", Candidate(**{**c.to_dict(), "seq_len": n}), headroom=None),

@@ -164,7 +164,7 @@ def _measure_moe_layer(kind: str, finetune: str, seqs: int = 2, seq_len: int = 2
     """Forward one bf16 MoE decoder layer (SDPA attention, transformers' default grouped_mm
     experts) on the CPU under AllocationTracker and return (bytes saved for the backward,
     trainable parameters, the card). LoRA as memfit's trainer builds it: peft all-linear,
-    adapters in the training dtype (DeepSpeed casts them; see trace_step.build_model)."""
+    adapters in the training dtype (DeepSpeed casts them; see trace_model.build_model)."""
     from transformers import AutoModelForCausalLM
 
     from memfit.train.memory import AllocationTracker

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from memfit.estimate import Settings, fit
-from memfit.estimate.core import fit_sequence_parallel
 from memfit.estimate.models import catalog
+from memfit.estimate.search import fit_sequence_parallel
 from memfit.space import Candidate
 from memfit.units import GIB
 

@@ -1,5 +1,5 @@
 """The estimator against public measurements: memory (`memory`, its table's schema in `cases`),
-step time (`step_time`) and the longest sequences (`long_context`).
+step time (`step_time`, its table's schema in `step_time_cases`) and the longest sequences (`long_context`).
 
 Not part of the library: only the tests, the benchmarks and the docs use these checks, so they
 live beside the benchmark scripts (which import them from their own folder; tests/conftest.py puts

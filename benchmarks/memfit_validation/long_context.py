@@ -66,8 +66,8 @@ def load_table(path: Path) -> list[Row]:
 
 def predict(row: Row) -> int:
     """The longest sequence memfit says fits the row's GPUs with its levers."""
-    from memfit.estimate.core import fit
     from memfit.estimate.models import catalog
+    from memfit.estimate.search import fit
     from memfit.estimate.settings import DEFAULT_SETTINGS
 
     settings = dataclasses.replace(DEFAULT_SETTINGS, expandable_segments=True, **dict(row.settings))

@@ -112,7 +112,7 @@ def layer_groups(arch: ModelArch) -> tuple[tuple[int, ModelArch, str], ...]:
     full attention, linear attention, Mamba vs attention ...) or their parameter-owning modules
     do (MoE vs dense MLP, a layer without attention: the inventory). The trace measures each
     kind on its own: the card's `layer_kind` names two layers of it, and the traced model keeps
-    only those (trace_step.build_model). `((L, arch, ""),)` when every layer is alike."""
+    only those (trace_model.build_model). `((L, arch, ""),)` when every layer is alike."""
     if not arch.generic or arch.layer_kind:
         return ((arch.num_layers, arch, ""),)
     inv = arch.inventory()
