@@ -191,3 +191,16 @@ def test_every_room_of_the_estimator_has_its_layer():
     rooms = sorted(p.name for p in (REPO / "src/memfit/estimate").iterdir() if (p / "__init__.py").is_file())
     assert rooms == ["memory", "models", "time", "trace"]
     assert all(f"memfit.estimate.{room}" in check_shape.MAY_IMPORT for room in rooms)
+
+
+def test_an_estimator_module_of_401_lines_fails_and_400_passes(tree):
+    """The estimator's modules are held to 400 lines (issue #46), the rest of the library to 500."""
+    _write(tree, "src/memfit/estimate/__init__.py", '"""estimate."""\n')
+    _write(tree, "src/memfit/estimate/memory/__init__.py", '"""memory."""\n')
+    _write(tree, "src/memfit/estimate/memory/states.py", "x = 1\n" * 400)
+    _write(tree, "src/memfit/big.py", "x = 1\n" * 450)
+    assert _run(tree).returncode == 0
+    _write(tree, "src/memfit/estimate/memory/states.py", "x = 1\n" * 401)
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "src/memfit/estimate/memory/states.py:1: module has 401 lines (limit 400)" in result.stdout

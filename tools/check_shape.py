@@ -4,7 +4,8 @@ and a package whose imports point one way.
     python tools/check_shape.py            # checks this repository, exit 1 on any finding
     python tools/check_shape.py ROOT       # checks another tree laid out the same way
 
-Limits: a module of at most 500 lines, a function or method of at most 80 lines (its `def` line
+Limits: a module of at most 500 lines (400 in src/memfit/estimate: `MODULE_LINES_IN`), a
+function or method of at most 80 lines (its `def` line
 to its last line, decorators excluded: ast's end_lineno - lineno + 1), in src/memfit, scripts/
 and workflow/ (tests/ and benchmarks/ aside); no import cycle among memfit's modules; and each
 subpackage imports only what its `__init__` docstring allows (`MAY_IMPORT`: imports point down
@@ -31,6 +32,9 @@ import sys
 from pathlib import Path
 
 MAX_MODULE_LINES = 500
+# Folders held to a tighter module limit (issue #46: the estimator's modules split along seams a
+# reader can name, none trimmed to the 500-line limit), relative to the repository root.
+MODULE_LINES_IN = {"src/memfit/estimate": 400}
 MAX_FUNCTION_LINES = 80
 # Where the limits hold, relative to the repository root.
 CHECKED_DIRS = ("src/memfit", "scripts", "workflow")
@@ -108,8 +112,9 @@ def size_findings(root: Path) -> list[str]:
         text = path.read_text(encoding="utf-8")
         rel = path.relative_to(root)
         n_lines = len(text.splitlines())
-        if n_lines > MAX_MODULE_LINES:
-            findings.append(f"{rel}:1: module has {n_lines} lines (limit {MAX_MODULE_LINES})")
+        limit = min([MAX_MODULE_LINES] + [n for d, n in MODULE_LINES_IN.items() if rel.is_relative_to(d)])
+        if n_lines > limit:
+            findings.append(f"{rel}:1: module has {n_lines} lines (limit {limit})")
         tree = ast.parse(text, filename=str(path))
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
