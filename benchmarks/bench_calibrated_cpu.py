@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from memfit.estimate import timing  # noqa: E402
+from memfit.estimate.time import timing  # noqa: E402
 from memfit.workflow import calibrate as calibrate_stage  # noqa: E402
 from memfit.workflow import demo, pipeline  # noqa: E402
 from memfit.workflow.config import WorkflowConfig, load_yaml  # noqa: E402

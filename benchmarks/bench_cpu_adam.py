@@ -1,5 +1,5 @@
 """DeepSpeedCPUAdam's step rate on this machine: the rate memfit's step time prices an offloaded
-optimizer at (`Settings.cpu_adam_params_per_s_per_core`, memfit.estimate.runtime_costs).
+optimizer at (`Settings.cpu_adam_params_per_s_per_core`, memfit.estimate.time.runtime_costs).
 
     DS_ACCELERATOR=cpu .venv/bin/python benchmarks/bench_cpu_adam.py [--sizes 1e6,1e7,5e7]
         [--threads N] [--reps 5] [--json out.json]

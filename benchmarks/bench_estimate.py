@@ -19,7 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from memfit.estimate import DEFAULT_SETTINGS, catalog, estimate_space, prefetch_traces, trace
+from memfit.estimate import DEFAULT_SETTINGS, estimate_space, prefetch_traces
+from memfit.estimate.models import catalog
+from memfit.estimate.trace import trace
 from memfit.space import enumerate_space
 
 # Every knob that changes memory on a GPU cluster, at the values users try.

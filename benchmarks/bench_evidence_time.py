@@ -5,7 +5,7 @@
 Prints, per measured row of benchmarks/results/gpu_evidence_h100-80gb.json and
 gpu_evidence_h200.json (the evidence's 4-layer Llama-3.1-8B, one GPU), the step time memfit
 predicts with no step-time calibration (`memfit.estimate.estimate`: each operation at its roofline
-plus DeepSpeed's engine costs, memfit.estimate.runtime_costs) against the measured one, the error
+plus DeepSpeed's engine costs, memfit.estimate.time.runtime_costs) against the measured one, the error
 (predicted / measured - 1) and the term that adds most beyond the computation; then per GPU the
 median and worst |error| and whether ZeRO-0/2/3 (sft-full-z0/z2/z3) are predicted in the
 measured order. Issue #42's bars: median <= 20%, worst <= 40%, the order right on both GPUs
@@ -21,8 +21,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from memfit.estimate import catalog
-from memfit.estimate.validation import EVIDENCE_FILES, evidence_rows
+from memfit_validation.memory import EVIDENCE_FILES, evidence_rows
+
+from memfit.estimate.models import catalog
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GPUS = EVIDENCE_FILES

@@ -4,7 +4,7 @@ hand-written card, as benchmarks/bench_flagship.py): the flagship command withou
 (sdpa or eager where the class has no FlashAttention-2 path), timed cold (a fresh process, an
 empty trace cache: MEMFIT_TRACE_CACHE=a new directory), with the answer, what stopped it and the
 progress lines the search printed on stderr (a line per search step and per traced shape,
-with its seconds: memfit.estimate.trace.progress_to).
+with its seconds: memfit.estimate.trace.trace.progress_to).
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_fit.py [--only gpt-oss-20b ...]
         [--json benchmarks/results/fit_flagship.json]
@@ -47,7 +47,7 @@ def _run(name: str, attn: str) -> tuple[float, dict | None, int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memfit.estimate import catalog
+    from memfit.estimate.models import catalog
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+")

@@ -50,7 +50,7 @@ def _run(name: str, cache: Path, attn: str) -> tuple[float, dict | None, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memfit.estimate import catalog
+    from memfit.estimate.models import catalog
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+")

@@ -56,7 +56,8 @@ def longest(fits, lo: int, hi: int, step: int) -> int:
 
 
 def predicted_longest(arch, cand, budget: int, step: int) -> int:
-    from memfit.estimate import catalog, estimate
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
 
     def fits(seq: int) -> bool:
         e = estimate(
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=REPO / "benchmarks/results/.work/qlora")
     args = ap.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from memfit.estimate import catalog
+    from memfit.estimate.models import catalog
 
     root = build(args.work)
     arch = catalog.model(str(root / "model"))

@@ -11,9 +11,9 @@ dominates it. Then the median and worst error, the direction, the rows more than
 without an `explained:` note, the longest sequence memfit says fits for the max-fit rows, and
 the out-of-memory rows. Then (unless --no-terms) the bytes each term added for issue #16 brings
 to every row's figure: another trainer's held logits (Settings.logits_handling, from the row's
-loss_impl), the fp32 logits block the caching allocator keeps (costs.cached_logits_block),
-NCCL's cuMem communicator (costs.NCCL_CUMEM_BYTES) and its NVLS buffers on NVSwitch nodes
-(costs.nvls_bytes); sources in their docstrings. Rows with a rounded figure (published_rounding)
+loss_impl), the fp32 logits block the caching allocator keeps (overheads.cached_logits_block),
+NCCL's cuMem communicator (overheads.NCCL_CUMEM_BYTES) and its NVLS buffers on NVSwitch nodes
+(overheads.nvls_bytes); sources in their docstrings. Rows with a rounded figure (published_rounding)
 or an upper bound (bound: upper, every max-fit row) also print their error against that
 interval (`vs range`), which is what decides whether such a row is more than 5% low.
 """
@@ -24,7 +24,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from memfit.estimate import validation as v
+from memfit_validation import memory as v
+
 from memfit.units import GIB
 
 

@@ -28,7 +28,7 @@ def levers(cand) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from memfit.estimate.validation_long_context import compare, load_table, order_agreement, summary
+    from memfit_validation.long_context import compare, load_table, order_agreement, summary
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", type=Path, default=REPO / "tests/public_long_context.yaml")

@@ -16,7 +16,7 @@ print `order` and their predicted tokens/s/GPU: they are compared within their s
 Then the median |error| over the rows with an absolute figure, the pairwise order agreement of
 every sweep (pairs the table lists as ties skipped) and overall, and the rows not compared,
 with the reason. Every prediction is memfit's ASSUMED step-time model (40% MFU of the catalog
-GPU's dense peak plus un-overlapped communication: memfit.estimate.costs.step_time); no GPU
+GPU's dense peak plus un-overlapped communication: memfit.estimate.time.costs.step_time); no GPU
 calibration exists. --assumptions also prints how each row was mapped where the table leaves a
 setting open (attention kernel, precision, selective checkpointing, inter-node network).
 """
@@ -29,8 +29,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from unittest import mock
 
-from memfit.estimate import costs
-from memfit.estimate import validation_time as v
+from memfit_validation import step_time as v
+from memfit_validation import step_time_cases as vc
+
+from memfit.estimate.time import costs
 
 UNITS = {"tokens_per_s_per_gpu": "tok/s/GPU", "seconds_per_step": "s/step"}
 
@@ -69,7 +71,7 @@ def _spread(s: v.SweepResult, results: dict[str, v.Result]) -> str:
     first, last = results[ids[0]], results[ids[-1]]
     pub = first.row.published[s.sweep.metric] / last.row.published[s.sweep.metric]
     pred = first.metric(s.sweep.metric) / last.metric(s.sweep.metric)
-    if not v.METRIC_IS_RATE[s.sweep.metric]:
+    if not vc.METRIC_IS_RATE[s.sweep.metric]:
         pub, pred = 1 / pub, 1 / pred
     return f"first/last: published x{pub:.3f}, memfit x{pred:.3f}"
 
@@ -90,11 +92,11 @@ def sweep_lines(sweeps: Iterable[v.SweepResult], results: dict[str, v.Result]) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--table", type=Path, default=v.TABLE)
+    p.add_argument("--table", type=Path, default=vc.TABLE)
     p.add_argument("--assumptions", action="store_true", help="print each row's mapping assumptions")
     args = p.parse_args(argv)
 
-    rows, sweeps = v.load_table(args.table)
+    rows, sweeps = vc.load_table(args.table)
     results = v.compare_all(rows)
     # the baseline in the same run: the computation at a fixed 40% MFU of the dense peak (the
     # model before the roofline, 2026-11-27), every other term as now

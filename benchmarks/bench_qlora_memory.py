@@ -66,7 +66,8 @@ def build(root: Path, model_config: Path = REPO / "config/models/demo-tiny.json"
 def probe_candidate(root: Path, method: str, cand, work: Path, stem: str, steps: int = 3):
     """Probe `cand` on WORLD CPU ranks (the trainer's real step, memfit.workflow.probe.run_probe;
     run, result and log under `work` named `stem`) and estimate it on `cpu`: (probe result, Estimate)."""
-    from memfit.estimate import catalog, estimate
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
     from memfit.train.run_config import RunConfig
     from memfit.workflow.probe import run_probe
 

@@ -7,10 +7,10 @@ max_memory_reserved and nvidia-smi's peak of one rank) prints the measured and p
 allocated, reserved and device total and the errors (predicted / measured - 1; negative: memfit
 predicts less, a run planned on it can OOM), once with that GPU's calibration
 (config/calibration/<gpu>.json) and once without (the cited defaults of
-memfit.estimate.calibration.default_for and memfit.estimate.allocator). Then the worst and
+memfit.estimate.models.calibration.default_for and memfit.estimate.memory.allocator). Then the worst and
 median |error| per GPU and path, against issue #42's targets (5% calibrated, 8% uncalibrated,
 allocated 1.5%), the public rows of tests/public_measurements.yaml whose figure is reserved or
-nvidia-smi, and the device margin each path's spread gives (`memfit.estimate.calibration.margin_for`).
+nvidia-smi, and the device margin each path's spread gives (`memfit.estimate.models.calibration.margin_for`).
 Seconds on a laptop; no GPU needed.
 """
 
@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_evidence as ge  # noqa: E402
+from memfit_validation import memory as v  # noqa: E402
 
-from memfit.estimate import calibration  # noqa: E402
-from memfit.estimate import validation as v  # noqa: E402
+from memfit.estimate.models import calibration  # noqa: E402
 from memfit.space import Candidate  # noqa: E402
 
 GPUS = ("h100-80gb", "h200")
@@ -71,9 +71,9 @@ def predict_rows(gpu: str, calibrated: bool) -> list[dict]:
 
 def logits_shares(gpu: str) -> dict[str, float]:
     """Per evidence row whose measured peak is the backward (not the optimizer step): the measured
-    reserved - allocated as a share of the fp32 logits block (memfit.estimate.allocator's
+    reserved - allocated as a share of the fp32 logits block (memfit.estimate.memory.allocator's
     logits_cached term); the median is the calibration's `logits_cached_share`."""
-    from memfit.estimate.held_logits import fp32_logits_block
+    from memfit.estimate.memory.held_logits import fp32_logits_block
     from memfit.estimate.settings import Settings
 
     arch = ge.model_arch(ge.gpu_profile(gpu))

@@ -46,7 +46,8 @@ WORLD = 2
 
 
 def measure(root: Path, name: str, reuse: bool = False) -> dict:
-    from memfit.estimate import catalog, estimate
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
     from memfit.space import Candidate
     from memfit.train.checkpoint import LOADER_ENV
     from memfit.train.launch import launch

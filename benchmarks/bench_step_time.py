@@ -9,8 +9,8 @@
    correlation, and whether the measured-fastest candidate that fits the demo's budget is among
    the `probe.top_k` memfit would probe (predicted fastest of those predicted to fit).
 
-Both the calibrated prediction (memfit.estimate.timing) and the uncalibrated one (40% MFU,
-memfit.estimate.costs.step_time) are printed, the second for comparison.
+Both the calibrated prediction (memfit.estimate.time.timing) and the uncalibrated one (40% MFU,
+memfit.estimate.time.costs.step_time) are printed, the second for comparison.
 
 Needs the demo's model, data and SFT output: run `make demo` first.
 
@@ -38,7 +38,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from memfit.estimate import timing  # noqa: E402
+from memfit.estimate.time import timing  # noqa: E402
 from memfit.space import Candidate  # noqa: E402
 from memfit.workflow import calibrate as calibrate_stage  # noqa: E402
 from memfit.workflow import pipeline  # noqa: E402

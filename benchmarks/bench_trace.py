@@ -1,4 +1,4 @@
-"""The traced activation path's sweeps (memfit.estimate.trace), every case: what tests/test_trace.py checks
+"""The traced activation path's sweeps (memfit.estimate.trace.trace), every case: what tests/test_trace.py checks
 on representative cases, over all of them.
 
 1. fake-tensor trace == the same step on real tensors, and affine in the micro batch (2, 3, 4

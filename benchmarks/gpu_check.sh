@@ -118,7 +118,7 @@ fi
 left=$((BUDGET - 80 - SECONDS))
 ev_rc=0
 if [ "$CUDA" = 1 ] && [ "$left" -gt 30 ]; then
-    gpu=$($PY -c "from memfit.estimate.detect import detect_gpu; print(detect_gpu())")
+    gpu=$($PY -c "from memfit.estimate.models.detect import detect_gpu; print(detect_gpu())")
     [ -f "benchmarks/results/gpu_evidence_$gpu.json" ] && cp "benchmarks/results/gpu_evidence_$gpu.json" "$DEST/gpu_evidence.json"
     say "evidence: ${evidence[*]:-every stage not yet measured} within ${left}s"
     $PY benchmarks/gpu_evidence.py "${evidence[@]}" --gpu "$gpu" --out "$DEST/gpu_evidence.json" \

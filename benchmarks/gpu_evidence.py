@@ -39,8 +39,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from memfit.atomic import write_json_atomic  # noqa: E402
-from memfit.estimate import Settings, calibration, catalog, estimate, fit  # noqa: E402
-from memfit.estimate.costs import step_flops  # noqa: E402
+from memfit.estimate import Settings, estimate, fit  # noqa: E402
+from memfit.estimate.models import calibration, catalog  # noqa: E402
+from memfit.estimate.time.costs import step_flops  # noqa: E402
 from memfit.space import Candidate  # noqa: E402
 from memfit.units import GIB, MIB, fmt_bytes  # noqa: E402
 
@@ -257,7 +258,7 @@ class DevicePoller:
 
 def model_flops(arch, cand: Candidate, method: str) -> float:
     """FLOPs of one optimizer step on one rank, the estimator's own count
-    (memfit.estimate.costs.step_flops, recomputation included: what the GPU executes)."""
+    (memfit.estimate.time.costs.step_flops, recomputation included: what the GPU executes)."""
     return step_flops(arch, cand, method)
 
 
@@ -277,7 +278,7 @@ def estimate_row(
 ) -> dict[str, Any]:
     """The estimator's answer for one row. A probe trains without resuming, so its memory is
     compared with the peak of the training phases; the resume phase (DeepSpeed's optimizer-state
-    load, memfit.estimate.phases) is reported beside it (`peak_allocated_bytes_with_resume`).
+    load, memfit.estimate.memory.phases) is reported beside it (`peak_allocated_bytes_with_resume`).
     Reserved and nvidia-smi totals move with the allocated peak: the estimator adds its
     fragmentation and overheads to the peak (memfit.estimate.core)."""
     arch, gpu = model_arch(profile), catalog.gpu(profile.gpu)
@@ -454,7 +455,7 @@ for m in (1024, 2048, 4096, 8192):
 copies = {}
 dev = torch.empty(2**30, dtype=torch.uint8, device="cuda")
 # device memory bandwidth: a 1 GiB device-to-device copy reads and writes 1 GiB each
-# (memfit.estimate.roofline prices memory-bound kernels at it)
+# (memfit.estimate.time.roofline prices memory-bound kernels at it)
 dst = torch.empty_like(dev)
 dst.copy_(dev); torch.cuda.synchronize(); t = time.perf_counter()
 for _ in range(20): dst.copy_(dev)
@@ -696,8 +697,8 @@ def stage_step_time(
 ) -> list[dict[str, Any]]:
     """memfit's step-time calibration (memfit.train.calibrate on one rank, as the workflow's
     calibrate rule runs it) of every candidate the probe stages measured, then each probe's step
-    time predicted from it (memfit.estimate.timing) against the probe's measured step time."""
-    from memfit.estimate import timing
+    time predicted from it (memfit.estimate.time.timing) against the probe's measured step time."""
+    from memfit.estimate.time import timing
     from memfit.train.launch import launch
 
     doc = json.loads(doc_path.read_text()) if doc_path and doc_path.exists() else {}
@@ -982,7 +983,7 @@ def derive_calibration(doc: dict[str, Any]) -> dict[str, Any]:
             **({"hbm_gbs": "stage context: a 1 GiB device-to-device copy (read + write)"} if "hbm_gb_s" in m else {}),
             "tflops.matmul": "stage context: 8192^3 bf16 GEMM",
             "tflops.gemm": "stage context: median of the Llama-3.1-8B step's GEMM shapes (x @ w.T, "
-            "1,024-8,192 rows; memfit.estimate.roofline prices every GEMM at it)",
+            "1,024-8,192 rows; memfit.estimate.time.roofline prices every GEMM at it)",
             "tflops.attention": "stage context: causal SDPA 32x8192x128 bf16",
         },
     }

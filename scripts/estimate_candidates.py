@@ -4,7 +4,7 @@ prepared rows are checked against the global batch (a train.global_batch raised 
 import sys
 import time
 
-from memfit.estimate import trace
+from memfit.estimate.trace import trace
 from memfit.workflow.config import ConfigError, WorkflowConfig
 from memfit.workflow.pipeline import estimate_candidates, log_to
 from memfit.workflow.search_checks import rows_problem
@@ -24,7 +24,7 @@ def say(line: str) -> None:  # progress in the rule's log (log_to: stderr), with
 
 
 say(f"estimating the candidates of {w.model} on {w.gpu} ({w.method})")
-with trace.progress_to(say):  # a line as each traced shape starts and ends (memfit.estimate.trace)
+with trace.progress_to(say):  # a line as each traced shape starts and ends (memfit.estimate.trace.trace)
     result = estimate_candidates(snakemake.config, w.model, w.gpu, w.method, snakemake.output[0], calibration)
 rows = result["rows"]
 say(f"estimated {len(rows)} candidates, {sum(r['fits'] and not r['invalid'] for r in rows)} predicted to fit")

@@ -1,8 +1,13 @@
 import os
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+# The checks against public measurements (benchmarks/memfit_validation) are not part of the
+# library: tests import them from benchmarks/, as the benchmark scripts do (their own folder).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 # No downloads, ever: models come from the repo or local paths.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -35,7 +40,7 @@ def pytest_configure(config):
 
 def _share_cores(config):
     """Under pytest-xdist (`make test-fast`: a worker per core), each worker gets its share of the
-    cores, for torch's threads and for the estimator's trace children (memfit.estimate.trace
+    cores, for torch's threads and for the estimator's trace children (memfit.estimate.trace.trace
     `trace_workers`), instead of all of them each."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:

@@ -1,4 +1,4 @@
-"""Reserved memory from the caching allocator's mechanisms (memfit.estimate.allocator), the device
+"""Reserved memory from the caching allocator's mechanisms (memfit.estimate.memory.allocator), the device
 margin derived from memfit's measured device-total error (issue #42), and the calibration keys
 that carry both. Each allocator term on a hand-computed case; the margin as `estimate` and the
 workflow's budget state it."""
@@ -11,10 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from memfit.estimate import allocator, calibration, catalog, estimate, rows
-from memfit.estimate.calibration import CalibrationError
+from memfit.estimate import estimate, rows
+from memfit.estimate.memory import allocator
+from memfit.estimate.memory.states import ModelStates
+from memfit.estimate.models import calibration, catalog
+from memfit.estimate.models.calibration import CalibrationError
 from memfit.estimate.settings import Settings
-from memfit.estimate.states import ModelStates
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from memfit.estimate import Settings, catalog, costs, estimate, timing
-from memfit.estimate.hf_config import arch_from_hf_config
+from memfit.estimate import Settings, estimate
+from memfit.estimate.models import catalog
+from memfit.estimate.models.hf_config import arch_from_hf_config
+from memfit.estimate.time import costs, timing
 from memfit.space import Candidate, compute_key, engine_key
 from memfit.train.calibrate import CPU_ADAM_BLOCK
 from memfit.train.launch import launch

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from memfit.estimate import catalog, hf_config, inventory
+from memfit.estimate.models import catalog, hf_config, inventory
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -798,7 +798,7 @@ def test_sharded_index_total_size_is_cross_checked(tmp_path):
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "phi-4", "gemma-3-4b"])
 def test_cards_round_trip_through_json(name):
-    """memfit.estimate.trace keys its cache by the card's JSON form and rebuilds the card in a child
+    """memfit.estimate.trace.trace keys its cache by the card's JSON form and rebuilds the card in a child
     process: both must give back exactly the same card."""
     import dataclasses
 

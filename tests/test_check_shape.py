@@ -134,3 +134,73 @@ def test_the_vocabulary_imports_only_the_vocabulary(tree):
     result = _run(tree)
     assert result.returncode == 1
     assert "layer: memfit.units imports memfit.estimate.core" in result.stdout
+
+
+def _estimate_rooms(tree: Path) -> None:
+    """The estimator's rooms as in the repository: models/ at the bottom, memory/ above it."""
+    _write(tree, "src/memfit/estimate/__init__.py", '"""estimate."""\n')
+    _write(tree, "src/memfit/estimate/core.py", "from memfit.estimate.memory import states\n")
+    _write(tree, "src/memfit/estimate/settings.py", "X = 1\n")
+    _write(tree, "src/memfit/estimate/models/__init__.py", '"""models."""\n')
+    _write(tree, "src/memfit/estimate/models/arch.py", "from memfit.estimate.settings import X\n")
+    _write(tree, "src/memfit/estimate/memory/__init__.py", '"""memory."""\n')
+    _write(tree, "src/memfit/estimate/memory/states.py", "from memfit.estimate.models.arch import X\n")
+
+
+def test_an_estimator_room_importing_a_higher_room_fails(tree):
+    _estimate_rooms(tree)
+    assert _run(tree).returncode == 0  # memory/ on models/, core on memory/: downwards
+    # models/ is below memory/: a card reaching for a memory term is refused
+    _write(tree, "src/memfit/estimate/models/arch.py", "def f():\n    from memfit.estimate.memory import states\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "layer: memfit.estimate.models.arch imports memfit.estimate.memory.states" in result.stdout
+
+
+def test_an_estimator_room_importing_the_top_of_the_estimator_fails(tree):
+    _estimate_rooms(tree)
+    # a room never imports core (nor the package's public API, which imports core)
+    _write(tree, "src/memfit/estimate/memory/states.py", "from memfit.estimate import core\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "layer: memfit.estimate.memory.states imports memfit.estimate.core" in result.stdout
+    _write(tree, "src/memfit/estimate/memory/states.py", "from memfit.estimate import settings\n")
+    assert _run(tree).returncode == 0  # the estimator's vocabulary is open to every room
+    _write(tree, "src/memfit/estimate/settings.py", "from memfit.estimate.models import arch\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "layer: memfit.estimate.settings imports memfit.estimate.models.arch" in result.stdout
+
+
+def test_the_library_importing_the_validation_package_fails(tree):
+    _write(tree, "src/memfit/b.py", "def g():\n    import memfit_validation.memory\n\n    return 1\n")
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "src/memfit/b.py:2: imports memfit_validation.memory (memfit_validation is outside the library" in (
+        result.stdout
+    )
+
+
+def test_every_room_of_the_estimator_has_its_layer():
+    """A new sub-package of estimate/ is not free of the layering: each is in MAY_IMPORT."""
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import check_shape
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    rooms = sorted(p.name for p in (REPO / "src/memfit/estimate").iterdir() if (p / "__init__.py").is_file())
+    assert rooms == ["memory", "models", "time", "trace"]
+    assert all(f"memfit.estimate.{room}" in check_shape.MAY_IMPORT for room in rooms)
+
+
+def test_an_estimator_module_of_401_lines_fails_and_400_passes(tree):
+    """The estimator's modules are held to 400 lines (issue #46), the rest of the library to 500."""
+    _write(tree, "src/memfit/estimate/__init__.py", '"""estimate."""\n')
+    _write(tree, "src/memfit/estimate/memory/__init__.py", '"""memory."""\n')
+    _write(tree, "src/memfit/estimate/memory/states.py", "x = 1\n" * 400)
+    _write(tree, "src/memfit/big.py", "x = 1\n" * 450)
+    assert _run(tree).returncode == 0
+    _write(tree, "src/memfit/estimate/memory/states.py", "x = 1\n" * 401)
+    result = _run(tree)
+    assert result.returncode == 1
+    assert "src/memfit/estimate/memory/states.py:1: module has 401 lines (limit 400)" in result.stdout

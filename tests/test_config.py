@@ -85,7 +85,7 @@ def test_load_validates_once_and_of_wraps_without_checking_again(config):
 
 
 def test_world_size_and_budgets(config):
-    from memfit.estimate import catalog
+    from memfit.estimate.models import catalog
     from memfit.units import GIB, MIB
 
     config.update(num_gpus=4, num_nodes=2, cpu_memory_mib=96, host_memory_gib=16, headroom=0.1)
@@ -223,7 +223,7 @@ def test_num_gpus_counts_gpus_per_node(repo, monkeypatch):
 
 def test_num_gpus_beyond_the_detected_gpus_is_refused(config, monkeypatch):
     """`gpus: [detect]` is this machine: 2 ranks on its one GPU cannot start; a plan may ask for more."""
-    from memfit.estimate import detect
+    from memfit.estimate.models import detect
 
     monkeypatch.setattr(detect, "smi_devices", lambda: [("NVIDIA A100-SXM4-80GB", 81920)])
     cfg = copy.deepcopy(config) | {"gpus": ["detect"], "num_gpus": 2, "headroom": 0.1}

@@ -17,7 +17,7 @@ from memfit.estimate.coverage import coverage_row, tiny_config
 FULL = ["llama", "gpt2", "olmo3", "gpt_oss", "qwen3_next", "deepseek_v3", "falcon_h1", "mamba", "gemma3", "glm4_moe",
         "smollm3", "gemma4_text"]  # fmt: skip
 # LoRA: Conv1D linears (gpt2), linear attention (qwen3_next), frozen experts traced in fp32
-# (granitemoe: torch._grouped_mm's autograd, memfit.estimate.fake_mode), and the default targets
+# (granitemoe: torch._grouped_mm's autograd, memfit.estimate.models.fake_mode), and the default targets
 # where plain all-linear fails (falcon_h1: peft refuses Mamba's out_proj; llama4_text: its router
 # returns a tuple; memfit.train.lora).
 LORA = ["gpt2", "qwen3_next", "granitemoe", "falcon_h1", "llama4_text"]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from memfit.estimate.detect import DetectError, detect_gpu, gpu_for_device
+from memfit.estimate.models.detect import DetectError, detect_gpu, gpu_for_device
 from memfit.workflow.config import ConfigError, WorkflowConfig
 
 REPO = Path(__file__).resolve().parents[1]

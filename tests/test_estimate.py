@@ -9,15 +9,8 @@ import json
 
 import pytest
 
-from memfit.estimate import (
-    EstimateError,
-    Settings,
-    catalog,
-    estimate,
-    estimate_space,
-    fit,
-    fit_main,
-)
+from memfit.estimate import EstimateError, Settings, estimate, estimate_space, fit, fit_main
+from memfit.estimate.models import catalog
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB
 

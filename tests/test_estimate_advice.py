@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import catalog, estimate, fit_main, main
+from memfit.estimate import estimate, fit_main, main
 from memfit.estimate.advice import advise, advise_fit, needs_advice
+from memfit.estimate.models import catalog
 from memfit.estimate.selection import choose, judge
 from memfit.space import Candidate
 
@@ -62,7 +63,7 @@ def test_advise_fit_keeps_the_levers_that_reach_further():
     cand = Candidate(zero=0, grad_ckpt=True, attn="flash", finetune="lora", ref=None)
 
     def search(c):
-        from memfit.estimate.core import largest_fitting
+        from memfit.estimate.search import largest_fitting
 
         return largest_fitting(
             lambda n: estimate(arch, gpu, 1, 1, "sft", Candidate(**{**c.to_dict(), "seq_len": n}), headroom=None),
@@ -233,8 +234,8 @@ def test_a_fit_with_little_room_gets_the_levers_that_make_room(capsys):
 
 def test_a_traced_estimate_reports_progress_on_stderr_unless_json_or_quiet(tmp_path, monkeypatch, capsys):
     """A model being traced says so on stderr, a line per traced shape (the tracer's hook,
-    memfit.estimate.trace.progress_to); --json (and --quiet) keep it silent."""
-    from memfit.estimate import trace
+    memfit.estimate.trace.trace.progress_to); --json (and --quiet) keep it silent."""
+    from memfit.estimate.trace import trace
 
     if not hasattr(trace, "progress_to"):
         pytest.skip("this tracer has no progress hook")

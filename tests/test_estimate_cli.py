@@ -211,7 +211,7 @@ def test_table_breakdown_sums_to_the_figure_under_it_and_names_the_peak(capsys):
 def test_a_resume_does_not_refuse_what_trains(capsys):
     """GLM-4-9B, full fine-tune, ZeRO-3 on 3 A100-80GB: 55 GiB allocated in training. memfit
     once priced a resume holding m and v twice (75.9 GiB) and refused it; DeepSpeed 0.19.8
-    creates the optimizer state lazily, so a resume holds it once (estimate/phases.py `_resume`)."""
+    creates the optimizer state lazily, so a resume holds it once (estimate/memory/phases.py `_resume`)."""
     main("--model glm-4-9b --gpu a100-80gb --num-gpus 3 --finetune full --zero 3 --seq-len 2048 --attn sdpa".split())
     table = capsys.readouterr().out
     peak = next(ln for ln in table.splitlines() if ln.startswith("peak set by "))

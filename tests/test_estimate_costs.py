@@ -1,4 +1,4 @@
-"""Device overheads, fragmentation, host memory and step time (memfit.estimate.costs)."""
+"""Device overheads, fragmentation, host memory and step time (memfit.estimate.memory.overheads, memfit.estimate.time.costs)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import pytest
 from memfit.estimate import (
     Settings,
     cached_logits_block,
-    calibration,
-    catalog,
     device_overheads,
     fragmentation,
     host_memory,
     model_states,
     step_time,
 )
-from memfit.estimate.costs import NCCL_CUMEM_BYTES, step_flops
-from memfit.estimate.params import param_layout
+from memfit.estimate.memory.overheads import NCCL_CUMEM_BYTES
+from memfit.estimate.models import calibration, catalog
+from memfit.estimate.models.params import param_layout
+from memfit.estimate.time.costs import step_flops
 from memfit.space import Candidate
 from memfit.units import CHECKPOINT_CHUNK_BYTES, GIB, MIB
 
@@ -44,7 +44,7 @@ def test_measured_calibration_keeps_its_nccl_figure(tmp_path, monkeypatch):
     """A calibration file measured on the GPU keeps its own NCCL per-peer figure."""
     import json
 
-    from memfit.estimate import calibration
+    from memfit.estimate.models import calibration
 
     a100 = catalog.gpu("a100-80gb")
     (tmp_path / "a100-80gb.json").write_text(
@@ -70,7 +70,7 @@ def test_a_one_gpu_calibration_leaves_the_nccl_figure_alone(tmp_path, monkeypatc
     (NCCL_CUMEM_BYTES plus NVLS) instead of a per-peer guess."""
     import json
 
-    from memfit.estimate import calibration
+    from memfit.estimate.models import calibration
 
     h100 = catalog.gpu("h100-80gb")
     before = device_overheads(h100, 8)["nccl"]

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import catalog, estimate
+from memfit.estimate import estimate
+from memfit.estimate.models import catalog
 from memfit.space import Candidate
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ CASES = {
     # ZeRO-0 at grad_accum 2: param.grad lives across micro steps (engine.py step boundary)
     "z0-dpo-mb8": ("dpo", dict(zero=0, micro_batch=8, ref="precomputed")),
     "z2-sft-mb16": ("sft", dict(zero=2, micro_batch=16)),
-    # ZeRO-3: gathered parameters kept for reuse (states.zero3_gathered_bytes)
+    # ZeRO-3: gathered parameters kept for reuse (zero3.zero3_gathered_bytes)
     "z3-sft-mb16": ("sft", dict(zero=3, micro_batch=16)),
     # ZeRO-3 + non-reentrant checkpointing: each layer's forward runs again inside its backward
     "z3-gc-sft-mb4": ("sft", dict(zero=3, micro_batch=4, grad_ckpt=True)),
@@ -50,7 +51,7 @@ CASES = {
 }
 # others: 10%. The checkpointed ZeRO-0 DPO shape is predicted 3.3% high (measured 9,869,468 B,
 # predicted 10,206,660 B, 2026-11-26): 2.3% high before the padded batch's mask term
-# (activation_memory._padding_mask_extra) was added, which its rows (15-18 tokens padded to 24)
+# (padding_mask._padding_mask_extra) was added, which its rows (15-18 tokens padded to 24)
 # do carry; 3.5% keeps it on the safe side of the 3% target without hiding a low prediction.
 # The checkpointed ZeRO-2 QLoRA SFT shape (grad_accum 2) is predicted 3.1% high (measured
 # 7,515,300 B, predicted 7,750,084 B, 2026-11-26): the estimate holds the partition's gradients

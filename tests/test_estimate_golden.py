@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import Settings, catalog, estimate, fit, render
+from memfit.estimate import Settings, estimate, fit, render
+from memfit.estimate.models import catalog
 from memfit.space import Candidate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "estimate_golden.json"

@@ -27,8 +27,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from memfit.estimate import Settings, estimate
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
 from memfit.space import Candidate
 from memfit.train.memory import AllocationTracker
 from memfit.train.steps import StepRunner
@@ -308,9 +308,9 @@ if __name__ == "__main__":
 def test_a_padded_batch_keeps_the_repeated_keys_values_and_the_mask(kind):
     """With a padding mask transformers turns off SDPA's GQA and repeats K/V to every head
     (integrations/sdpa_attention.py `use_gqa_in_sdpa`); SDPA saves them and the mask. The
-    difference from the same batch unpadded is `activation_memory._padding_mask_extra` per layer,
+    difference from the same batch unpadded is `padding_mask._padding_mask_extra` per layer,
     and `Settings.padding_mask` (the default: memfit's un-packed batches) prices it."""
-    from memfit.estimate.activation_memory import padding_mask_extra
+    from memfit.estimate.memory.padding_mask import padding_mask_extra
 
     cand = Candidate(zero=0, precision="fp32", attn="sdpa", micro_batch=4, seq_len=64, finetune="lora", lora_rank=8)
     padded, full = measure(kind, "sft", cand, pad=8), measure(kind, "sft", cand)

@@ -137,7 +137,7 @@ def test_estimate_within_the_sft_dpo_limits(method):
 def test_a_traced_reward_model_within_5_percent(case, tmp_path):
     """The traced path (Settings.activations="traced", what a generic card always takes): a reward
     model is traced as its causal LM and the head's terms swapped for the score's
-    (memfit.estimate.traced.traced_activations); the estimate holds the same limit."""
+    (memfit.estimate.trace.traced.traced_activations); the estimate holds the same limit."""
     kind, method, cand = [c for c in CASES if c[1] == "rm"][case]
     settings = Settings(
         optimizer_impl="single",

@@ -88,7 +88,8 @@ def test_a_flag_the_method_does_not_take_is_one_clear_error(argv, words, capsys)
 
 
 def test_the_api_refuses_an_unknown_method_naming_the_six():
-    from memfit.estimate import EstimateError, catalog, estimate
+    from memfit.estimate import EstimateError, estimate
+    from memfit.estimate.models import catalog
     from memfit.space import Candidate
 
     with pytest.raises(EstimateError, match="method must be one of sft, dpo, rm, orpo, simpo, kto, got 'ppo'"):

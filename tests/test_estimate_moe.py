@@ -21,7 +21,6 @@ import torch
 from memfit.estimate import (
     Settings,
     activations,
-    catalog,
     estimate,
     main,
     model_states,
@@ -30,8 +29,9 @@ from memfit.estimate import (
     trainable_params,
     zero3_gathered_bytes,
 )
-from memfit.estimate.costs import step_flops
 from memfit.estimate.coverage import measure_step_peak
+from memfit.estimate.models import catalog
+from memfit.estimate.time.costs import step_flops
 from memfit.space import Candidate
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf_configs"
@@ -164,7 +164,7 @@ def _measure_moe_layer(kind: str, finetune: str, seqs: int = 2, seq_len: int = 2
     """Forward one bf16 MoE decoder layer (SDPA attention, transformers' default grouped_mm
     experts) on the CPU under AllocationTracker and return (bytes saved for the backward,
     trainable parameters, the card). LoRA as memfit's trainer builds it: peft all-linear,
-    adapters in the training dtype (DeepSpeed casts them; see trace_step.build_model)."""
+    adapters in the training dtype (DeepSpeed casts them; see trace_model.build_model)."""
     from transformers import AutoModelForCausalLM
 
     from memfit.train.memory import AllocationTracker

@@ -6,7 +6,7 @@ batch of 1 is never padded: transformers drops its all-ones mask and SDPA runs c
 own GQA. The probe used to pad its longest row to seq_len, measuring a step training never runs
 (the H200's long-context probes: s^2 bytes over the estimate, 3.6x its step time). Now its row
 is filled with its own tokens (batches.fill_row), and the estimator's padding terms
-(activation_memory._padding_mask_extra, _padding_mask_once) apply to 2+ rows only.
+(padding_mask._padding_mask_extra, _padding_mask_once) apply to 2+ rows only.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_the_estimate_of_one_long_row_carries_no_padding_terms(capsys):
     """Llama-3.1-8B LoRA at 65,536 tokens: one row has no mask, so no repeated K/V (32 heads over 8
     KV heads) and no s^2 mask; the same tokens as 2 rows of 32,768 are padded and pay both in
     every layer (no checkpointing: all 32 layers keep them)."""
-    from memfit.estimate import catalog
+    from memfit.estimate.models import catalog
 
     arch = catalog.model("llama-3.1-8b")
     one, two = _activations(capsys, 1, 65536), _activations(capsys, 2, 32768)
@@ -120,8 +120,8 @@ def test_the_estimate_of_one_long_row_carries_no_padding_terms(capsys):
 
 
 def test_the_estimate_of_one_row_is_the_same_with_or_without_padding_mask():
-    from memfit.estimate import catalog
-    from memfit.estimate.catalog import gpu
+    from memfit.estimate.models import catalog
+    from memfit.estimate.models.catalog import gpu
 
     cand = Candidate(zero=2, precision="bf16", attn="sdpa", micro_batch=1, seq_len=65536, finetune="lora", grad_ckpt=False)  # fmt: skip
     arch = catalog.model("llama-3.1-8b")

@@ -1,4 +1,4 @@
-"""Phases and the peak's breakdown (memfit.estimate.phases): the breakdown accounts for every
+"""Phases and the peak's breakdown (memfit.estimate.memory.phases): the breakdown accounts for every
 byte of the peak, and the peak is the largest phase."""
 
 from __future__ import annotations
@@ -7,16 +7,9 @@ import dataclasses
 
 import pytest
 
-from memfit.estimate import (
-    DEFAULT_SETTINGS,
-    NCCL_CUMEM_BYTES,
-    EstimateError,
-    Settings,
-    allocator,
-    catalog,
-    estimate,
-    estimate_space,
-)
+from memfit.estimate import DEFAULT_SETTINGS, NCCL_CUMEM_BYTES, EstimateError, Settings, estimate, estimate_space
+from memfit.estimate.memory import allocator
+from memfit.estimate.models import catalog
 from memfit.space import Candidate, enumerate_space
 
 AXES = {
@@ -86,7 +79,7 @@ def test_another_trainers_logits_handling_adds_only_its_own_tensors():
 def test_gpu_only_terms_stay_off_the_cpu_device():
     """The cached fp32 logits block and NCCL are GPU terms: the cpu device (no caching
     allocator, gloo) is estimated as before; on a GPU the block is 4 t V (one chunk's with the
-    chunked loss), of which the allocator's default share stays cached (memfit.estimate.allocator,
+    chunked loss), of which the allocator's default share stays cached (memfit.estimate.memory.allocator,
     issue #42), and NCCL's communicator is counted for world > 1."""
     V = catalog.model("llama-3.1-8b").vocab_size
     cpu = _est(gpu="cpu", num_gpus=2, seq_len=256)

@@ -1,4 +1,4 @@
-"""Model states per rank (memfit.estimate.states) against DeepSpeed's own formulas, LoRA/QLoRA
+"""Model states per rank (memfit.estimate.memory.states) against DeepSpeed's own formulas, LoRA/QLoRA
 weights and the ZeRO-3 offload ratio's sub-group granularity."""
 
 from __future__ import annotations
@@ -7,15 +7,8 @@ import dataclasses
 
 import pytest
 
-from memfit.estimate import (
-    Settings,
-    catalog,
-    estimate,
-    model_states,
-    param_layout,
-    zero3_gathered_bytes,
-    zero3_subgroups,
-)
+from memfit.estimate import Settings, estimate, model_states, param_layout, zero3_gathered_bytes, zero3_subgroups
+from memfit.estimate.models import catalog
 from memfit.space import Candidate
 from memfit.units import GIB
 

@@ -69,7 +69,7 @@ def test_progress_goes_to_stderr_a_line_per_step(tiny, capsys):
     assert steps[1].startswith("memfit fit: seq_len 8,192: does not fit (device ")
     assert any(ln.startswith("memfit fit: tracing ") for ln in err.splitlines())
     assert f"memfit fit: seq_len {got['seq_len']:,}: fits" in err
-    # each traced shape says when it is done and how long it took (memfit.estimate.trace.progress_to)
+    # each traced shape says when it is done and how long it took (memfit.estimate.trace.trace.progress_to)
     done = [ln for ln in err.splitlines() if ln.startswith("memfit fit: traced ")]
     assert {re.search(r" at ([\d,]+) tokens", ln)[1] for ln in done} == {"512", "1,024", "2,048"}
     assert all(re.search(r" in \d+\.\d s ", ln) for ln in done), done
@@ -168,9 +168,10 @@ def test_linear_attention_layers_are_traced_short_and_read_exactly_beyond(tmp_pa
     TRACE_LENGTHS; the fitted form from the short lengths gives a real trace at 1,536 tokens (24
     chunks, beyond them) to the byte, every measure (the tiny Qwen3.5; qwen3.5-27b's layer at 2,048
     tokens likewise, fit.py's LINEAR_TRACE_LENGTHS)."""
-    from memfit.estimate import catalog, trace
     from memfit.estimate.fit import LINEAR_TRACE_LENGTHS, TRACE_LENGTHS, FittedTraces, _quadratic
+    from memfit.estimate.models import catalog
     from memfit.estimate.settings import Settings
+    from memfit.estimate.trace import trace
 
     arch = catalog.model(str(ROOT / "config" / "models" / "tiny-qwen3-5-text.json"), allow_moe=True)
     shape = trace.TraceRequest(0, "sdpa", "bf16", True, "lora")

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import Settings, catalog, fit
-from memfit.estimate.core import fit_sequence_parallel
+from memfit.estimate import Settings, fit
+from memfit.estimate.models import catalog
+from memfit.estimate.search import fit_sequence_parallel
 from memfit.space import Candidate
 from memfit.units import GIB
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfit.estimate import catalog
+from memfit.estimate.models import catalog
 
 # name -> (published total parameters, counted with the vision tower?, where it is published).
 # Each entry's comment in config/models.yaml quotes the sentence.

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from memfit.estimate import calibration, catalog, estimate
-from memfit.estimate.costs import step_flops
+from memfit.estimate import estimate
+from memfit.estimate.models import calibration, catalog
+from memfit.estimate.time.costs import step_flops
 from memfit.space import Candidate
 from memfit.units import MIB
 
@@ -54,7 +55,7 @@ def test_estimate_uses_a_measured_calibration_and_says_so(tmp_path, monkeypatch)
     after = estimate(arch, gpu, 1, 1, "sft", cand)
     assert after.calibration == "measured 2026-11-22 on NVIDIA H100 80GB HBM3"
     assert after.peak_allocated_bytes == before.peak_allocated_bytes
-    # reserved comes from the allocator's mechanisms (memfit.estimate.allocator); the file's
+    # reserved comes from the allocator's mechanisms (memfit.estimate.memory.allocator); the file's
     # `fragmentation` is for the record, its `logits_cached_share` absent: the default share
     assert after.peak_reserved_bytes == before.peak_reserved_bytes > after.peak_allocated_bytes
     assert after.device_total_bytes - after.peak_reserved_bytes == 632 * MIB

@@ -1,4 +1,4 @@
-"""Parameters read from transformers (memfit.estimate.inventory, .generic): the hand-written
+"""Parameters read from transformers (memfit.estimate.models.inventory, .generic): the hand-written
 cards and the model transformers builds agree for every catalog entry that has a card; LoRA
 counts agree with peft applied to the whole model; mixed layer kinds are grouped as the model's
 own config says."""
@@ -9,10 +9,10 @@ import dataclasses
 
 import pytest
 
-from memfit.estimate import catalog, generic, inventory
-from memfit.estimate.params import _inventory_layout, param_layout, trainable_params
+from memfit.estimate.memory.zero3 import zero3_subgroups
+from memfit.estimate.models import catalog, generic, inventory, layer_counts
+from memfit.estimate.models.params import _inventory_layout, param_layout, trainable_params
 from memfit.estimate.settings import Settings
-from memfit.estimate.states import zero3_subgroups
 from memfit.space import Candidate
 
 HAND = sorted(n for n, a in catalog.load_models().items() if not a.generic)
@@ -88,8 +88,8 @@ def test_lora_count_of_moe_models_equals_peft_on_the_whole_model(kind):
     text = json.dumps(cfg, sort_keys=True)
     layers = cfg["num_hidden_layers"]
     for targets in (None, ("o_proj",)):
-        per_layer, outside, _ = inventory._peft_params(inventory.config_from_dict(cfg), 8, targets, layers)
-        assert inventory.lora_params(text, 8, targets) == sum(per_layer) + outside
+        per_layer, outside, _ = layer_counts._peft_params(inventory.config_from_dict(cfg), 8, targets, layers)
+        assert layer_counts.lora_params(text, 8, targets) == sum(per_layer) + outside
 
 
 def test_layer_kinds_follow_layer_types_and_experts():
@@ -121,7 +121,7 @@ def test_traced_flops_agree_with_the_formula_on_a_dense_model(tmp_path, finetune
     """FlopCounterMode on the traced step of the generic twin against 6 (LoRA: 4) FLOPs per
     parameter per token plus attention (Kaplan et al. 2020; costs.step_flops), with and
     without the recomputation checkpointing adds."""
-    from memfit.estimate.costs import step_flops
+    from memfit.estimate.time.costs import step_flops
 
     arch = catalog.model("llama-3.2-1b")
     twin = _generic_twin(arch)

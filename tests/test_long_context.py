@@ -110,14 +110,15 @@ LONG = Candidate(zero=3, attn="flash", grad_ckpt=True, seq_len=65536, loss_impl=
 
 
 def _llama(cand: Candidate, gpu: str = "h100-80gb"):
-    from memfit.estimate import catalog, estimate
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
 
     return estimate(catalog.model("llama-3.1-8b"), catalog.gpu(gpu), 8, 1, "sft", cand)
 
 
 def test_the_estimator_holds_a_tile_of_the_mlp_and_recomputes_it():
-    from memfit.estimate import catalog
-    from memfit.estimate.costs import step_flops
+    from memfit.estimate.models import catalog
+    from memfit.estimate.time.costs import step_flops
 
     plain, tiled = _llama(LONG), _llama(dataclasses.replace(LONG, tiled_mlp=True))
     # at the top layer's backward: the other layers' checkpointed inputs, and in the top layer
@@ -131,7 +132,8 @@ def test_the_estimator_holds_a_tile_of_the_mlp_and_recomputes_it():
 
 
 def _estimate_moe(cand):
-    from memfit.estimate import catalog, estimate
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
 
     return estimate(catalog.model("mixtral-8x7b", allow_moe=True), catalog.gpu("h100-80gb"), 8, 1, "sft", cand)
 

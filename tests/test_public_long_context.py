@@ -1,13 +1,12 @@
 """memfit's longest sequence against DeepSpeed ALST's published ones (tests/public_long_context.yaml,
-memfit.estimate.validation_long_context): the headline figures, the paper's ablation and its order."""
+memfit_validation.long_context): the headline figures, the paper's ablation and its order."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
-from memfit.estimate.validation_long_context import compare, load_table, order_agreement, summary
+from memfit_validation.long_context import compare, load_table, order_agreement, summary
 
 TABLE = Path(__file__).parent / "public_long_context.yaml"
 

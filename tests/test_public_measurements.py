@@ -1,7 +1,7 @@
 """The estimator against published, measured GPU memory of fine-tuning runs (issue #16).
 
 The table (tests/public_measurements.yaml) holds figures other people measured on real GPUs,
-each with its source and setting; memfit.estimate.validation maps every row to an estimator call and
+each with its source and setting; memfit_validation.memory maps every row to an estimator call and
 compares the figure that matches the measurement. The targets of the issue are asserted as an
 expected failure (strict) with today's numbers in the reason, so the test flips to a failure
 -- to be turned into a plain assertion -- the moment the estimator meets them.
@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from memfit_validation import memory as v
 
-from memfit.estimate import Settings, catalog
-from memfit.estimate import validation as v
-from memfit.estimate.costs import device_overheads, nvls_bytes
+from memfit.estimate import Settings
+from memfit.estimate.memory.overheads import device_overheads, nvls_bytes
+from memfit.estimate.models import catalog
 
 ROWS, OOMS = v.load_table()
 RESULTS = [v.compare(r) for r in ROWS]
@@ -116,7 +117,7 @@ def test_explained_rows_say_why():
 # - 2026-11-23 (later): two ZeRO mechanisms from DeepSpeed's source entered the estimator: the reduce
 #   bucket is allocated whole however few parameters train (stage3.py IPG buffer), and ZeRO-3
 #   keeps parameters gathered for reuse within stage3_max_reuse_distance and prefetches up to
-#   stage3_max_live_parameters (states.zero3_gathered_bytes; on 2 CPU ranks DeepSpeed 0.19.8 held
+#   stage3_max_live_parameters (zero3.zero3_gathered_bytes; on 2 CPU ranks DeepSpeed 0.19.8 held
 #   exactly the elements the replay predicts). The two peft DeepSpeed rows run DeepSpeed's
 #   default buckets (no JSON: zero_buckets: deepspeed-defaults). The two QLoRA rows print "GB"
 #   without saying which (unit GB-or-GiB: compared as the interval between the readings, -2.3%
@@ -232,7 +233,7 @@ def test_interval_keys_are_checked(tmp_path: Path):
 
 
 def test_nvls_buffers_only_on_nvswitch_nodes_with_more_than_two_gpus():
-    """NCCL's NVLink-SHARP buffers (costs.nvls_bytes): 288 MiB per GPU of the node on Hopper
+    """NCCL's NVLink-SHARP buffers (overheads.nvls_bytes): 288 MiB per GPU of the node on Hopper
     NVSwitch parts with > 2 GPUs, on top of the cuMem communicator; none on A100 (no
     multicast), PCIe cards or 2 GPUs. The 8x H100 row's nvidia-smi figure carries 2.25 GiB."""
     h100, h200 = catalog.gpu("h100-80gb"), catalog.gpu("h200")

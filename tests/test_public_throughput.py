@@ -1,6 +1,6 @@
 """memfit's step time against published GPU training throughput (tests/public_throughput.yaml).
 
-memfit.estimate.validation_time maps every row of the table to an estimator call and converts
+memfit_validation.step_time maps every row of the table to an estimator call and converts
 the predicted step time to the row's published unit. These tests hold what the comparison
 guarantees today: the table loads and is consistent (sweeps name real rows, each published
 order agrees with the printed figures), every row memfit can represent gets a finite positive
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from memfit_validation import step_time as v
+from memfit_validation import step_time_cases as vc
 
-from memfit.estimate import catalog
-from memfit.estimate import validation_time as v
+from memfit.estimate.models import catalog
 
-ROWS, SWEEPS = v.load_table()
+ROWS, SWEEPS = vc.load_table()
 BY_ID = {r.id: r for r in ROWS}
 RESULTS = v.compare_all(ROWS)
 SWEEP_RESULTS = [v.sweep_order(s, RESULTS) for s in SWEEPS]
@@ -47,7 +48,7 @@ def test_every_sweep_names_existing_rows_in_the_printed_order():
         for rid in s.order:
             assert rid in BY_ID and s.name in BY_ID[rid].sweeps, (s.name, rid)
             figures.append(BY_ID[rid].published[s.metric])
-        if not v.METRIC_IS_RATE[s.metric]:  # seconds per step: ascending is fastest first
+        if not vc.METRIC_IS_RATE[s.metric]:  # seconds per step: ascending is fastest first
             figures = [-f for f in figures]
         for (a, fa), (b, fb) in itertools.pairwise(zip(s.order, figures, strict=True)):
             tied = any({a, b} <= t for t in s.ties)
@@ -145,11 +146,11 @@ def test_torchtitan_mfu_follows_its_published_definition():
         "titan-llama2-13b-a100-ac-sel-op",
     ):
         row, res = BY_ID[rid], RESULTS[rid]
-        flops = v.MFU_DEFINITIONS["torchtitan"][0](row.arch, row.seq_len)
+        flops = vc.MFU_DEFINITIONS["torchtitan"][0](row.arch, row.seq_len)
         printed = 100 * flops * row.published["tokens_per_s_per_gpu"] / 312e12
         assert printed == pytest.approx(row.published["mfu_pct"], abs=0.06), rid
         assert res.mfu_predicted == pytest.approx(100 * flops * res.tokens_per_s_per_gpu / 312e12), rid
-    assert v.MFU_DEFINITIONS["torchtitan"][1]["a100-80gb"] == catalog.gpu("a100-80gb").tflops_bf16 * 1e12
+    assert vc.MFU_DEFINITIONS["torchtitan"][1]["a100-80gb"] == catalog.gpu("a100-80gb").tflops_bf16 * 1e12
 
 
 def test_order_agreement_counts_pairs_and_skips_ties():
@@ -199,7 +200,7 @@ def _write(tmp_path: Path, rows: list[dict], sweeps: dict | None = None) -> Path
 
 
 def _good() -> dict:
-    doc = yaml.safe_load(v.TABLE.read_text())
+    doc = yaml.safe_load(vc.TABLE.read_text())
     row = next(d for d in doc["rows"] if d["id"] == "tune-llama3.2-3b-a100-noac")
     return {**row, "sweep": None}
 
@@ -217,10 +218,10 @@ def test_malformed_rows_are_named(tmp_path: Path):
         ({**good, "model": "no-such-model"}, r"model"),
         ({**good, "model_config": {"hidden_size": 8}}, r"model_config"),
     ]
-    assert v.load_table(_write(tmp_path, [good]))[0][0].id == rid
+    assert vc.load_table(_write(tmp_path, [good]))[0][0].id == rid
     for row, msg in cases:
-        with pytest.raises(v.TableError, match=msg) as err:
-            v.load_table(_write(tmp_path, [row]))
+        with pytest.raises(vc.TableError, match=msg) as err:
+            vc.load_table(_write(tmp_path, [row]))
         assert repr(rid) in str(err.value), (msg, str(err.value))
 
 
@@ -228,7 +229,7 @@ def test_inconsistent_sweeps_are_named(tmp_path: Path):
     a = {**_good(), "sweep": "s"}
     b = {**a, "id": "b", "published": {"tokens_per_s_per_gpu": 9000}}
     ok = {"lever": "x", "metric": "tokens_per_s_per_gpu", "published_order": [a["id"], "b"]}
-    assert len(v.load_table(_write(tmp_path, [a, b], {"s": ok}))[1]) == 1
+    assert len(vc.load_table(_write(tmp_path, [a, b], {"s": ok}))[1]) == 1
     cases = [
         ({"s": {**ok, "published_order": ["b", a["id"]]}}, r"published_order puts 'b'"),
         ({"s": {**ok, "published_order": [a["id"], "c"]}}, r"names 'c'"),
@@ -236,5 +237,5 @@ def test_inconsistent_sweeps_are_named(tmp_path: Path):
         ({"other": ok}, r"not under `sweeps:`|the rows naming it"),
     ]
     for sweeps, msg in cases:
-        with pytest.raises(v.TableError, match=msg):
-            v.load_table(_write(tmp_path, [a, b], sweeps))
+        with pytest.raises(vc.TableError, match=msg):
+            vc.load_table(_write(tmp_path, [a, b], sweeps))

@@ -4,8 +4,8 @@ checkpoints that hold the adapter only (memfit.train.adapter_state)."""
 import pytest
 import torch
 
-from memfit.estimate import catalog
-from memfit.estimate.validity import hardware_problems
+from memfit.estimate.models import catalog
+from memfit.estimate.models.validity import hardware_problems
 from memfit.space import Candidate
 from memfit.train.adapter_state import adapter_only_state_dict, load_adapter_state
 from memfit.train.modeling import load_model

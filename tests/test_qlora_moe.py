@@ -19,7 +19,8 @@ import peft  # noqa: F401
 import pytest
 import torch
 
-from memfit.estimate import Settings, catalog, estimate
+from memfit.estimate import Settings, estimate
+from memfit.estimate.models import catalog
 from memfit.space import Candidate
 from memfit.train import qlora_experts
 from memfit.train.losses import sft_loss

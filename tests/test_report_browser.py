@@ -27,7 +27,7 @@ from test_report import _dpo_run
 from test_report_curves import _with_fallback
 
 from memfit import report
-from memfit.estimate import catalog
+from memfit.estimate.models import catalog
 from memfit.report.browser import find_chromium, inspect_page
 from memfit.report.fmt import _bytes, _plain, _secs, _tps, describe
 

@@ -18,8 +18,8 @@ import pytest
 from test_report import _text
 
 from memfit import exports, report
-from memfit.estimate import catalog
-from memfit.estimate.core import fit
+from memfit.estimate.models import catalog
+from memfit.estimate.search import fit
 from memfit.report.fitmap import SETTINGS
 from memfit.space import Candidate
 from memfit.workflow import pipeline

@@ -1,4 +1,4 @@
-"""The per-operation roofline of a GPU step (memfit.estimate.roofline): its rates come from a
+"""The per-operation roofline of a GPU step (memfit.estimate.time.roofline): its rates come from a
 measurement, each operation takes the longer of its FLOPs and its bytes, and the levers move the
 time by the operations they add."""
 
@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import Settings, catalog, estimate, model_states, runtime_costs, step_time
-from memfit.estimate import roofline as rl
-from memfit.estimate.params import lora_targets
+from memfit.estimate import Settings, estimate, model_states, step_time
+from memfit.estimate.models import catalog
+from memfit.estimate.models.params import lora_targets
+from memfit.estimate.time import roofline as rl
+from memfit.estimate.time import runtime_costs
 from memfit.space import Candidate
 
 EVIDENCE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "gpu_evidence_h100-80gb.json"
@@ -40,7 +42,7 @@ def test_rates_are_the_h100_measurement_and_its_fractions_elsewhere():
 
 
 def test_a_measured_hbm_bandwidth_replaces_the_vendor_figure(tmp_path, monkeypatch):
-    from memfit.estimate import calibration
+    from memfit.estimate.models import calibration
 
     h100 = catalog.gpu("h100-80gb")
     assert rl.rates(h100, "bf16").memory == h100.memory_bandwidth_gbs * 1e9  # the committed file has none
@@ -153,7 +155,7 @@ def test_the_formula_count_agrees_with_the_model_s_traced_step(tmp_path):
     """The same Llama-3.1-8B read as a generic card is priced from its traced step (every
     kernel of transformers' own code on fake tensors: matmul and attention FLOPs, every other
     kernel's bytes): the hand-counted roofline of the catalog card agrees with it."""
-    from memfit.estimate.generic import generic_arch
+    from memfit.estimate.models.generic import generic_arch
 
     generic = generic_arch(ARCH.to_hf_config().to_dict(), "llama-3.1-8b (traced)")
     assert generic.generic and generic.num_params() == ARCH.num_params()

@@ -9,10 +9,12 @@ import statistics
 from pathlib import Path
 
 import pytest
+from memfit_validation.memory import EVIDENCE_FILES, evidence_rows
 
-from memfit.estimate import Settings, catalog, estimate, runtime_costs
+from memfit.estimate import Settings, estimate
+from memfit.estimate.models import catalog
 from memfit.estimate.settings import EstimateError
-from memfit.estimate.validation import EVIDENCE_FILES, evidence_rows
+from memfit.estimate.time import runtime_costs
 from memfit.space import Candidate
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

@@ -283,7 +283,7 @@ def test_a_probe_spread_wider_than_the_stated_noise_widens_the_tie():
 def test_a_gpu_of_another_kind_stops_a_config_before_it_measures(monkeypatch):
     import torch
 
-    from memfit.estimate import detect
+    from memfit.estimate.models import detect
     from memfit.workflow.probe import NoTargetDevice, require_target_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

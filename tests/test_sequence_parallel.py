@@ -74,8 +74,9 @@ def test_a_sequence_parallel_group_shares_its_batch():
 
 # --------------------------------------------------------------------------- the estimator
 def test_the_estimate_of_a_rank_holds_its_share_of_each_sequence():
-    from memfit.estimate import catalog, estimate
-    from memfit.estimate.costs import step_flops
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
+    from memfit.estimate.time.costs import step_flops
 
     arch, gpu = catalog.model("llama-3.1-8b"), catalog.gpu("h100-80gb")
     base = Candidate(zero=3, attn="flash", grad_ckpt=True, seq_len=65536, loss_impl="chunked")
@@ -96,7 +97,8 @@ def test_the_estimate_of_a_rank_holds_its_share_of_each_sequence():
 
 
 def test_the_estimator_refuses_what_ulysses_cannot_split():
-    from memfit.estimate import catalog, estimate
+    from memfit.estimate import estimate
+    from memfit.estimate.models import catalog
 
     arch, gpu = catalog.model("llama-3.1-8b"), catalog.gpu("h100-80gb")  # 32 heads, 8 key/value heads
     three = estimate(arch, gpu, 6, 1, "sft", Candidate(sequence_parallel=3))

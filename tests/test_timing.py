@@ -1,4 +1,4 @@
-"""Step time from a machine's calibration (memfit.estimate.timing) and how the estimator uses it."""
+"""Step time from a machine's calibration (memfit.estimate.time.timing) and how the estimator uses it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from memfit.estimate import Settings, catalog, estimate, timing
+from memfit.estimate import Settings, estimate
+from memfit.estimate.models import catalog
+from memfit.estimate.time import timing
 from memfit.space import Candidate, compute_engine, compute_key, engine_key, enumerate_space
 from memfit.train.calibrate import plan
 
@@ -268,7 +270,7 @@ def test_the_modelled_offload_step_prices_the_cpu_adam_rate_calibrate_measured(t
     assert "16,777,216 fp32 parameters, 4 thread(s) a rank" in with_rate.time_source
     assert "DeepSpeedCPUAdam at 5.4e+08 params/s per core x 4 cores per rank (default" in without.time_source
     # each rank steps its eighth of the parameters at the measured rate instead of the default's 2.16e9
-    from memfit.estimate.params import trainable_params
+    from memfit.estimate.models.params import trainable_params
 
     share = trainable_params(LLAMA, OFFLOAD, Settings()) / 8
     expect = share * (1 / 1e8 - 1 / (5.4e8 * 4))

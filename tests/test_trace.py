@@ -1,4 +1,4 @@
-"""The traced activation path (memfit.estimate.trace, estimate --activations traced).
+"""The traced activation path (memfit.estimate.trace.trace, estimate --activations traced).
 
 - a fake-tensor trace equals the same step on real tensors, byte for byte (MemTracker both);
 - activation bytes are linear in the micro batch (b=2 against 2 x b=1);
@@ -26,7 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import Settings, catalog, estimate, main, prefetch_traces, trace
+from memfit.estimate import Settings, estimate, main, prefetch_traces
+from memfit.estimate.models import catalog
+from memfit.estimate.trace import trace
 from memfit.space import Candidate
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -84,7 +86,7 @@ def fake_vs_real(cases) -> list[str]:
         import json, warnings
         warnings.filterwarnings("ignore")
         from test_estimate_groundtruth import make_arch
-        from memfit.estimate import trace_step as trace
+        from memfit.estimate.trace import trace_step as trace
         res = []
         for kind, attn, ck, ft in CASES:
             a = make_arch(kind)

@@ -1,4 +1,4 @@
-"""The traced step's attention FLOPs (memfit.estimate.trace_flops): memfit's own count, not the
+"""The traced step's attention FLOPs (memfit.estimate.trace.trace_flops): memfit's own count, not the
 installed torch's.
 
 - on SDPA's CPU kernel (what a trace runs), with multi-head, grouped-query and multi-query k/v,
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.flop_counter as fc
 
-from memfit.estimate.trace_flops import attention_formulas, counter
+from memfit.estimate.trace.trace_flops import attention_formulas, counter
 
 REPO = Path(__file__).resolve().parents[1]
 aten = torch.ops.aten
@@ -249,7 +249,8 @@ import contextlib, io, json, sys
 from pathlib import Path
 from unittest import mock
 import torch.utils.flop_counter as fc
-from memfit.estimate import main, trace, trace_flops
+from memfit.estimate import main
+from memfit.estimate.trace import trace, trace_flops
 
 config, root = sys.argv[1], Path(sys.argv[2])
 

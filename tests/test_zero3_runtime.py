@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from memfit.estimate import Settings, catalog, zero3_gathered_bytes
+from memfit.estimate import Settings, zero3_gathered_bytes
+from memfit.estimate.models import catalog
 from memfit.space import Candidate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def test_lora_on_some_linears_under_zero3_keeps_the_frozen_linears_inputs(tmp_pa
 
 
 def test_the_frozen_linears_inputs_are_what_no_adapter_keeps():
-    from memfit.estimate.trainer_terms import zero3_linear_inputs
+    from memfit.estimate.memory.trainer_terms import zero3_linear_inputs
 
     arch = catalog.model("llama-3.1-8b")
     c = Candidate(zero=3, precision="bf16", finetune="lora", micro_batch=2, seq_len=1024)

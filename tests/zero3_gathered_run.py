@@ -1,6 +1,6 @@
 """Run under torchrun (2 ranks, DeepSpeed's CPU accelerator): the most parameter elements a ZeRO-3
 rank holds gathered at any module's forward or backward, for a tiny Llama, with and without
-gradient checkpointing. Compared with memfit's replay (`states.zero3_gathered_bytes`) by
+gradient checkpointing. Compared with memfit's replay (`zero3.zero3_gathered_bytes`) by
 tests/test_zero3_runtime.py. Writes a JSON {"gc": n, "nogc": n} to argv[1] on rank 0."""
 
 import json

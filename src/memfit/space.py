@@ -181,7 +181,7 @@ def _canonical(c: Candidate) -> Candidate:
 
 
 # What a candidate's step time depends on, split the way memfit's calibration measures it
-# (memfit.train.calibrate, priced by memfit.estimate.timing): the levers that make the
+# (memfit.train.calibrate, priced by memfit.estimate.time.timing): the levers that make the
 # DeepSpeed engine and the model it wraps (one engine per set), and the batch one micro step
 # runs through that engine (any number per engine).
 ENGINE_LEVERS = (

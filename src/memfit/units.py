@@ -8,7 +8,7 @@ GIB = 2**30
 
 # The host memory a rank maps beyond training's while memfit's trainer loads a checkpoint (files
 # mapped, copied a chunk at a time, each chunk's pages released: memfit.train.stream_load). The
-# trainer uses it and the estimator prices it (memfit.estimate.costs.host_memory). 64 MiB: large
+# trainer uses it and the estimator prices it (memfit.estimate.memory.overheads.host_memory). 64 MiB: large
 # enough that a copy runs at memory bandwidth with one madvise(2) call per chunk.
 CHECKPOINT_CHUNK_BYTES = 64 * MIB
 

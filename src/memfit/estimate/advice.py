@@ -16,9 +16,10 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.core import Estimate, largest_fitting, sequence_parallel_sizes
-from memfit.estimate.method_terms import shape
+from memfit.estimate.core import Estimate
+from memfit.estimate.memory.method_terms import shape
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.search import largest_fitting, sequence_parallel_sizes
 from memfit.space import Candidate
 
 # A configuration that fits with less than this share of its usable device memory left (after the
@@ -140,7 +141,7 @@ def advise(
     """The single changes of `cand` that fit (when `base` fits with little room: that also lower
     its peak), fastest first. Each lever keeps only its cheapest fitting setting (the lowest ZeRO
     stage, the smallest sequence-parallel group, the largest smaller micro batch, the longest
-    shorter sequence: `core.largest_fitting`, the search `memfit fit` runs)."""
+    shorter sequence: `search.largest_fitting`, the search `memfit fit` runs)."""
     if base.invalid:
         return []
     found: dict[str, Option] = {}

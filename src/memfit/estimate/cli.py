@@ -16,11 +16,10 @@ import json
 import sys
 
 from memfit.estimate.advice import advise, more_gpus, needs_advice
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
 from memfit.estimate.cli_fit import fit_main
-from memfit.estimate.cli_parser import CPU_HEADROOM, SPACE_FLAGS, parser
+from memfit.estimate.cli_parser import SPACE_FLAGS, parser
 from memfit.estimate.cli_render import LEGEND, advice_lines, configuration_lines, render
+from memfit.estimate.cli_settings_flags import CPU_HEADROOM
 from memfit.estimate.cli_setup import (
     FLAG,
     advice_on,
@@ -32,6 +31,8 @@ from memfit.estimate.cli_setup import (
     progress,
     say_to,
 )
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
 from memfit.estimate.settings import EstimateError, Settings
 
 __all__ = ["CPU_HEADROOM", "LEGEND", "fit_main", "main", "render"]

@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from memfit.estimate.method_terms import SEQUENCE_PARALLEL_METHODS
+from memfit.estimate.memory.method_terms import SEQUENCE_PARALLEL_METHODS
 from memfit.estimate.settings import EstimateError
 from memfit.methods import REFERENCE_METHODS, shape
 
@@ -151,7 +151,7 @@ def _check_levers(args) -> None:
 def _check_files(args) -> None:
     cal = args.step_time_calibration
     if cal is not None:
-        from memfit.estimate import timing
+        from memfit.estimate.time import timing
 
         if not Path(cal).is_file():
             raise EstimateError(f"--step-time-calibration {cal}: no such file")

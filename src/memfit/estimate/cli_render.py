@@ -4,18 +4,18 @@ priced in words, the legend of its terms, and the changes that would make it fit
 from __future__ import annotations
 
 from memfit.estimate.advice import Option
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
 from memfit.estimate.core import Estimate
-from memfit.estimate.method_terms import shape
+from memfit.estimate.memory.method_terms import shape
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
 from memfit.space import Candidate
 from memfit.units import GIB, gib
 
 # who loads a checkpoint at resume (Settings.trainer_loader), as the host RAM line names it
 LOADER_WORDS = {"memfit": "memfit's trainer", "deepspeed": "DeepSpeed's own load_checkpoint"}
 
-# what the two catch-all terms of the breakdown hold (memfit.estimate.phases.peak_breakdown,
-# memfit.estimate.costs.device_overheads and fragmentation)
+# what the two catch-all terms of the breakdown hold (memfit.estimate.memory.breakdown.peak_breakdown,
+# memfit.estimate.memory.overheads.device_overheads and fragmentation)
 LEGEND = (
     "temporaries = communication buckets (ZeRO reduce, prefetch), ZeRO-3 gathered parameters, the "
     "optimizer update's and the backward's transient buffers; overheads = allocator fragmentation "
@@ -27,30 +27,54 @@ LEGEND = (
 # two equal): every line of the table, its meaning in one line, and the module that computes it (whose
 # docstrings cite the papers, DeepSpeed and PyTorch sources; docs/estimator.md's component table).
 GLOSSARY = (
-    ("params", "the model's weights held on this GPU (sharded by ZeRO-3; QLoRA's 4-bit base)", "estimate.states"),
-    ("grads", "gradients held on this GPU (16-bit; sharded by ZeRO-2/3; LoRA: the adapter's only)", "estimate.states"),
+    (
+        "params",
+        "the model's weights held on this GPU (sharded by ZeRO-3; QLoRA's 4-bit base)",
+        "estimate.memory.states",
+    ),
+    (
+        "grads",
+        "gradients held on this GPU (16-bit; sharded by ZeRO-2/3; LoRA: the adapter's only)",
+        "estimate.memory.states",
+    ),
     (
         "optimizer",
         "AdamW's two moments and the fp32 master weights on this GPU (0 when offloaded)",
-        "estimate.states (ZeRO paper: 12 bytes per trainable parameter)",
+        "estimate.memory.states (ZeRO paper: 12 bytes per trainable parameter)",
     ),
     (
         "activations",
         "what autograd saves in one micro step for the backward (less with gradient checkpointing)",
-        "estimate.activation_memory (Korthikanti et al. 2022), or a traced run",
+        "estimate.memory.activation_memory (Korthikanti et al. 2022), or a traced run",
     ),
-    ("logits", "the head's logits and the loss's fp32 log-softmax (one chunk with chunked loss)", "estimate.logits"),
-    ("reference", "DPO's frozen reference copy of the weights (0 with ref precomputed or adapter)", "estimate.phases"),
-    ("temporaries", LEGEND.split("; ")[0].split(" = ")[1], "estimate.phases, estimate.states"),
-    ("overheads", LEGEND.split("; ")[1].split(" = ")[1], "estimate.costs (a calibration file replaces them)"),
+    (
+        "logits",
+        "the head's logits and the loss's fp32 log-softmax (one chunk with chunked loss)",
+        "estimate.memory.logits",
+    ),
+    (
+        "reference",
+        "DPO's frozen reference copy of the weights (0 with ref precomputed or adapter)",
+        "estimate.memory.phases",
+    ),
+    ("temporaries", LEGEND.split("; ")[0].split(" = ")[1], "estimate.memory.phases, estimate.memory.states"),
+    (
+        "overheads",
+        LEGEND.split("; ")[1].split(" = ")[1],
+        "estimate.memory.overheads (a calibration file replaces them)",
+    ),
     ("device total", "the sum of the terms above: what nvidia-smi shows for one rank at its peak", "estimate.core"),
-    ("allocated", "the tensors inside the total: torch.cuda.max_memory_allocated", "estimate.phases"),
+    ("allocated", "the tensors inside the total: torch.cuda.max_memory_allocated", "estimate.memory.phases"),
     (
         "reserved",
         "allocated plus the caching allocator's cached free blocks: torch.cuda.max_memory_reserved",
-        "estimate.allocator",
+        "estimate.memory.allocator",
     ),
-    ("usable", "the GPU's memory less the headroom kept free for spikes and fragmentation", "estimate.calibration"),
+    (
+        "usable",
+        "the GPU's memory less the headroom kept free for spikes and fragmentation",
+        "estimate.models.calibration",
+    ),
     (
         "margin",
         "usable less the device total: negative is the shortfall of a config that does not fit",
@@ -59,12 +83,12 @@ GLOSSARY = (
     (
         "host RAM per node",
         "each rank's process, offloaded states, pinned buffers, model load and resume",
-        "estimate.costs",
+        "estimate.memory.overheads",
     ),
     (
         "step time",
         "one optimizer step: compute, communication, offload, optimizer and a fixed overhead",
-        "estimate.costs",
+        "estimate.time.costs",
     ),
     ("MFU", "the step's model FLOPs (no recompute) per second over the GPU's peak at the precision", "estimate.core"),
 )

@@ -10,15 +10,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from memfit.estimate import catalog
 from memfit.estimate.advice import default_ref
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
 from memfit.estimate.cli_checks import check_flags, check_space, combinations, fill_defaults
-from memfit.estimate.cli_parser import CPU_HEADROOM, SPACE_FLAGS, given_flags
+from memfit.estimate.cli_parser import SPACE_FLAGS, given_flags
 from memfit.estimate.cli_render import describe
+from memfit.estimate.cli_settings_flags import CPU_HEADROOM
 from memfit.estimate.core import Estimate, estimate
-from memfit.estimate.method_terms import shape
+from memfit.estimate.memory.method_terms import shape
+from memfit.estimate.models import catalog
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
@@ -211,8 +212,8 @@ def configuration(args, given: set[str], arch: ModelArch, gpu: GPU, cand: Candid
 
 def progress(say: Callable[[str], None] | None):
     """While inside, a model being traced reports each traced shape to `say` (the tracer's
-    memfit.estimate.trace.progress_to; nothing where the tracer has no such hook)."""
-    from memfit.estimate import trace
+    memfit.estimate.trace.trace.progress_to; nothing where the tracer has no such hook)."""
+    from memfit.estimate.trace import trace
 
     hook = getattr(trace, "progress_to", None)
     return hook(say) if hook is not None and say is not None else contextlib.nullcontext()

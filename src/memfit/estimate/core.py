@@ -5,34 +5,35 @@ seq_len or micro_batch that fits)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from memfit.estimate import allocator, calibration, timing
-from memfit.estimate.activation_memory import Activations, activations
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
-from memfit.estimate.costs import (
-    cached_logits_block,
-    compute_source,
-    device_overheads,
-    fragmentation,
-    host_memory,
-    modelled_step,
-    step_flops,
+from memfit.estimate.memory import allocator
+from memfit.estimate.memory.activation_memory import Activations, activations
+from memfit.estimate.memory.breakdown import peak_breakdown
+from memfit.estimate.memory.held_logits import fp32_logits_block
+from memfit.estimate.memory.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
+from memfit.estimate.memory.offload_activations import offload_checkpoints
+from memfit.estimate.memory.overheads import cached_logits_block, device_overheads, fragmentation, host_memory
+from memfit.estimate.memory.phases import step_phases
+from memfit.estimate.memory.states import model_states
+from memfit.estimate.memory.trainer_terms import apply_trainer_terms
+from memfit.estimate.models import calibration
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
+from memfit.estimate.models.generic import generic_arch
+from memfit.estimate.models.params import param_layout, trainable_params
+from memfit.estimate.models.validity import (
+    check_arch,
+    hardware_problems,
+    model_problems,
+    planning_notes,
+    unsupported_features,
 )
-from memfit.estimate.generic import generic_arch
-from memfit.estimate.held_logits import fp32_logits_block
-from memfit.estimate.method_terms import METHODS, SEQUENCE_PARALLEL_METHODS, grad_seqs, method_arch, shape
-from memfit.estimate.offload_activations import offload_checkpoints
-from memfit.estimate.params import param_layout, trainable_params
-from memfit.estimate.phases import peak_breakdown, step_phases
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.states import model_states
-from memfit.estimate.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
-from memfit.estimate.trainer_terms import apply_trainer_terms
-from memfit.estimate.validity import check_arch, hardware_problems, model_problems, planning_notes, unsupported_features
+from memfit.estimate.time import timing
+from memfit.estimate.time.costs import compute_source, modelled_step, step_flops
+from memfit.estimate.trace.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
 from memfit.space import Candidate
 from memfit.units import GIB
 
@@ -43,7 +44,7 @@ class Estimate:
 
     peak_allocated_bytes: int = 0  # torch.cuda.max_memory_allocated
     peak_reserved_bytes: int = 0  # torch.cuda.max_memory_reserved (allocator caching, fragmentation)
-    # what makes reserved exceed the allocated bytes of its phase (memfit.estimate.allocator.Reserved.terms)
+    # what makes reserved exceed the allocated bytes of its phase (memfit.estimate.memory.allocator.Reserved.terms)
     reserved_terms: dict[str, int] = field(default_factory=dict)
     device_total_bytes: int = 0  # nvidia-smi: reserved + CUDA context + workspaces
     device_memory_bytes: int = 0  # the device's whole memory (or the budget)
@@ -297,7 +298,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
 
 def _reserved(job: Job, cand: Candidate, est: Estimate, phases, states, acts, cal) -> None:
     """Reserved memory at the peak: the caching allocator's segments, from its mechanisms
-    (memfit.estimate.allocator); the host has no caching allocator."""
+    (memfit.estimate.memory.allocator); the host has no caching allocator."""
     transient = acts.saved + acts.logits_bwd_extra + acts.layer_bwd + acts.recompute
     logits_block = fp32_logits_block(job.arch, cand, job.method, job.settings)
     if job.gpu.name == "cpu":  # no caching allocator on the host
@@ -327,7 +328,7 @@ def _step_time(
 ) -> tuple[dict[str, float], str, dict[str, float]]:
     """Seconds per optimizer step by term, where they come from, and the compute term by
     operation class (empty unless the roofline priced it): the machine's calibration
-    (memfit.estimate.timing) when `settings.step_time_calibration` has this candidate on this
+    (memfit.estimate.time.timing) when `settings.step_time_calibration` has this candidate on this
     world size, else the modelled step (costs.modelled_step, its source stated)."""
     why = "no calibration measured (the calibrate stage measures one where probes run)"
     if settings.step_time_calibration:
@@ -390,106 +391,3 @@ def estimate_space(
         row["id"] = cand.id
         rows.append(row)
     return rows
-
-
-SEARCH_CAP = 2**34  # no bound given: the doubling stops here (17 billion tokens) and says so
-
-
-# the smallest sequence `fit` and `memfit fit` (memfit.estimate.fit) search from: the next-token
-# loss needs two tokens (trace.trace_key refuses fewer)
-MIN_SEQ_LEN = 2
-
-
-def smallest(maximize: str, cand: Candidate, method: str = "sft") -> int:
-    """Where the search for the largest `maximize` starts: the method's fewest rows (one; KTO two),
-    or the shortest sequence of which every rank of a Ulysses group holds MIN_SEQ_LEN tokens
-    (`per_rank` rounds up)."""
-    if maximize == "micro_batch":
-        return shape(method).min_micro_batch
-    return (MIN_SEQ_LEN - 1) * cand.sequence_parallel + 1
-
-
-def fit(
-    arch: ModelArch,
-    gpu: GPU,
-    num_gpus: int,
-    num_nodes: int,
-    method: str,
-    cand: Candidate,
-    maximize: str,
-    host_memory_gb: float | None = None,
-    budget_bytes: int | None = None,
-    settings: Settings = DEFAULT_SETTINGS,
-    upper: int | None = None,
-    headroom: float | None = 0.0,
-) -> tuple[int, Estimate | None]:
-    """Binary search for the largest `maximize` value that fits with `headroom` kept free
-    (memory grows monotonically in both), from `smallest` (2 tokens, as `memfit fit`; 1 row).
-    Returns (0, the estimate at that smallest value) when even it does not fit or the hardware
-    cannot run it."""
-    if maximize not in ("seq_len", "micro_batch"):
-        raise EstimateError(f"--maximize must be seq_len or micro_batch, got {maximize!r}")
-    # seq_len: up to the model's context; a model that states none (Mamba) and the batch: 65,536
-    hi = upper or ((arch.max_position_embeddings or 65536) if maximize == "seq_len" else 65536)
-    job = Job(
-        _job_arch(arch, method), gpu, num_gpus, num_nodes, method, host_memory_gb, budget_bytes, settings, headroom
-    )
-
-    def at(value: int) -> Estimate:
-        return _estimate(job, dataclasses.replace(cand, **{maximize: value}))
-
-    return largest_fitting(at, smallest(maximize, cand, method), hi)
-
-
-def largest_fitting(at: Callable[[int], Estimate], lo: int, hi: int | None) -> tuple[int, Estimate]:
-    """The largest value in [lo, hi] whose estimate fits with headroom (0 and the estimate at lo
-    when none does); hi None: doubling from lo until a value does not fit (or SEARCH_CAP)."""
-    first = at(lo)
-    if first.invalid or not first.fits_with_headroom:
-        return 0, first
-    best, good = lo, first
-    if hi is None:
-        hi = lo
-        while True:
-            hi = min(hi * 2, SEARCH_CAP)
-            e = at(hi)
-            if not e.fits_with_headroom:
-                break
-            best, good = hi, e
-            if hi == SEARCH_CAP:
-                return hi, e
-    else:
-        top = at(hi)
-        if top.fits_with_headroom:
-            return hi, top
-    while hi - best > 1:
-        mid = (best + hi) // 2
-        e = at(mid)
-        if e.fits_with_headroom:
-            best, good = mid, e
-        else:
-            hi = mid
-    return best, good
-
-
-def sequence_parallel_sizes(arch: ModelArch, world: int) -> list[int]:
-    """The Ulysses group sizes a job can use: divisors of its ranks its heads split into."""
-    return [
-        sp
-        for sp in range(1, world + 1)
-        if world % sp == 0 and not model_problems(arch, Candidate(sequence_parallel=sp))
-    ]
-
-
-def fit_sequence_parallel(
-    arch: ModelArch, gpu: GPU, num_gpus: int, num_nodes: int, method: str, cand: Candidate, **kwargs
-) -> dict[int, int]:
-    """The longest sequence that fits at every usable sequence-parallel size (`fit` per size),
-    the answer to "how many GPUs must split a sequence of this length": {SP: seq_len}."""
-    world = num_gpus * num_nodes
-    return {
-        sp: fit(
-            arch, gpu, num_gpus, num_nodes, method, dataclasses.replace(cand, sequence_parallel=sp), "seq_len", **kwargs
-        )[0]
-        for sp in sequence_parallel_sizes(arch, world)
-    }

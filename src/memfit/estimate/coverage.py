@@ -22,8 +22,8 @@ from typing import Any
 # handler keeps the record (pytest's log capture does), and with them a measurement's models.
 import peft  # noqa: F401
 
-from memfit.estimate import inventory
-from memfit.estimate.arch import ModelArch
+from memfit.estimate.models import inventory
+from memfit.estimate.models.arch import ModelArch
 from memfit.space import Candidate
 
 # Size fields set to tiny values where a config has them (the issue's shape: 2-4 layers, hidden
@@ -232,8 +232,8 @@ def coverage_row(model_type: str, finetune: str = "full", trace_cache: str | Non
     """Estimate and measure one training step of a tiny `model_type` (module docstring)."""
     import torch
 
-    from memfit.estimate import catalog
     from memfit.estimate.core import estimate
+    from memfit.estimate.models import catalog
     from memfit.estimate.settings import Settings
 
     row = Row(model_type, finetune)

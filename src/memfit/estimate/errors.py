@@ -1,4 +1,6 @@
-"""What the estimator refuses instead of guessing (re-exported by memfit.estimate.arch)."""
+"""What the estimator refuses instead of guessing: an architecture (`UnsupportedArchitecture`,
+re-exported by memfit.estimate.models.arch) and a model the tracer cannot trace (`TraceError`,
+raised by memfit.estimate.trace)."""
 
 
 class UnsupportedArchitecture(ValueError):
@@ -6,3 +8,7 @@ class UnsupportedArchitecture(ValueError):
     outside AutoModelForCausalLM's mapping, an error from its constructor: the message names
     it), or a checkpoint whose weights disagree with its config.json. Refused, never guessed; the message names the
     file and the field. A ValueError, so the CLIs report it as bad input (exit 2)."""
+
+
+class TraceError(ValueError):
+    """The architecture cannot be traced (a missing field, a model transformers lacks)."""

@@ -8,7 +8,7 @@ Memory grows with both (every activation has a token and a batch dimension), so 
 bisection between the smallest value and the bound; with no bound (`--allow-beyond-context`
 without `--max-seq-len`) the value doubles until it stops fitting, then bisects.
 
-A model whose activations are traced (memfit.estimate.trace: a catalog entry without a
+A model whose activations are traced (memfit.estimate.trace.trace: a catalog entry without a
 hand-written card, a config.json transformers builds, `--activations traced`) is not traced at
 every step of the search. Each measure of a trace (bytes and FLOPs per sequence) is a polynomial
 of degree <= 2 in the length: activations are linear in the tokens, eager attention's scores and
@@ -35,22 +35,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from memfit.estimate import traced as traced_mod
-from memfit.estimate.arch import ModelArch
-from memfit.estimate.catalog import GPU
-from memfit.estimate.core import (
-    SEARCH_CAP,
-    Estimate,
-    Job,
-    _estimable,
-    _estimate,
-    largest_fitting,
-    per_rank,
-    sequence_parallel_sizes,
-)
-from memfit.estimate.generic import layer_groups
+from memfit.estimate.core import Estimate, Job, _estimable, _estimate, per_rank
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.models.catalog import GPU
+from memfit.estimate.models.generic import layer_groups
+from memfit.estimate.models.validity import model_problems
+from memfit.estimate.search import SEARCH_CAP, largest_fitting, sequence_parallel_sizes
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.estimate.validity import model_problems
+from memfit.estimate.trace import traced as traced_mod
 from memfit.methods import shape as method_shape
 from memfit.space import Candidate
 from memfit.units import GIB
@@ -86,7 +78,7 @@ class Answer:
 class FittedTraces:
     """Traces of one model at a few lengths per layer kind and trace shape, read at any length
     as the quadratic through the three traced lengths nearest it (registered in
-    memfit.estimate.traced.EXTRAPOLATED while the search runs)."""
+    memfit.estimate.trace.traced.EXTRAPOLATED while the search runs)."""
 
     def __init__(self, arch: ModelArch, shapes, settings: Settings, say: Callable[[str], None]):
         groups = layer_groups(arch)
@@ -114,7 +106,7 @@ class FittedTraces:
         """Trace every (layer kind, shape) at `lengths` (None: each kind's schedule, or its first
         length with `first`) not traced yet: one batch per layer kind, the kinds at once, each
         with its share of the trace workers (a child process each pays its imports, ~7 s)."""
-        from memfit.estimate import trace
+        from memfit.estimate.trace import trace
 
         todo = {}
         for card in self.cards:
@@ -168,7 +160,7 @@ class FittedTraces:
 def _quadratic(points: dict[int, object], seq_len: int):
     """The LayerTrace at `seq_len` that the polynomial through the (up to) three traced lengths
     nearest it (in ratio) gives, measure by measure, in exact rational arithmetic."""
-    from memfit.estimate.trace import LayerTrace
+    from memfit.estimate.trace.trace import LayerTrace
 
     near = sorted(points, key=lambda n: abs(math.log(n / seq_len)))[:3]
     runs = {}
@@ -267,7 +259,7 @@ def maximize(
         swept = {sp: search(dataclasses.replace(cand, sequence_parallel=sp), f"SP={sp}: ")[0] for sp in sizes}
         return Answer(best, est, _limited(best, bound, bound_label), swept)
 
-    from memfit.estimate import trace
+    from memfit.estimate.trace import trace
 
     answer = Answer(0, None, "memory")
     # every trace reports as it starts and ends (with its seconds) on the same `say`
@@ -325,7 +317,7 @@ def _until_traced(search, traces, cand: Candidate, lo: int, bound: int | None, s
 def _tiled_worst_below(job: Job, cand: Candidate, seq_len: int, lo: int) -> list[int]:
     """The lengths below `seq_len` that may need more memory than it with the tiled MLP, whose
     rows are padded to a multiple of its tiles, ceil(s / T) for s tokens a rank (T: the tile
-    tokens; activation_memory.mlp_tiles): a padded length adds a zero-filled gradient of the
+    tokens; micro_step.mlp_tiles): a padded length adds a zero-filled gradient of the
     layer's input that a multiple of the tiles does not (seq_len - 1), and one tile more shrinks
     every tile's rows, so the last padded length before the tile count went up, (k - 1) * T - 1
     tokens a rank, has the largest tiles (activation_memory's 7dri + 2drh). Within a tile count

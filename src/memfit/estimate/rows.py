@@ -24,7 +24,7 @@ class Budget:
     host_bytes: int  # usable RAM of one node
     headroom: float  # fraction of device memory kept free (fragmentation, spikes)
     # "given" (the config's or the user's value) or where a derived margin comes from
-    # (`derived_budget`, memfit.estimate.calibration.device_margin)
+    # (`derived_budget`, memfit.estimate.models.calibration.device_margin)
     headroom_source: str = "given"
 
     @property
@@ -141,7 +141,7 @@ def derived_budget(device_bytes: int, host_bytes: int, gpu_name: str, compute_ca
     """The budget when no headroom is given: the margin derived from the spread of memfit's own
     device-total error on this GPU (its calibration file's `device_margin`, else the uncalibrated
     one), named in `headroom_source` (docs/estimator.md, "The margin")."""
-    from memfit.estimate import calibration
+    from memfit.estimate.models import calibration
 
     margin, source = calibration.device_margin(calibration.for_gpu(gpu_name, compute_capability))
     return Budget(device_bytes=device_bytes, host_bytes=host_bytes, headroom=margin, headroom_source=source)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfit.estimate import device_match
 from memfit.estimate.rows import Budget, CandidateRow, EstimateRow, Figures, Prediction
+from memfit.estimate.time import device_match
 from memfit.methods import shape
 from memfit.units import fmt_bytes
 

@@ -22,7 +22,7 @@ class Settings:
     stage3_param_persistence_threshold: int | None = None
     # whose runtime shards the stage-3 run: "deepspeed" (memfit's trainer) or "fsdp" (PyTorch
     # FSDP FULL_SHARD, for comparing with runs of other stacks): which parameters stay gathered
-    # (`states.zero3_gathered_bytes`) and whether frozen linears keep their inputs
+    # (`zero3.zero3_gathered_bytes`) and whether frozen linears keep their inputs
     # (`activation_memory.zero3_linear_inputs`, DeepSpeed's patched F.linear)
     zero3_impl: str = "deepspeed"
     # whose step runs a stage-0 (unpartitioned) candidate: "deepspeed" (memfit's trainer: the
@@ -43,7 +43,7 @@ class Settings:
     # their batch (the probes' worst case padded to seq_len) and SFT packs alike (transformers
     # builds a block mask from the packs' position_ids, masking_utils
     # `find_packed_sequence_indices`); with sdpa, transformers then repeats K/V to every head, SDPA
-    # saves them and its dtype copy of the mask (`activation_memory._padding_mask_extra`, the bool
+    # saves them and its dtype copy of the mask (`padding_mask._padding_mask_extra`, the bool
     # mask once: `_padding_mask_once`). A forward of one row is never padded (the probe fills it
     # with its own tokens, memfit.train.batches.fill_row): no mask term whatever this says (a
     # packed micro batch of 1 included: the estimate does not know packing). False: full-length
@@ -60,14 +60,14 @@ class Settings:
     # Workflow config: estimate.cpu_adam_params_per_s_per_core, estimate.cpu_cores_per_rank. Left at
     # these defaults, the rate the calibrate rule measured on the machine (`step_time_calibration`'s
     # `cpu_adam`, written when the search space offloads the optimizer) replaces them
-    # (memfit.estimate.costs.cpu_adam).
+    # (memfit.estimate.time.costs.cpu_adam).
     cpu_adam_params_per_s_per_core: float = 5.4e8
     cpu_cores_per_rank: int = 4
     internode_gbs: float = 25.0  # per-GPU inter-node bandwidth, GB/s (200 Gb/s InfiniBand)
     # a step-time calibration measured on the machine (memfit.train.calibrate's calibration.json):
-    # step times from it (memfit.estimate.timing) instead of the assumed MFU; None: assumed
+    # step times from it (memfit.estimate.time.timing) instead of the assumed MFU; None: assumed
     step_time_calibration: str | None = None
-    activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.estimate.trace, cached)
+    activations: str = "analytic"  # "analytic" (formulas) or "traced" (memfit.estimate.trace.trace, cached)
     trace_cache: str | None = None  # traced: cache directory (None: $MEMFIT_TRACE_CACHE or default)
     # How the trainer holds the [tokens, vocab] logits around its loss (memfit.estimate.
     # held_logits.held_logits): "memfit" (memfit's trainer drops the model output before
@@ -79,7 +79,9 @@ class Settings:
     # own `load_state_dict`, as OpenRLHF, TRL or HF Trainer on DeepSpeed run it: where the state
     # exists before the load, ZeRO-0 in 16-bit, it is held twice)
     trainer_loader: str = "memfit"
-    nccl_bytes: int | None = None  # NCCL communicator memory per GPU process (world > 1); None: costs.NCCL_CUMEM_BYTES
+    nccl_bytes: int | None = (
+        None  # NCCL communicator memory per GPU process (world > 1); None: overheads.NCCL_CUMEM_BYTES
+    )
     loss_chunk_tokens: int | None = (
         None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     )

@@ -15,8 +15,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from memfit.estimate import DEFAULT_SETTINGS, catalog
-from memfit.estimate.core import fit
+from memfit.estimate import DEFAULT_SETTINGS
+from memfit.estimate.models import catalog
+from memfit.estimate.search import fit
 from memfit.space import Candidate
 
 from .fmt import _bytes, _plain

@@ -201,7 +201,7 @@ def selection_table(run: RunOutputs) -> dict[str, list[dict[str, Any]]]:
 def time_check(run: RunOutputs) -> dict[str, Any] | None:
     """Predicted vs measured step time of the probed candidates: the median and worst |error| and
     Spearman's rank correlation (does the estimator order them as the machine does?)."""
-    from memfit.estimate.timing import spearman
+    from memfit.estimate.time.timing import spearman
 
     pairs = [
         (r["id"], float(r["predicted_step_time_s"]), float(r["probe_step_time_s"]))

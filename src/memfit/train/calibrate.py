@@ -24,7 +24,7 @@ values), and for each layer count:
   once steps a DeepSpeedCPUAdam over a block of CPU_ADAM_BLOCK fp32 parameters on its own threads
   (the cores a training rank gets), as the ranks of a node step their partitions together; the
   block's parameters per second of the slowest rank price an offloaded optimizer step
-  (memfit.estimate.costs).
+  (memfit.estimate.time.costs).
 
 Each figure is the median of `reps` repetitions after two warm-up optimizer steps (the first
 steps allocate the optimizer state and build DeepSpeed's buckets), and the maximum over ranks
@@ -59,7 +59,7 @@ from memfit.train.modeling import hidden_size, load_model
 from memfit.train.reference import reference_engine
 from memfit.train.steps import StepRunner
 
-FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.timing reads it)
+FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.time.timing reads it)
 # measured with 1 and with n = min(layers, MAX_LAYERS) decoder layers: per layer = (x(n) - x(1)) / (n - 1).
 # n > 2 divides the noise of the two timings by n - 1 when extrapolating to a deep model, and a
 # model of at most MAX_LAYERS layers is measured whole.
@@ -89,7 +89,7 @@ class Spec:
     mlp_tile_tokens: int | None = None
     deterministic: bool = False  # train.deterministic: the kernels training runs (memfit.train.determinism)
     reps: int = 5  # repetitions per figure (median); 3 left single slow samples in the demo's figures
-    # what the figures are of (memfit.estimate.timing.model_identity: name, depth, layer-shape SHA-256),
+    # what the figures are of (memfit.estimate.time.timing.model_identity: name, depth, layer-shape SHA-256),
     # written by memfit.workflow.calibrate; recorded in the file, and the estimator refuses the
     # figures for another model shape (#41). {}: not recorded, and the estimator refuses the file.
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -426,7 +426,7 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         if torch.cuda.is_available()
         else f"cpu ({platform.processor() or platform.machine()})",
         # the device as torch names it and its memory (memfit.train.device_info): the estimator
-        # matches them to the GPU it prices (memfit.estimate.device_match) and refuses another (#41)
+        # matches them to the GPU it prices (memfit.estimate.time.device_match) and refuses another (#41)
         **device_identity(dist_env.device()),
         "model": spec.model or None,
         "host": platform.node(),

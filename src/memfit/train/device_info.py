@@ -3,8 +3,8 @@ belong to what they measured).
 
 A probe (memfit.train.loop's summary) and a step-time calibration (memfit.train.calibrate) add
 `device_identity()`: the name torch reports for the rank's device and its total memory. The
-selection (memfit.estimate.selection) and the estimator's step-time pricing (memfit.estimate.timing)
-match them to the configured catalog GPU (memfit.estimate.device_match) and refuse a measurement
+selection (memfit.estimate.selection) and the estimator's step-time pricing (memfit.estimate.time.timing)
+match them to the configured catalog GPU (memfit.estimate.time.device_match) and refuse a measurement
 of another device: on a machine without CUDA the launcher runs DeepSpeed on the CPU
 (memfit.train.launch), and a probe of `gpus: [h100-80gb]` run there measured the CPU.
 """

@@ -88,7 +88,7 @@ def register(model, cand: Candidate, forward_batch: int):
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     # heads the group cannot split are refused by UlyssesSPAttentionHF itself (and by the estimator
-    # before: memfit.estimate.validity.model_problems)
+    # before: memfit.estimate.models.validity.model_problems)
     return UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
         core_attn_implementation=ATTN_IMPL[cand.attn],

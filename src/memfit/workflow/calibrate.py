@@ -1,6 +1,6 @@
 """The calibrate stage: what a training step costs on this machine (memfit.train.calibrate runs
 on every rank), measured once per model and GPU type before the candidates are estimated, so
-that their step times (memfit.estimate.timing) are this machine's and not a model's."""
+that their step times (memfit.estimate.time.timing) are this machine's and not a model's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from memfit.estimate import catalog, timing
+from memfit.estimate.models import catalog
+from memfit.estimate.time import timing
 from memfit.train.launch import launch
 from memfit.workflow.config import WorkflowConfig
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.estimate import catalog
+from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget, derived_budget
 from memfit.methods import shape as method_shape
 from memfit.space import Candidate, enumerate_space
@@ -389,7 +389,7 @@ def validate_config(config: dict[str, Any], schema_path: Path = SCHEMA) -> None:
 def _detect_gpus(config: dict[str, Any]) -> list[str]:
     """`gpus: [detect]` becomes the catalog name of this machine's GPU (nvidia-smi), in place, so
     that the {gpu} wildcard and every stage see the name."""
-    from memfit.estimate.detect import DETECT, DetectError, detect_gpu, smi_devices
+    from memfit.estimate.models.detect import DETECT, DetectError, detect_gpu, smi_devices
 
     for i, name in enumerate(config["gpus"]):
         if name == DETECT:

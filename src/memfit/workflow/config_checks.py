@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from memfit.estimate import catalog
+from memfit.estimate.models import catalog
 from memfit.methods import METHODS, REFERENCE_METHODS
 from memfit.methods import shape as method_shape
 
@@ -32,7 +32,7 @@ def _model_dir_problems(name: str, path: Path) -> list[str]:
         out.append(f"{key}: {path / 'config.json'} is missing")
     else:
         try:
-            catalog.model(str(path), allow_moe=True)  # experts are modelled (estimate.states)
+            catalog.model(str(path), allow_moe=True)  # experts are modelled (estimate.memory.states)
         except (ValueError, OSError, KeyError) as e:
             out.append(f"{key}: {str(e).strip(chr(39))}")
     tokenizer = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

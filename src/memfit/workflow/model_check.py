@@ -4,7 +4,7 @@ A model directory with a missing shard, a truncated download, no tokenizer or an
 memfit cannot estimate would otherwise fail in every probe (each in its own log) and end the
 workflow with "no candidate fits". `check_model_dir` reads what the jobs will read, cheaply:
 
-- `config.json`: present, JSON, an architecture the estimator models (`memfit.estimate.catalog.model`:
+- `config.json`: present, JSON, an architecture the estimator models (`memfit.estimate.models.catalog.model`:
   unsupported model types and unmodelled mixture-of-experts fields are refused, naming the field;
   the weights' parameter count is cross-checked against it) and one transformers implements
   without remote code (what `memfit.train.modeling.load_model` loads).
@@ -47,7 +47,7 @@ class ModelCheck:
     """What was checked: the directory, its architecture, the weight and tokenizer files read."""
 
     path: Path
-    arch: Any  # memfit.estimate.arch.ModelArch
+    arch: Any  # memfit.estimate.models.arch.ModelArch
     weight_files: list[Path] = field(default_factory=list)
     tokenizer_files: list[Path] = field(default_factory=list)
 
@@ -87,7 +87,7 @@ def check_model_dir(path: str | Path, *, weights: bool = True, tokenizer: bool =
 
 # ------------------------------------------------------------------------------ config.json
 def _check_config(d: Path, implemented: bool) -> Any:
-    from memfit.estimate import catalog
+    from memfit.estimate.models import catalog
 
     cfg = d / "config.json"
     if not cfg.is_file():

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from memfit.atomic import write_json_atomic
-from memfit.estimate import catalog
+from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget
 from memfit.estimate.selection import NoneFits, choose, judge
 from memfit.workflow.config import WorkflowConfig
@@ -51,7 +51,8 @@ def check_model(cfg: WorkflowConfig, model: str) -> None:
 def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = None) -> Any:
     """The config's `estimate:` (the CPU-Adam rate and cores per rank among it), with this machine's
     step-time calibration (the calibrate stage) if any."""
-    from memfit.estimate import Settings, runtime_costs
+    from memfit.estimate import Settings
+    from memfit.estimate.time import runtime_costs
 
     est, train_cfg = cfg.estimate, cfg.raw.get("train") or {}  # and the tile sizes the trainer will use
     kw = {k: train_cfg.get(k) for k in ("loss_chunk_tokens", "mlp_tile_tokens")}

@@ -105,7 +105,8 @@ def _require_gpu_kind(gpu: str, stage: str) -> None:
     """A GPU of another kind than the configured one (nvidia-smi's answer, no CUDA context in this
     process): stop before measuring it. Where nvidia-smi cannot tell, the selection still refuses
     a probe of another device (memfit.estimate.selection.check_probe_devices)."""
-    from memfit.estimate import detect, device_match
+    from memfit.estimate.models import detect
+    from memfit.estimate.time import device_match
 
     try:
         devices = detect.smi_devices()

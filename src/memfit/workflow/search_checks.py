@@ -18,8 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memfit.estimate import catalog
-from memfit.estimate.validity import hardware_problems
+from memfit.estimate.models import catalog
+from memfit.estimate.models.validity import hardware_problems
 from memfit.methods import shape as method_shape
 from memfit.space import Candidate, enumerate_space
 

@@ -1,0 +1,186 @@
+"""The traced runs' processes (memfit.estimate.trace.trace keys and caches them): a batch of shapes in
+worker processes forked from a server that imported torch, transformers and peft once
+(memfit.estimate.trace.trace_worker), and the progress lines a batch reports (`progress_to`).
+
+    from memfit.estimate.trace import trace
+    with trace.progress_to(lambda line: print(line, file=sys.stderr)):
+        trace.layer_trace(arch, 4096, "sdpa", "bf16", True, "lora")
+    # tracing qwen3.5-27b at 4,096 tokens (sdpa, bf16, lora r16, checkpointing): 1 shape, 1 process
+    # traced qwen3.5-27b at 4,096 tokens (sdpa, bf16, lora r16, checkpointing) in 41.2 s (...)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from typing import Any
+
+from memfit.estimate.errors import TraceError
+from memfit.estimate.models.arch import ModelArch
+from memfit.estimate.trace.trace_step import TRACE_LAYERS, trace_keys  # noqa: F401 - TRACE_LAYERS is API here
+
+ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
+
+# Where progress lines go while something traces (`progress_to`): a stack of callables, the
+# top one in use; process-wide, so the threads memfit.estimate.fit starts report too.
+_PROGRESS: list[Callable[[str], None] | None] = []
+_SAY_LOCK = threading.Lock()
+
+
+@contextmanager
+def progress_to(say: Callable[[str], None] | None) -> Iterator[None]:
+    """While inside, every trace that runs (a cache hit is silent) reports to `say`, one line
+    (a str, no newline) when a batch starts and one per traced shape with its seconds, as
+    `memfit fit` reports its steps; None: silent. Restored on exit; nests."""
+    _PROGRESS.append(say)
+    try:
+        yield
+    finally:
+        _PROGRESS.pop()
+
+
+def reporter(progress: Callable[[str], None] | None) -> Callable[[str], None]:
+    say = progress if progress is not None else (_PROGRESS[-1] if _PROGRESS else None)
+
+    def report(line: str) -> None:
+        if say is not None:
+            with _SAY_LOCK:  # the threads of several batches report at once
+                say(line)
+
+    return report
+
+
+def _label(arch: ModelArch) -> str:
+    """The model, and the kind of layer when it is one of several (generic.layer_groups): its
+    config.layer_types entry, else the layer it stands for."""
+    if not arch.layer_kind:
+        return arch.name
+    first = arch.layer_kind[0]
+    try:
+        types = json.loads(arch.hf_config or "{}").get("layer_types") or []
+        return f"{arch.name} ({types[first]} layers)"
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return f"{arch.name} (layers like layer {first})"
+
+
+def _shape_text(key: dict[str, Any]) -> str:
+    ft = key["finetune"] + (f" r{key['lora_rank']}" if key["finetune"] != "full" else "")
+    ckpt = ", checkpointing" if key["grad_ckpt"] else ""
+    return f"{key['seq_len']:,} tokens ({key['attn']}, {key['precision']}, {ft}{ckpt})"
+
+
+def trace_workers() -> int:
+    """Child processes for a batch of traces: $MEMFIT_TRACE_WORKERS, else the CPUs this process
+    may use (each child is single-threaded: fake tensors do no arithmetic)."""
+    env = os.environ.get("MEMFIT_TRACE_WORKERS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _trace_in_children(
+    arch: ModelArch,
+    keys: list[dict[str, Any]],
+    report: Callable[[str], None] = lambda line: None,
+    workers: int | None = None,
+) -> list[tuple[dict[str, dict[str, int]], float]]:
+    """Trace `keys` in up to `workers` (default trace_workers()) child processes, results in order, a
+    progress line to `report` when they start and as each shape is done; in this process with
+    $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's trace takes less
+    than a child's start-up)."""
+    t0 = time.perf_counter()
+    in_process = os.environ.get(ENV_IN_PROCESS) == "1"
+    n = 1 if in_process else min(workers or trace_workers(), len(keys))
+    shapes = ", ".join(_shape_text(k) for k in keys)
+    report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, "
+           f"{n} process{'es' * (n > 1)}")  # fmt: skip
+
+    def done(key: dict[str, Any], seconds: float) -> None:
+        report(f"traced {_label(arch)} at {_shape_text(key)} in {seconds:.1f} s "
+               f"({time.perf_counter() - t0:.1f} s since the batch started)")  # fmt: skip
+
+    if in_process:
+        try:
+            res = trace_keys(arch, keys, lambda i, r: done(keys[i], float(r["seconds"])))
+        except Exception as exc:  # noqa: BLE001 - as a child's failure reads
+            raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
+        return [(r["runs"], float(r["seconds"])) for r in res]
+    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
+    errors: list[str] = []
+    # workers forked from a server that imported torch, transformers and peft once
+    # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free
+    # (a pool that notices a worker killed mid-shape: multiprocessing.Pool would wait forever)
+    with ProcessPoolExecutor(n, mp_context=_workers()) as pool:
+        with _main_not_imported():  # the first submit starts the workers
+            futures = [pool.submit(_worker_run, (i, arch, k)) for i, k in enumerate(keys)]
+        try:
+            for future in as_completed(futures):
+                i, runs, seconds, error = future.result()
+                if error:
+                    errors.append(error)
+                    continue
+                out[i] = (runs, seconds)
+                done(keys[i], seconds)
+        except BrokenProcessPool:
+            errors.append("a trace worker process died (killed by the system: out of memory?)")
+    if errors or any(r is None for r in out):
+        raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a worker gave no result'])[0]}")
+    return [r for r in out if r is not None]
+
+
+_CONTEXT: list = []
+
+
+def _workers():
+    """The multiprocessing context of the trace workers: a fork server that preloads
+    memfit.estimate.trace.trace_worker. A child keeps the estimating process clean: fake parameters
+    outlive a traced backward (held from C++ by autograd/FakeTensorMode state), and a later real
+    measurement in that process (memory.AllocationTracker's baseline scans live tensors) would
+    count them."""
+    if not _CONTEXT:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["memfit.estimate.trace.trace_worker"])
+        _CONTEXT.append(ctx)
+    return _CONTEXT[0]
+
+
+_LAUNCH = threading.Lock()
+
+
+@contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """While workers start: a process that is not forked imports the parent's __main__ first
+    (multiprocessing.spawn.get_preparation_data: its module name or file), which would run a
+    script's top-level code again in every worker (a Snakemake script: the whole rule). The
+    workers need nothing of it: its name and file are hidden meanwhile."""
+    main = sys.modules.get("__main__")
+    with _LAUNCH:
+        saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main is not None and k in main.__dict__}
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        try:
+            yield
+        finally:
+            if main is not None:
+                main.__dict__.update(saved)
+                if "__spec__" not in saved:
+                    main.__dict__.pop("__spec__", None)
+
+
+def _worker_run(task):
+    from memfit.estimate.trace.trace_worker import run
+
+    return run(task)

@@ -1,0 +1,37 @@
+"""The trace workers' process (memfit.estimate.trace.trace_children): preloaded once by a fork server,
+so every worker forked from it starts with torch, transformers and peft imported (about 7 CPU
+seconds a process, paid once per estimating process instead of once per child).
+
+Imported in the fork server only: its stderr goes to /dev/null (transformers' notices of missing
+optional kernels would otherwise reach the user's terminal from every worker) and it runs torch on
+one thread (fake tensors do no arithmetic). A worker's error comes back as text with its result.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+os.environ["OMP_NUM_THREADS"] = "1"  # this process and the workers forked from it only
+os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+warnings.filterwarnings("ignore")
+
+import peft  # noqa: E402, F401 - the point of this module: imported once, before the fork
+import torch  # noqa: E402
+import transformers  # noqa: E402, F401
+
+from memfit.estimate import errors  # noqa: E402
+from memfit.estimate.models.arch import ModelArch  # noqa: E402
+from memfit.estimate.trace import trace_step  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def run(task: tuple[int, ModelArch, dict]) -> tuple[int, dict | None, float, str]:
+    """One shape: (its index, the 1- and 2-layer measures, seconds, "" or the error)."""
+    index, arch, key = task
+    try:
+        r = trace_step.trace_keys(arch, [key])[0]
+    except Exception as exc:  # noqa: BLE001 - reported by the estimating process as a TraceError
+        return index, None, 0.0, str(exc) if isinstance(exc, errors.TraceError) else f"{type(exc).__name__}: {exc}"
+    return index, r["runs"], float(r["seconds"]), ""
