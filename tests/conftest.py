@@ -67,20 +67,13 @@ def pytest_collection_finish(session):
         return
     if not any(item.get_closest_marker("slow") for item in session.items):
         return
-    import subprocess
-    import sys
+    from deepspeed_runs import start_rank_server
 
-    from memfit.train.launch import launch_env, threads_per_rank
     from memfit.train.rank_server import ENV
 
     path = os.path.join(_TRACE_CACHE.name, "ranks.sock")
     log = open(os.path.join(_TRACE_CACHE.name, "rank-server.log"), "w")  # noqa: SIM115 - closed at the end
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memfit.train.rank_server", path],
-        env=launch_env(threads_per_rank(2)),  # what a rank of a 2-rank run imports its libraries with
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_rank_server(path, stdout=log)
     _RANK_SERVER.update(proc=proc, log=log)
     os.environ[ENV] = path
 

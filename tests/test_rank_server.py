@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from deepspeed_runs import base_run, run
+from deepspeed_runs import base_run, run, start_rank_server
 
 from memfit.train.launch import _children
 from memfit.train.rank_server import ENV, ServerRank
@@ -26,12 +26,8 @@ MEASURED = ("tokens_per_s", "step_time_s", "host_rss_bytes")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A server of this module's own (the session's, if any, is left alone): (socket path, process)."""
-    from memfit.train.launch import launch_env, threads_per_rank
-
     path = str(tmp_path_factory.mktemp("server") / "ranks.sock")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memfit.train.rank_server", path], env=launch_env(threads_per_rank(2))
-    )
+    proc = start_rank_server(path)
     yield path, proc
     proc.terminate()
     assert proc.wait(timeout=30) == 0
