@@ -30,7 +30,7 @@ import torch
 
 from memfit.atomic import write_json_atomic
 from memfit.data import load_split, worst_case_batch
-from memfit.train import checkpoint, dsconfig, long_context, sequence_parallel
+from memfit.train import checkpoint, dsconfig, liger, long_context, sequence_parallel
 from memfit.train import dist as dist_env
 from memfit.train import resume as train_resume
 from memfit.train.batches import Schedule, probe_rows, rank_batches
@@ -83,6 +83,8 @@ class Run:
 
             if why := compile_problem():
                 raise RunRefused(why)
+        if cfg.kernels == "liger":  # package, GPU, model type: refused before anything loads
+            liger.refuse(model_dir(cfg.model_path))
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -129,6 +131,8 @@ class Run:
         if said := long_context.prepare(model, cand, cfg.mlp_tile_tokens):  # the tiled MLP (DeepSpeed ALST)
             self.log(said)
         mpu, shard = sequence_parallel.setup(model, cand, cfg.method)  # Ulysses: the attention and groups
+        if cfg.kernels == "liger":  # Liger's RMSNorm, RoPE and SwiGLU; its loss: run_parts.step_runner
+            self.log(liger.apply(model))
         if cfg.compile:  # regional compile of the decoder layers, before DeepSpeed wraps the model
             from memfit.train.compile import compile_layers
 

@@ -134,6 +134,9 @@ class RunConfig:
     # (memfit.train.compile); SFT micro batches as one row of concatenated rows (memfit.train.steps)
     compile: bool = False
     padding_free: bool = False
+    # none | liger: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (memfit.train.liger;
+    # a CUDA GPU, or on the CPU Triton's interpreter, TRITON_INTERPRET=1, for tests)
+    kernels: str = "none"
     lora_alpha: float | None = None  # default 2 * rank
     lora_dropout: float = 0.0
     lora_targets: str | list[str] = "all-linear"  # peft target_modules
@@ -178,6 +181,7 @@ class RunConfig:
         problems += preference_problems(self.method, self.pref, self.cand.micro_batch)
         problems += data_problems(self.method, self.data_dir)
         problems += speed_problems(self.method, self.padding_free, self.cand.sequence_parallel)
+        problems += kernels_problems(self.method, self.kernels)
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))
         if self.lr is None:
@@ -258,6 +262,20 @@ def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> l
             "concatenated row is not implemented); set padding_free: false or sequence_parallel: 1"
         )
     return out
+
+
+KERNELS = ("none", "liger")
+
+
+def kernels_problems(method: str, kernels: str) -> list[str]:
+    """What is wrong with the kernels lever (docs/speed.md): none or liger, liger for sft and dpo only
+    (the methods whose loss runs through memfit.train.liger.LigerHead). Whether this machine can run
+    it (package, GPU) is checked by the ranks before anything loads (memfit.train.liger.problem)."""
+    if kernels not in KERNELS:
+        return [f"kernels: {kernels!r} is not allowed (allowed: 'none', 'liger')"]
+    if kernels == "liger" and method not in ("sft", "dpo"):
+        return [f"kernels: liger applies to sft and dpo only, not {method}; set kernels: none"]
+    return []
 
 
 def option_problems(method: str, loss_on: str, packing: bool, export: str, finetunes: list[str]) -> list[str]:

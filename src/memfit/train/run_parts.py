@@ -22,7 +22,8 @@ def frozen_reference(cfg: RunConfig, cand: Candidate, ds_cfg: dict[str, Any]):
 
 def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int, shard) -> StepRunner:
     """The run's forward and loss (memfit.train.steps): DPO's and the preference methods'
-    hyperparameters from the run config, the loss implementation from the candidate."""
+    hyperparameters from the run config, the loss implementation from the candidate (Liger's with
+    `kernels: liger`)."""
     return StepRunner(
         cfg.method,
         engine,
@@ -32,7 +33,7 @@ def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int
         ref=cand.ref,
         loss_on=cfg.loss_on,
         flatten_packs=cand.attn == "flash",
-        loss_impl=cand.loss_impl,
+        loss_impl="liger" if cfg.kernels == "liger" else cand.loss_impl,  # Liger's fused linear cross-entropy
         loss_chunk_tokens=cfg.loss_chunk_tokens,
         shard=shard,
         pref=cfg.pref,

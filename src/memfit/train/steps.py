@@ -37,8 +37,8 @@ class StepRunner:
         """`method` sft or dpo; `ref_engine` the frozen reference (None unless `ref` is "model");
         `dpo` the DPOConfig fields (DPO only); `ref` model, adapter or precomputed (Candidate.ref);
         `loss_on` response or all (SFT); `flatten_packs` packs as one [1, B*L] row (flash attention);
-        `loss_impl` full (logits, then log-softmax) or chunked (memfit.train.vocab_loss: the full logits
-        never exist), `loss_chunk_tokens` its chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens);
+        `loss_impl` full (logits, then log-softmax), chunked (memfit.train.vocab_loss: the full logits
+        never exist) or liger (`kernels: liger`, memfit.train.liger: Liger's fused linear cross-entropy), `loss_chunk_tokens` its chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens);
         `shard` this rank's place in a sequence-parallel group (memfit.train.sequence_parallel): it
         runs its slice of every sequence, and the losses are the whole sequences'.
         rm, orpo, simpo, kto (memfit.train.preference): `pref` their TRL-named hyperparameters; rm's
@@ -51,9 +51,14 @@ class StepRunner:
         self.dpo = DPOConfig(**(dpo or {})) if method == "dpo" else None
         self.pref = preference.make_config(method, pref) if method in preference.METHODS else None
         self.device = _device()
-        if loss_impl not in ("full", "chunked"):
-            raise ValueError(f"loss_impl must be full or chunked, got {loss_impl!r}")
-        self._heads: dict[int, ChunkedHead] | None = {} if loss_impl == "chunked" else None
+        if loss_impl not in ("full", "chunked", "liger"):
+            raise ValueError(f"loss_impl must be full, chunked or liger, got {loss_impl!r}")
+        self._heads: dict[int, Any] | None = {} if loss_impl != "full" else None
+        self._head_cls: Any = ChunkedHead
+        if loss_impl == "liger":
+            from memfit.train.liger import LigerHead
+
+            self._head_cls = LigerHead
         self.loss_chunk_tokens = loss_chunk_tokens
         self.shard = shard if shard is not None and shard.size > 1 else None
         if padding_free and method not in ("sft", "dpo"):
@@ -69,7 +74,7 @@ class StepRunner:
         module = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
         head = self._heads.get(id(module))
         if head is None:
-            head = self._heads[id(module)] = ChunkedHead(module, self.loss_chunk_tokens)
+            head = self._heads[id(module)] = self._head_cls(module, self.loss_chunk_tokens)
         with head.targets(labels, shifted):
             logps = model(**inputs).logits
         return logps, head.mask
