@@ -52,7 +52,7 @@ OPENRLHF_CHOICES = {"--ds.param_dtype": {"bf16", "fp16"}}  # train_sft.py/train_
 
 # LLaMA-Factory 0.9.5 (pip install llamafactory==0.9.5): the fields memfit can write, as declared in
 # src/llamafactory/hparams/model_args.py (model_name_or_path, flash_attn, disable_gradient_checkpointing,
-# quantization_*), data_args.py (dataset, dataset_dir, cutoff_len, train_on_prompt, packing,
+# quantization_*, enable_liger_kernel), data_args.py (dataset, dataset_dir, cutoff_len, train_on_prompt, packing,
 # neat_packing, val_size) and finetuning_args.py (stage, finetuning_type, lora_*, pref_*,
 # dpo_label_smoothing, ref_model). Its TrainingArguments subclass transformers' Seq2SeqTrainingArguments.
 LLAMAFACTORY_FIELDS = {
@@ -60,6 +60,7 @@ LLAMAFACTORY_FIELDS = {
     "quantization_method", "quantization_type", "double_quantization", "dataset", "dataset_dir", "cutoff_len",
     "train_on_prompt", "packing", "neat_packing", "val_size", "stage", "finetuning_type", "lora_rank", "lora_alpha",
     "lora_dropout", "lora_target", "pref_beta", "pref_loss", "dpo_label_smoothing", "ref_model", "mask_history",
+    "enable_liger_kernel",
 }  # fmt: skip
 LLAMAFACTORY_CHOICES = {
     "flash_attn": {

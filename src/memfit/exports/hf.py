@@ -42,6 +42,8 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     trl = _trl_fields(plan, dtype, attn, missing, notes)
     peft = _peft_config(plan, dtype, trl)
+    if run.kernels == "liger":  # TrainingArguments: Liger's kernels; TRL's SFT/DPO losses through its fused ones
+        args["use_liger_kernel"] = True
     if c.loss_impl == "chunked":
         missing.append(
             "loss_impl chunked: TrainingArguments/TRL have no chunked-vocabulary loss (closest: "

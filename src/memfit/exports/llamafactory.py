@@ -80,6 +80,8 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
     y |= _reference_args(plan, missing)
     y |= _chat_args(plan, fmt, missing)
     y |= _long_context(c, missing)
+    if run.kernels == "liger":  # model_args.py: Liger's kernels for the model (RMSNorm, RoPE, SwiGLU, its loss)
+        y["enable_liger_kernel"] = True
     y |= hf_schedule(plan, missing)
     y |= {
         "per_device_train_batch_size": c.micro_batch,

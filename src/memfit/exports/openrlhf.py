@@ -167,6 +167,8 @@ def _deepspeed_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any
             {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}[c.attn],
         )
     )
+    if run.kernels == "liger":  # train_sft/train_dpo: Actor(use_liger_kernel=...) (openrlhf/cli/train_dpo.py)
+        a.append(("--ds.use_liger_kernel", True))
     if c.precision in ("bf16", "fp16"):
         a.append(("--ds.param_dtype", c.precision))
     else:
