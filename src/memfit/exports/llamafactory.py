@@ -80,8 +80,6 @@ def llamafactory_config(plan: ExportPlan) -> tuple[dict[str, Any], dict[str, Any
     y |= _reference_args(plan, missing)
     y |= _chat_args(plan, fmt, missing)
     y |= _long_context(c, missing)
-    if run.kernels == "liger":  # model_args.py: Liger's kernels for the model (RMSNorm, RoPE, SwiGLU, its loss)
-        y["enable_liger_kernel"] = True
     y |= hf_schedule(plan, missing)
     y |= {
         "per_device_train_batch_size": c.micro_batch,
@@ -130,9 +128,11 @@ def _long_context(c, missing: list[str]) -> dict[str, Any]:
 
 
 def _method_args(plan: ExportPlan) -> dict[str, Any]:
-    """SFT: prompt tokens in the loss, packing; DPO: beta, loss, label smoothing."""
+    """SFT: prompt tokens in the loss, packing; DPO: beta, loss, label smoothing; both: Liger's kernels."""
     run = plan.run
     y: dict[str, Any] = {}
+    if run.kernels == "liger":  # model_args.py: Liger's kernels for the model (RMSNorm, RoPE, SwiGLU, its loss)
+        y["enable_liger_kernel"] = True
     if run.method == "sft":
         y["train_on_prompt"] = run.loss_on == "all"
         if run.packing:  # memfit packs without cross-row attention: neat_packing

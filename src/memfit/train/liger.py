@@ -63,6 +63,7 @@ def problem(model_path: str) -> str | None:
             "they run only under Triton's interpreter, TRITON_INTERPRET=1, for tests); set kernels: none"
         )
     model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    _import_liger()
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
@@ -73,11 +74,12 @@ def problem(model_path: str) -> str | None:
     return None
 
 
-def refuse(model_path: str) -> None:
-    """RunRefused (`memfit launch` exits 2 with its message) when `problem` names one."""
+def refuse(kernels: str, model_path: str) -> None:
+    """With `kernels` liger: RunRefused (`memfit launch` exits 2 with its message) when `problem`
+    names one; nothing for kernels none."""
     from memfit.train.run_config import RunRefused
 
-    if why := problem(model_path):
+    if kernels == "liger" and (why := problem(model_path)):
         raise RunRefused(why)
 
 
@@ -107,6 +109,8 @@ def _bridge_interpreter() -> None:
 
 
 def _import_liger() -> None:
+    """Import Liger, under the interpreter after bridging its gaps: every import of Liger in memfit
+    goes through here (Liger's modules bind libdevice's `rsqrt` when they are first imported)."""
     if interpreted():
         _bridge_interpreter()
     import liger_kernel.transformers  # noqa: F401

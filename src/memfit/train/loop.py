@@ -83,8 +83,7 @@ class Run:
 
             if why := compile_problem():
                 raise RunRefused(why)
-        if cfg.kernels == "liger":  # package, GPU, model type: refused before anything loads
-            liger.refuse(model_dir(cfg.model_path))
+        liger.refuse(cfg.kernels, model_dir(cfg.model_path))  # kernels: liger: package, GPU, model type
         torch.manual_seed(cfg.seed)
         np.random.seed(cfg.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -131,8 +130,6 @@ class Run:
         if said := long_context.prepare(model, cand, cfg.mlp_tile_tokens):  # the tiled MLP (DeepSpeed ALST)
             self.log(said)
         mpu, shard = sequence_parallel.setup(model, cand, cfg.method)  # Ulysses: the attention and groups
-        if cfg.kernels == "liger":  # Liger's RMSNorm, RoPE and SwiGLU; its loss: run_parts.step_runner
-            self.log(liger.apply(model))
         if cfg.compile:  # regional compile of the decoder layers, before DeepSpeed wraps the model
             from memfit.train.compile import compile_layers
 
@@ -151,7 +148,7 @@ class Run:
 
         self.ref_engine = frozen_reference(cfg, cand, ds_cfg)  # DPO and KTO with ref: model
         del hf_ds
-        self.runner = step_runner(cfg, cand, self.engine, self.ref_engine, self.pad_id, shard)
+        self.runner = step_runner(cfg, cand, self.engine, self.ref_engine, self.pad_id, shard, self.log)
         if cfg.padding_free:
             self.log("padding_free: each micro batch runs as one row of its rows' tokens, positions restarting per row")
 

@@ -20,10 +20,18 @@ def frozen_reference(cfg: RunConfig, cand: Candidate, ds_cfg: dict[str, Any]):
     return reference_engine(cand, ref, ds_cfg, cfg.qlora_quant_type, cfg.mlp_tile_tokens)
 
 
-def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int, shard) -> StepRunner:
+def step_runner(cfg: RunConfig, cand: Candidate, engine, ref_engine, pad_id: int, shard, log=None) -> StepRunner:
     """The run's forward and loss (memfit.train.steps): DPO's and the preference methods'
-    hyperparameters from the run config, the loss implementation from the candidate (Liger's with
-    `kernels: liger`)."""
+    hyperparameters from the run config, the loss implementation from the candidate. With
+    `kernels: liger` (memfit.train.liger) the policy's RMSNorm, RoPE and SwiGLU become Liger's first
+    (instance patches: DeepSpeed's hooks and a regional compile, traced at the first call, see them)
+    and the loss runs through Liger's fused linear cross-entropy; `log` gets the line saying so."""
+    if cfg.kernels == "liger":
+        from memfit.train import liger
+
+        said = liger.apply(getattr(engine, "module", engine))
+        if log is not None:
+            log(said)
     return StepRunner(
         cfg.method,
         engine,
