@@ -42,7 +42,9 @@ def hf_training_args(plan: ExportPlan) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     trl = _trl_fields(plan, dtype, attn, missing, notes)
     peft = _peft_config(plan, dtype, trl)
-    if run.kernels == "liger":  # TrainingArguments: Liger's kernels; TRL's SFT/DPO losses through its fused ones
+    # TrainingArguments: Liger's kernels. TRL 1.16 applies them to the model (its DPOTrainer only the layer
+    # kernels, its loss through its own fused LM head) and warns the flag is deprecated for Hub kernels
+    if run.kernels == "liger":
         args["use_liger_kernel"] = True
     if c.loss_impl == "chunked":
         missing.append(
