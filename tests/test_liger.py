@@ -241,24 +241,28 @@ def small_data(demo_model, tmp_path_factory, repo):
 @needs_liger
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method, cand",
+    "method, cand, steps",
     [
-        ("sft", {"zero": 3}),  # the demo ties its head to the embeddings: ZeRO-3 gathers it for the head's call
-        ("dpo", {"zero": 3, "finetune": "lora", "lora_rank": 8, "ref": "adapter"}),
+        # the demo ties its head to the embeddings: ZeRO-3 gathers it for the head's call; two steps
+        ("sft", {"zero": 3}, 2),
+        # one step (the evaluation and step 1's forward, policy and adapter-disabled reference):
+        # a second one would take this test past a minute on 2 cores under the interpreter
+        ("dpo", {"zero": 3, "finetune": "lora", "lora_rank": 8, "ref": "adapter"}, 1),
     ],
     ids=["sft-z3", "dpo-z3-lora"],
 )
-def test_liger_trains_as_the_full_loss_under_zero3(demo_model, small_data, tmp_path, method, cand):
-    """The real trainer on 2 ranks (gloo): the evaluation at step 0 and one training step with
-    kernels liger give the losses of kernels none within 1e-4, under ZeRO-3, whose partitioned head
-    weight Liger's loss reads inside the head module's call (forward and backward), as the chunked
-    loss does."""
+def test_liger_trains_as_the_full_loss_under_zero3(demo_model, small_data, tmp_path, method, cand, steps):
+    """The real trainer on 2 ranks (gloo): the evaluation at step 0 and the training steps with
+    kernels liger give the losses of kernels none within 1e-4 (SFT's step 2 after step 1's update:
+    the gradients agree too), under ZeRO-3, whose partitioned head weight Liger's loss reads inside
+    the head module's call, forward and backward, as the chunked loss does."""
     from deepspeed_runs import base_run, run_side_by_side
 
     cfgs = [
         dataclasses.replace(
             base_run(demo_model, small_data, tmp_path / kernels, method=method, micro_batch=1, **cand),
-            max_steps=1,
+            max_steps=steps,
+            warmup_steps=0,  # step 1 trains at the full rate: step 2's loss shows its gradients
             eval_every=0,
             save_every=0,
             export=False,
@@ -268,7 +272,7 @@ def test_liger_trains_as_the_full_loss_under_zero3(demo_model, small_data, tmp_p
     ]
     none, lig = run_side_by_side(*cfgs)
     pairs = [(a, b) for a, b in zip(none, lig, strict=True) if "loss" in a]
-    assert [(a["step"], a["split"]) for a, _ in pairs] == [(0, "eval"), (1, "train")]
+    assert [(a["step"], a["split"]) for a, _ in pairs] == [(0, "eval")] + [(k, "train") for k in range(1, steps + 1)]
     for a, b in pairs:
         assert (a["step"], a["split"]) == (b["step"], b["split"])
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
