@@ -61,6 +61,10 @@ SHAPES: dict[str, MethodShape] = {
 }
 METHODS: tuple[str, ...] = tuple(SHAPES)
 REFERENCE_METHODS: tuple[str, ...] = tuple(m for m, s in SHAPES.items() if s.reference)
+# the methods whose micro batch can run as one row of its sequences (`padding_free`,
+# memfit.train.steps): every sequence scored on its own. Not KTO: its KL batch pairs each prompt with
+# another row's completion, which the one-row batch does not build yet.
+PADDING_FREE_METHODS: tuple[str, ...] = tuple(m for m, s in SHAPES.items() if s.data in ("sft", "pairs"))
 
 
 def shape(method: str) -> MethodShape:

@@ -13,7 +13,7 @@ from memfit.atomic import write_json_atomic
 
 # what the trainer runs (memfit.train.losses: sft, dpo; memfit.train.preference: the others), and
 # which of them hold a reference model (candidate.ref: model, adapter or precomputed)
-from memfit.methods import METHODS, REFERENCE_METHODS
+from memfit.methods import METHODS, PADDING_FREE_METHODS, REFERENCE_METHODS
 from memfit.space import Candidate
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
@@ -245,12 +245,13 @@ def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -
 
 
 def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> list[str]:
-    """What is wrong with the padding_free lever (docs/speed.md): SFT and DPO only, and not with
-    sequence parallelism."""
+    """What is wrong with the padding_free lever (docs/speed.md): the methods of
+    memfit.methods.PADDING_FREE_METHODS only, and not with sequence parallelism."""
     out = []
-    if padding_free and method not in ("sft", "dpo"):
+    if padding_free and method not in PADDING_FREE_METHODS:
         out.append(
-            f"padding_free: applies to sft and dpo only for now ({method}'s forward keeps padded rows); set it to false"
+            f"padding_free: applies to {', '.join(PADDING_FREE_METHODS)} only ({method}'s KL batch keeps "
+            "padded rows); set it to false"
         )
     if padding_free and sequence_parallel > 1:
         out.append(

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from memfit.methods import PADDING_FREE_METHODS
 from memfit.train import preference
 from memfit.train.batches import collate, collate_packed
 from memfit.train.dist import device as _device
@@ -43,7 +44,7 @@ class StepRunner:
         runs its slice of every sequence, and the losses are the whole sequences'.
         rm, orpo, simpo, kto (memfit.train.preference): `pref` their TRL-named hyperparameters; rm's
         `engine` a sequence-classification model; kto's `ref_engine` as DPO's.
-        `padding_free` (SFT, DPO): each micro batch runs as one row, its sequences concatenated with
+        `padding_free` (PADDING_FREE_METHODS): each micro batch runs as one row, its sequences concatenated with
         position ids restarting at every sequence (`padding_free_batch`, `dpo_padding_free_batch`),
         so no padding is computed."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
@@ -56,8 +57,8 @@ class StepRunner:
         self._heads: dict[int, ChunkedHead] | None = {} if loss_impl == "chunked" else None
         self.loss_chunk_tokens = loss_chunk_tokens
         self.shard = shard if shard is not None and shard.size > 1 else None
-        if padding_free and method not in ("sft", "dpo"):
-            raise ValueError(f"padding_free applies to sft and dpo only, not {method}")
+        if padding_free and method not in PADDING_FREE_METHODS:
+            raise ValueError(f"padding_free applies to {', '.join(PADDING_FREE_METHODS)} only, not {method}")
         self.padding_free = padding_free
 
     def token_logps(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +122,7 @@ class StepRunner:
         """
         if self.padding_free and self.method == "sft":
             return self._padding_free(rows, pad_to, packed)
-        if self.padding_free:  # DPO: the 2 x rows sequences as one row
+        if self.padding_free and self.method == "dpo":  # the 2 x rows sequences as one row
             flat, segments = dpo_padding_free_batch(rows, self.pad_id, pad_to)
             tokens = int(segments.lt(2 * len(rows)).sum())
             batch = self._batch(flat)
