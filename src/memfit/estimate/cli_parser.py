@@ -81,6 +81,7 @@ SPACE_FLAGS = {
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
     "sequence_parallel": "sequence_parallel",
+    "padding_free": "padding_free",
 }
 
 
@@ -229,6 +230,23 @@ def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
         default=None,
         metavar="{full,chunked}",
         help=f"full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward (default: full{one})",
+    )
+    p.add_argument(
+        "--padding-free",
+        nargs="?",
+        const=[True],
+        type=_listed(_on_off, [True, False]),
+        default=None,
+        metavar="on|off",
+        help="each micro batch as one row of its sequences' tokens, no padding (sft and dpo; default: "
+        f"off{one}: on,off); its step time is priced on --row-tokens",
+    )
+    p.add_argument(
+        "--row-tokens",
+        type=float,
+        default=None,
+        help="--padding-free: the data's mean tokens per sequence, what its step computes (prepare_data's "
+        "stats.json length.mean; default: --seq-len, the worst case)",
     )
     p.add_argument(
         "--loss-chunk-tokens",

@@ -206,6 +206,8 @@ class _Engine:
             loss_on=self.spec.loss_on,
             loss_impl=c.loss_impl,
             loss_chunk_tokens=self.spec.loss_chunk_tokens,
+            # search.padding_free: its own batch shape (space.compute_key), one row of every sequence
+            padding_free=c.padding_free,
         )
 
     def micro(self, method: str, c: Candidate, step: bool) -> float:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget, derived_budget
 from memfit.methods import shape as method_shape
+from memfit.methods import speed_problems
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
 from memfit.workflow.config_checks import (
@@ -202,6 +203,8 @@ class WorkflowConfig:
         for cand in enumerate_space(axes, fixed=fixed):
             if world % cand.sequence_parallel:
                 continue  # a sequence-parallel group must fit the ranks evenly
+            if speed_problems(method, cand.padding_free, cand.sequence_parallel):
+                continue  # padding_free: sft and dpo, no sequence parallelism (search_checks says why)
             if method == "kto" and cand.micro_batch < KTO_MIN_MICRO_BATCH:
                 continue  # memfit.train.run_config.preference_problems: KTO's KL batch needs two rows
             if packing and cand.sequence_parallel > 1 and cand.attn != "flash":

@@ -21,6 +21,7 @@ from typing import Any
 from memfit.estimate.models import catalog
 from memfit.estimate.models.validity import hardware_problems
 from memfit.methods import shape as method_shape
+from memfit.methods import speed_problems
 from memfit.space import Candidate, enumerate_space
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
@@ -96,7 +97,14 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
     packing = bool((cfg.raw["train"].get(method) or {}).get("packing", False))
     batch = int(cfg.raw["train"]["global_batch"])
     for cand in enumerate_space(axes, fixed=fixed):
-        if world % cand.sequence_parallel:
+        speed = speed_problems(method, cand.padding_free, cand.sequence_parallel)
+        if speed:
+            for problem in speed:  # memfit.train.run_config's words, with the search keys they come from
+                keys = "search.padding_free [True]" + (
+                    f", search.sequence_parallel {axes['sequence_parallel']}" if "sequence_parallel" in problem else ""
+                )
+                reasons[f"{keys}: {problem}"] = None
+        elif world % cand.sequence_parallel:
             reasons[
                 f"search.sequence_parallel: {cand.sequence_parallel} does not divide the {world} ranks "
                 "(num_gpus x num_nodes)"
