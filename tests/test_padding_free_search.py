@@ -172,3 +172,36 @@ def test_a_padding_free_probe_measures_what_the_estimate_predicts(demo_model, de
     assert res["id"].endswith("-pf") and json.loads((tmp_path / "p.json").read_text())["candidate"]["padding_free"]
     assert abs(res["peak_allocated_bytes"] / est.training_peak_bytes - 1) <= 0.10, (res, est.phases)
     assert res["predicted"]["step_time_s"] == est.step_time_worst_case_s > est.step_time_s
+
+
+def test_the_exports_carry_a_searched_padding_free(tmp_path):
+    """A padding_free candidate (not a run config key) reaches every trainer's file: TRL's
+    `padding_free`, OpenRLHF's --ds.packing_samples, and LLaMA-Factory says it has none."""
+    import test_exports
+
+    from memfit import exports
+
+    files = exports.write_all(test_exports._plan(tmp_path, "sft", {"zero": 0, "padding_free": True}))
+    trl = json.loads(files["hf_args"].read_text())
+    assert '"padding_free": true' in json.dumps(trl)
+    assert "--ds.packing_samples" in files["openrlhf"].read_text()
+    assert "padding_free: LLaMA-Factory pads every batch" in files["llamafactory"].read_text()
+
+
+def test_a_padding_free_probe_is_priced_on_the_data_like_its_estimate():
+    """The probe ran the worst case; the selection scales its measured step by the estimate's ratio
+    of the data's rows to that worst case, so padded and padding_free candidates compare on the data."""
+    from memfit.estimate.rows import Budget
+    from memfit.estimate.selection import judge
+
+    arch, gpu = catalog.model("qwen2.5-0.5b"), catalog.gpu("h100-80gb")
+    cands = [Candidate(zero=0, attn="flash", micro_batch=4, seq_len=2048, padding_free=pf) for pf in (False, True)]
+    rows = [
+        estimate(arch, gpu, 1, 1, "sft", c, settings=Settings(row_tokens=512)).to_dict() | {"id": c.id, "candidate": c.to_dict()}
+        for c in cands
+    ]  # fmt: skip
+    probe = {"status": "ok", "peak_allocated_bytes": 2**30, "step_time_s": 1.0}
+    judged = judge(rows, {c.id: probe | {"id": c.id} for c in cands}, Budget(80 * 2**30, 2**40, 0.05), 1, "sft")
+    padded, free = (r.figures.step_time_s for r in judged)
+    assert padded == 1.0 and free == pytest.approx(rows[1]["step_time_s"] / rows[1]["step_time_worst_case_s"])
+    assert free < padded
