@@ -92,7 +92,8 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
     # the trainer's rule for padding_free (methods, sequence parallelism), in the flags' words
     problems = speed_problems(args.method, args.padding_free, args.sequence_parallel)
     if problems:
-        raise EstimateError("--padding-free: " + "; ".join(p.removeprefix("padding_free: ") for p in problems))
+        said = "; ".join(p.removeprefix("padding_free: ") for p in problems)
+        raise EstimateError("--padding-free: " + said.replace("set it to false", "drop --padding-free"))
     return cand
 
 

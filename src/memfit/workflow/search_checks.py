@@ -103,7 +103,8 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
                 keys = "search.padding_free [True]" + (
                     f", search.sequence_parallel {axes['sequence_parallel']}" if "sequence_parallel" in problem else ""
                 )
-                reasons[f"{keys}: {problem}"] = None
+                fix = problem.replace("set it to false", "add false to search.padding_free")
+                reasons[f"{keys}: {fix.replace('set padding_free: false', 'add false to search.padding_free')}"] = None
         elif world % cand.sequence_parallel:
             reasons[
                 f"search.sequence_parallel: {cand.sequence_parallel} does not divide the {world} ranks "
