@@ -16,6 +16,7 @@ import yaml
 from memfit.estimate import Settings, estimate
 from memfit.estimate import main as estimate_main
 from memfit.estimate.models import catalog
+from memfit.estimate.time import timing
 from memfit.space import Candidate
 from memfit.workflow.config import ConfigError, WorkflowConfig, validate_config
 
@@ -205,3 +206,27 @@ def test_a_padding_free_probe_is_priced_on_the_data_like_its_estimate():
     padded, free = (r.figures.step_time_s for r in judged)
     assert padded == 1.0 and free == pytest.approx(rows[1]["step_time_s"] / rows[1]["step_time_worst_case_s"])
     assert free < padded
+
+
+@pytest.mark.slow
+def test_the_calibration_measures_the_padding_free_row_and_prices_it(demo_model, tmp_path):
+    """The calibrate ranks measure a padding_free candidate's batch as a shape of its own (its
+    compute key), and the estimate prices its worst case from that measurement, then the data's rows."""
+    from test_calibrate import _calibrate
+
+    from memfit.estimate.models.hf_config import arch_from_hf_config
+    from memfit.space import compute_key
+
+    padded = Candidate(zero=0, micro_batch=4, grad_accum=4, seq_len=16, precision="fp32", ref=None)
+    free = dataclasses.replace(padded, padding_free=True)
+    cal = _calibrate(demo_model, tmp_path, {"sft": [padded, free]})
+    d = json.loads(cal.read_text())
+    assert set(d["compute"]) == {compute_key("sft", padded), compute_key("sft", free)}
+    assert compute_key("sft", free) == compute_key("sft", padded) + "|padding_free"
+    arch = arch_from_hf_config(json.loads((demo_model / "config.json").read_text()), name="demo-tiny")
+    settings = Settings(step_time_calibration=str(cal), row_tokens=12)
+    est = estimate(arch, catalog.gpu("cpu"), 2, 1, "sft", free, budget_bytes=2**30, settings=settings)
+    assert est.time_source.startswith("measured"), est.time_source
+    worst = timing.predict(timing.load(cal), free, "sft", arch.num_layers)
+    assert est.step_time_worst_case_s == pytest.approx(sum(worst.values()), abs=2e-6)
+    assert est.time_breakdown["compute"] < worst["compute"]  # 12 of 16 tokens a sequence
