@@ -61,6 +61,9 @@ class Candidate:
     # sequence, no padding (memfit.train.steps.padding_free_batch; docs/speed.md). Which methods take
     # it is the run config's rule (memfit.train.run_config.speed_problems)
     padding_free: bool = False
+    # regional torch.compile of the decoder layers (memfit.train.compile, docs/speed.md): one
+    # compiled layer reused by every layer; where it can run is memfit.train.compile.compile_problem
+    compile: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -144,6 +147,8 @@ class Candidate:
             parts.append("aoff")
         if self.padding_free:
             parts.append("pf")
+        if self.compile:
+            parts.append("compiled")
         return "-".join(parts)
 
     def digest(self) -> str:
@@ -215,6 +220,7 @@ def engine_key(c: Candidate) -> str:
         "sequence_parallel": c.sequence_parallel,
         "tiled_mlp": c.tiled_mlp,
         "activation_offload": c.activation_offload,
+        "compile": c.compile,  # the model's layers compiled before DeepSpeed wraps it
     }
     return key + "".join(f"|{k}={v}" for k, v in extra.items() if v != getattr(Candidate, k))
 

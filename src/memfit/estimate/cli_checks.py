@@ -187,6 +187,7 @@ LEVER_DEFAULTS = {
     "offload_param": "none",
     "sequence_parallel": 1,
     "padding_free": False,
+    "compile": False,
 }
 
 

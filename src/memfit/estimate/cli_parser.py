@@ -82,6 +82,7 @@ SPACE_FLAGS = {
     "offload_param": "offload_param",
     "sequence_parallel": "sequence_parallel",
     "padding_free": "padding_free",
+    "compile": "compile",
 }
 
 
@@ -240,6 +241,15 @@ def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
         metavar="on|off",
         help="each micro batch as one row of its sequences' tokens, no padding (sft and dpo; default: "
         f"off{one}: on,off); its step time is priced on --row-tokens",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const=[True],
+        type=_listed(_on_off, [True, False]),
+        default=None,
+        metavar="on|off",
+        help=f"regional torch.compile of the decoder layers, priced as eager unless a calibration measured it (default: off{one}: on,off)",
     )
     p.add_argument(
         "--row-tokens",

@@ -86,6 +86,7 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
             tiled_mlp=args.tiled_mlp,
             activation_offload=args.activation_offload,
             padding_free=args.padding_free,
+            compile=args.compile,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None

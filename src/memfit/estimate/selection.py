@@ -230,7 +230,7 @@ def noise(a: CandidateRow, b: CandidateRow) -> float:
 
 
 def levers(cand: dict[str, Any]) -> int:
-    """How many memory levers a candidate turns on (each adds time or risk when memory is no issue)."""
+    """How many levers a candidate turns on (each adds time or risk when memory is no issue or it wins nothing)."""
     on = (
         cand.get("zero", 0) > 0,
         cand.get("offload_optimizer", "none") != "none",
@@ -241,6 +241,10 @@ def levers(cand: dict[str, Any]) -> int:
         cand.get("sequence_parallel", 1) > 1,
         bool(cand.get("tiled_mlp")),
         bool(cand.get("activation_offload")),
+        # the speed levers: when they win nothing measurable, the plain step (no compile time, no
+        # block mask) is the one to keep
+        bool(cand.get("padding_free")),
+        bool(cand.get("compile")),
     )
     return sum(on)
 

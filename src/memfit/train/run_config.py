@@ -179,6 +179,8 @@ class RunConfig:
         problems += data_problems(self.method, self.data_dir)
         if self.cand.padding_free:  # the searched lever (search.padding_free) sets the trainer's
             self.padding_free = True
+        if self.cand.compile:  # and search.compile the trainer's regional compile
+            self.compile = True
         problems += speed_problems(self.method, self.padding_free, self.cand.sequence_parallel)
         if problems:
             raise ValueError("invalid run config: " + "; ".join(problems))

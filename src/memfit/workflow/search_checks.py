@@ -54,12 +54,15 @@ def search_warnings(cfg: Any) -> list[str]:
     `lora_rank` ready for the day `finetune` lists lora, as config/cluster-example.yaml does)."""
     search = cfg.raw["search"]
     finetunes = list(search.get("finetune", ["full"]))
+    out = []
     if "lora_rank" in search and set(finetunes) == {"full"}:
-        return [
+        out.append(
             f"search.lora_rank: {list(search['lora_rank'])} does nothing with search.finetune {finetunes} "
             "(a full fine-tune has no adapter): no candidate uses it; add lora or qlora to search.finetune to search it"
-        ]
-    return []
+        )
+    if False in search.get("compile", [False]) and cfg.compile_problem():  # [false, true]: the eager ones stay
+        out.append(f"search.compile: the compiled candidates are left out on gpus [cpu]: {cfg.compile_problem()}")
+    return out
 
 
 def _axes(cfg: Any, method: str) -> dict[str, list[Any]]:
@@ -105,6 +108,8 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
                 )
                 fix = problem.replace("set it to false", "add false to search.padding_free")
                 reasons[f"{keys}: {fix.replace('set padding_free: false', 'add false to search.padding_free')}"] = None
+        elif cand.compile and cfg.compile_problem():
+            reasons[f"search.compile [True] with gpus [cpu]: {cfg.compile_problem()}"] = None
         elif world % cand.sequence_parallel:
             reasons[
                 f"search.sequence_parallel: {cand.sequence_parallel} does not divide the {world} ranks "

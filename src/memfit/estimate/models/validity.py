@@ -94,6 +94,15 @@ def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate, settings: Setting
     out = []
     if gpu.planning_only:
         out.append(f"planning only: {gpu.planning_reason.strip()}")
+    if cand.compile:
+        # memfit.train.compile: regional compile of the decoder layers. Its memory is not measured
+        # against the estimate yet (inductor may save fewer of a fused layer's intermediates), so it
+        # is priced as the eager layers, an upper bound if inductor saves fewer; its time comes from
+        # a calibration of the compiled engine (the calibrate rule compiles it), else as eager
+        out.append(
+            "compile: memory priced as the eager layers (inductor's fused layers not yet measured against it); "
+            "step time from the calibration of the compiled engine, else as eager"
+        )
     if arch.is_moe:
         out.append(
             f"mixture-of-experts: weights, gradients and optimizer states of all "
