@@ -65,4 +65,4 @@ def test_the_estimate_prices_compiled_layers_as_eager_and_says_so():
         a.device_total_bytes,
         a.step_time_s,
     )
-    assert any(n.startswith("compile: memory priced as the eager layers") for n in b.notes)
+    assert any(n.startswith("compile: memory priced as the eager layers") for n in b.notes), b.notes
