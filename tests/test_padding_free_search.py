@@ -230,3 +230,11 @@ def test_the_calibration_measures_the_padding_free_row_and_prices_it(demo_model,
     worst = timing.predict(timing.load(cal), free, "sft", arch.num_layers)
     assert est.step_time_worst_case_s == pytest.approx(sum(worst.values()), abs=2e-6)
     assert est.time_breakdown["compute"] < worst["compute"]  # 12 of 16 tokens a sequence
+
+
+def test_the_report_names_the_speed_levers_of_a_candidate():
+    from memfit.report.fmt import describe
+
+    said = describe(Candidate(zero=0, padding_free=True, compile=True).to_dict(), "sft", 2)
+    assert said.endswith("padding-free rows, compiled layers"), said
+    assert "padding-free" not in describe(Candidate(zero=0).to_dict(), "sft", 2)
