@@ -73,3 +73,22 @@ def shape(method: str) -> MethodShape:
         return SHAPES[method]
     except KeyError:
         raise ValueError(f"unknown method {method!r}: memfit trains {', '.join(METHODS)}") from None
+
+
+def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> list[str]:
+    """What is wrong with the padding_free lever (docs/speed.md): the methods of PADDING_FREE_METHODS
+    only, and not with sequence parallelism. The one home of the rule: the run config
+    (memfit.train.run_config), the workflow's search space (memfit.workflow.config, search_checks)
+    and `memfit estimate` ask it."""
+    out = []
+    if padding_free and method not in PADDING_FREE_METHODS:
+        out.append(
+            f"padding_free: applies to {', '.join(PADDING_FREE_METHODS)} only ({method}'s KL batch keeps "
+            "padded rows); set it to false"
+        )
+    if padding_free and sequence_parallel > 1:
+        out.append(
+            f"padding_free: cannot be combined with sequence_parallel {sequence_parallel} (a shard of one "
+            "concatenated row is not implemented); set padding_free: false or sequence_parallel: 1"
+        )
+    return out
