@@ -15,8 +15,9 @@ import torch
 
 from memfit import cli, data
 from memfit.space import Candidate
+from memfit.train.batches import dpo_padding_free_batch, padding_free_batch
 from memfit.train.modeling import load_model
-from memfit.train.steps import StepRunner, dpo_padding_free_batch, padding_free_batch
+from memfit.train.steps import StepRunner
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,9 @@ def test_padding_free_for_a_method_it_does_not_apply_to_names_the_key(repo, monk
     assert cfg.candidates("kto") and not any(c.padding_free for c in cfg.candidates("kto"))
     only = copy.deepcopy(pref)
     only["search"]["padding_free"] = [True]
-    with pytest.raises(ConfigError, match=r"search\.padding_free \[True\]: padding_free: applies to sft, dpo, rm, orpo, simpo only"):
+    with pytest.raises(
+        ConfigError, match=r"search\.padding_free \[True\]: padding_free: applies to sft, dpo, rm, orpo, simpo only"
+    ):
         validate_config(only)
 
 

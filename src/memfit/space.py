@@ -58,7 +58,7 @@ class Candidate:
     # CheckpointHiddenStatesOffload, activation_checkpointing/offload_activations.py); needs grad_ckpt
     activation_offload: bool = False
     # SFT and DPO micro batches as one row: the sequences concatenated, position ids restarting per
-    # sequence, no padding (memfit.train.steps.padding_free_batch; docs/speed.md). Which methods take
+    # sequence, no padding (memfit.train.batches.padding_free_batch; docs/speed.md). Which methods take
     # it is the run config's rule (memfit.train.run_config.speed_problems)
     padding_free: bool = False
     # regional torch.compile of the decoder layers (memfit.train.compile, docs/speed.md): one

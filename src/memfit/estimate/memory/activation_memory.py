@@ -272,7 +272,7 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
     _head_terms(acts, arch, cand, method, step, settings)
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
     # int64 input ids, attention mask and labels of every sequence collated (KTO: the KL batch too);
-    # padding_free: input ids, labels and position ids of the one row (steps.padding_free_batch)
+    # padding_free: input ids, labels and position ids of the one row (memfit.train.batches.padding_free_batch)
     ids = 3 * 8 * forward_seqs(cand, method) * (step.seq_len if not step.packed_seqs else cand.seq_len)
     if cand.grad_ckpt:
         # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input.

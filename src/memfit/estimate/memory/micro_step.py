@@ -64,7 +64,7 @@ class MicroStep:
 
 def micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> MicroStep:
     """The micro step's shapes. padding_free: one row of every sequence's tokens, the probes'
-    worst case of micro_batch x seq_len tokens (DPO: 2 x micro_batch sequences; memfit.train.steps
+    worst case of micro_batch x seq_len tokens (DPO: 2 x micro_batch sequences; memfit.train.batches
     `padding_free_batch`, `dpo_padding_free_batch`): the linears see the same tokens as the padded
     batch, the attention one sequence of all of them (its masks and eager's scores are row x row)."""
     full = cand.finetune == "full"

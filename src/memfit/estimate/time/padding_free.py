@@ -1,6 +1,6 @@
 """A padding_free candidate's step time (Candidate.padding_free, docs/speed.md).
 
-Its probe runs the worst case, every sequence seq_len tokens in the one row (memfit.train.steps
+Its probe runs the worst case, every sequence seq_len tokens in the one row (memfit.train.batches
 `padding_free_batch`, `dpo_padding_free_batch`, padded by `pad_to`), and the calibration measures
 that shape (space.compute_key). Training computes the rows' own tokens. So the step is priced at
 the worst case, as every candidate is, and its compute is scaled to the prepared data's mean tokens

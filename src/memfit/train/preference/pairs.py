@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from memfit.train.batches import collate
+from memfit.train.batches import collate, dpo_padding_free_batch
 from memfit.train.losses import IGNORE_INDEX
 
 
@@ -51,11 +51,9 @@ def forward(runner, rows: list[dict[str, Any]], pad_to: int | None, nll_on: str)
 
 def _forward_padding_free(runner, rows: list[dict[str, Any]], pad_to: int | None, nll_on: str) -> PairLogps:
     """`forward` on the micro batch as one row (`padding_free`): the 2 x rows sequences of
-    `memfit.train.steps.dpo_padding_free_batch` (chosen then rejected, position ids restarting per
+    `memfit.train.batches.dpo_padding_free_batch` (chosen then rejected, position ids restarting per
     sequence), each sequence's sums taken by its segment. The same tokens are scored as in the padded
     batch: the first token of a sequence never (nothing before it in its own sequence predicts it)."""
-    from memfit.train.steps import dpo_padding_free_batch  # steps imports this package
-
     n = len(rows)
     flat, segments = dpo_padding_free_batch(rows, runner.pad_id, pad_to)
     tokens = int(segments.lt(2 * n).sum())

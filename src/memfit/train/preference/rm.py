@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.train.batches import collate
+from memfit.train.batches import collate, dpo_padding_free_batch
 
 
 @dataclass(frozen=True)
@@ -86,12 +86,10 @@ def step(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.
 
 def _padding_free_rewards(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.Tensor, int]:
     """The 2 x rows rewards [2B] of the micro batch run as one row (`padding_free`: chosen then
-    rejected sequences of `memfit.train.steps.dpo_padding_free_batch`, position ids restarting per
+    rejected sequences of `memfit.train.batches.dpo_padding_free_batch`, position ids restarting per
     sequence), and its non-padding tokens. The model pools one score per row (its last non-padding
     token), so the score head's per-token output is read from a forward hook on it and taken at each
     sequence's last token: the token the padded batch's pooling reads (`build_reward_model`)."""
-    from memfit.train.steps import dpo_padding_free_batch  # steps imports this package
-
     flat, segments = dpo_padding_free_batch(rows, runner.pad_id, pad_to)
     n = 2 * len(rows)
     # each sequence's rightmost token that is not the pad id: where the padded batch's pooling reads
