@@ -54,10 +54,11 @@ upgrade: $(STAMP)
 	$(BIN)/python tools/sync_env_pins.py
 	$(MAKE) install test
 
-# DeepSpeed compiles its CPU ops on first use; build once here the two every CPU run loads (the
-# shared-memory comm op at process-group start, FusedAdam as the optimizer).
+# DeepSpeed compiles its CPU ops on first use; build once here the one every CPU run loads, FusedAdam
+# (the optimizer). Its shared-memory all-reduce op, which DeepSpeed would build at every process-group
+# start, is skipped: only its inference uses it (memfit.train.dist.skip_shm_comm_op).
 ops:
-	$(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder, FusedAdamBuilder; [b().load() for b in (ShareMemCommBuilder, FusedAdamBuilder)]"
+	$(BIN)/python -c "from deepspeed.ops.op_builder.cpu import FusedAdamBuilder; FusedAdamBuilder().load()"
 
 # DeepSpeedCPUAdam, for optimizer offload only (a third of the ops' compile time, 138 of 361 CPU s):
 # built for the tests, not for `make demo` (the demo does not offload). A run that offloads builds

@@ -25,6 +25,7 @@ def say(line: str) -> None:  # progress in the rule's log (log_to: stderr), with
 
 say(f"estimating the candidates of {w.model} on {w.gpu} ({w.method})")
 with trace.progress_to(say):  # a line as each traced shape starts and ends (memfit.estimate.trace.trace)
-    result = estimate_candidates(snakemake.config, w.model, w.gpu, w.method, snakemake.output[0], calibration)
+    stats = snakemake.input.data[0] if snakemake.input.data else None  # prices padding_free on real tokens
+    result = estimate_candidates(snakemake.config, w.model, w.gpu, w.method, snakemake.output[0], calibration, stats)
 rows = result["rows"]
 say(f"estimated {len(rows)} candidates, {sum(r['fits'] and not r['invalid'] for r in rows)} predicted to fit")

@@ -242,3 +242,18 @@ def test_without_a_process_group_values_come_back_unchanged():
     assert dist_env.backend() == "none"
     assert dist_env.all_reduce([2.0, 5.0], "max") == [2.0, 5.0]
     dist_env.barrier()  # nothing to wait for
+
+
+def test_rank_start_skips_deepspeed_shared_memory_allreduce_op(monkeypatch):
+    """memfit's ranks start DeepSpeed's process group without its shared-memory all-reduce op, which
+    only DeepSpeed inference's tensor-parallel layers use: no C++ build at install or at a rank's first
+    start, and no shared-memory segment per rank (memfit.train.dist.skip_shm_comm_op)."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.comm.torch import build_shm_op
+
+    if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+        pytest.skip(f"the {get_accelerator().device_name()} accelerator has no shared-memory op")
+    monkeypatch.setitem(deepspeed.ops.__compatible_ops__, dist_env.SHM_COMM_OP, True)
+    dist_env.skip_shm_comm_op()
+    assert build_shm_op() is None  # DeepSpeed's own constructor step builds nothing

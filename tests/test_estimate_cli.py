@@ -327,6 +327,8 @@ def test_json_says_which_configuration_it_priced_and_where_host_ram_came_from(ca
         "sequence_parallel": 1,
         "tiled_mlp": False,
         "activation_offload": False,
+        "padding_free": False,
+        "compile": False,
     }
     assert config["defaults_taken"]["--ref"] == "model" and config["defaults_taken"]["--seq-len"] == 2048
     assert config["host_memory"] == {

@@ -162,6 +162,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
         loss_on="all",
         loss_impl=cand.loss_impl,
         loss_chunk_tokens=chunk,
+        padding_free=cand.padding_free,
     )
 
     def rows():

@@ -198,6 +198,25 @@ def test_openrlhf_trains_the_reward_model_with_its_margin(tmp_path):
         assert getattr(args, "model.margin_loss_enable") is True
 
 
+@pytest.mark.parametrize("method", ["rm", "orpo", "simpo"])
+def test_padding_free_is_carried_where_a_trainer_has_it_and_listed_where_not(tmp_path, method):
+    """memfit's padding_free (rm, ORPO, SimPO): OpenRLHF's reward-model trainer packs the pairs
+    (--ds.packing_samples, flash attention only, which the notes say under sdpa); TRL's RewardConfig,
+    ORPOConfig and CPOConfig have no padding_free, so their files list it as not expressible."""
+    import dataclasses
+
+    cand, pref, row = CASES[method]
+    plan = _plan(tmp_path, method, cand, pref, row)
+    plan = dataclasses.replace(plan, run=dataclasses.replace(plan.run, padding_free=True))
+    files = exports.write_all(plan)
+    cls = {"rm": "RewardConfig", "orpo": "ORPOConfig", "simpo": "CPOConfig"}[method]
+    assert f"padding_free: {cls} has no padding_free" in files["hf_args"].read_text()
+    if method == "rm":
+        text = files["openrlhf"].read_text()
+        assert "--ds.packing_samples" in exports.script_argv(text)
+        assert "#   - padding_free with attn sdpa: OpenRLHF packs with flash_attention_2 only" in text
+
+
 @pytest.mark.parametrize("method", ["orpo", "simpo", "kto"])
 def test_openrlhf_says_it_has_no_trainer_and_its_script_runs_nothing(tmp_path, method):
     cand, pref, row = CASES[method]

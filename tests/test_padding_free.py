@@ -1,8 +1,10 @@
-"""The padding_free lever (run config `padding_free: true`, docs/speed.md): an SFT or DPO micro batch
-runs as one row of its sequences concatenated, position ids restarting per sequence, instead of a
-padded batch. Its losses and gradients equal the padded batch's in fp32 (SFT: the per-token mean over
-the same tokens; DPO: each sequence's summed response log-probs), and a run config that asks for it
-where it does not apply is refused at the CLI, naming the key."""
+"""The padding_free lever (run config `padding_free: true`, docs/speed.md): an SFT, DPO, reward-model,
+ORPO or SimPO micro batch runs as one row of its sequences concatenated, position ids restarting per
+sequence, instead of a padded batch. Its losses and gradients equal the padded batch's in fp32 (SFT:
+the per-token mean over the same tokens; DPO: each sequence's summed response log-probs; rm: each
+sequence's reward at its last token; ORPO and SimPO: each response's mean log-prob and the chosen
+NLL), and a run config that asks for it where it does not apply (KTO) is refused at the CLI, naming
+the key."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import torch
 
 from memfit import cli, data
 from memfit.space import Candidate
+from memfit.train.batches import dpo_padding_free_batch, padding_free_batch
 from memfit.train.modeling import load_model
-from memfit.train.steps import StepRunner, dpo_padding_free_batch, padding_free_batch
+from memfit.train.steps import StepRunner
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +136,46 @@ def test_dpo_padding_free_equals_the_padded_batch(demo_model, mixed_dpo_pairs, r
     assert segments.tolist() == [k for k, n in enumerate(lengths) for _ in range(n)]
 
 
+def pref_loss_and_grads(demo_model, rows, method, pad_id, padding_free):
+    from memfit.train.preference.rm import build_reward_model
+
+    torch.manual_seed(0)
+    if method == "rm":  # the score head newly initialised from the seed, as TRL's RewardTrainer makes it
+        model = build_reward_model(str(demo_model), pad_id, attn_implementation="sdpa")
+    else:
+        model = load_model(str(demo_model), Candidate.from_dict({"attn": "sdpa", "precision": "fp32"}), trainable=True)
+    model.train()
+    pref = {"simpo": {"cpo_alpha": 0.5}}.get(method)  # SimPO with the chosen NLL term too
+    runner = StepRunner(method, model, None, pad_id, pref=pref, padding_free=padding_free)
+    loss, metrics, tokens = runner.loss(rows)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), metrics, tokens, grads
+
+
+@pytest.mark.parametrize("method", ["rm", "orpo", "simpo"])
+def test_preference_padding_free_equals_the_padded_batch(demo_model, mixed_dpo_pairs, method):
+    """The reward model, ORPO and SimPO on four pairs of mixed lengths as one row of their 8 sequences:
+    the loss, every metric and the gradients equal the padded batch's within 1e-5 in fp32. The reward
+    is read at each sequence's own last token (the padded batch's pooling reads each row's), ORPO's NLL
+    covers each chosen sequence's prompt and response, SimPO's mean log-probs each response's tokens."""
+    from transformers import AutoTokenizer
+
+    pad_id = AutoTokenizer.from_pretrained(demo_model).pad_token_id
+    rows = mixed_dpo_pairs[0]
+    pad_loss, pad_m, pad_tokens, pad_grads = pref_loss_and_grads(demo_model, rows, method, pad_id, False)
+    free_loss, free_m, free_tokens, free_grads = pref_loss_and_grads(demo_model, rows, method, pad_id, True)
+    assert free_loss == pytest.approx(pad_loss, abs=1e-5)
+    assert free_m.keys() == pad_m.keys()
+    for k in pad_m:
+        assert free_m[k] == pytest.approx(pad_m[k], abs=1e-4), k
+    lengths = [len(r["prompt_ids"]) + len(r[k]) for k in ("chosen_ids", "rejected_ids") for r in rows]
+    assert free_tokens == pad_tokens == sum(lengths) < len(lengths) * max(lengths)
+    assert pad_grads.keys() == free_grads.keys()
+    for name, g in pad_grads.items():
+        torch.testing.assert_close(free_grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_dpo_probe_pads_the_row_to_the_padded_worst_case(mixed_dpo_pairs):
     """pad_to (a probe's seq_len): the row is 2 x rows x seq_len tokens, the padding in no sequence."""
     rows = mixed_dpo_pairs[0]
@@ -159,7 +202,7 @@ def _run_config(tmp_path, demo_model, demo_data, method, **extra):
 @pytest.mark.parametrize(
     "method, extra, expected",
     [
-        ("kto", {"padding_free": True}, "padding_free: applies to sft and dpo only"),
+        ("kto", {"padding_free": True}, "padding_free: applies to sft, dpo, rm, orpo, simpo only"),
         (
             "sft",
             {"padding_free": True, "candidate": {"sequence_parallel": 2, "seq_len": 32, "precision": "fp32"}},
@@ -202,12 +245,13 @@ def test_padding_free_under_flash_attention_equals_the_padded_batch(demo_model, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["sft", "dpo"])
+@pytest.mark.parametrize("method", ["sft", "dpo", "rm"])
 def test_a_padding_free_run_trains_like_the_padded_run(demo_model, demo_data, tmp_path, method):
     """Through the trainer (run.json `padding_free: true`, DeepSpeed ZeRO-2, 2 ranks; DPO with its
-    reference model): the first step's loss equals the padded run's within 1e-5 (the same weights, the
-    same tokens); the later steps stay within 1e-4 (fp32 rounding carried through two AdamW steps), and
-    the held-out losses agree."""
+    reference model; the reward model's score head read per sequence under DeepSpeed's engine): the
+    first step's loss equals the padded run's within 1e-5 (the same weights, the same tokens); the
+    later steps stay within 1e-4 (fp32 rounding carried through two AdamW steps), and the held-out
+    losses agree."""
     import dataclasses
 
     from deepspeed_runs import base_run, run_side_by_side
@@ -215,6 +259,8 @@ def test_a_padding_free_run_trains_like_the_padded_run(demo_model, demo_data, tm
     padded = dataclasses.replace(
         base_run(demo_model, demo_data, tmp_path / "padded", method=method), max_steps=3, save_every=0, eval_every=3
     )
+    if method == "rm":  # the DPO pairs, as a reward model's data (a prepared rm row is a pair)
+        padded = dataclasses.replace(padded, data_dir=str(demo_data / "dpo"))
     free = dataclasses.replace(padded, out_dir=str(tmp_path / "free"), padding_free=True)
     a, b = run_side_by_side(padded, free)
     train_a = [r["loss"] for r in a if r["split"] == "train"]

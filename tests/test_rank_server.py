@@ -94,3 +94,15 @@ def test_a_forked_rank_dies_with_its_launcher(server, demo_model, demo_data, tmp
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
     steps = [json.loads(r)["step"] for r in metrics.read_text().splitlines()]
     assert max(steps) < 10_000
+
+
+def test_an_unreachable_server_raises_and_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """A launcher whose server is gone gets the error naming the socket and how to start one, and
+    keeps no pipe or socket of the rank that never started (it may go on, or exit, cleanly)."""
+    from memfit.train import rank_server
+
+    monkeypatch.setattr(rank_server, "CONNECT_WAIT_S", 0.0)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(RuntimeError, match="no rank server listens there"):
+        ServerRank(str(tmp_path / "gone.sock"), _memfit("--help"), dict(os.environ), stdout=subprocess.PIPE)
+    assert set(os.listdir("/proc/self/fd")) == before

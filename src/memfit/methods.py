@@ -61,6 +61,10 @@ SHAPES: dict[str, MethodShape] = {
 }
 METHODS: tuple[str, ...] = tuple(SHAPES)
 REFERENCE_METHODS: tuple[str, ...] = tuple(m for m, s in SHAPES.items() if s.reference)
+# the methods whose micro batch can run as one row of its sequences (`padding_free`,
+# memfit.train.steps): every sequence scored on its own. Not KTO: its KL batch pairs each prompt with
+# another row's completion, which the one-row batch does not build yet.
+PADDING_FREE_METHODS: tuple[str, ...] = tuple(m for m, s in SHAPES.items() if s.data in ("sft", "pairs"))
 
 
 def shape(method: str) -> MethodShape:
@@ -69,3 +73,22 @@ def shape(method: str) -> MethodShape:
         return SHAPES[method]
     except KeyError:
         raise ValueError(f"unknown method {method!r}: memfit trains {', '.join(METHODS)}") from None
+
+
+def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> list[str]:
+    """What is wrong with the padding_free lever (docs/speed.md): the methods of PADDING_FREE_METHODS
+    only, and not with sequence parallelism. The one home of the rule: the run config
+    (memfit.train.run_config), the workflow's search space (memfit.workflow.config, search_checks)
+    and `memfit estimate` ask it."""
+    out = []
+    if padding_free and method not in PADDING_FREE_METHODS:
+        out.append(
+            f"padding_free: applies to {', '.join(PADDING_FREE_METHODS)} only ({method}'s KL batch keeps "
+            "padded rows); set it to false"
+        )
+    if padding_free and sequence_parallel > 1:
+        out.append(
+            f"padding_free: cannot be combined with sequence_parallel {sequence_parallel} (a shard of one "
+            "concatenated row is not implemented); set padding_free: false or sequence_parallel: 1"
+        )
+    return out

@@ -57,6 +57,13 @@ class Candidate:
     # checkpointed layer inputs moved to host RAM between forward and backward (DeepSpeed's
     # CheckpointHiddenStatesOffload, activation_checkpointing/offload_activations.py); needs grad_ckpt
     activation_offload: bool = False
+    # SFT and DPO micro batches as one row: the sequences concatenated, position ids restarting per
+    # sequence, no padding (memfit.train.batches.padding_free_batch; docs/speed.md). Which methods take
+    # it is the run config's rule (memfit.train.run_config.speed_problems)
+    padding_free: bool = False
+    # regional torch.compile of the decoder layers (memfit.train.compile, docs/speed.md): one
+    # compiled layer reused by every layer; where it can run is memfit.train.compile.compile_problem
+    compile: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -138,6 +145,10 @@ class Candidate:
             parts.append("tmlp")
         if self.activation_offload:
             parts.append("aoff")
+        if self.padding_free:
+            parts.append("pf")
+        if self.compile:
+            parts.append("compiled")
         return "-".join(parts)
 
     def digest(self) -> str:
@@ -209,6 +220,7 @@ def engine_key(c: Candidate) -> str:
         "sequence_parallel": c.sequence_parallel,
         "tiled_mlp": c.tiled_mlp,
         "activation_offload": c.activation_offload,
+        "compile": c.compile,  # the model's layers compiled before DeepSpeed wraps it
     }
     return key + "".join(f"|{k}={v}" for k, v in extra.items() if v != getattr(Candidate, k))
 
@@ -233,4 +245,6 @@ def compute_key(method: str, c: Candidate) -> str:
     """One micro step's computation: the model (`compute_engine`'s levers) and the batch it runs:
     method, rows, tokens per row, loss implementation and (DPO, KTO) where the reference comes from."""
     ref = c.ref if method_shape(method).reference else "-"
-    return f"{method}|{engine_key(compute_engine(c))}|mb={c.micro_batch}|seq={c.seq_len}|loss={c.loss_impl}|ref={ref}"
+    key = f"{method}|{engine_key(compute_engine(c))}|mb={c.micro_batch}|seq={c.seq_len}|loss={c.loss_impl}|ref={ref}"
+    # the padding-free row is another batch through the same engine (keys of padded ones unchanged)
+    return key + ("|padding_free" if c.padding_free else "")

@@ -137,5 +137,5 @@ def describe_flags(args, dests) -> str:
     words = []
     for dest in dests:
         value = getattr(args, dest)
-        words.append(f"{FLAG[dest]} {('on' if value else 'off') if dest == 'grad_ckpt' else value}")
+        words.append(f"{FLAG[dest]} {('on' if value else 'off') if isinstance(value, bool) else value}")
     return " ".join(words)

@@ -144,6 +144,10 @@ def _check_levers(args) -> None:
         raise EstimateError("--pin-memory does nothing without --offload-optimizer cpu or --offload-param cpu")
     if args.loss_chunk_tokens is not None and args.loss_impl != "chunked":
         raise EstimateError("--loss-chunk-tokens does nothing with --loss-impl full; add --loss-impl chunked")
+    if args.row_tokens is not None and True not in _values(args.padding_free):
+        raise EstimateError("--row-tokens does nothing without --padding-free; add --padding-free")
+    if args.row_tokens is not None and args.row_tokens <= 0:
+        raise EstimateError(f"--row-tokens must be a positive number of tokens, got {args.row_tokens:g}")
     if args.mlp_tile_tokens is not None and not args.tiled_mlp:
         raise EstimateError("--mlp-tile-tokens does nothing without --tiled-mlp; add --tiled-mlp")
 
@@ -182,6 +186,8 @@ LEVER_DEFAULTS = {
     "offload_optimizer": "none",
     "offload_param": "none",
     "sequence_parallel": 1,
+    "padding_free": False,
+    "compile": False,
 }
 
 

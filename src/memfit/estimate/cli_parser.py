@@ -81,6 +81,8 @@ SPACE_FLAGS = {
     "offload_optimizer": "offload_optimizer",
     "offload_param": "offload_param",
     "sequence_parallel": "sequence_parallel",
+    "padding_free": "padding_free",
+    "compile": "compile",
 }
 
 
@@ -229,6 +231,32 @@ def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
         default=None,
         metavar="{full,chunked}",
         help=f"full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward (default: full{one})",
+    )
+    p.add_argument(
+        "--padding-free",
+        nargs="?",
+        const=[True],
+        type=_listed(_on_off, [True, False]),
+        default=None,
+        metavar="on|off",
+        help="each micro batch as one row of its sequences' tokens, no padding (not kto; default: "
+        f"off{one}: on,off); its step time is priced on --row-tokens",
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const=[True],
+        type=_listed(_on_off, [True, False]),
+        default=None,
+        metavar="on|off",
+        help=f"regional torch.compile of the decoder layers, priced as eager unless a calibration measured it (default: off{one}: on,off)",
+    )
+    p.add_argument(
+        "--row-tokens",
+        type=float,
+        default=None,
+        help="--padding-free: the data's mean tokens per sequence, what its step computes (prepare_data's "
+        "stats.json length.mean; default: --seq-len, the worst case)",
     )
     p.add_argument(
         "--loss-chunk-tokens",

@@ -213,6 +213,8 @@ def describe(cand: Candidate, method: str, lora_targets: tuple[str, ...] | None)
         *([f"reference: {cand.ref}"] if shape(method).reference else []),
         *([f"sequence parallel {cand.sequence_parallel}"] if cand.sequence_parallel > 1 else []),
         *(["tiled MLP"] if cand.tiled_mlp else []),
+        *(["padding-free rows"] if cand.padding_free else []),
+        *(["compiled layers"] if cand.compile else []),
         *(["activation offload"] if cand.activation_offload else []),
     ]
     return ", ".join(parts)

@@ -21,6 +21,7 @@ from memfit.estimate.models import catalog
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
+from memfit.methods import speed_problems
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 
@@ -65,7 +66,7 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
             )
         accum = args.global_batch // per_step
     try:
-        return Candidate(
+        cand = Candidate(
             zero=args.zero,
             offload_optimizer=args.offload_optimizer,
             offload_param=args.offload_param,
@@ -84,9 +85,17 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
             sequence_parallel=args.sequence_parallel,
             tiled_mlp=args.tiled_mlp,
             activation_offload=args.activation_offload,
+            padding_free=args.padding_free,
+            compile=args.compile,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
+    # the trainer's rule for padding_free (methods, sequence parallelism), in the flags' words
+    problems = speed_problems(args.method, args.padding_free, args.sequence_parallel)
+    if problems:
+        said = "; ".join(p.removeprefix("padding_free: ") for p in problems)
+        raise EstimateError("--padding-free: " + said.replace("set it to false", "drop --padding-free"))
+    return cand
 
 
 def settings_of(args) -> Settings:
@@ -104,6 +113,7 @@ def settings_of(args) -> Settings:
         trainer_loader=args.trainer_loader,
         nccl_bytes=None if args.nccl_mib is None else int(args.nccl_mib * MIB),
         step_time_calibration=args.step_time_calibration,
+        row_tokens=args.row_tokens,
     )
     if args.cpu_adam_rate is not None:
         settings = dataclasses.replace(settings, cpu_adam_params_per_s_per_core=args.cpu_adam_rate)

@@ -144,7 +144,13 @@ def judge(
             else:
                 dev = _measured_device_bytes(probe)
                 host = int(probe.get("host_rss_bytes_node") or 0)
-                _verdict(row, dev, host, probe["step_time_s"], budget, world, method, "measured")
+                step = probe["step_time_s"]
+                worst = raw.get("step_time_worst_case_s")
+                if step and worst and raw.get("step_time_s"):
+                    # padding_free: the probe ran the worst case (every sequence seq_len tokens); the
+                    # data's rows are priced by the estimate's ratio (memfit.estimate.core._padding_free_time)
+                    step = step * float(raw["step_time_s"]) / float(worst)
+                _verdict(row, dev, host, step, budget, world, method, "measured")
         else:
             dev = int(est.device_total_bytes or raw["peak_reserved_bytes"])
             _verdict(row, dev, int(raw.get("host_bytes", 0)), est.step_time_s, budget, world, method, "predicted")
@@ -224,7 +230,7 @@ def noise(a: CandidateRow, b: CandidateRow) -> float:
 
 
 def levers(cand: dict[str, Any]) -> int:
-    """How many memory levers a candidate turns on (each adds time or risk when memory is no issue)."""
+    """How many levers a candidate turns on (each adds time or risk when memory is no issue or it wins nothing)."""
     on = (
         cand.get("zero", 0) > 0,
         cand.get("offload_optimizer", "none") != "none",
@@ -235,6 +241,10 @@ def levers(cand: dict[str, Any]) -> int:
         cand.get("sequence_parallel", 1) > 1,
         bool(cand.get("tiled_mlp")),
         bool(cand.get("activation_offload")),
+        # the speed levers: when they win nothing measurable, the plain step (no compile time, no
+        # block mask) is the one to keep
+        bool(cand.get("padding_free")),
+        bool(cand.get("compile")),
     )
     return sum(on)
 

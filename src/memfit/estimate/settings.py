@@ -86,6 +86,11 @@ class Settings:
         None  # loss_impl chunked: tokens per chunk (None: 256 MiB of fp32 logits a chunk, vocab_loss.default_chunk_tokens)
     )
     mlp_tile_tokens: int | None = None  # tiled_mlp: tokens per sequence in a tile (None: the hidden size)
+    # the prepared data's mean tokens per sequence (prepare_data's stats.json `length.mean`; for pairs
+    # the prompt and the longer response): a padding_free candidate's step computes the rows' own
+    # tokens, so its compute is priced on these (memfit.estimate.time.costs.padding_free_scale);
+    # None: on seq_len, the probes' worst case
+    row_tokens: float | None = None
 
 
 LOGITS_HANDLING = ("memfit", "hf-model-fp32", "hf-loss-function", "torchtune-held")

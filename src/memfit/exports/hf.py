@@ -154,6 +154,10 @@ def _trl_fields(plan: ExportPlan, dtype: str, attn: str, missing: list[str], not
         # every visible GPU; under DeepSpeed each rank loads it whole, as memfit does
         trl["model_init_kwargs"]["device_map"] = None
     trainer = TRL_TRAINERS[run.method]
+    if run.padding_free and run.method not in ("sft", "dpo"):  # TRL 1.16: only SFTConfig and DPOConfig have it
+        missing.append(
+            f"padding_free: {TRL_CLASSES[run.method].rsplit('.', 1)[1]} has no padding_free; {trainer} pads every batch"
+        )
     if shape(run.method).data == "pairs" and source_format(plan.data_source).turn_objects:
         missing.append(
             f"chosen/rejected as single turn objects (LLaMA-Factory's ranking rows): {trainer} takes TRL's "

@@ -241,7 +241,7 @@ def _sft_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
 
 
 def _packing_samples(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
-    """memfit's `packing` (SFT) and `padding_free` (SFT, DPO): OpenRLHF's --ds.packing_samples runs a
+    """memfit's `packing` (SFT) and `padding_free` (SFT, DPO, rm): OpenRLHF's --ds.packing_samples runs a
     micro batch's samples as one row, each attending within itself (flash-attention varlen)."""
     run, c = plan.run, plan.run.cand
     if not (run.packing or run.padding_free):
@@ -278,7 +278,7 @@ def _rm_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:
     c = pref_values(plan.run)["center_rewards_coefficient"]
     if c is not None:
         missing.append(f"center_rewards_coefficient {c}: OpenRLHF's reward loss has no centering term")
-    return a
+    return a + _packing_samples(plan, missing)  # trainer/rm_trainer.py: the packed pairs' rewards per sample
 
 
 def _bookkeeping_args(plan: ExportPlan, missing: list[str]) -> list[tuple[str, Any]]:

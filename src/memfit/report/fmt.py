@@ -98,6 +98,9 @@ def describe(cand: dict[str, Any], method: str | None = None, world_size: Any = 
             "precomputed": "precomputed reference log-probs",
         }
         parts.append(ref.get(c["ref"], f"reference {c['ref']}"))
+    # the speed levers (docs/speed.md), named only when on
+    parts += ["padding-free rows"] if c.get("padding_free") else []
+    parts += ["compiled layers"] if c.get("compile") else []
     return ", ".join(parts)
 
 

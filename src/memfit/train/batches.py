@@ -173,3 +173,36 @@ def rank_batches(
         j = b * world + rank
         idx = list(range(j * micro, min((j + 1) * micro, len(rows)))) if j < total else []
         yield idx, ([rows[i] for i in idx] if idx else [rows[0]])
+
+
+def padding_free_batch(
+    rows: list[dict[str, Any]], pad_id: int, loss_on: str = "response", pad_to: int | None = None
+) -> dict[str, torch.Tensor]:
+    """SFT `rows` as one row [1, sum of lengths] (or [1, pad_to]): input ids, labels and position ids
+    restarting per row, as one pack of `collate_packed`; the first token of each row is not a
+    target, as in the padded batch, where nothing predicts it."""
+    return collate_packed([rows], pad_id, pad_to, loss_on, flatten=True)
+
+
+def dpo_padding_free_batch(
+    rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """DPO `rows` as one row: prompt + chosen of every row, then prompt + rejected (the padded
+    batch's order, `collate`), position ids restarting per sequence, labels on the responses; and
+    each token's sequence index [L] (2 x rows for the padding `pad_to` adds: the probes' worst
+    case, pad_to x 2 x rows tokens). The first token of each sequence is never a target, as padded."""
+    seqs = [
+        {
+            "input_ids": list(r["prompt_ids"]) + list(r[key]),
+            "labels": [IGNORE_INDEX] * len(r["prompt_ids"]) + list(r[key]),
+        }
+        for key in ("chosen_ids", "rejected_ids")
+        for r in rows
+    ]
+    batch = collate_packed([seqs], pad_id, pad_to * len(seqs) if pad_to else None, "response", flatten=True)
+    segments = torch.full((batch["input_ids"].shape[1],), len(seqs), dtype=torch.long)
+    start = 0
+    for k, seq in enumerate(seqs):
+        segments[start : start + len(seq["input_ids"])] = k
+        start += len(seq["input_ids"])
+    return batch, segments

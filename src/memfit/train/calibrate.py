@@ -184,6 +184,10 @@ class _Engine:
             score_pad_id=0 if score else None,  # the rows hold no padding: token ids start at 3 (`_rows`)
         )
         long_context.prepare(model, self.cand, spec.mlp_tile_tokens)
+        if cand.compile:  # search.compile: the engine's layers compiled as training compiles them
+            from memfit.train.compile import compile_layers
+
+            compile_layers(model)  # compiles at the warm-up steps, left out of every figure
         self.vocab = int(model.get_input_embeddings().num_embeddings)
         params = [p for p in model.parameters() if p.requires_grad]
         self.engine = deepspeed.initialize(model=model, model_parameters=params, config=ds_cfg)[0]
@@ -206,6 +210,8 @@ class _Engine:
             loss_on=self.spec.loss_on,
             loss_impl=c.loss_impl,
             loss_chunk_tokens=self.spec.loss_chunk_tokens,
+            # search.padding_free: its own batch shape (space.compute_key), one row of every sequence
+            padding_free=c.padding_free,
         )
 
     def micro(self, method: str, c: Candidate, step: bool) -> float:

@@ -40,7 +40,9 @@ RESHARD_MAY_DIFFER = ("grad_accum",)
 # not what is learned, as long as the global batch (micro x accum x ranks) stays the same. loss_impl
 # full <-> chunked changes float rounding only (memfit.train.vocab_loss; per-token log-probs within 1e-6,
 # tests/test_vocab_loss.py); the tiled MLP sums its tiles' weight gradients (rounding again), the
-# activation offload moves tensors, not values.
+# activation offload moves tensors, not values; padding_free computes the same per-token losses
+# over the same rows (within 1e-5, tests/test_padding_free.py); compile reorders float sums only
+# (docs/speed.md: within 1e-3 over three steps, tests/test_compile.py).
 LEVERS = (
     "zero",
     "offload_optimizer",
@@ -54,6 +56,8 @@ LEVERS = (
     "loss_impl",
     "tiled_mlp",
     "activation_offload",
+    "padding_free",
+    "compile",
 )
 # The levers that change how DeepSpeed lays out the optimizer state in a checkpoint (and which
 # optimizer steps it: torch AdamW or DeepSpeedCPUAdam with offload): such a change loads through a

@@ -44,10 +44,35 @@ def init_distributed() -> None:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    skip_shm_comm_op()  # before the process group: DeepSpeed builds the op in its backend's constructor
     # gloo on the CPU accelerator (ccl only where oneCCL is installed), nccl on CUDA.
     deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME
+
+
+def skip_shm_comm_op() -> None:
+    """Keep DeepSpeed's CPU backend from building and starting its shared-memory all-reduce op.
+
+    DeepSpeed's `TorchBackend.__init__` (deepspeed/comm/torch.py `build_shm_op`) JIT-compiles the
+    op (ShareMemCommBuilder: two C++ files against torch's headers, about 40 s on 2 cores) and opens
+    its shared-memory segment at every process-group start where the op probes compatible (the
+    CPU accelerator; CUDA has no such builder). Only `inference_all_reduce` uses it, which only
+    DeepSpeed inference's tensor-parallel layers call (deepspeed/module_inject/layers.py); no training
+    step does. Marked incompatible in DeepSpeed's table of compatible ops (a dict cached on first
+    access, whose edits persist: deepspeed/ops/__init__.py), the backend skips it.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+        return  # not this accelerator's op (CUDA): DeepSpeed never looks, nor probes the table for it
+    compatible = deepspeed.ops.__compatible_ops__
+    if compatible.get(SHM_COMM_OP):
+        compatible[SHM_COMM_OP] = False
 
 
 def initialized() -> bool:

@@ -96,17 +96,24 @@ class ServerRank:
         else:
             out_fd = stdout if isinstance(stdout, int) else stdout.fileno()
         err_fd = out_fd if stderr_to_stdout else sys.stderr.fileno()
+        sock = None
         try:
-            self.sock = _connect(path)
+            sock = self.sock = _connect(path)
             request = {"argv": self.args, "env": dict(env), "cwd": os.getcwd(), "ignore_sigusr1": ignore_sigusr1}
-            socket.send_fds(self.sock, [json.dumps(request).encode()], [out_fd, err_fd])
-            reply = self.sock.recv(MAX_MESSAGE)
+            socket.send_fds(sock, [json.dumps(request).encode()], [out_fd, err_fd])
+            reply = sock.recv(MAX_MESSAGE)
+            if not reply:
+                raise RuntimeError(f"the rank server at {path} closed the connection without starting the rank")
+            self.pid = int(json.loads(reply)["pid"])
+        except BaseException:  # no rank: nothing of this one stays open in the launcher
+            if read_end is not None:
+                os.close(read_end)
+            if sock is not None:
+                sock.close()
+            raise
         finally:
             if read_end is not None:
                 os.close(out_fd)  # the child holds the write end; EOF comes when it exits
-        if not reply:
-            raise RuntimeError(f"the rank server at {path} closed the connection without starting the rank")
-        self.pid = int(json.loads(reply)["pid"])
         if read_end is not None:
             self.stdout = open(read_end, "rb")  # noqa: SIM115 - the reader (RankOutput) closes it
 

@@ -13,7 +13,7 @@ from memfit.atomic import write_json_atomic
 
 # what the trainer runs (memfit.train.losses: sft, dpo; memfit.train.preference: the others), and
 # which of them hold a reference model (candidate.ref: model, adapter or precomputed)
-from memfit.methods import METHODS, REFERENCE_METHODS
+from memfit.methods import METHODS, REFERENCE_METHODS, speed_problems
 from memfit.space import Candidate
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
@@ -180,6 +180,10 @@ class RunConfig:
             )
         problems += preference_problems(self.method, self.pref, self.cand.micro_batch)
         problems += data_problems(self.method, self.data_dir)
+        if self.cand.padding_free:  # the searched lever (search.padding_free) sets the trainer's
+            self.padding_free = True
+        if self.cand.compile:  # and search.compile the trainer's regional compile
+            self.compile = True
         problems += speed_problems(self.method, self.padding_free, self.cand.sequence_parallel)
         problems += kernels_problems(self.method, self.kernels)
         if problems:
@@ -244,22 +248,6 @@ def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -
         out.append(
             "kto needs a micro batch of 2 or more (search.micro_batch; TRL's KTOTrainer refuses 1: "
             "the KL term's mismatched pairs come from the batch)"
-        )
-    return out
-
-
-def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> list[str]:
-    """What is wrong with the padding_free lever (docs/speed.md): SFT and DPO only, and not with
-    sequence parallelism."""
-    out = []
-    if padding_free and method not in ("sft", "dpo"):
-        out.append(
-            f"padding_free: applies to sft and dpo only for now ({method}'s forward keeps padded rows); set it to false"
-        )
-    if padding_free and sequence_parallel > 1:
-        out.append(
-            f"padding_free: cannot be combined with sequence_parallel {sequence_parallel} (a shard of one "
-            "concatenated row is not implemented); set padding_free: false or sequence_parallel: 1"
         )
     return out
 

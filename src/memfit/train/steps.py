@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from memfit.methods import PADDING_FREE_METHODS
 from memfit.train import preference
-from memfit.train.batches import collate, collate_packed
+from memfit.train.batches import collate, collate_packed, dpo_padding_free_batch, padding_free_batch
 from memfit.train.dist import device as _device
-from memfit.train.losses import IGNORE_INDEX, DPOConfig, dpo_loss, token_logps
+from memfit.train.losses import DPOConfig, dpo_loss, token_logps
 from memfit.train.sequence_parallel import SequenceShard, shard_batch
 from memfit.train.vocab_loss import ChunkedHead
 
@@ -43,7 +44,7 @@ class StepRunner:
         runs its slice of every sequence, and the losses are the whole sequences'.
         rm, orpo, simpo, kto (memfit.train.preference): `pref` their TRL-named hyperparameters; rm's
         `engine` a sequence-classification model; kto's `ref_engine` as DPO's.
-        `padding_free` (SFT, DPO): each micro batch runs as one row, its sequences concatenated with
+        `padding_free` (PADDING_FREE_METHODS): each micro batch runs as one row, its sequences concatenated with
         position ids restarting at every sequence (`padding_free_batch`, `dpo_padding_free_batch`),
         so no padding is computed."""
         self.method, self.engine, self.ref, self.pad_id = method, engine, ref_engine, pad_id
@@ -61,8 +62,8 @@ class StepRunner:
             self._head_cls = LigerHead
         self.loss_chunk_tokens = loss_chunk_tokens
         self.shard = shard if shard is not None and shard.size > 1 else None
-        if padding_free and method not in ("sft", "dpo"):
-            raise ValueError(f"padding_free applies to sft and dpo only, not {method}")
+        if padding_free and method not in PADDING_FREE_METHODS:
+            raise ValueError(f"padding_free applies to {', '.join(PADDING_FREE_METHODS)} only, not {method}")
         self.padding_free = padding_free
 
     def token_logps(self, model, labels: torch.Tensor, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +127,7 @@ class StepRunner:
         """
         if self.padding_free and self.method == "sft":
             return self._padding_free(rows, pad_to, packed)
-        if self.padding_free:  # DPO: the 2 x rows sequences as one row
+        if self.padding_free and self.method == "dpo":  # the 2 x rows sequences as one row
             flat, segments = dpo_padding_free_batch(rows, self.pad_id, pad_to)
             tokens = int(segments.lt(2 * len(rows)).sum())
             batch = self._batch(flat)
@@ -200,36 +201,3 @@ class StepRunner:
         sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
         scale = self.shard.loss_scale if self.shard is not None else 1.0
         return losses.mean() * scale, sums, tokens
-
-
-def padding_free_batch(
-    rows: list[dict[str, Any]], pad_id: int, loss_on: str = "response", pad_to: int | None = None
-) -> dict[str, torch.Tensor]:
-    """SFT `rows` as one row [1, sum of lengths] (or [1, pad_to]): input ids, labels and position ids
-    restarting per row, as one pack of `collate_packed`; the first token of each row is not a
-    target, as in the padded batch, where nothing predicts it."""
-    return collate_packed([rows], pad_id, pad_to, loss_on, flatten=True)
-
-
-def dpo_padding_free_batch(
-    rows: list[dict[str, Any]], pad_id: int, pad_to: int | None = None
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """DPO `rows` as one row: prompt + chosen of every row, then prompt + rejected (the padded
-    batch's order, `collate`), position ids restarting per sequence, labels on the responses; and
-    each token's sequence index [L] (2 x rows for the padding `pad_to` adds: the probes' worst
-    case, pad_to x 2 x rows tokens). The first token of each sequence is never a target, as padded."""
-    seqs = [
-        {
-            "input_ids": list(r["prompt_ids"]) + list(r[key]),
-            "labels": [IGNORE_INDEX] * len(r["prompt_ids"]) + list(r[key]),
-        }
-        for key in ("chosen_ids", "rejected_ids")
-        for r in rows
-    ]
-    batch = collate_packed([seqs], pad_id, pad_to * len(seqs) if pad_to else None, "response", flatten=True)
-    segments = torch.full((batch["input_ids"].shape[1],), len(seqs), dtype=torch.long)
-    start = 0
-    for k, seq in enumerate(seqs):
-        segments[start : start + len(seq["input_ids"])] = k
-        start += len(seq["input_ids"])
-    return batch, segments

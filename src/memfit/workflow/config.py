@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget, derived_budget
 from memfit.methods import shape as method_shape
+from memfit.methods import speed_problems
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
 from memfit.workflow.config_checks import (
@@ -202,6 +203,10 @@ class WorkflowConfig:
         for cand in enumerate_space(axes, fixed=fixed):
             if world % cand.sequence_parallel:
                 continue  # a sequence-parallel group must fit the ranks evenly
+            if speed_problems(method, cand.padding_free, cand.sequence_parallel):
+                continue  # padding_free: methods.PADDING_FREE_METHODS, no sequence parallelism (search_checks says why)
+            if cand.compile and self.compile_problem():
+                continue  # no C++ compiler for inductor's CPU backend (search_checks says why)
             if method == "kto" and cand.micro_batch < KTO_MIN_MICRO_BATCH:
                 continue  # memfit.train.run_config.preference_problems: KTO's KL batch needs two rows
             if packing and cand.sequence_parallel > 1 and cand.attn != "flash":
@@ -224,6 +229,16 @@ class WorkflowConfig:
                 f"micro_batch in {self.raw['search'].get('micro_batch')} with {world} ranks"
             )
         return out
+
+    def compile_problem(self) -> str | None:
+        """Why `search.compile`'s compiled candidates cannot run where this config trains: on the
+        `cpu` device without a C++ compiler for inductor (memfit.train.compile.compile_problem);
+        None when no GPU entry is `cpu` (CUDA compiles with Triton) or nothing is compiled."""
+        if True not in self.raw["search"].get("compile", [False]) or "cpu" not in self.gpus or self.plan_only:
+            return None
+        from memfit.train.compile import compile_problem  # imports torch: only when compile is searched
+
+        return compile_problem()
 
     # -- one run ---------------------------------------------------------------------------
     def run_config(self, method: str, cand: dict[str, Any], model_path: str, data_dir: str, out_dir: str) -> RunConfig:

@@ -48,9 +48,12 @@ def check_model(cfg: WorkflowConfig, model: str) -> None:
         check_model_dir(path, weights=False, tokenizer=False)
 
 
-def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = None) -> Any:
+def _estimate_settings(
+    cfg: WorkflowConfig, calibration: Path | str | None = None, stats: Path | str | None = None
+) -> Any:
     """The config's `estimate:` (the CPU-Adam rate and cores per rank among it), with this machine's
-    step-time calibration (the calibrate stage) if any."""
+    step-time calibration (the calibrate stage) if any, and the prepared data's mean tokens per
+    sequence (prepare_data's `stats` file, `length.mean`) that prices padding_free candidates."""
     from memfit.estimate import Settings
     from memfit.estimate.time import runtime_costs
 
@@ -59,7 +62,17 @@ def _estimate_settings(cfg: WorkflowConfig, calibration: Path | str | None = Non
     kw["trace_cache"] = est.get("trace_cache")
     cal = str(calibration) if calibration else None
     kw |= runtime_costs.cpu_adam_settings(est)
+    kw["row_tokens"] = _row_tokens(stats)
     return Settings(activations=est.get("activations", "analytic"), step_time_calibration=cal, **kw)
+
+
+def _row_tokens(stats: Path | str | None) -> float | None:
+    """stats.json's mean tokens per row (for pairs: the prompt and the longer response), or None."""
+    if not stats:
+        return None
+    length = json.loads(Path(stats).read_text()).get("length") or {}
+    mean = length.get("mean") if isinstance(length, dict) else None
+    return float(mean) if isinstance(mean, int | float) and mean > 0 else None
 
 
 def _estimate_rows(
@@ -70,6 +83,7 @@ def _estimate_rows(
     b: Budget,
     cands: list[Any],
     calibration: Path | str | None = None,
+    stats: Path | str | None = None,
 ) -> list[dict[str, Any]]:
     """Every candidate of `cands` estimated on `cfg`'s topology and the budget `b`."""
     from memfit.estimate import estimate_space
@@ -83,12 +97,18 @@ def _estimate_rows(
         cands,
         host_memory_gb=b.host_bytes / 1e9,
         budget_bytes=b.device_limit_bytes,
-        settings=_estimate_settings(cfg, calibration),
+        settings=_estimate_settings(cfg, calibration, stats),
     )
 
 
 def estimate_candidates(
-    config: WorkflowConfig | dict[str, Any], model: str, gpu: str, method: str, out_json: Path, calibration: Any = None
+    config: WorkflowConfig | dict[str, Any],
+    model: str,
+    gpu: str,
+    method: str,
+    out_json: Path,
+    calibration: Any = None,
+    stats: Any = None,
 ) -> dict[str, Any]:
     """Predict every candidate; rank those predicted to fit by predicted speed; mark the probes.
     `calibration`: this machine's step-time calibration (the calibrate stage), else modelled times."""
@@ -96,8 +116,8 @@ def estimate_candidates(
     check_model(cfg, model)
     arch = catalog.model(cfg.arch_source(model), allow_moe=True)
     b = cfg.budget(gpu)
-    settings = _estimate_settings(cfg, calibration)
-    rows = _estimate_rows(cfg, arch, gpu, method, b, cfg.candidates(method), calibration)
+    settings = _estimate_settings(cfg, calibration, stats)
+    rows = _estimate_rows(cfg, arch, gpu, method, b, cfg.candidates(method), calibration, stats)
     ranked = sorted(
         (r for r in rows if r["fits"] and not r["invalid"]),
         key=lambda r: -r["tokens_per_s"],  # fastest predicted first

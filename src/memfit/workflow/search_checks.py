@@ -21,6 +21,7 @@ from typing import Any
 from memfit.estimate.models import catalog
 from memfit.estimate.models.validity import hardware_problems
 from memfit.methods import shape as method_shape
+from memfit.methods import speed_problems
 from memfit.space import Candidate, enumerate_space
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
@@ -53,12 +54,15 @@ def search_warnings(cfg: Any) -> list[str]:
     `lora_rank` ready for the day `finetune` lists lora, as config/cluster-example.yaml does)."""
     search = cfg.raw["search"]
     finetunes = list(search.get("finetune", ["full"]))
+    out = []
     if "lora_rank" in search and set(finetunes) == {"full"}:
-        return [
+        out.append(
             f"search.lora_rank: {list(search['lora_rank'])} does nothing with search.finetune {finetunes} "
             "(a full fine-tune has no adapter): no candidate uses it; add lora or qlora to search.finetune to search it"
-        ]
-    return []
+        )
+    if False in search.get("compile", [False]) and cfg.compile_problem():  # [false, true]: the eager ones stay
+        out.append(f"search.compile: the compiled candidates are left out on gpus [cpu]: {cfg.compile_problem()}")
+    return out
 
 
 def _axes(cfg: Any, method: str) -> dict[str, list[Any]]:
@@ -96,7 +100,17 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
     packing = bool((cfg.raw["train"].get(method) or {}).get("packing", False))
     batch = int(cfg.raw["train"]["global_batch"])
     for cand in enumerate_space(axes, fixed=fixed):
-        if world % cand.sequence_parallel:
+        speed = speed_problems(method, cand.padding_free, cand.sequence_parallel)
+        if speed:
+            for problem in speed:  # memfit.train.run_config's words, with the search keys they come from
+                keys = "search.padding_free [True]" + (
+                    f", search.sequence_parallel {axes['sequence_parallel']}" if "sequence_parallel" in problem else ""
+                )
+                fix = problem.replace("set it to false", "add false to search.padding_free")
+                reasons[f"{keys}: {fix.replace('set padding_free: false', 'add false to search.padding_free')}"] = None
+        elif cand.compile and cfg.compile_problem():
+            reasons[f"search.compile [True] with gpus [cpu]: {cfg.compile_problem()}"] = None
+        elif world % cand.sequence_parallel:
             reasons[
                 f"search.sequence_parallel: {cand.sequence_parallel} does not divide the {world} ranks "
                 "(num_gpus x num_nodes)"

@@ -271,8 +271,9 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         acts.attention_scores = L * _eager_probabilities(step)
     _head_terms(acts, arch, cand, method, step, settings)
     rope = 2 * 4 * step.seq_len * arch.head_dim  # cos and sin, shared by all layers (fp32)
-    # int64 input ids, attention mask and labels of every sequence collated (KTO: the KL batch too)
-    ids = 3 * 8 * forward_seqs(cand, method) * step.seq_len
+    # int64 input ids, attention mask and labels of every sequence collated (KTO: the KL batch too);
+    # padding_free: input ids, labels and position ids of the one row (memfit.train.batches.padding_free_batch)
+    ids = 3 * 8 * forward_seqs(cand, method) * (step.seq_len if not step.packed_seqs else cand.seq_len)
     if cand.grad_ckpt:
         # torch.utils.checkpoint (non-reentrant, transformers' default) keeps each layer's input.
         # Only in train mode: `GradientCheckpointingLayer.forward_with_checkpointing`
@@ -346,7 +347,7 @@ def _nograd_forward(arch: ModelArch, cand: Candidate, method: str, step, setting
     ng = nograd_forward_seqs(cand, method)
     if not ng:
         return 0
-    if ng != step.seqs:
+    if ng != step.seqs and not step.packed_seqs:  # padding_free: the reference runs the policy's row
         step = dataclasses.replace(step, seqs=ng)
         attn_fwd, _ = _attention_forward(cand, step)
     d, t, h, V, i = step.dtype, step.tokens, arch.hidden_size, arch.vocab_size, arch.intermediate_size

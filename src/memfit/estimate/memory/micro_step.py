@@ -32,6 +32,9 @@ class MicroStep:
     linear_inputs_saved: bool = False
     # the tiled MLP (Candidate.tiled_mlp, memfit.train.long_context): its tiles (0: not tiled)
     mlp_tiles: int = 0
+    # padding_free (Candidate.padding_free): the sequences concatenated into the one row of
+    # `seq_len` tokens (seqs is 1 then); 0: padded rows
+    packed_seqs: int = 0
 
     @property
     def tokens(self) -> int:
@@ -60,12 +63,19 @@ class MicroStep:
 
 
 def micro_step(arch: ModelArch, cand: Candidate, method: str, settings: Settings) -> MicroStep:
+    """The micro step's shapes. padding_free: one row of every sequence's tokens, the probes'
+    worst case of micro_batch x seq_len tokens (DPO: 2 x micro_batch sequences; memfit.train.batches
+    `padding_free_batch`, `dpo_padding_free_batch`): the linears see the same tokens as the padded
+    batch, the attention one sequence of all of them (its masks and eager's scores are row x row)."""
     full = cand.finetune == "full"
+    seqs = grad_seqs(cand, method)
+    packed = seqs if cand.padding_free else 0
     return MicroStep(
         arch=arch,
         dtype=dtype_bytes(cand.precision),
-        seqs=grad_seqs(cand, method),
-        seq_len=cand.seq_len,
+        seqs=1 if packed else seqs,
+        seq_len=cand.seq_len * (packed or 1),
+        packed_seqs=packed,
         full=full,
         targets=frozenset(n for n, _, _ in (lora_targets(arch, settings) if not full else ())),
         expert_adapters=not full and lora_adapts_experts(arch, settings, cand.finetune),

@@ -18,14 +18,23 @@ from memfit.space import Candidate
 
 
 def step_flops(
-    arch: ModelArch, cand: Candidate, method: str, recompute: bool = True, settings: Settings | None = None
+    arch: ModelArch,
+    cand: Candidate,
+    method: str,
+    recompute: bool = True,
+    settings: Settings | None = None,
+    seq_len: float | None = None,
 ) -> float:
     """FLOPs of one optimizer step on one rank: 6 per parameter per token (Kaplan et al. 2020,
     sec. 2.1) plus attention 12*L*s*h per token (causal: half), 8/6 with recomputation of the
     layers (Korthikanti et al. 2022, sec. 5; the head is not recomputed, and counts as a matmul
     when tied to the embedding); LoRA skips weight gradients (4 instead of 6); DPO's reference
     adds a forward (2). tests/test_inventory.py checks this against FlopCounterMode on the traced
-    step of the same model. Mixture-of-experts: a token runs through its top-k routed
+    step of the same model. `seq_len`: tokens per sequence other than the candidate's (the data's
+    mean, `padding_free_scale`). padding_free under sdpa or eager: the one row's block-causal mask
+    is a dense [T, T] mask to SDPA's math kernel and to eager's matmul, so a token attends over the
+    whole row of the micro step's T tokens, masked (transformers masking_utils.py `sdpa_mask`;
+    flash-attention's varlen kernel over its own sequence only, cu_seqlens). Mixture-of-experts: a token runs through its top-k routed
     experts only, so the parameters are the ACTIVE ones (`ModelArch.num_active_params()`; Fedus
     et al. 2022, Switch Transformer, sec. 2: FLOPs per token follow the active parameters);
     routing's own FLOPs (softmax, top-k) are negligible. `recompute=False` leaves out what
@@ -43,13 +52,16 @@ def step_flops(
             flops += cand.grad_accum * 2 * arch.hidden_size * arch.vocab_size * grad_seqs(cand, method) * cand.seq_len
         return flops
     layout = param_layout(arch)
-    tokens = grad_seqs(cand, method) * cand.seq_len  # forward and backward
+    s = cand.seq_len if seq_len is None else seq_len
+    tokens = grad_seqs(cand, method) * s  # forward and backward
     # forward only: KTO's KL batch through the policy, a reference model's forwards (DPO, KTO)
-    nograd_tokens = nograd_seqs(cand, method) * cand.seq_len
+    nograd_tokens = nograd_seqs(cand, method) * s
     # a token attends over the whole sequence; with Ulysses a rank holds seq_len / SP of them
     # (core.per_rank) and attends for heads / SP over all seq_len: per rank the same as its
     # tokens over seq_len x SP attended positions
-    attended = cand.seq_len * cand.sequence_parallel
+    attended = s * cand.sequence_parallel
+    if cand.padding_free and cand.attn != "flash":  # over the whole row (above)
+        attended = grad_seqs(cand, method) * s
     attention = 2 * arch.num_layers * attended * arch.num_attention_heads * arch.head_dim
     # the embedding is a lookup, not a matmul; the head is one (h x V) even when it shares the
     # embedding's weight (tied: `layout.lm_head` is 0, the matrix counted once in `total`), and

@@ -30,6 +30,10 @@ def traced_fallback_reason(arch: ModelArch, cand: Candidate, settings: Settings)
       trace's per-layer terms come from its first two layers;
     - LoRA with peft's expert adapters (`states.lora_adapts_experts`): the traced run misses the
       parametrized expert weights each layer keeps (seen in a real CPU measurement)."""
+    if cand.padding_free and cand.attn == "eager" and not arch.generic:
+        # the trace runs one sequence of seq_len and scales it to the batch: b x s^2 scores, where the
+        # padding-free row keeps T x T (memory.micro_step)
+        return "padding_free under eager attention: the one row's scores (all its tokens squared) are the formulas'"
     if not arch.is_moe or arch.generic:  # generic cards have no formulas to fall back on
         return ""
     if arch.dense_layers:

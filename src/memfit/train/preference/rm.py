@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from memfit.train.batches import collate
+from memfit.train.batches import collate, dpo_padding_free_batch
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,15 @@ def build_reward_model(path, pad_id: int, dtype: torch.dtype = torch.float32, **
 def step(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.Tensor, dict[str, float], int]:
     """One micro batch: chosen rows then rejected rows (prompt + response each) in one forward of
     the reward model; rows may carry a `margin` (all of them or none)."""
-    full = collate("rm", rows, runner.pad_id, pad_to)
-    tokens = int(full["attention_mask"].sum())
-    batch = runner._batch(full)
-    out = runner.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    rewards = out.logits.squeeze(-1).float()
     n = len(rows)
+    if runner.padding_free:
+        rewards, tokens = _padding_free_rewards(runner, rows, pad_to)
+    else:
+        full = collate("rm", rows, runner.pad_id, pad_to)
+        tokens = int(full["attention_mask"].sum())
+        batch = runner._batch(full)
+        out = runner.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        rewards = out.logits.squeeze(-1).float()
     margin = None
     if any(r.get("margin") is not None for r in rows):  # a prepared rm dataset: a margin or null
         if not all(r.get("margin") is not None for r in rows):
@@ -79,3 +82,36 @@ def step(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.
     losses, metrics = rm_loss(rewards[:n], rewards[n:], runner.pref, margin)
     sums = {"loss": float(losses.detach().sum())} | {k: float(v.sum()) for k, v in metrics.items()}
     return losses.mean(), sums, tokens
+
+
+def _padding_free_rewards(runner, rows: list[dict[str, Any]], pad_to: int | None) -> tuple[torch.Tensor, int]:
+    """The 2 x rows rewards [2B] of the micro batch run as one row (`padding_free`: chosen then
+    rejected sequences of `memfit.train.batches.dpo_padding_free_batch`, position ids restarting per
+    sequence), and its non-padding tokens. The model pools one score per row (its last non-padding
+    token), so the score head's per-token output is read from a forward hook on it and taken at each
+    sequence's last token: the token the padded batch's pooling reads (`build_reward_model`)."""
+    flat, segments = dpo_padding_free_batch(rows, runner.pad_id, pad_to)
+    n = 2 * len(rows)
+    # each sequence's rightmost token that is not the pad id: where the padded batch's pooling reads
+    # (transformers' *ForSequenceClassification: last_non_pad_token, from input_ids != pad_token_id)
+    real = flat["input_ids"][0] != runner.pad_id
+    last = [int(torch.nonzero((segments == k) & real).max()) for k in range(n)]
+    batch = runner._batch(flat)
+    model = getattr(runner.engine, "module", runner.engine)
+    seen: list[torch.Tensor] = []
+    hook = score_module(model).register_forward_hook(lambda _m, _i, out: seen.append(out))
+    try:
+        runner.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    finally:
+        hook.remove()
+    per_token = seen[-1][0, :, 0]  # [T]: the head on every token of the one row
+    return per_token[torch.tensor(last, device=per_token.device)].float(), int(segments.lt(n).sum())
+
+
+def score_module(model) -> torch.nn.Module:
+    """The score head of a transformers `*ForSequenceClassification` model (`score`; a LoRA-wrapped
+    model: the same module under peft's wrapper)."""
+    for name, module in model.named_modules():
+        if name == "score" or name.endswith(".score"):
+            return module
+    raise ValueError("rm padding_free: the model has no `score` head (a transformers *ForSequenceClassification)")
