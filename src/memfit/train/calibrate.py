@@ -4,8 +4,8 @@ own code, DeepSpeed's own engine and the real backend, on every rank of the job'
 `python -m memfit.cli calibrate --spec spec.json` runs on each rank (started by `memfit.train.launch`,
 which sets the rank's threads as training does). The spec names the model directory, the
 candidates of each method and the run settings (`memfit.workflow.calibrate` writes it). The model
-is rebuilt with 1 and with 2 decoder layers (random weights: time does not depend on their
-values), and for each layer count:
+is rebuilt with 1 and with 4 decoder layers, and whole where that is cheap (`depths`; random weights:
+time does not depend on their values), and for each layer count:
 
 - **computation** (`compute`): for every ZeRO-0 engine the candidates need (`space.compute_engine`:
   same model, checkpointing, adapters and dtype, no partitioning) the seconds of one micro step
@@ -64,6 +64,7 @@ FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.t
 # n > 2 divides the noise of the two timings by n - 1 when extrapolating to a deep model, and a
 # model of at most MAX_LAYERS layers is measured whole.
 MAX_LAYERS = 4
+WHOLE_MODEL_S = 180.0  # `depths`: the 24-layer GPU demo from 1 and 4 layers was priced 1.6-2.0x long on an H200 (#42)
 WARMUP_STEPS = 2  # optimizer steps before timing: the first allocates Adam's state and DeepSpeed's buckets
 # DeepSpeedCPUAdam's block: 2**24 fp32 parameters, 64 MiB per tensor (parameter, gradient, exp_avg,
 # exp_avg_sq: 256 MiB a rank), far beyond any CPU cache, so the step streams from DRAM as a real
@@ -371,6 +372,30 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
     return out
 
 
+def depths(num_layers: int, seconds_at_n: float | None = None) -> list[int]:
+    """The decoder-layer counts to measure: 1 and n = min(num_layers, MAX_LAYERS), and the model's
+    own depth too when the n-layer pass took `seconds_at_n` (the slowest rank's) and the same pass
+    at num_layers, its time scaled by num_layers / n, stays within WHOLE_MODEL_S."""
+    n = min(num_layers, MAX_LAYERS)
+    out = sorted({1, n})
+    if seconds_at_n is not None and num_layers > n and seconds_at_n * num_layers / n <= WHOLE_MODEL_S:
+        out.append(num_layers)
+    return out
+
+
+def _measure_depths(spec: Spec, p: dict[str, Any], log) -> tuple[list[int], dict[str, Any]]:
+    """The figures at every depth `depths` names; every rank decides on the slowest rank's n-layer pass."""
+    depth, per_layers = _num_layers(spec.model_path), {}
+    for n in depths(depth):
+        t1 = time.perf_counter()
+        per_layers[str(n)] = _measure_layers(spec, n, p, log)
+    layers = depths(depth, dist_env.all_reduce_max([time.perf_counter() - t1])[0])
+    if depth in layers and str(depth) not in per_layers:
+        log(f"the model whole ({depth} layers): projected within {WHOLE_MODEL_S:.0f} s")
+        per_layers[str(depth)] = _measure_layers(spec, depth, p, log)
+    return layers, per_layers
+
+
 def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
     """Measure everything `spec` needs on this rank; the figures (max over ranks) on rank 0, None elsewhere."""
     cands = {m: [Candidate.from_dict(c) for c in cs] for m, cs in spec.candidates.items()}
@@ -379,9 +404,8 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
     if tracker is not None:
         tracker.__enter__()
     t0 = time.perf_counter()
-    layers = (1, min(_num_layers(spec.model_path), MAX_LAYERS))
     try:
-        per_layers = {str(n): _measure_layers(spec, n, p, log) for n in sorted(set(layers))}
+        layers, per_layers = _measure_depths(spec, p, log)
     finally:
         if tracker is not None:
             tracker.__exit__(None, None, None)
@@ -440,7 +464,7 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         "threads_per_rank": torch.get_num_threads(),
         "backend": dist_env.backend(),
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
-        "layers": sorted(set(layers)),
+        "layers": layers,
         "reps": spec.reps,
         "seconds": round(time.perf_counter() - t0, 1),
         "compute": result["compute"],
