@@ -322,10 +322,11 @@ def test_a_model_measured_whole_is_priced_at_its_own_depth_and_between_depths_li
 
 
 def test_the_calibration_measures_the_model_whole_only_where_that_is_cheap():
-    from memfit.train.calibrate import MAX_LAYERS, WHOLE_MODEL_S, depths
+    from memfit.train.calibrate import MAX_LAYERS, WHOLE_MODEL_MEMORY, WHOLE_MODEL_S, depths
 
     assert depths(4) == depths(4, 1.0) == [1, 4]  # a model of at most MAX_LAYERS layers is measured whole already
     assert depths(1) == [1]
     assert depths(24) == [1, MAX_LAYERS]  # before the 4-layer pass: nothing to project from
     assert depths(24, 20.0) == [1, 4, 24]  # 20 s at 4 layers: about 120 s at 24
     assert depths(80, WHOLE_MODEL_S / 10) == [1, 4]  # projected 2x the budget: extrapolated
+    assert depths(24, 20.0, WHOLE_MODEL_MEMORY / 4) == [1, 4]  # quick, but 6x its 4-layer peak would not fit

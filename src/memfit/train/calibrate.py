@@ -65,6 +65,7 @@ FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.t
 # model of at most MAX_LAYERS layers is measured whole.
 MAX_LAYERS = 4
 WHOLE_MODEL_S = 180.0  # `depths`: the 24-layer GPU demo from 1 and 4 layers was priced 1.6-2.0x long on an H200 (#42)
+WHOLE_MODEL_MEMORY = 0.5  # of the device: the n-layer peak scaled to the model whole (embeddings too: an overestimate)
 WARMUP_STEPS = 2  # optimizer steps before timing: the first allocates Adam's state and DeepSpeed's buckets
 # DeepSpeedCPUAdam's block: 2**24 fp32 parameters, 64 MiB per tensor (parameter, gradient, exp_avg,
 # exp_avg_sq: 256 MiB a rank), far beyond any CPU cache, so the step streams from DRAM as a real
@@ -372,24 +373,25 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
     return out
 
 
-def depths(num_layers: int, seconds_at_n: float | None = None) -> list[int]:
-    """The decoder-layer counts to measure: 1 and n = min(num_layers, MAX_LAYERS), and the model's
-    own depth too when the n-layer pass took `seconds_at_n` (the slowest rank's) and the same pass
-    at num_layers, its time scaled by num_layers / n, stays within WHOLE_MODEL_S."""
+def depths(num_layers: int, seconds_at_n: float | None = None, memory_at_n: float = 0.0) -> list[int]:
+    """1 and n = min(num_layers, MAX_LAYERS), and num_layers too where the n-layer pass (`seconds_at_n`, `memory_at_n`
+    its peak share of the device, the slowest rank's) scaled by num_layers / n is within WHOLE_MODEL_S and _MEMORY."""
     n = min(num_layers, MAX_LAYERS)
-    out = sorted({1, n})
-    if seconds_at_n is not None and num_layers > n and seconds_at_n * num_layers / n <= WHOLE_MODEL_S:
-        out.append(num_layers)
-    return out
+    k = num_layers / n
+    cheap = seconds_at_n is not None and seconds_at_n * k <= WHOLE_MODEL_S and memory_at_n * k <= WHOLE_MODEL_MEMORY
+    return sorted({1, n} | ({num_layers} if k > 1 and cheap else set()))
 
 
 def _measure_depths(spec: Spec, p: dict[str, Any], log) -> tuple[list[int], dict[str, Any]]:
     """The figures at every depth `depths` names; every rank decides on the slowest rank's n-layer pass."""
-    depth, per_layers = _num_layers(spec.model_path), {}
+    depth, per_layers, cuda = _num_layers(spec.model_path), {}, torch.cuda.is_available()
     for n in depths(depth):
+        if cuda:  # the peak of the last pass, the n-layer one
+            torch.cuda.reset_peak_memory_stats()
         t1 = time.perf_counter()
         per_layers[str(n)] = _measure_layers(spec, n, p, log)
-    layers = depths(depth, dist_env.all_reduce_max([time.perf_counter() - t1])[0])
+    mem = torch.cuda.max_memory_allocated() / torch.cuda.mem_get_info()[1] if cuda else 0.0
+    layers = depths(depth, *dist_env.all_reduce_max([time.perf_counter() - t1, mem]))
     if depth in layers and str(depth) not in per_layers:
         log(f"the model whole ({depth} layers): projected within {WHOLE_MODEL_S:.0f} s")
         per_layers[str(depth)] = _measure_layers(spec, depth, p, log)
