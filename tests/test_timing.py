@@ -297,3 +297,36 @@ def test_a_broken_cpu_adam_measurement_names_the_file_and_key(tmp_path, bad, cap
     assert main([*argv, "--step-time-calibration", str(p)]) == 2
     err = capsys.readouterr().err
     assert f"{p}: cpu_adam.params_per_s_per_rank must be a positive rate" in err and "Traceback" not in err
+
+
+def test_a_model_measured_whole_is_priced_at_its_own_depth_and_between_depths_linearly(tmp_path):
+    # 1, 4 and 24 layers measured (memfit.train.calibrate.depths measures a cheap deep model whole):
+    # the 24-layer model gets its own figure, not the 1-to-4 slope (issue #42: 1.6-2.0x long on an H200)
+    p = _write(
+        tmp_path,
+        {compute_key("sft", CAND): {"1": 0.010, "4": 0.040, "24": 0.140}},
+        {
+            engine_key(CAND): {
+                "micro": {"1": 0.0, "4": 0.0, "24": 0.0},
+                "boundary": {"1": 0.005, "4": 0.020, "24": 0.030},
+            }
+        },
+        layers=[1, 4, 24],
+    )
+    cal = timing.load(p)
+    at24 = timing.predict(cal, CAND, "sft", num_layers=24)
+    assert at24["compute"] == pytest.approx(4 * 0.140) and at24["boundary"] == pytest.approx(0.030)
+    assert timing.predict(cal, CAND, "sft", num_layers=14)["compute"] == pytest.approx(4 * 0.090)  # halfway 4..24
+    assert timing.predict(cal, CAND, "sft", num_layers=2)["compute"] == pytest.approx(4 * 0.020)  # on 1..4
+    assert timing.predict(cal, CAND, "sft", num_layers=44)["compute"] == pytest.approx(4 * 0.240)  # the last two
+
+
+def test_the_calibration_measures_the_model_whole_only_where_that_is_cheap():
+    from memfit.train.calibrate import MAX_LAYERS, WHOLE_MODEL_MEMORY, WHOLE_MODEL_S, depths
+
+    assert depths(4) == depths(4, 1.0) == [1, 4]  # a model of at most MAX_LAYERS layers is measured whole already
+    assert depths(1) == [1]
+    assert depths(24) == [1, MAX_LAYERS]  # before the 4-layer pass: nothing to project from
+    assert depths(24, 20.0) == [1, 4, 24]  # 20 s at 4 layers: about 120 s at 24
+    assert depths(80, WHOLE_MODEL_S / 10) == [1, 4]  # projected 2x the budget: extrapolated
+    assert depths(24, 20.0, WHOLE_MODEL_MEMORY / 4) == [1, 4]  # quick, but 6x its 4-layer peak would not fit

@@ -4,8 +4,8 @@ own code, DeepSpeed's own engine and the real backend, on every rank of the job'
 `python -m memfit.cli calibrate --spec spec.json` runs on each rank (started by `memfit.train.launch`,
 which sets the rank's threads as training does). The spec names the model directory, the
 candidates of each method and the run settings (`memfit.workflow.calibrate` writes it). The model
-is rebuilt with 1 and with 2 decoder layers (random weights: time does not depend on their
-values), and for each layer count:
+is rebuilt with 1 and with 4 decoder layers, and whole where that is cheap (`depths`; random weights:
+time does not depend on their values), and for each layer count:
 
 - **computation** (`compute`): for every ZeRO-0 engine the candidates need (`space.compute_engine`:
   same model, checkpointing, adapters and dtype, no partitioning) the seconds of one micro step
@@ -64,6 +64,8 @@ FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.t
 # n > 2 divides the noise of the two timings by n - 1 when extrapolating to a deep model, and a
 # model of at most MAX_LAYERS layers is measured whole.
 MAX_LAYERS = 4
+WHOLE_MODEL_S = 180.0  # `depths`: the 24-layer GPU demo from 1 and 4 layers was priced 1.6-2.0x long on an H200 (#42)
+WHOLE_MODEL_MEMORY = 0.5  # of the device: the n-layer peak scaled to the model whole (embeddings too: an overestimate)
 WARMUP_STEPS = 2  # optimizer steps before timing: the first allocates Adam's state and DeepSpeed's buckets
 # DeepSpeedCPUAdam's block: 2**24 fp32 parameters, 64 MiB per tensor (parameter, gradient, exp_avg,
 # exp_avg_sq: 256 MiB a rank), far beyond any CPU cache, so the step streams from DRAM as a real
@@ -371,6 +373,31 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
     return out
 
 
+def depths(num_layers: int, seconds_at_n: float | None = None, memory_at_n: float = 0.0) -> list[int]:
+    """1 and n = min(num_layers, MAX_LAYERS), and num_layers too where the n-layer pass (`seconds_at_n`, `memory_at_n`
+    its peak share of the device, the slowest rank's) scaled by num_layers / n is within WHOLE_MODEL_S and _MEMORY."""
+    n = min(num_layers, MAX_LAYERS)
+    k = num_layers / n
+    cheap = seconds_at_n is not None and seconds_at_n * k <= WHOLE_MODEL_S and memory_at_n * k <= WHOLE_MODEL_MEMORY
+    return sorted({1, n} | ({num_layers} if k > 1 and cheap else set()))
+
+
+def _measure_depths(spec: Spec, p: dict[str, Any], log) -> tuple[list[int], dict[str, Any]]:
+    """The figures at every depth `depths` names; every rank decides on the slowest rank's n-layer pass."""
+    depth, per_layers, cuda = _num_layers(spec.model_path), {}, torch.cuda.is_available()
+    for n in depths(depth):
+        if cuda:  # the peak of the last pass, the n-layer one
+            torch.cuda.reset_peak_memory_stats()
+        t1 = time.perf_counter()
+        per_layers[str(n)] = _measure_layers(spec, n, p, log)
+    mem = torch.cuda.max_memory_allocated() / torch.cuda.mem_get_info()[1] if cuda else 0.0
+    layers = depths(depth, *dist_env.all_reduce_max([time.perf_counter() - t1, mem]))
+    if depth in layers and str(depth) not in per_layers:
+        log(f"the model whole ({depth} layers): projected within {WHOLE_MODEL_S:.0f} s")
+        per_layers[str(depth)] = _measure_layers(spec, depth, p, log)
+    return layers, per_layers
+
+
 def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
     """Measure everything `spec` needs on this rank; the figures (max over ranks) on rank 0, None elsewhere."""
     cands = {m: [Candidate.from_dict(c) for c in cs] for m, cs in spec.candidates.items()}
@@ -379,9 +406,8 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
     if tracker is not None:
         tracker.__enter__()
     t0 = time.perf_counter()
-    layers = (1, min(_num_layers(spec.model_path), MAX_LAYERS))
     try:
-        per_layers = {str(n): _measure_layers(spec, n, p, log) for n in sorted(set(layers))}
+        layers, per_layers = _measure_depths(spec, p, log)
     finally:
         if tracker is not None:
             tracker.__exit__(None, None, None)
@@ -440,7 +466,7 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
         "threads_per_rank": torch.get_num_threads(),
         "backend": dist_env.backend(),
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__},
-        "layers": sorted(set(layers)),
+        "layers": layers,
         "reps": spec.reps,
         "seconds": round(time.perf_counter() - t0, 1),
         "compute": result["compute"],

@@ -1,6 +1,7 @@
 """Step time from a calibration measured on the machine (memfit.train.calibrate writes it).
 
-A calibration holds, for the model with 1 and with n decoder layers (n = min(layers, 4)), the seconds of one micro
+A calibration holds, for the model with 1 and with n decoder layers (n = min(layers, 4); also L, the model whole,
+where that is cheap: memfit.train.calibrate.depths), the seconds of one micro
 step's computation at each batch shape (`compute`, on a ZeRO-0 engine) and, per DeepSpeed
 engine, what its runtime adds (`runtime`: `micro` per micro step, `boundary` once per optimizer
 step, `ref` per micro step for a ZeRO-3 DPO reference). A candidate of a model with L layers
@@ -182,11 +183,19 @@ def cpu_adam_label(cal: StepTimeCalibration, adam: dict[str, Any]) -> str:
 
 
 def _at(fig: dict[str, float], layers: int) -> float:
-    """The figure of a model with `layers` decoder layers from its 1- and n-layer measurements
-    (a 1-layer model's calibration has only the first)."""
-    n = max(int(k) for k in fig)
-    one = float(fig["1"])
-    return one if n == 1 else one + (layers - 1) * (float(fig[str(n)]) - one) / (n - 1)
+    """The figure of a model with `layers` decoder layers from its measured depths (1 and n; a
+    1-layer model's calibration has only the first): linear between the two measured depths that
+    bracket `layers`, beyond the deepest along the last two. A calibration that also measured the
+    model whole (memfit.train.calibrate.depths) is exact at its depth: extrapolating the 24-layer
+    GPU demo from 1 and 4 layers priced its ZeRO-0 steps 1.6-2.0x long on an H200 (issue #42,
+    benchmarks/replay_h200_calibration.py)."""
+    pts = sorted((int(k), float(v)) for k, v in fig.items())
+    if len(pts) == 1:
+        return pts[0][1]
+    (n0, x0), (n1, x1) = next(
+        ((a, b) for a, b in zip(pts, pts[1:], strict=False) if layers <= b[0]), (pts[-2], pts[-1])
+    )
+    return x0 + (layers - n0) * (x1 - x0) / (n1 - n0)
 
 
 def missing(cal: StepTimeCalibration, cand: Candidate, method: str) -> str | None:
