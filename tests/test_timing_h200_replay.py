@@ -60,3 +60,16 @@ def test_the_calibrated_step_times_order_zero_stages_as_measured_and_stay_within
         z0 = min(r["pred"] for r in rows if r["method"] == method and r["zero"] == 0)
         z3 = min(r["pred"] for r in rows if r["method"] == method and r["zero"] == 3)
         assert z0 < z3  # measured: ZeRO-0 0.14 / 0.17 s, ZeRO-3 0.57 / 0.56 s
+
+
+def test_a_probe_of_four_steps_or_more_leaves_out_zero3s_warming_second_step():
+    """The H200's ZeRO-3 probes (3 steps) recorded step 2 at 4x step 3, still DeepSpeed's warm-up;
+    a probe of 4+ steps leaves the first two out, as the calibration does (config/gpu-demo.yaml
+    probes 4), and a 3-step probe (the CPU demo) keeps its last two."""
+    from memfit.train.run_parts import warmup_steps
+
+    probe = json.loads((REPLAY / "dpo" / "z3-gc-sdpa-full-mb32-s24-bf16-ref-precomputed.json").read_text())
+    times = [probe["first_step_time_s"], *probe["steady_step_times_s"]]
+    assert times[warmup_steps(len(times)) :] == times[1:]  # as recorded: 3 steps, step 2 kept
+    assert probe["steady_step_times_s"][0] > 4 * probe["steady_step_times_s"][1]
+    assert warmup_steps(4) == 2 and warmup_steps(8) == 2 and warmup_steps(2) == 1

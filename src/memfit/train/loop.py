@@ -40,7 +40,7 @@ from memfit.train.modeling import check_hardware, export_model, hidden_size, loa
 from memfit.train.preference import finish_metrics
 from memfit.train.reference import precompute_reference
 from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, REFERENCE_METHODS, RunConfig
-from memfit.train.run_parts import check_data, frozen_reference, step_runner
+from memfit.train.run_parts import check_data, frozen_reference, step_runner, warmup_steps
 from memfit.units import MIB
 
 _STOP_REQUESTED = threading.Event()
@@ -415,7 +415,7 @@ class Run:
         rss = device_peaks(None).host_rss
         mx = dist_env.all_reduce_max([alloc, reserved, rss])
         host_sum = dist_env.all_reduce_sum([rss])[0]
-        steady = step_times[1:] or step_times
+        steady = step_times[warmup_steps(len(step_times)) :] or step_times
         return {
             "world_size": self.world,
             "steps": len(step_times),
@@ -427,7 +427,7 @@ class Run:
             "step_time_s": statistics.median(steady) if steady else None,
             "device": str(dist_env.device()),
             **device_identity(dist_env.device()),  # the selection refuses another device's figures
-            # a probe's steps after the first: the spread the selection weighs (memfit.estimate.selection)
+            # a probe's steps after its warm-up: the spread the selection weighs (memfit.estimate.selection)
             **({"steady_step_times_s": [round(t, 6) for t in steady]} if self.cfg.probe_steps else {}),
             "memory_source": "torch.cuda.max_memory_allocated"
             if torch.cuda.is_available()

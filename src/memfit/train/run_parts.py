@@ -1,5 +1,6 @@
-"""Pieces of `memfit.train.loop.Run.setup` that depend on the method: the frozen reference
-engine (DPO and KTO with `ref: model`) and the `StepRunner` every step, evaluation and probe runs."""
+"""Pieces of `memfit.train.loop.Run` that depend on the method or the run's length: the frozen
+reference engine (DPO and KTO with `ref: model`), the `StepRunner` every step, evaluation and probe
+runs, and the warm-up steps a run's steady step time leaves out."""
 
 from __future__ import annotations
 
@@ -71,3 +72,12 @@ def check_data(cfg: RunConfig, rows: list[dict[str, Any]]) -> None:
             f"its stats.json says which method it was prepared for): prepare the data with method {cfg.method}"
             + (" (kto takes pairs too: each becomes a desirable and an undesirable row)" if cfg.method == "kto" else "")
         )
+
+
+def warmup_steps(steps: int) -> int:
+    """The first steps a run's steady step time leaves out: the first (it allocates the optimizer
+    state and DeepSpeed's buckets), and with 4 steps or more the second as well, as the calibrate
+    rule does (memfit.train.calibrate.WARMUP_STEPS): ZeRO-3's second step still records its
+    parameter-fetch trace, and on one H200 it took 2.33 and 4.17 s where the third took 0.57 and
+    0.56 s (benchmarks/results/gpu_check_h200/replay, docs/gpus.md). A 3-step probe keeps two steps."""
+    return 2 if steps >= 4 else 1
