@@ -9,7 +9,7 @@ For each size: one fp32 parameter of that many elements with an fp32 gradient, D
 `--reps` times after one warm-up step; the median step's parameters per second, and per core
 (torch's intra-op threads, which the op's OpenMP loop uses). The figure per core and per rank is
 what the calibrate rule measures on the target machine when the search space offloads the
-optimizer (`calibration.json`'s `cpu_adam`: one block of memfit.train.calibrate.CPU_ADAM_BLOCK
+optimizer (`calibration.json`'s `cpu_adam`: one block of memfit.train.calibrate_cpu_adam.CPU_ADAM_BLOCK
 parameters on every rank at once, its threads the rank's); this benchmark measures other sizes
 and thread counts in one process.
 """
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from memfit.train.calibrate import cpu_adam_seconds  # what the calibrate rule measures
+    from memfit.train.calibrate_cpu_adam import cpu_adam_seconds  # what the calibrate rule measures
 
     torch.set_num_threads(args.threads)
     rows = []

@@ -321,11 +321,26 @@ def test_a_model_measured_whole_is_priced_at_its_own_depth_and_between_depths_li
     assert timing.predict(cal, CAND, "sft", num_layers=44)["compute"] == pytest.approx(4 * 0.240)  # the last two
 
 
+def test_a_calibration_of_one_depth_prices_that_depth_only(tmp_path):
+    """A model of at most 4 layers is measured whole only (memfit.train.calibrate.depths): the same
+    layer shape at another depth has no per-layer figure to scale, so it is refused, naming the
+    depths; at its own depth the step is the measured one."""
+    one = {"4": 0.4}
+    compute = {compute_key("sft", dataclasses.replace(CAND, precision="fp32", seq_len=512)): one}
+    runtime = {engine_key(CAND): {"micro": {"4": 0.0}, "boundary": {"4": 0.2}}}
+    shallow = dataclasses.replace(LLAMA, num_layers=4)
+    p = _write(tmp_path, compute, runtime, arch=shallow, layers=[4])
+    assert _modelled(p, arch=shallow).startswith("measured")
+    src = _modelled(p)  # the 32-layer model of the same layer shape
+    assert not src.startswith("measured")
+    assert f"the calibration {p} measured llama-2-7b whole at 4 decoder layers only, not 32" in src, src
+
+
 def test_the_calibration_measures_the_model_whole_only_where_that_is_cheap():
     from memfit.train.calibrate import MAX_LAYERS, WHOLE_MODEL_MEMORY, WHOLE_MODEL_S, depths
 
-    assert depths(4) == depths(4, 1.0) == [1, 4]  # a model of at most MAX_LAYERS layers is measured whole already
-    assert depths(1) == [1]
+    assert depths(4) == depths(4, 1.0) == [4]  # a model of at most MAX_LAYERS layers: whole, at its depth only
+    assert depths(2) == [2] and depths(1) == [1]
     assert depths(24) == [1, MAX_LAYERS]  # before the 4-layer pass: nothing to project from
     assert depths(24, 20.0) == [1, 4, 24]  # 20 s at 4 layers: about 120 s at 24
     assert depths(80, WHOLE_MODEL_S / 10) == [1, 4]  # projected 2x the budget: extrapolated

@@ -4,8 +4,9 @@ own code, DeepSpeed's own engine and the real backend, on every rank of the job'
 `python -m memfit.cli calibrate --spec spec.json` runs on each rank (started by `memfit.train.launch`,
 which sets the rank's threads as training does). The spec names the model directory, the
 candidates of each method and the run settings (`memfit.workflow.calibrate` writes it). The model
-is rebuilt with 1 and with 4 decoder layers, and whole where that is cheap (`depths`; random weights:
-time does not depend on their values), and for each layer count:
+is rebuilt with 1 and with 4 decoder layers, and whole where that is cheap; a model of at most 4
+layers is measured whole only (`depths`; random weights: time does not depend on their values),
+and for each layer count:
 
 - **computation** (`compute`): for every ZeRO-0 engine the candidates need (`space.compute_engine`:
   same model, checkpointing, adapters and dtype, no partitioning) the seconds of one micro step
@@ -53,6 +54,7 @@ from memfit.space import UNPARTITIONED, Candidate, compute_engine, compute_key, 
 from memfit.train import determinism, dsconfig, long_context
 from memfit.train import dist as dist_env
 from memfit.train.batches import IGNORE_INDEX
+from memfit.train.calibrate_cpu_adam import CPU_ADAM_BLOCK, cpu_adam_figure, cpu_adam_seconds, wants_cpu_adam
 from memfit.train.device_info import device_identity
 from memfit.train.memory import AllocationTracker
 from memfit.train.modeling import hidden_size, load_model
@@ -60,18 +62,13 @@ from memfit.train.reference import reference_engine
 from memfit.train.steps import StepRunner
 
 FORMAT = 1  # bump when what a calibration file holds changes (memfit.estimate.time.timing reads it)
-# measured with 1 and with n = min(layers, MAX_LAYERS) decoder layers: per layer = (x(n) - x(1)) / (n - 1).
-# n > 2 divides the noise of the two timings by n - 1 when extrapolating to a deep model, and a
-# model of at most MAX_LAYERS layers is measured whole.
+# a deeper model is measured with 1 and with MAX_LAYERS decoder layers: per layer = (x(n) - x(1)) / (n - 1);
+# n > 2 divides the noise of the two timings by n - 1 when extrapolating to a deep model. A model of
+# at most MAX_LAYERS layers is measured whole, at its own depth only (`depths`).
 MAX_LAYERS = 4
 WHOLE_MODEL_S = 180.0  # `depths`: the 24-layer GPU demo from 1 and 4 layers was priced 1.6-2.0x long on an H200 (#42)
 WHOLE_MODEL_MEMORY = 0.5  # of the device: the n-layer peak scaled to the model whole (embeddings too: an overestimate)
 WARMUP_STEPS = 2  # optimizer steps before timing: the first allocates Adam's state and DeepSpeed's buckets
-# DeepSpeedCPUAdam's block: 2**24 fp32 parameters, 64 MiB per tensor (parameter, gradient, exp_avg,
-# exp_avg_sq: 256 MiB a rank), far beyond any CPU cache, so the step streams from DRAM as a real
-# model's partition does (benchmarks/bench_cpu_adam.py measured 5.4e8 params/s per core at 50M
-# parameters and 7.6e8 at 10M, in cache, on one AVX-512 Xeon core).
-CPU_ADAM_BLOCK = 2**24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,31 +296,6 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def cpu_adam_seconds(params: int, reps: int) -> float:
-    """Median seconds of one DeepSpeedCPUAdam step (deepspeed.ops.adam, the C++ op DeepSpeed runs
-    for `offload_optimizer: cpu`, AdamW mode) over one fp32 parameter of `params` elements with an
-    fp32 gradient, after one warm-up step (it allocates exp_avg and exp_avg_sq), on this
-    process's threads (the op's OpenMP loop uses them)."""
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    p = torch.nn.Parameter(torch.randn(params, dtype=torch.float32))
-    p.grad = torch.randn(params, dtype=torch.float32)
-    opt = DeepSpeedCPUAdam([p], lr=1e-4, weight_decay=0.0, adamw_mode=True)
-    opt.step()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    del opt, p
-    return _median(times)
-
-
-def wants_cpu_adam(candidates: dict[str, list[Candidate]]) -> bool:
-    """Whether the search space has a candidate whose optimizer steps on the host (DeepSpeedCPUAdam)."""
-    return any(c.offload_optimizer == "cpu" for cands in candidates.values() for c in cands)
-
-
 def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str, dict[str, float]]:
     """Every figure for one layer count: {"compute": {key: s}, "runtime": {key: {micro, boundary, ref}}}."""
     path = _layer_model(spec, layers)
@@ -375,8 +347,12 @@ def _measure_layers(spec: Spec, layers: int, p: dict[str, Any], log) -> dict[str
 
 def depths(num_layers: int, seconds_at_n: float | None = None, memory_at_n: float = 0.0) -> list[int]:
     """1 and n = min(num_layers, MAX_LAYERS), and num_layers too where the n-layer pass (`seconds_at_n`, `memory_at_n`
-    its peak share of the device, the slowest rank's) scaled by num_layers / n is within WHOLE_MODEL_S and _MEMORY."""
-    n = min(num_layers, MAX_LAYERS)
+    its peak share of the device, the slowest rank's) scaled by num_layers / n is within WHOLE_MODEL_S and _MEMORY.
+    A model of at most MAX_LAYERS layers is measured whole and only so: its figures price its own depth
+    exactly, and no other (timing.refusal), and the 1-layer pass was a fifth of the CPU demo's calibration."""
+    if num_layers <= MAX_LAYERS:
+        return [num_layers]
+    n = MAX_LAYERS
     k = num_layers / n
     cheap = seconds_at_n is not None and seconds_at_n * k <= WHOLE_MODEL_S and memory_at_n * k <= WHOLE_MODEL_MEMORY
     return sorted({1, n} | ({num_layers} if k > 1 and cheap else set()))
@@ -429,13 +405,7 @@ def calibrate(spec: Spec, log=print) -> dict[str, Any] | None:
     values = dist_env.all_reduce_max(values)
     if wants_cpu_adam(cands):
         seconds = values.pop()
-        adam = {
-            "block_params": CPU_ADAM_BLOCK,
-            "dtype": "fp32",
-            "seconds": seconds,  # the slowest rank's median step
-            "params_per_s_per_rank": CPU_ADAM_BLOCK / seconds,
-            "threads_per_rank": torch.get_num_threads(),
-        }
+        adam = cpu_adam_figure(seconds)
     result: dict[str, Any] = {"compute": {}, "runtime": {}}
     i = 0
     for n, part, k, f in flat:

@@ -120,6 +120,14 @@ def refusal(cal: StepTimeCalibration, arch: ModelArch, gpu: str, world: int) -> 
             f"the calibration {cal.path} measured another model, {theirs.get('name', '?')}, not {arch.name} "
             f"({'; '.join(differ[:3]) or 'another layer shape'}): re-run calibrate for this model"
         )
+    depths = m.get("layers")
+    if isinstance(depths, list) and len(depths) == 1 and depths[0] != arch.num_layers:
+        # a model of at most 4 layers is measured whole only (memfit.train.calibrate.depths): no
+        # per-layer figure to scale to another depth
+        return (
+            f"the calibration {cal.path} measured {theirs.get('name', '?')} whole at {depths[0]} decoder layers "
+            f"only, not {arch.num_layers}: re-run calibrate for this model"
+        )
     why = device_match.mismatch(m.get("device_name"), m.get("device_total_bytes"), gpu)
     if why:
         return f"the calibration {cal.path} {why}: re-run calibrate on the {gpu}"
