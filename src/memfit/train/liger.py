@@ -30,17 +30,16 @@ float -> "fp32"; the interpreter's `_implicit_cvt` leaves it a Python float, so 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from memfit.data import IGNORE_INDEX
+from memfit.train.vocab_loss import HeadTargets
 
 
 def interpreted() -> bool:
@@ -213,10 +212,10 @@ def liger_token_logps(
     return out.masked_scatter(mask, logps), mask
 
 
-class LigerHead:
-    """`memfit.train.vocab_loss.ChunkedHead`'s interface over Liger's fused linear cross-entropy:
-    inside `with LigerHead(model).targets(labels):` the model's forward returns, as `.logits`, the
-    fp32 log-probs of `labels`, and `.mask` the scored tokens."""
+class LigerHead(HeadTargets):
+    """`memfit.train.vocab_loss.HeadTargets` over Liger's fused linear cross-entropy: inside
+    `with LigerHead(model).targets(labels):` the model's forward returns, as `.logits`, the fp32
+    log-probs of `labels`, and `.mask` the scored tokens."""
 
     def __init__(self, model: nn.Module, chunk_tokens: int | None = None) -> None:
         del chunk_tokens  # Liger sizes its own chunks (ops/fused_linear_cross_entropy.py)
@@ -230,22 +229,7 @@ class LigerHead:
         cfg = getattr(model, "config", None)
         text_cfg = getattr(cfg, "get_text_config", lambda: cfg)() if cfg is not None else None
         self.softcap = getattr(text_cfg, "final_logit_softcapping", None) or None
-        self.head = head
-        self._labels: torch.Tensor | None = None
-        self._shifted = False
-        self.mask: torch.Tensor | None = None
+        super().__init__(head)
 
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self._labels is not None
-        logps, self.mask = liger_token_logps(hidden, self._labels, self.head, self.softcap, self._shifted)
-        return logps
-
-    @contextlib.contextmanager
-    def targets(self, labels: torch.Tensor, shifted: bool = False) -> Iterator[LigerHead]:
-        self._labels, self._shifted = labels, shifted
-        self.head.forward = self._forward  # instance attribute: module __call__ (and its hooks) run it
-        try:
-            yield self
-        finally:
-            del self.head.forward
-            self._labels = None
+    def _logps(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return liger_token_logps(hidden, labels, self.head, self.softcap, shifted)

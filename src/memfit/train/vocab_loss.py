@@ -189,14 +189,45 @@ def _vocab_size(head: nn.Module, fn, h: torch.Tensor) -> int:
         return fn(h[:1]).shape[-1]
 
 
-class ChunkedHead:
-    """Turns a causal LM's output head into a per-token log-prob head while active.
+class HeadTargets:
+    """Turns a causal LM's output head into a per-token log-prob head while active: the
+    interception the chunked loss (`ChunkedHead`) and Liger's fused one (memfit.train.liger
+    `LigerHead`) share; a subclass says how the head's log-probs are computed (`_logps`).
 
-    Inside `with ChunkedHead(model, chunk).targets(labels):` the model's forward returns, as
-    `.logits`, the fp32 log-probs [B, T - 1] of `labels` (shifted as for next-token prediction)
-    computed chunk by chunk: the full logits never exist. The head module keeps its identity
-    (DeepSpeed's hooks stay on it); only its bound `forward` is replaced while active.
+    Inside `with head.targets(labels):` the model's forward returns, as `.logits`, the fp32
+    log-probs [B, T - 1] of `labels` (shifted as for next-token prediction; `shifted`: already),
+    and `.mask` the scored tokens. The head module keeps its identity (DeepSpeed's hooks stay on
+    it, so ZeRO-3 gathers its weight for the call); only its bound `forward` is replaced while active.
     """
+
+    def __init__(self, head: nn.Module) -> None:
+        self.head = head
+        self._labels: torch.Tensor | None = None
+        self._shifted = False
+        self.mask: torch.Tensor | None = None
+
+    def _logps(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self._labels is not None
+        logps, self.mask = self._logps(hidden, self._labels, self._shifted)
+        return logps
+
+    @contextlib.contextmanager
+    def targets(self, labels: torch.Tensor, shifted: bool = False) -> Iterator[HeadTargets]:
+        self._labels, self._shifted = labels, shifted
+        self.head.forward = self._forward  # instance attribute: module __call__ (and its hooks) run it
+        try:
+            yield self
+        finally:
+            del self.head.forward
+            self._labels = None
+
+
+class ChunkedHead(HeadTargets):
+    """`HeadTargets` computing the log-probs chunk by chunk (`chunked_token_logps`): inside
+    `with ChunkedHead(model, chunk).targets(labels):` the full logits never exist."""
 
     def __init__(self, model: nn.Module, chunk_tokens: int | None = None) -> None:
         head = model.get_output_embeddings()
@@ -210,24 +241,8 @@ class ChunkedHead:
                 f"final_logit_softcapping={cap} is not supported by loss_impl chunked "
                 "(the head's logits are capped after the projection); use loss_impl: full"
             )
-        self.head, self.chunk_tokens = head, chunk_tokens
-        self._labels: torch.Tensor | None = None
-        self._shifted = False
-        self.mask: torch.Tensor | None = None
+        super().__init__(head)
+        self.chunk_tokens = chunk_tokens
 
-    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        assert self._labels is not None
-        logps, self.mask = chunked_token_logps(
-            hidden, self._labels, self.head, self.chunk_tokens, shifted=self._shifted
-        )
-        return logps
-
-    @contextlib.contextmanager
-    def targets(self, labels: torch.Tensor, shifted: bool = False) -> Iterator[ChunkedHead]:
-        self._labels, self._shifted = labels, shifted
-        self.head.forward = self._forward  # instance attribute: module __call__ (and its hooks) run it
-        try:
-            yield self
-        finally:
-            del self.head.forward
-            self._labels = None
+    def _logps(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunked_token_logps(hidden, labels, self.head, self.chunk_tokens, shifted=shifted)
