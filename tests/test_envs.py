@@ -15,7 +15,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 ENVS = sorted((REPO / "envs").glob("*.yaml"))
 # Packages that live only in the GPU env (need CUDA), so the CPU lock does not hold them.
-GPU_ONLY = {"flash-attn"}
+GPU_ONLY = {"flash-attn", "liger-kernel"}
 
 
 def _tool():
