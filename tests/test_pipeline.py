@@ -220,3 +220,16 @@ def test_the_error_shown_is_this_runs_first_traceback(tmp_path):
         "[rank1]:     rows = read(data)",
         "[rank1]: FileNotFoundError: data/train.parquet",
     ]
+    # before torch.distributed's excepthook: no rank prefix, the two ranks' lines interleaved
+    log.write_text(
+        "$ memfit launch --config run.json --nproc 2\n"
+        "Traceback (most recent call last):\nTraceback (most recent call last):\n"
+        '  File "train.py", line 10, in setup\n  File "train.py", line 10, in setup\n'
+        "FileNotFoundError: data/train.parquet\nFileNotFoundError: data/train.parquet\n"
+    )
+    assert error_excerpt(log).splitlines() == [
+        "Traceback (most recent call last):",
+        '  File "train.py", line 10, in setup',
+        '  File "train.py", line 10, in setup',
+        "FileNotFoundError: data/train.parquet",
+    ]

@@ -151,11 +151,13 @@ def error_excerpt(log: Path | None, n: int = 25) -> str:
         return "\n".join(lines[start : start + n])
     # A traceback ends at its first unindented line after the header (the exception). Ranks
     # write at once: with torch.distributed's "[rank0]: " prefix (its excepthook), only that rank's
-    # lines are followed.
+    # lines are followed. A rank that fails before that hook is installed writes no prefix: the
+    # other ranks' headers are passed over (their frames may interleave, the exception line is
+    # still the first unindented one).
     prefix = lines[start][: lines[start].index("Traceback")]
     block = [lines[start]]
     for line in lines[start + 1 :]:
-        if not line.startswith(prefix):
+        if not line.startswith(prefix) or line[len(prefix) :].startswith("Traceback (most recent call last)"):
             continue
         block.append(line)
         if not line[len(prefix) :].startswith((" ", "\t")):
