@@ -152,6 +152,25 @@ def apply(model: nn.Module) -> str:
     )
 
 
+def snapshot(model: nn.Module):
+    """A function that puts back the model's transformers module (e.g. modeling_llama) as it is now:
+    `apply` also replaces that module's rotary function and its RMSNorm and MLP classes, which every
+    model built later in the process would pick up (the calibration builds engines with and without
+    Liger one after another: memfit.train.calibrate)."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = sys.modules[type(base).__module__]
+    saved = dict(vars(module))
+
+    def restore() -> None:
+        for name, value in saved.items():
+            if getattr(module, name, None) is not value:
+                setattr(module, name, value)
+
+    return restore
+
+
 def patched(model: nn.Module) -> dict[str, object]:
     """What Liger has patched in `model`: RMSNorm and SwiGLU modules running Liger's forward, and the
     module-level rotary function of the model's transformers module (e.g. modeling_llama)."""
