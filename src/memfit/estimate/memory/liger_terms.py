@@ -13,9 +13,10 @@ the traced run, which runs the stock transformers layer: `adjust` prices the dif
 - SwiGLU (ops/swiglu.py `LigerSiLUMulFunction.forward`: `ctx.save_for_backward(a, b)`, silu(a)
   recomputed in `swiglu_backward`): gate and up, not silu(gate): d t i fewer bytes per dense gated
   MLP. Its backward writes the gradients of a and b into their saved storage
-  (`_swiglu_backward_kernel`; `swiglu_backward` returns `a`, `b`), so the MLP's backward holds the
-  incoming gradient alone where transformers' holds the product's and one factor's (2 d t i): d t i
-  less at the MLP's backward peak.
+  (`_swiglu_backward_kernel`; `swiglu_backward` returns `a`, `b`), but the MLP's backward transients
+  are kept as transformers': the peak comes before it, at down_proj's input gradient (a LoRA
+  down_proj sums its base and adapter paths' d t i gradients there; measured on the CPU, where
+  taking d t i off undercounted the LoRA step's peak by 4.1%).
 - RoPE (ops/rope.py `LigerRopeFunction.forward`: `ctx.save_for_backward(cos, sin)`, q and k
   rotated in place in their projections' storage): transformers' `apply_rotary_pos_emb` saves
   cos and sin too (q * cos, rotate_half(q) * sin; the rotated q and k are the attention's
@@ -23,7 +24,9 @@ the traced run, which runs the stock transformers layer: `adjust` prices the dif
 - The loss (ops/fused_linear_cross_entropy.py `fused_linear_cross_entropy_forward`, called by
   memfit.train.liger._LigerLogProbs with reduction "none"): no [tokens, vocab] logits saved; memfit
   saves the scored hidden rows (d h per token) and int64 targets, and the scattered fp32 log-probs
-  and bool mask, as its chunked loss does (`logits.chunked_loss_terms`) less the log-sum-exp.
+  and bool mask, as its chunked loss does (`logits.chunked_loss_terms`) less the log-sum-exp; the
+  final norm's output, which a trained head's nn.Linear saves, is not saved (measured: the full
+  fine-tune's saved bytes were d t h over the estimate without this term, the LoRA one's not).
   The backward runs the function again with gradients: `grad_input` (zeros_like the hidden rows,
   d t h), the head's gradient (zeros_like the weight, d V h, when it trains), per chunk of c
   tokens the logits in the model dtype (d c V), whose gradient the kernel writes in place, and
@@ -74,17 +77,19 @@ def adjust(acts, step: MicroStep, cand: Candidate, n_moe: int) -> None:
     if not step.full:  # LoRA: layer 0's first norm sees the frozen embedding and saves nothing either way
         all_layers -= norm
     acts.per_layer -= per
-    acts.final -= norm
+    # the final norm: Liger's, and its output is not saved by a trained head (memfit.train.liger runs
+    # the head inside Liger's loss, which saves the scored rows' copy, `loss_terms`)
+    final = norm + (step.dtype * step.tokens * step.arch.hidden_size if step.full else 0)
+    acts.final -= final
     if cand.grad_ckpt:  # the checkpoint keeps the layer inputs; the recomputed layer saves less
-        acts.saved -= norm
+        acts.saved -= final
         # ... and Liger's first norm saves the checkpointed input itself, not a copy of it
         acts.recompute -= per + (step.dtype * step.tokens * step.arch.hidden_size if step.dtype < 4 else 0)
     else:
-        acts.saved -= all_layers + norm
+        acts.saved -= all_layers + final
         acts.kept_per_layer -= per
         acts.forward -= all_layers - per  # the layers below the last one
     mlp = swiglu_saving(step, moe)
-    acts.mlp_bwd -= mlp  # the incoming gradient alone: Liger's backward writes da, db in place
     acts.attn_bwd += mlp + norm  # freed at the MLP's backward: less of it is there to free
     acts.layer_bwd = max(acts.mlp_bwd, acts.attn_bwd)
 
