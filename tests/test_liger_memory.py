@@ -40,6 +40,14 @@ from memfit.train.steps import StepRunner  # noqa: E402
 
 SETTINGS = Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=False)
 
+if HAVE_LIGER and not _TOO_LATE:
+    # At import, not inside `measure`: Liger's first import logs the optional backends it cannot load
+    # (with their ImportErrors), and pytest's log capture keeps those records for the whole test
+    # (tests/test_estimate_groundtruth.py says what that kept alive there)
+    from memfit.train import liger as _liger
+
+    _liger._import_liger()
+
 
 def _saved_bytes(model, fn) -> int:
     """Bytes of the distinct storages autograd saves while `fn` runs, the parameters' left out."""
