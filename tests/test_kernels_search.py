@@ -132,5 +132,5 @@ def test_memfit_estimate_ranks_kernels_and_refuses_them_for_rm(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "selected: z0-gc-flash-lora16-mb1-s2048-bf16-liger (--kernels liger)" in out
     rc = estimate_main(["--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--method", "rm", "--kernels", "liger"])
-    assert rc != 0
+    assert rc == 2
     assert "--kernels: liger applies to sft and dpo only, not rm; use --kernels none" in capsys.readouterr().err
