@@ -41,7 +41,9 @@ def liger_runs(monkeypatch):
     monkeypatch.setattr("memfit.train.liger.installed", lambda: True)
     monkeypatch.setattr(
         "memfit.train.liger.model_problem",
-        lambda model_type, where: None if model_type == "llama" else f"kernels: liger has no kernels for model type {model_type!r} ({where})",
+        lambda model_type, where: (
+            None if model_type == "llama" else f"kernels: liger has no kernels for model type {model_type!r} ({where})"
+        ),
     )
 
 
@@ -70,7 +72,10 @@ def test_liger_is_left_out_for_methods_it_does_not_train(config, liger_runs):
     assert any(c.kernels == "liger" for c in cfg.candidates("sft"))
     assert not any(c.kernels == "liger" for c in cfg.candidates("rm"))
     config["search"]["kernels"] = ["liger"]
-    with pytest.raises(ConfigError, match=r"search\.kernels \['liger'\]: kernels: liger applies to sft and dpo only, not rm; add none to search\.kernels"):
+    with pytest.raises(
+        ConfigError,
+        match=r"search\.kernels \['liger'\]: kernels: liger applies to sft and dpo only, not rm; add none to search\.kernels",
+    ):
         validate_config(config)
 
 
@@ -78,11 +83,17 @@ def test_liger_where_it_cannot_run_is_said_naming_the_key(config, monkeypatch, c
     monkeypatch.setattr("memfit.train.liger.runtime_problem", lambda: NO_PACKAGE)
     only = copy.deepcopy(config)
     only["search"]["kernels"] = ["liger"]
-    with pytest.raises(ConfigError, match=r"search\.kernels \['liger'\]: kernels: liger needs the liger-kernel package .* or add none to search\.kernels"):
+    with pytest.raises(
+        ConfigError,
+        match=r"search\.kernels \['liger'\]: kernels: liger needs the liger-kernel package .* or add none to search\.kernels",
+    ):
         validate_config(only)
     config["search"]["kernels"] = ["none", "liger"]
     validate_config(config)  # the plain candidates stay, and the warning says why the others went
-    assert "search.kernels: the liger candidates are left out: kernels: liger needs the liger-kernel package" in capsys.readouterr().err
+    assert (
+        "search.kernels: the liger candidates are left out: kernels: liger needs the liger-kernel package"
+        in capsys.readouterr().err
+    )
     assert not any(c.kernels == "liger" for c in WorkflowConfig.of(config).candidates("sft"))
     # a plan trains elsewhere: the machine's package and GPU are not asked, the candidates estimated
     monkeypatch.setattr("memfit.train.liger.installed", lambda: False)
@@ -95,7 +106,10 @@ def test_liger_for_a_model_type_it_does_not_cover_is_refused(config, liger_runs)
     where the package is installed: refused naming the key and the model."""
     config |= {"gpus": ["h100-80gb"], "plan_only": True, "models": {"q": {"arch": "qwen2-7b"}}}
     config["search"]["kernels"] = ["liger"]
-    with pytest.raises(ConfigError, match=r"search\.kernels \['liger'\]: kernels: liger has no kernels for model type 'qwen2' \(models\.q\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"search\.kernels \['liger'\]: kernels: liger has no kernels for model type 'qwen2' \(models\.q\)",
+    ):
         validate_config(config)
 
 
@@ -127,7 +141,18 @@ def test_the_estimate_prices_liger_below_transformers_modules_and_says_so():
 
 def test_memfit_estimate_ranks_kernels_and_refuses_them_for_rm(capsys):
     rc = estimate_main(
-        ["--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--finetune", "lora", "--kernels", "none,liger", "--seq-len", "2048"]
+        [
+            "--model",
+            "llama-3.1-8b",
+            "--gpu",
+            "h100-80gb",
+            "--finetune",
+            "lora",
+            "--kernels",
+            "none,liger",
+            "--seq-len",
+            "2048",
+        ]
     )
     out = capsys.readouterr().out
     assert rc == 0 and "selected: z0-gc-flash-lora16-mb1-s2048-bf16-liger (--kernels liger)" in out

@@ -41,7 +41,6 @@ from memfit.train.steps import StepRunner  # noqa: E402
 SETTINGS = Settings(optimizer_impl="single", zero0_engine="torch", padding_mask=False)
 
 
-
 @pytest.fixture(autouse=True)
 def quiet_liger_backends():
     """Liger logs, at an op's first call, the optional backends it cannot load (CuTe DSL, Ascend)
@@ -81,7 +80,9 @@ def measure(kind: str, cand: Candidate) -> tuple[int, int]:
 
     model = gt.build_model(kind, cand.attn)
     if cand.finetune == "lora":
-        model = get_peft_model(model, LoraConfig(r=cand.lora_rank, lora_alpha=2 * cand.lora_rank, target_modules="all-linear"))
+        model = get_peft_model(
+            model, LoraConfig(r=cand.lora_rank, lora_alpha=2 * cand.lora_rank, target_modules="all-linear")
+        )
     restore = liger.snapshot(model) if cand.kernels == "liger" else None
     try:
         if cand.kernels == "liger":

@@ -197,7 +197,9 @@ class _Engine:
         del hf_ds
         self.spec = spec
         self.restore = None
-        if cand.kernels == "liger":  # search.kernels: Liger's kernels patched in as training does (run_parts.step_runner)
+        if (
+            cand.kernels == "liger"
+        ):  # search.kernels: Liger's kernels patched in as training does (run_parts.step_runner)
             from memfit.train import liger
 
             self.restore = liger.snapshot(self.engine.module)  # put back at `close` for the engines after it

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget, derived_budget
-from memfit.methods import shape as method_shape
 from memfit.methods import kernels_problems, speed_problems
+from memfit.methods import shape as method_shape
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
 from memfit.workflow.config_checks import (

@@ -20,8 +20,8 @@ from typing import Any
 
 from memfit.estimate.models import catalog
 from memfit.estimate.models.validity import hardware_problems
-from memfit.methods import shape as method_shape
 from memfit.methods import kernels_problems, speed_problems
+from memfit.methods import shape as method_shape
 from memfit.space import Candidate, enumerate_space
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
@@ -113,7 +113,9 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
         elif cand.compile and cfg.compile_problem():
             reasons[f"search.compile [True] with gpus [cpu]: {cfg.compile_problem()}"] = None
         elif kernels := kernels_problems(method, cand.kernels):
-            reasons[f"search.kernels {axes['kernels']}: {kernels[0].replace('set kernels: none', 'add none to search.kernels')}"] = None
+            reasons[
+                f"search.kernels {axes['kernels']}: {kernels[0].replace('set kernels: none', 'add none to search.kernels')}"
+            ] = None
         elif cand.kernels == "liger" and cfg.kernels_problem():
             why = cfg.kernels_problem().replace("set kernels: none", "add none to search.kernels")
             reasons[f"search.kernels {axes['kernels']}: {why}"] = None

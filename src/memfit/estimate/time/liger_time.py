@@ -59,19 +59,24 @@ def norm_bytes(d: int) -> float:
 
 
 def moved_per_token(
-    arch: ModelArch, d: int, mlp_width: int, method: str, base: tuple[float, float, float], forwards: int, ref: float
+    arch: ModelArch,
+    d: int,
+    mlp_width: int,
+    method: str,
+    base: tuple[float, float, float, int],
+    forwards: int,
+    ref: float,
 ) -> float:
     """Bytes per token of a liger step's layers, final norm and loss (roofline.compute_seconds'
     `moved`): `base` = (transformers' element-wise forward bytes of a layer, LoRA's forward,
-    LoRA's backward); `forwards` the policy's forwards (2 with checkpointing), `ref` the forwards
-    without gradient (a reference's: transformers' modules, its log-probs through Liger's loss)."""
-    from memfit.estimate.time.roofline import rmsnorm_bytes
-
-    layer, lora_fwd, lora_bwd = base
-    hf, fwd, bwd = fused_bytes_per_token(arch, d, mlp_width, rmsnorm_bytes(d))
+    LoRA's backward, transformers' RMSNorm bytes per element: roofline.rmsnorm_bytes); `forwards`
+    the policy's forwards (2 with checkpointing), `ref` the forwards without gradient (a
+    reference's: transformers' modules, its log-probs through Liger's loss)."""
+    layer, lora_fwd, lora_bwd, rms = base
+    hf, fwd, bwd = fused_bytes_per_token(arch, d, mlp_width, rms)
     moved = arch.num_layers * ((layer - hf + fwd + lora_fwd) * forwards + (layer + lora_fwd) * ref)
     moved += arch.num_layers * (2 * (layer - hf) + bwd + lora_bwd)
-    moved += (norm_bytes(d) + rmsnorm_bytes(d) * ref) * arch.hidden_size  # the final norm
+    moved += (norm_bytes(d) + rms * ref) * arch.hidden_size  # the final norm
     if lm_head(method):
         moved += loss_bytes_per_token(arch, d) + ref * 2 * d * arch.vocab_size
     return moved

@@ -259,7 +259,9 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
     base = elementwise_bytes_per_token(arch, d, mlp_width)
     lora_fwd, lora_bwd = lora_bytes_per_token(arch, cand, settings, d)
     if cand.kernels == "liger":  # the policy's norms, rotary, SwiGLU and loss as Liger's fused kernels
-        moved = liger_time.moved_per_token(arch, d, mlp_width, method, (base, lora_fwd, lora_bwd), forwards, ref)
+        moved = liger_time.moved_per_token(
+            arch, d, mlp_width, method, (base, lora_fwd, lora_bwd, rmsnorm_bytes(d)), forwards, ref
+        )
     else:
         moved = arch.num_layers * ((base + lora_fwd) * (forwards + ref) + 2 * base + lora_bwd)
         moved += rmsnorm_bytes(d) * h * (1 + ref + 2)  # the final norm (not recomputed)
@@ -292,7 +294,9 @@ def _traced_seconds(arch: ModelArch, cand: Candidate, method: str, settings: Set
         flops, attn, moved = (
             x + traced.at(f"fwd_{n}", L, nograd) for x, n in zip((flops, attn, moved), names, strict=True)
         )
-    if (cand.loss_impl == "chunked" or cand.kernels == "liger") and lm_head(method):  # the head's matmul again in the backward (costs.step_flops)
+    if (cand.loss_impl == "chunked" or cand.kernels == "liger") and lm_head(
+        method
+    ):  # the head's matmul again in the backward (costs.step_flops)
         flops += 2 * arch.hidden_size * arch.vocab_size * seqs * cand.seq_len
     terms = {"gemm": (flops - attn) / r.gemm, "attention": attn / 2 / r.attention, "memory": moved / r.memory}
     return {k: cand.grad_accum * v for k, v in terms.items()}
