@@ -197,9 +197,8 @@ class _Engine:
         del hf_ds
         self.spec = spec
         self.restore = None
-        if (
-            cand.kernels == "liger"
-        ):  # search.kernels: Liger's kernels patched in as training does (run_parts.step_runner)
+        # search.kernels: Liger's kernels patched in as training patches them (run_parts.step_runner)
+        if cand.kernels == "liger":
             from memfit.train import liger
 
             self.restore = liger.snapshot(self.engine.module)  # put back at `close` for the engines after it

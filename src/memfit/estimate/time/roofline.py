@@ -34,7 +34,8 @@ Three classes of operation:
 
 What the model leaves out: kernel launch and Python dispatch time (a small micro batch on a
 big GPU waits on the host), fused or compiled kernels of other frameworks (torch.compile,
-Transformer Engine; Liger's, `kernels: liger`, are priced by their bytes: memfit.estimate.time.liger_time), and the optimizer, communication and offload, which
+Transformer Engine; Liger's, `kernels: liger`, are priced by their bytes in
+memfit.estimate.time.liger_time), and the optimizer, communication and offload, which
 `memfit.estimate.time.costs.step_time` adds as their own terms."""
 
 from __future__ import annotations
