@@ -159,3 +159,18 @@ def test_memfit_estimate_ranks_kernels_and_refuses_them_for_rm(capsys):
     rc = estimate_main(["--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--method", "rm", "--kernels", "liger"])
     assert rc == 2
     assert "--kernels: liger applies to sft and dpo only, not rm; use --kernels none" in capsys.readouterr().err
+
+
+def test_the_calibration_measures_liger_engines_on_their_own():
+    """The calibrate rule's plan: a liger candidate's computation is its own engine (built with Liger
+    patched in, memfit.train.calibrate._Engine), so its measured time is what the estimate reads."""
+    from memfit.space import compute_engine, compute_key
+    from memfit.train.calibrate import plan
+
+    plain = Candidate(zero=2, precision="fp32", attn="sdpa", micro_batch=2, seq_len=32, ref=None)
+    liger = dataclasses.replace(plain, kernels="liger")
+    p = plan({"sft": [plain, liger]})
+    engines = {e["cand"].kernels: key for key, e in p["compute"].items()}
+    assert engines == {"none": engine_key(compute_engine(plain)), "liger": engine_key(compute_engine(liger))}
+    assert compute_key("sft", liger) in p["compute"][engines["liger"]]["shapes"]
+    assert set(p["runtime"]) == {engine_key(plain), engine_key(liger)}

@@ -169,3 +169,20 @@ def test_liger_saves_what_the_estimate_says(kind, method, cand):
     # within 2% of what transformers' modules save (the hook sees checkpointing's saved inputs its own way)
     assert abs(e_lg - s_lg) <= 0.02 * s_hf
     assert abs(q_lg - p_lg) <= 0.05 * p_lg
+
+
+def test_the_patch_is_put_back_for_the_models_built_after_it():
+    """memfit.train.liger.snapshot: the calibration builds liger and plain engines in one process;
+    after a liger engine closes, transformers' modeling_llama is its own again."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from memfit.train import liger
+
+    before = (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP)
+    model = gt.build_model("llama", "sdpa")
+    restore = liger.snapshot(model)
+    liger.apply(model)
+    assert ml.apply_rotary_pos_emb is not before[0]  # Liger's rotary function, module-wide
+    restore()
+    assert (ml.apply_rotary_pos_emb, ml.LlamaRMSNorm, ml.LlamaMLP) == before
+    assert liger.patched(gt.build_model("llama", "sdpa")) == {"rms_norm": 0, "swiglu": 0, "rope": "unchanged"}
