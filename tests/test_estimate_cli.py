@@ -329,6 +329,7 @@ def test_json_says_which_configuration_it_priced_and_where_host_ram_came_from(ca
         "activation_offload": False,
         "padding_free": False,
         "compile": False,
+        "kernels": "none",
     }
     assert config["defaults_taken"]["--ref"] == "model" and config["defaults_taken"]["--seq-len"] == 2048
     assert config["host_memory"] == {

@@ -92,3 +92,22 @@ def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> l
             "concatenated row is not implemented); set padding_free: false or sequence_parallel: 1"
         )
     return out
+
+
+KERNELS = ("none", "liger")
+# the methods whose loss runs through memfit.train.liger.LigerHead (Liger's fused linear
+# cross-entropy for SFT's NLL and DPO's log-probabilities)
+LIGER_METHODS = ("sft", "dpo")
+
+
+def kernels_problems(method: str, kernels: str) -> list[str]:
+    """What is wrong with the kernels lever (docs/speed.md): none or liger, liger for LIGER_METHODS
+    only. The one home of the rule, as `speed_problems` is padding_free's: the run config
+    (memfit.train.run_config), the workflow's search space (memfit.workflow.config, search_checks)
+    and `memfit estimate` ask it. Whether a machine can run it (package, GPU, model type) is
+    memfit.train.liger.problem."""
+    if kernels not in KERNELS:
+        return [f"kernels: {kernels!r} is not allowed (allowed: 'none', 'liger')"]
+    if kernels == "liger" and method not in LIGER_METHODS:
+        return [f"kernels: liger applies to {' and '.join(LIGER_METHODS)} only, not {method}; set kernels: none"]
+    return []

@@ -23,6 +23,7 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Attn = Literal["flash", "sdpa", "eager"]
 RefMode = Literal["precomputed", "model", "adapter"]
 LossImpl = Literal["full", "chunked"]
+Kernels = Literal["none", "liger"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class Candidate:
     # regional torch.compile of the decoder layers (memfit.train.compile, docs/speed.md): one
     # compiled layer reused by every layer; where it can run is memfit.train.compile.compile_problem
     compile: bool = False
+    # Liger-Kernel's Triton kernels (memfit.train.liger, docs/speed.md): RMSNorm, RoPE, SwiGLU and the
+    # loss through its fused linear cross-entropy (which replaces loss_impl: a liger candidate's is
+    # "full", `_canonical`); which methods take it is memfit.methods.kernels_problems, where it can
+    # run memfit.train.liger.problem
+    kernels: Kernels = "none"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -89,6 +95,8 @@ class Candidate:
             out.append("ref=adapter needs finetune=lora or qlora (the reference is the adapter-free model)")
         if self.loss_impl not in ("full", "chunked"):
             out.append(f"loss_impl must be full or chunked, got {self.loss_impl!r}")
+        if self.kernels not in ("none", "liger"):
+            out.append(f"kernels must be none or liger, got {self.kernels!r}")
         if self.sequence_parallel > 1 and self.attn == "eager":
             # ulysses_sp.py register_with_transformers: eager needs a 4D mask Ulysses cannot shard
             out.append("sequence_parallel > 1 needs attn sdpa or flash (DeepSpeed's Ulysses refuses eager)")
@@ -149,6 +157,8 @@ class Candidate:
             parts.append("pf")
         if self.compile:
             parts.append("compiled")
+        if self.kernels != "none":
+            parts.append(self.kernels)
         return "-".join(parts)
 
     def digest(self) -> str:
@@ -188,6 +198,8 @@ def _canonical(c: Candidate) -> Candidate:
         changes["pin_memory"] = False
     if c.finetune == "full" and c.lora_rank != Candidate.lora_rank:
         changes["lora_rank"] = Candidate.lora_rank
+    if c.kernels == "liger" and c.loss_impl != "full":  # Liger's fused loss replaces memfit's chunked one
+        changes["loss_impl"] = "full"
     return dataclasses.replace(c, **changes) if changes else c
 
 
@@ -221,6 +233,7 @@ def engine_key(c: Candidate) -> str:
         "tiled_mlp": c.tiled_mlp,
         "activation_offload": c.activation_offload,
         "compile": c.compile,  # the model's layers compiled before DeepSpeed wraps it
+        "kernels": c.kernels,  # Liger's kernels patched into the model (memfit.train.liger.apply)
     }
     return key + "".join(f"|{k}={v}" for k, v in extra.items() if v != getattr(Candidate, k))
 

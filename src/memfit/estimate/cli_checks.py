@@ -188,6 +188,7 @@ LEVER_DEFAULTS = {
     "sequence_parallel": 1,
     "padding_free": False,
     "compile": False,
+    "kernels": "none",
 }
 
 

@@ -83,6 +83,7 @@ SPACE_FLAGS = {
     "sequence_parallel": "sequence_parallel",
     "padding_free": "padding_free",
     "compile": "compile",
+    "kernels": "kernels",
 }
 
 
@@ -250,6 +251,14 @@ def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
         default=None,
         metavar="on|off",
         help=f"regional torch.compile of the decoder layers, priced as eager unless a calibration measured it (default: off{one}: on,off)",
+    )
+    p.add_argument(
+        "--kernels",
+        type=_listed(str, ["none", "liger"]),
+        default=None,
+        metavar="{none,liger}",
+        help="liger: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (sft and dpo; a "
+        f"CUDA GPU and the liger-kernel package where it trains; default: none{one}: none,liger)",
     )
     p.add_argument(
         "--row-tokens",

@@ -215,6 +215,7 @@ def describe(cand: Candidate, method: str, lora_targets: tuple[str, ...] | None)
         *(["tiled MLP"] if cand.tiled_mlp else []),
         *(["padding-free rows"] if cand.padding_free else []),
         *(["compiled layers"] if cand.compile else []),
+        *(["Liger kernels"] if cand.kernels == "liger" else []),
         *(["activation offload"] if cand.activation_offload else []),
     ]
     return ", ".join(parts)

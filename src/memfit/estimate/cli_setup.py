@@ -21,7 +21,7 @@ from memfit.estimate.models import catalog
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
-from memfit.methods import speed_problems
+from memfit.methods import kernels_problems, speed_problems
 from memfit.space import Candidate
 from memfit.units import GIB, MIB
 
@@ -87,6 +87,7 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
             activation_offload=args.activation_offload,
             padding_free=args.padding_free,
             compile=args.compile,
+            kernels=args.kernels,
         )
     except ValueError as exc:
         raise EstimateError(str(exc)) from None
@@ -95,6 +96,8 @@ def candidate_of(args, arch: ModelArch) -> Candidate:
     if problems:
         said = "; ".join(p.removeprefix("padding_free: ") for p in problems)
         raise EstimateError("--padding-free: " + said.replace("set it to false", "drop --padding-free"))
+    for problem in kernels_problems(args.method, args.kernels):  # liger: sft and dpo (the trainer's rule)
+        raise EstimateError("--" + problem.replace("set kernels: none", "use --kernels none"))
     return cand
 
 

@@ -245,6 +245,7 @@ def levers(cand: dict[str, Any]) -> int:
         # block mask) is the one to keep
         bool(cand.get("padding_free")),
         bool(cand.get("compile")),
+        cand.get("kernels", "none") != "none",
     )
     return sum(on)
 

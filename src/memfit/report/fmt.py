@@ -101,6 +101,7 @@ def describe(cand: dict[str, Any], method: str | None = None, world_size: Any = 
     # the speed levers (docs/speed.md), named only when on
     parts += ["padding-free rows"] if c.get("padding_free") else []
     parts += ["compiled layers"] if c.get("compile") else []
+    parts += ["Liger kernels"] if c.get("kernels", "none") == "liger" else []
     return ", ".join(parts)
 
 

@@ -196,6 +196,13 @@ class _Engine:
         )
         del hf_ds
         self.spec = spec
+        self.restore = None
+        # search.kernels: Liger's kernels patched in as training patches them (run_parts.step_runner)
+        if cand.kernels == "liger":
+            from memfit.train import liger
+
+            self.restore = liger.snapshot(self.engine.module)  # put back at `close` for the engines after it
+            liger.apply(self.engine.module)
 
     def runner(self, method: str, c: Candidate) -> StepRunner:
         return StepRunner(
@@ -207,7 +214,7 @@ class _Engine:
             pref=self.spec.pref.get(method),
             ref=c.ref,
             loss_on=self.spec.loss_on,
-            loss_impl=c.loss_impl,
+            loss_impl="liger" if c.kernels == "liger" else c.loss_impl,  # Liger's fused linear cross-entropy
             loss_chunk_tokens=self.spec.loss_chunk_tokens,
             # search.padding_free: its own batch shape (space.compute_key), one row of every sequence
             padding_free=c.padding_free,
@@ -255,6 +262,8 @@ class _Engine:
                 _forget_zero3_module(e.module)
                 e.destroy()
         self.engine = self.ref = None
+        if self.restore is not None:
+            self.restore()
         import gc
 
         gc.collect()

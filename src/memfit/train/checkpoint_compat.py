@@ -42,7 +42,8 @@ RESHARD_MAY_DIFFER = ("grad_accum",)
 # tests/test_vocab_loss.py); the tiled MLP sums its tiles' weight gradients (rounding again), the
 # activation offload moves tensors, not values; padding_free computes the same per-token losses
 # over the same rows (within 1e-5, tests/test_padding_free.py); compile reorders float sums only
-# (docs/speed.md: within 1e-3 over three steps, tests/test_compile.py).
+# (docs/speed.md: within 1e-3 over three steps, tests/test_compile.py); Liger's kernels compute the
+# same loss and gradients up to float rounding (rtol 1e-4, tests/test_liger.py).
 LEVERS = (
     "zero",
     "offload_optimizer",
@@ -58,6 +59,7 @@ LEVERS = (
     "activation_offload",
     "padding_free",
     "compile",
+    "kernels",
 )
 # The levers that change how DeepSpeed lays out the optimizer state in a checkpoint (and which
 # optimizer steps it: torch AdamW or DeepSpeedCPUAdam with offload): such a change loads through a

@@ -50,6 +50,19 @@ def interpreted() -> bool:
 def problem(model_path: str) -> str | None:
     """Why `kernels: liger` cannot run here, or None; checked before anything loads. Reads the model's
     config.json (`model_path`: the directory with it) for its model type."""
+    if why := runtime_problem():
+        return why
+    model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    return model_problem(model_type, f"{model_path}/config.json")
+
+
+def installed() -> bool:
+    """Whether the liger-kernel package and Triton are importable here."""
+    return all(importlib.util.find_spec(p) is not None for p in ("liger_kernel", "triton"))
+
+
+def runtime_problem() -> str | None:
+    """Why this machine cannot run Liger's kernels (the package, a CUDA GPU), or None."""
     missing = [p for p in ("liger_kernel", "triton") if importlib.util.find_spec(p) is None]
     if missing:
         return (
@@ -61,13 +74,19 @@ def problem(model_path: str) -> str | None:
             "kernels: liger needs a CUDA GPU (Liger-Kernel's kernels are Triton GPU kernels; on the CPU "
             "they run only under Triton's interpreter, TRITON_INTERPRET=1, for tests); set kernels: none"
         )
-    model_type = json.loads((Path(model_path) / "config.json").read_text()).get("model_type")
+    return None
+
+
+def model_problem(model_type: str | None, where: str) -> str | None:
+    """Why Liger has no kernels for `model_type` (its per-model patch table,
+    liger_kernel.transformers.monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN), or None; `where` names
+    where the model type comes from. Needs the package (`installed`)."""
     _import_liger()
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
 
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         return (
-            f"kernels: liger has no kernels for model type {model_type!r} ({model_path}/config.json; "
+            f"kernels: liger has no kernels for model type {model_type!r} ({where}; "
             f"Liger-Kernel covers {', '.join(sorted(MODEL_TYPE_TO_APPLY_LIGER_FN))}); set kernels: none"
         )
     return None
@@ -131,6 +150,25 @@ def apply(model: nn.Module) -> str:
         f"kernels: liger ({where}): RMSNorm x{counts['rms_norm']}, SwiGLU x{counts['swiglu']}, RoPE "
         f"({counts['rope']}), the loss through Liger's fused linear cross-entropy"
     )
+
+
+def snapshot(model: nn.Module):
+    """A function that puts back the model's transformers module (e.g. modeling_llama) as it is now:
+    `apply` also replaces that module's rotary function and its RMSNorm and MLP classes, which every
+    model built later in the process would pick up (the calibration builds engines with and without
+    Liger one after another: memfit.train.calibrate)."""
+    import sys
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    module = sys.modules[type(base).__module__]
+    saved = dict(vars(module))
+
+    def restore() -> None:
+        for name, value in saved.items():
+            if getattr(module, name, None) is not value:
+                setattr(module, name, value)
+
+    return restore
 
 
 def patched(model: nn.Module) -> dict[str, object]:

@@ -13,7 +13,7 @@ from memfit.atomic import write_json_atomic
 
 # what the trainer runs (memfit.train.losses: sft, dpo; memfit.train.preference: the others), and
 # which of them hold a reference model (candidate.ref: model, adapter or precomputed)
-from memfit.methods import METHODS, REFERENCE_METHODS, speed_problems
+from memfit.methods import METHODS, REFERENCE_METHODS, kernels_problems, speed_problems
 from memfit.space import Candidate
 
 OOM_EXIT_CODE = 3  # a rank that ran out of device memory exits with this after writing its marker
@@ -184,6 +184,8 @@ class RunConfig:
             self.padding_free = True
         if self.cand.compile:  # and search.compile the trainer's regional compile
             self.compile = True
+        if self.cand.kernels != "none":  # and search.kernels the trainer's kernels
+            self.kernels = self.cand.kernels
         problems += speed_problems(self.method, self.padding_free, self.cand.sequence_parallel)
         problems += kernels_problems(self.method, self.kernels)
         if problems:
@@ -250,20 +252,6 @@ def preference_problems(method: str, values: dict[str, Any], micro_batch: int) -
             "the KL term's mismatched pairs come from the batch)"
         )
     return out
-
-
-KERNELS = ("none", "liger")
-
-
-def kernels_problems(method: str, kernels: str) -> list[str]:
-    """What is wrong with the kernels lever (docs/speed.md): none or liger, liger for sft and dpo only
-    (the methods whose loss runs through memfit.train.liger.LigerHead). Whether this machine can run
-    it (package, GPU) is checked by the ranks before anything loads (memfit.train.liger.problem)."""
-    if kernels not in KERNELS:
-        return [f"kernels: {kernels!r} is not allowed (allowed: 'none', 'liger')"]
-    if kernels == "liger" and method not in ("sft", "dpo"):
-        return [f"kernels: liger applies to sft and dpo only, not {method}; set kernels: none"]
-    return []
 
 
 def option_problems(method: str, loss_on: str, packing: bool, export: str, finetunes: list[str]) -> list[str]:

@@ -12,6 +12,8 @@ size, a GPU's memory budget, the sequence length, the search space of a method, 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget, derived_budget
+from memfit.methods import kernels_problems, speed_problems
 from memfit.methods import shape as method_shape
-from memfit.methods import speed_problems
 from memfit.space import Candidate, enumerate_space
 from memfit.units import GIB, MIB
 from memfit.workflow.config_checks import (
@@ -207,6 +209,8 @@ class WorkflowConfig:
                 continue  # padding_free: methods.PADDING_FREE_METHODS, no sequence parallelism (search_checks says why)
             if cand.compile and self.compile_problem():
                 continue  # no C++ compiler for inductor's CPU backend (search_checks says why)
+            if kernels_problems(method, cand.kernels) or (cand.kernels == "liger" and self.kernels_problem()):
+                continue  # liger: sft and dpo, where its package, a CUDA GPU and the model types allow (search_checks says why)
             if method == "kto" and cand.micro_batch < KTO_MIN_MICRO_BATCH:
                 continue  # memfit.train.run_config.preference_problems: KTO's KL batch needs two rows
             if packing and cand.sequence_parallel > 1 and cand.attn != "flash":
@@ -239,6 +243,44 @@ class WorkflowConfig:
         from memfit.train.compile import compile_problem  # imports torch: only when compile is searched
 
         return compile_problem()
+
+    def kernels_problem(self) -> str | None:
+        """Why `search.kernels`' liger candidates cannot run where this config trains, in
+        memfit.train.liger's words: no liger-kernel package or no CUDA GPU on this machine
+        (`liger.runtime_problem`: the `cpu` device runs Liger only under Triton's interpreter,
+        TRITON_INTERPRET=1, for tests), or a model of `models:` whose type Liger has no kernels for.
+        A plan (plan_only) trains elsewhere: the machine is not asked, and the model types only
+        where the package is installed here (else `memfit launch` refuses them where training runs).
+        None when nothing is searched with liger."""
+        if "liger" not in self.raw["search"].get("kernels", ["none"]):
+            return None
+        return self._liger_problem
+
+    @functools.cached_property
+    def _liger_problem(self) -> str | None:
+        from memfit.train import liger  # imports torch: only when liger is searched
+
+        if not self.plan_only and (why := liger.runtime_problem()):
+            return why
+        if not liger.installed():
+            return None
+        for name in self.models:
+            model_type, where = self._model_type(name)
+            if model_type is not None and (why := liger.model_problem(model_type, where)):
+                return why
+        return None
+
+    def _model_type(self, name: str) -> tuple[str | None, str]:
+        """The HF model type of `models.<name>` and where it comes from: its config.json (the
+        weights' or the one the demo builds from), else its catalog card; None where neither reads."""
+        m = self.model(name)
+        for config in (Path(m.path) / "config.json" if m.path else None, Path(m.build) if m.build else None):
+            if config is not None and config.is_file():
+                return json.loads(config.read_text()).get("model_type"), str(config)
+        try:
+            return catalog.model(self.arch_source(name), allow_moe=True).model_type, f"models.{name}"
+        except ValueError:
+            return None, f"models.{name}"  # the config checks name an unknown model
 
     # -- one run ---------------------------------------------------------------------------
     def run_config(self, method: str, cand: dict[str, Any], model_path: str, data_dir: str, out_dir: str) -> RunConfig:

@@ -20,8 +20,8 @@ from typing import Any
 
 from memfit.estimate.models import catalog
 from memfit.estimate.models.validity import hardware_problems
+from memfit.methods import kernels_problems, speed_problems
 from memfit.methods import shape as method_shape
-from memfit.methods import speed_problems
 from memfit.space import Candidate, enumerate_space
 
 # which search keys a hardware reason comes from (validity.hardware_problems' sentences)
@@ -62,6 +62,8 @@ def search_warnings(cfg: Any) -> list[str]:
         )
     if False in search.get("compile", [False]) and cfg.compile_problem():  # [false, true]: the eager ones stay
         out.append(f"search.compile: the compiled candidates are left out on gpus [cpu]: {cfg.compile_problem()}")
+    if "none" in search.get("kernels", ["none"]) and cfg.kernels_problem():  # [none, liger]: the plain ones stay
+        out.append(f"search.kernels: the liger candidates are left out: {cfg.kernels_problem()}")
     return out
 
 
@@ -110,6 +112,13 @@ def _trainable(cfg: Any, method: str) -> tuple[list[Candidate], list[str]]:
                 reasons[f"{keys}: {fix.replace('set padding_free: false', 'add false to search.padding_free')}"] = None
         elif cand.compile and cfg.compile_problem():
             reasons[f"search.compile [True] with gpus [cpu]: {cfg.compile_problem()}"] = None
+        elif kernels := kernels_problems(method, cand.kernels):
+            reasons[
+                f"search.kernels {axes['kernels']}: {kernels[0].replace('set kernels: none', 'add none to search.kernels')}"
+            ] = None
+        elif cand.kernels == "liger" and cfg.kernels_problem():
+            why = cfg.kernels_problem().replace("set kernels: none", "add none to search.kernels")
+            reasons[f"search.kernels {axes['kernels']}: {why}"] = None
         elif world % cand.sequence_parallel:
             reasons[
                 f"search.sequence_parallel: {cand.sequence_parallel} does not divide the {world} ranks "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from memfit.estimate.memory import liger_terms
 from memfit.estimate.memory.logits import chunk_tokens, chunked_loss_terms
 from memfit.estimate.memory.method_terms import forward_seqs, lm_head, nograd_forward_seqs
 from memfit.estimate.memory.micro_step import MicroStep, linear_names, micro_step
@@ -312,6 +313,8 @@ def activations(arch: ModelArch, cand: Candidate, method: str, settings: Setting
         layer_fwd = max(attn_fwd, moe_layer + _moe_forward_transient(step))
     acts.forward = kept_before_last + rope + ids + layer_fwd + once + 2 * d * t * h
     acts.ref_forward = _nograd_forward(arch, cand, method, step, settings, attn_fwd)
+    if cand.kernels == "liger":  # what Liger's RMSNorm and SwiGLU save less than transformers' modules
+        liger_terms.adjust(acts, step, cand, n_moe)
     return acts
 
 
@@ -328,6 +331,8 @@ def _head_terms(acts: Activations, arch: ModelArch, cand: Candidate, method: str
         acts.final = step.rmsnorm(True)
         acts.logits_saved = 2 * 8 * step.seqs
         acts.logits_bwd_extra = d * t * h + d * t
+    elif cand.kernels == "liger":  # Liger's fused linear cross-entropy (memfit.train.liger)
+        acts.logits_saved, acts.logits_bwd_extra = liger_terms.loss_terms(arch, cand, step.tokens, step.full)
     elif cand.loss_impl == "chunked":
         acts.logits_saved, acts.logits_bwd_extra = chunked_loss_terms(arch, cand, step.tokens, step.full, settings)
     else:
@@ -356,6 +361,8 @@ def _nograd_forward(arch: ModelArch, cand: Candidate, method: str, step, setting
     # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
     # (tiled: the input, residual, tiles' outputs and their concatenation, one tile's intermediates)
     mlp = d * t * 4 * h + 3 * d * step.tile_rows * i if step.tile_rows else d * t * (2 * h + 3 * i)
+    if cand.kernels == "liger":  # the reference's log-probs through Liger's loss too (StepRunner's head)
+        return max(liger_terms.nograd_loss(arch, cand, t), attn_fwd + 3 * d * t * h, mlp)
     if cand.loss_impl == "chunked":  # the reference's logits per chunk only
         c = chunk_tokens(arch, t, settings)
         return max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)

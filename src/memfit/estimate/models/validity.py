@@ -105,6 +105,16 @@ def planning_notes(gpu: GPU, arch: ModelArch, cand: Candidate, settings: Setting
             "compile: memory priced as the eager layers (equal on the demo model's CPU probe; larger layers not measured); "
             "step time from the calibration of the compiled engine, else as eager"
         )
+    if cand.kernels == "liger":
+        # memfit.estimate.memory.liger_terms and time.liger_time: Liger-Kernel 0.8.5's saved tensors and
+        # memory traffic, from its source; the saved bytes measured on the CPU under Triton's
+        # interpreter (tests/test_liger_memory.py, docs/speed.md); its GPU step time not measured here
+        out.append(
+            "kernels liger: memory priced from Liger-Kernel's saved tensors (RMSNorm, SwiGLU, fused linear "
+            "cross-entropy; measured against the CPU interpreter's steps); step time from the calibration "
+            "of the liger engine, else its fused ops' memory traffic on the roofline (not measured on a GPU); "
+            "needs the liger-kernel package, a CUDA GPU and a model type Liger covers where it trains"
+        )
     if arch.is_moe:
         out.append(
             f"mixture-of-experts: weights, gradients and optimizer states of all "

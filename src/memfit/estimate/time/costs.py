@@ -48,7 +48,7 @@ def step_flops(
         from memfit.estimate.trace.traced import traced_step_flops
 
         flops = traced_step_flops(arch, cand, method, settings, recompute)
-        if cand.loss_impl == "chunked" and recompute and lm_head(method):
+        if (cand.loss_impl == "chunked" or cand.kernels == "liger") and recompute and lm_head(method):
             flops += cand.grad_accum * 2 * arch.hidden_size * arch.vocab_size * grad_seqs(cand, method) * cand.seq_len
         return flops
     layout = param_layout(arch)
@@ -73,9 +73,10 @@ def step_flops(
     recomputed = 1.0 if (cand.grad_ckpt and recompute) else 0.0
     flops = (layers_forward * (passes + recomputed) + head_forward * passes) * tokens
     flops += (layers_forward + head_forward) * nograd_tokens
-    if cand.loss_impl == "chunked" and recompute and lm_head(method):
+    if (cand.loss_impl == "chunked" or cand.kernels == "liger") and recompute and lm_head(method):
         # the head's projection (2 h V per token) runs again in the backward: the recompute of
-        # Cut Cross-Entropy (Wijmans et al. 2024) and TRL's chunked_nll
+        # Cut Cross-Entropy (Wijmans et al. 2024), TRL's chunked_nll and memfit's Liger loss
+        # (memfit.train.liger._LigerLogProbs.backward runs Liger's fused linear cross-entropy again)
         flops += 2 * arch.hidden_size * arch.vocab_size * tokens
     if cand.tiled_mlp and recompute:
         # TiledMLP recomputes each tile's MLP forward in its backward (ulysses_sp.TiledMLP.backward)

@@ -34,7 +34,8 @@ Three classes of operation:
 
 What the model leaves out: kernel launch and Python dispatch time (a small micro batch on a
 big GPU waits on the host), fused or compiled kernels of other frameworks (torch.compile,
-Liger, Transformer Engine), and the optimizer, communication and offload, which
+Transformer Engine; Liger's, `kernels: liger`, are priced by their bytes in
+memfit.estimate.time.liger_time), and the optimizer, communication and offload, which
 `memfit.estimate.time.costs.step_time` adds as their own terms."""
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
 from memfit.estimate.models.params import lora_targets, param_layout
 from memfit.estimate.settings import Settings, dtype_bytes
+from memfit.estimate.time import liger_time
 from memfit.space import Candidate
 
 # Measured on one H100 80GB HBM3 (SXM, 989.5 TFLOP/s dense bf16, config/gpus.yaml) on 2026-11-26,
@@ -245,7 +247,8 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
         gemm += len(arch.moe_layers()) * (experts + router) * (forwards + ref + 1 + (1 if trained else 0))
     gemm += arch.num_layers * _lora_gemm_seconds(arch, cand, settings, tokens, d, r, forwards + ref)
     head = _gemm(tokens, h, head_out, d, r)
-    head_forwards = 1 + (1 if cand.loss_impl == "chunked" and lm_head(method) else 0) + ref
+    recomputed_head = (cand.loss_impl == "chunked" or cand.kernels == "liger") and lm_head(method)
+    head_forwards = 1 + (1 if recomputed_head else 0) + ref
     gemm += head * (head_forwards + 1 + (1 if trained else 0))
 
     fwd, bwd = _attention_seconds(arch, cand, seqs, d, r)
@@ -256,10 +259,15 @@ def compute_seconds(arch: ModelArch, cand: Candidate, gpu: GPU, method: str, set
         mlp_width = arch.moe_intermediate_size * arch.num_experts_per_tok + arch.shared_expert_intermediate_size
     base = elementwise_bytes_per_token(arch, d, mlp_width)
     lora_fwd, lora_bwd = lora_bytes_per_token(arch, cand, settings, d)
-    moved = arch.num_layers * ((base + lora_fwd) * (forwards + ref) + 2 * base + lora_bwd)
-    moved += rmsnorm_bytes(d) * h * (1 + ref + 2)  # the final norm (not recomputed)
-    if lm_head(method):
-        moved += loss_bytes_per_token(arch, cand, d) + ref * (d + 4 + 8) * V
+    if cand.kernels == "liger":  # the policy's norms, rotary, SwiGLU and loss as Liger's fused kernels
+        moved = liger_time.moved_per_token(
+            arch, d, mlp_width, method, (base, lora_fwd, lora_bwd, rmsnorm_bytes(d)), forwards, ref
+        )
+    else:
+        moved = arch.num_layers * ((base + lora_fwd) * (forwards + ref) + 2 * base + lora_bwd)
+        moved += rmsnorm_bytes(d) * h * (1 + ref + 2)  # the final norm (not recomputed)
+        if lm_head(method):
+            moved += loss_bytes_per_token(arch, cand, d) + ref * (d + 4 + 8) * V
     moved += 2 * d * h * (1 + ref)  # the embedding lookup (read a row, write it)
     memory = tokens * moved / r.memory
     if trained:  # embedding_dense_backward: the V x h gradient zeroed, the tokens' rows added
@@ -287,7 +295,9 @@ def _traced_seconds(arch: ModelArch, cand: Candidate, method: str, settings: Set
         flops, attn, moved = (
             x + traced.at(f"fwd_{n}", L, nograd) for x, n in zip((flops, attn, moved), names, strict=True)
         )
-    if cand.loss_impl == "chunked" and lm_head(method):  # the head's matmul again in the backward (costs.step_flops)
+    if (cand.loss_impl == "chunked" or cand.kernels == "liger") and lm_head(
+        method
+    ):  # the head's matmul again in the backward (costs.step_flops)
         flops += 2 * arch.hidden_size * arch.vocab_size * seqs * cand.seq_len
     terms = {"gemm": (flops - attn) / r.gemm, "attention": attn / 2 / r.attention, "memory": moved / r.memory}
     return {k: cand.grad_accum * v for k, v in terms.items()}

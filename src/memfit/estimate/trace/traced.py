@@ -193,6 +193,11 @@ def traced_activations(
             acts.forward += L * padded
     acts.attention_scores = analytic.attention_scores
     acts.ref_forward = analytic.ref_forward
+    if cand.kernels == "liger":  # the trace runs transformers' layer: Liger's savings priced on it
+        from memfit.estimate.memory import liger_terms
+        from memfit.estimate.memory.micro_step import micro_step
+
+        liger_terms.adjust(acts, micro_step(arch, cand, method, settings), cand, len(arch.moe_layers()))
     _head_from_formulas(acts, arch, cand, method, analytic)
     return acts
 
@@ -217,8 +222,8 @@ def _head_from_formulas(
         )
         if not arch.generic:
             acts.forward = min(acts.forward, analytic.forward)
-    elif cand.loss_impl == "chunked":
-        # the trace runs the model's own head and HF's loss; the chunked loss is memfit's own code
+    elif cand.loss_impl == "chunked" or cand.kernels == "liger":
+        # the trace runs the model's own head and HF's loss; the chunked loss and Liger's are memfit's own code
         # (memfit.train.vocab_loss) whose tensors `chunked_loss_terms` counts: swap the logit terms
         acts.saved += analytic.logits_saved - acts.logits_saved
         acts.logits_saved, acts.logits_bwd_extra = analytic.logits_saved, analytic.logits_bwd_extra
