@@ -43,6 +43,23 @@ if GPU_SLOTS is not None:
     workflow.register_resource("gpu", GPU_SLOTS)
 
 
+# On the CPU accelerator on one machine, ranks fork from one process that imported torch, DeepSpeed
+# and transformers once (memfit.workflow.ranks; MEMFIT_RANK_SERVER=off: none).
+from memfit.workflow import ranks  # noqa: E402
+
+
+onstart:
+    ranks.start(config, local_exec=workflow.local_exec)
+
+
+onsuccess:
+    ranks.stop()
+
+
+onerror:
+    ranks.stop()
+
+
 # Short rules run where snakemake runs, never as SLURM jobs: select_config reads a few JSON files,
 # report renders one page, candidates_table writes one table (seconds each); queueing them would
 # cost more than running them.

@@ -67,13 +67,12 @@ def pytest_collection_finish(session):
         return
     if not any(item.get_closest_marker("slow") for item in session.items):
         return
-    from deepspeed_runs import start_rank_server
-
+    from memfit.train.launch import start_rank_server as start
     from memfit.train.rank_server import ENV
 
     path = os.path.join(_TRACE_CACHE.name, "ranks.sock")
     log = open(os.path.join(_TRACE_CACHE.name, "rank-server.log"), "w")  # noqa: SIM115 - closed at the end
-    proc = start_rank_server(path, stdout=log)
+    proc = start(path, 2, stdout=log)
     _RANK_SERVER.update(proc=proc, log=log)
     os.environ[ENV] = path
 

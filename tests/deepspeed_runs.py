@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from memfit.train.launch import launch, launch_env, threads_per_rank
+from memfit.train.launch import launch
 from memfit.train.run_config import RunConfig
 
 
@@ -29,15 +27,6 @@ def base_run(demo_model, data, out, method="sft", **cand) -> RunConfig:
         eval_every=3,
         log_every=1,
         dpo={"beta": 0.1} if method == "dpo" else {},
-    )
-
-
-def start_rank_server(path: str, stdout=None) -> subprocess.Popen:
-    """memfit.train.rank_server listening at `path`, its imports made with the environment a rank of
-    a 2-rank run gets (`launch_env`), so what the libraries read at import is what a rank reads."""
-    cmd = [sys.executable, "-m", "memfit.train.rank_server", path]
-    return subprocess.Popen(
-        cmd, env=launch_env(threads_per_rank(2)), stdout=stdout, stderr=subprocess.STDOUT if stdout else None
     )
 
 

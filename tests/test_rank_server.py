@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from deepspeed_runs import base_run, run, start_rank_server
+from deepspeed_runs import base_run, run
 
 from memfit.train.launch import _children
+from memfit.train.launch import start_rank_server as start
 from memfit.train.rank_server import ENV, ServerRank
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ MEASURED = ("tokens_per_s", "step_time_s", "host_rss_bytes")
 def server(tmp_path_factory):
     """A server of this module's own (the session's, if any, is left alone): (socket path, process)."""
     path = str(tmp_path_factory.mktemp("server") / "ranks.sock")
-    proc = start_rank_server(path)
+    proc = start(path, 2)
     yield path, proc
     proc.terminate()
     assert proc.wait(timeout=30) == 0
@@ -106,3 +107,30 @@ def test_an_unreachable_server_raises_and_leaves_no_descriptor_open(tmp_path, mo
     with pytest.raises(RuntimeError, match="no rank server listens there"):
         ServerRank(str(tmp_path / "gone.sock"), _memfit("--help"), dict(os.environ), stdout=subprocess.PIPE)
     assert set(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_server_exits_when_the_process_that_started_it_is_gone(tmp_path):
+    """The workflow's server (memfit.workflow.ranks) outlives no Snakemake killed with SIGKILL: it
+    serves only while the process that started it lives."""
+    path = tmp_path / "ranks.sock"
+    code = (
+        "import sys; from memfit.train.launch import start_rank_server as start; "
+        f"print(start({str(path)!r}, 2).pid, flush=True)"  # then this process exits, not stopping it
+    )
+    starter = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    pid = int(starter.stdout)
+    deadline = time.monotonic() + 50  # the server imports first (about 10 s), then sees its parent gone
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.5)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the rank server {pid} still runs 50 s after the process that started it exited")
+    assert not path.exists()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (not gone, not a zombie its new parent has yet to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False

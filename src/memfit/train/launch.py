@@ -152,6 +152,17 @@ class Rendezvous:
     run_id: str = "memfit"
 
 
+def start_rank_server(path: str, nproc: int, stdout=None) -> subprocess.Popen:
+    """A rank start-up server (memfit.train.rank_server) listening at `path`, its imports made with the environment a rank of an `nproc`-rank
+    run gets (`launch_env`), so what the libraries read at import is what a rank reads. It serves
+    until SIGTERM, or until the process that started it is gone (a workflow killed with SIGKILL
+    leaves no server behind)."""
+    cmd = [sys.executable, "-m", "memfit.train.rank_server", path, str(os.getpid())]
+    return subprocess.Popen(
+        cmd, env=launch_env(threads_per_rank(nproc)), stdout=stdout, stderr=subprocess.STDOUT if stdout else None
+    )
+
+
 def expand_nodelist(nodelist: str) -> list[str]:
     """Expand a SLURM hostlist such as `gpu[01-03,7],login1` into host names, in order.
 

@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from memfit.train.rank_server import ENV as RANK_SERVER_ENV
+from memfit.train.rank_server import OFF as RANK_SERVER_OFF
 from memfit.train.rank_server import ServerRank
 
 # torch/distributed/elastic/multiprocessing/api.py: PContext.close's default timeout before SIGKILL
@@ -82,8 +83,10 @@ class LocalRanks:
     ) -> None:
         self.args = list(cmd)
         self.procs: list[subprocess.Popen | ServerRank] = []
-        # the test suite's rank start-up server (memfit.train.rank_server), for memfit's own ranks
+        # a rank start-up server (memfit.train.rank_server: the slow tests', the CPU workflow's), for
+        # memfit's own ranks; MEMFIT_RANK_SERVER=off: none
         server = env.get(RANK_SERVER_ENV) if self.args[1:3] == ["-m", "memfit.cli"] else None
+        server = None if server == RANK_SERVER_OFF else server
         try:
             for r in range(nproc):
                 rank_env_ = {**env, **rank_env(r, nproc, port)}

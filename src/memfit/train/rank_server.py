@@ -11,8 +11,11 @@ past those imports, and the child runs the rank's `memfit.cli` command line exac
 started interpreter would (`runpy`, the rank's environment, working directory, stdout and
 stderr, SIGUSR1 ignored).
 
-Nothing else uses it: the workflow and the command line start interpreters (tests/conftest.py
-starts a server for the slow tests; `make demo` and CI's workflow stages run without one).
+Who uses it: tests/conftest.py starts a server for the slow tests, and the workflow starts one for
+a run on the CPU accelerator on one machine (memfit.workflow.ranks: the demo's probes, calibration,
+training and resume checks are about 15 launches of 2 ranks). `memfit launch` on the command line,
+GPU runs and SLURM jobs start interpreters. MEMFIT_RANK_SERVER=off keeps the workflow from
+starting one.
 
 What differs from a fresh interpreter, and how it is made the same:
 - the imports ran once in the server, with its environment. The server is started with the
@@ -65,6 +68,7 @@ PRELOAD = (
     "memfit.train.rank",
     "memfit.train.calibrate",
 )
+OFF = "off"  # MEMFIT_RANK_SERVER=off: every rank a started interpreter, and the workflow starts no server
 CONNECT_WAIT_S = 120.0  # the server imports for about 10 s; a launcher may ask before it listens
 MAX_MESSAGE = 1 << 20
 
@@ -174,8 +178,9 @@ def preload() -> None:
         raise RuntimeError(f"the rank server's imports started Python threads {others}: forking it is unsafe")
 
 
-def serve(path: str) -> None:
-    """Fork a rank for each request on `path` until SIGTERM or SIGINT."""
+def serve(path: str, parent: int | None = None) -> None:
+    """Fork a rank for each request on `path` until SIGTERM or SIGINT, or until process `parent`
+    is no longer this one's parent (it exited; the server was re-parented)."""
     preload()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with contextlib.suppress(FileNotFoundError):
@@ -187,7 +192,7 @@ def serve(path: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(True))
     try:
-        while not stop:
+        while not stop and (parent is None or os.getppid() == parent):
             conns = list(running.values())
             try:
                 ready = select.select([listener, *conns], [], [], 0.05)[0]
@@ -292,11 +297,11 @@ def _child(request: dict, fds: list[int], conn: socket.socket) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m memfit.train.rank_server SOCKET_PATH", file=sys.stderr)
+    if len(args) not in (1, 2) or not all(a.isdigit() for a in args[1:]):
+        print("usage: python -m memfit.train.rank_server SOCKET_PATH [PARENT_PID]", file=sys.stderr)
         return 2
     try:
-        serve(args[0])
+        serve(args[0], int(args[1]) if len(args) == 2 else None)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:
             print(f"{args[0]}: in use", file=sys.stderr)
