@@ -66,12 +66,13 @@ from typing import Any
 from memfit.atomic import write_json_atomic
 from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to and trace_workers are API here
+from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to, shared_workers and trace_workers are API here
     ENV_IN_PROCESS,
     TRACE_LAYERS,
     _trace_in_children,
     progress_to,
     reporter,
+    shared_workers,
     trace_workers,
 )
 from memfit.estimate.trace.trace_step import MEASURES  # defined with the step that measures them
@@ -315,6 +316,21 @@ def layer_traces(
             if out[i] is None:  # a duplicate of a request traced just now
                 out[i] = out[todo[_hash(key)]]
     return [t for t in out if t is not None]
+
+
+def layer_traces_of_kinds(
+    batches: dict[ModelArch, list[TraceRequest]], cache_dir: str | Path | None = None
+) -> dict[ModelArch, list[LayerTrace]]:
+    """`layer_traces` of several architectures (a mixed model's kinds of layer: generic.layer_groups)
+    at once, every batch on one pool of trace workers (`shared_workers`: the open one, else one
+    for this call), so a worker free of one kind's shapes takes the other's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not batches:
+        return {}
+    with shared_workers(), ThreadPoolExecutor(len(batches)) as threads:
+        done = threads.map(lambda arch: layer_traces(arch, batches[arch], cache_dir=cache_dir), batches)
+        return dict(zip(batches, done, strict=True))
 
 
 def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:

@@ -1,6 +1,10 @@
 """The traced runs' processes (memfit.estimate.trace.trace keys and caches them): a batch of shapes in
 worker processes forked from a server that imported torch, transformers and peft once
 (memfit.estimate.trace.trace_worker), and the progress lines a batch reports (`progress_to`).
+Inside `shared_workers` every batch (of any kind of layer, from any thread) runs on one set of
+workers, started once and kept: memfit.estimate.fit traces a model's kinds of layer at once and
+again a round later, and a worker keeps what its first trace imported and cached (the model's
+transformers module, the fake tensors' dispatch cache).
 
     from memfit.estimate.trace import trace
     with trace.progress_to(lambda line: print(line, file=sys.stderr)):
@@ -11,6 +15,7 @@ worker processes forked from a server that imported torch, transformers and peft
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -94,16 +99,18 @@ def _trace_in_children(
     report: Callable[[str], None] = lambda line: None,
     workers: int | None = None,
 ) -> list[tuple[dict[str, dict[str, int]], float]]:
-    """Trace `keys` in up to `workers` (default trace_workers()) child processes, results in order, a
-    progress line to `report` when they start and as each shape is done; in this process with
+    """Trace `keys` in up to `workers` (default trace_workers()) child processes (inside
+    `shared_workers`: on its pool, `workers` unused), results in order, a progress line to
+    `report` when they start and as each shape is done; in this process with
     $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's trace takes less
     than a child's start-up)."""
     t0 = time.perf_counter()
     in_process = os.environ.get(ENV_IN_PROCESS) == "1"
-    n = 1 if in_process else min(workers or trace_workers(), len(keys))
+    shared = bool(_SHARED) and not in_process
+    n = 1 if in_process else min(_SHARED[-1][1] if shared else (workers or trace_workers()), len(keys))
     shapes = ", ".join(_shape_text(k) for k in keys)
-    report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, "
-           f"{n} process{'es' * (n > 1)}")  # fmt: skip
+    on = f"{' of the shared' if shared else ''} process{'es' * (n > 1)}"
+    report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {n}{on}")
 
     def done(key: dict[str, Any], seconds: float) -> None:
         report(f"traced {_label(arch)} at {_shape_text(key)} in {seconds:.1f} s "
@@ -120,10 +127,11 @@ def _trace_in_children(
     # workers forked from a server that imported torch, transformers and peft once
     # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free
     # (a pool that notices a worker killed mid-shape: multiprocessing.Pool would wait forever)
-    with ProcessPoolExecutor(n, mp_context=_workers()) as pool:
-        with _main_not_imported():  # the first submit starts the workers
-            futures = [pool.submit(_worker_run, (i, arch, k)) for i, k in enumerate(keys)]
+    with contextlib.ExitStack() as stack:
+        pool = _SHARED[-1][0] if shared else stack.enter_context(ProcessPoolExecutor(n, mp_context=_workers()))
         try:
+            with _main_not_imported():  # a submit starts a worker while none is free
+                futures = [pool.submit(_worker_run, (i, arch, k)) for i, k in enumerate(keys)]
             for future in as_completed(futures):
                 i, runs, seconds, error = future.result()
                 if error:
@@ -139,6 +147,33 @@ def _trace_in_children(
 
 
 _CONTEXT: list = []
+_SHARED: list[tuple[ProcessPoolExecutor, int]] = []  # the open shared_workers pool and its size
+
+
+@contextmanager
+def shared_workers(workers: int | None = None) -> Iterator[None]:
+    """While inside, every batch of traces (any architecture, any thread) runs on one pool of
+    `workers` (default trace_workers()) processes, each started when a shape waits and no
+    worker is free and kept until the block ends, instead of a pool per batch. Entering starts
+    the fork server (its imports, ~4 s) in the background, so it loads while this process
+    works towards its first trace. Nested: the outer pool serves. Not with
+    $MEMFIT_TRACE_IN_PROCESS=1 (traced in this process)."""
+    if _SHARED or os.environ.get(ENV_IN_PROCESS) == "1":
+        yield
+        return
+    from multiprocessing import forkserver
+
+    ctx = _workers()
+    with _main_not_imported():  # the server is told the parent's main module: hidden, as for a worker
+        forkserver.ensure_running()
+    n = workers or trace_workers()
+    pool = ProcessPoolExecutor(n, mp_context=ctx)
+    _SHARED.append((pool, n))
+    try:
+        yield
+    finally:
+        _SHARED.remove((pool, n))
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _workers():
