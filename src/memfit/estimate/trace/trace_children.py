@@ -29,7 +29,7 @@ from typing import Any
 
 from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.trace.trace_step import TRACE_LAYERS, trace_keys  # noqa: F401 - TRACE_LAYERS is API here
+from memfit.estimate.trace.trace_step import TRACE_LAYERS, trace_keys
 
 ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
 
@@ -93,57 +93,85 @@ def trace_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+Runs = dict[str, dict[str, int]]  # TRACE_LAYERS ("1", "2") -> MEASURES per sequence
+
+
 def _trace_in_children(
-    arch: ModelArch,
-    keys: list[dict[str, Any]],
+    batches: list[tuple[ModelArch, list[dict[str, Any]]]],
     report: Callable[[str], None] = lambda line: None,
     workers: int | None = None,
-) -> list[tuple[dict[str, dict[str, int]], float]]:
-    """Trace `keys` in up to `workers` (default trace_workers()) child processes (inside
-    `shared_workers`: on its pool, `workers` unused), results in order, a progress line to
-    `report` when they start and as each shape is done; in this process with
-    $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's trace takes less
-    than a child's start-up)."""
+) -> list[list[tuple[Runs, float]]]:
+    """Trace each batch's `keys` (of its architecture: a mixed model's kinds of layer are one
+    batch each) in up to `workers` (default trace_workers()) child processes, all batches on one
+    pool (inside `shared_workers`: its pool, `workers` unused), in the order given: a caller
+    puts its longest first. Results in order, batch by batch; a progress line to `report` as a
+    batch starts and as each shape is done. In this process with $MEMFIT_TRACE_IN_PROCESS=1
+    (benchmarks/bench_coverage.py: a tiny model's trace takes less than a child's start-up)."""
     t0 = time.perf_counter()
     in_process = os.environ.get(ENV_IN_PROCESS) == "1"
     shared = bool(_SHARED) and not in_process
-    n = 1 if in_process else min(_SHARED[-1][1] if shared else (workers or trace_workers()), len(keys))
-    shapes = ", ".join(_shape_text(k) for k in keys)
-    on = f"{' of the shared' if shared else ''} process{'es' * (n > 1)}"
-    report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {n}{on}")
+    tasks = sum(len(keys) for _, keys in batches) * len(TRACE_LAYERS)  # a shape: its 1- and 2-layer runs
+    n = 1 if in_process else min(_SHARED[-1][1] if shared else (workers or trace_workers()), tasks)
+    for arch, keys in batches:
+        shapes = ", ".join(_shape_text(k) for k in keys)
+        m = min(n, len(keys) * len(TRACE_LAYERS))
+        on = f"{' of the shared' if shared else ''} process{'es' * (m > 1)}"
+        report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {m}{on}")
 
-    def done(key: dict[str, Any], seconds: float) -> None:
+    def done(arch: ModelArch, key: dict[str, Any], seconds: float) -> None:
         report(f"traced {_label(arch)} at {_shape_text(key)} in {seconds:.1f} s "
                f"({time.perf_counter() - t0:.1f} s since the batch started)")  # fmt: skip
 
     if in_process:
-        try:
-            res = trace_keys(arch, keys, lambda i, r: done(keys[i], float(r["seconds"])))
-        except Exception as exc:  # noqa: BLE001 - as a child's failure reads
-            raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
-        return [(r["runs"], float(r["seconds"])) for r in res]
-    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
-    errors: list[str] = []
+        out = []
+        for arch, keys in batches:
+            try:
+                res = trace_keys(arch, keys, lambda i, r, a=arch, k=keys: done(a, k[i], float(r["seconds"])))
+            except Exception as exc:  # noqa: BLE001 - as a child's failure reads
+                raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
+            out.append([(r["runs"], float(r["seconds"])) for r in res])
+        return out
+    runs: list[list[Runs]] = [[{} for _ in keys] for _, keys in batches]
+    seconds = [[0.0] * len(keys) for _, keys in batches]
+    errors: list[tuple[str, str]] = []  # (architecture, error)
     # workers forked from a server that imported torch, transformers and peft once
-    # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free
-    # (a pool that notices a worker killed mid-shape: multiprocessing.Pool would wait forever)
+    # (memfit.estimate.trace.trace_worker); each takes the next task when it is free, a task
+    # being one shape's 1- or 2-layer model (independent runs: two workers share a shape, and
+    # none waits idle while another runs a batch's last shape alone), the 2-layer (longer)
+    # first. (A pool that notices a worker killed mid-task: multiprocessing.Pool would wait forever.)
+    todo = [
+        (b, (i, arch, key, layers))
+        for b, (arch, keys) in enumerate(batches)
+        for i, key in enumerate(keys)
+        for layers in sorted(TRACE_LAYERS, reverse=True)
+    ]
     with contextlib.ExitStack() as stack:
         pool = _SHARED[-1][0] if shared else stack.enter_context(ProcessPoolExecutor(n, mp_context=_workers()))
         try:
             with _main_not_imported():  # a submit starts a worker while none is free
-                futures = [pool.submit(_worker_run, (i, arch, k)) for i, k in enumerate(keys)]
+                futures = {pool.submit(_worker_run, task): b for b, task in todo}
             for future in as_completed(futures):
-                i, runs, seconds, error = future.result()
+                b = futures[future]
+                arch, keys = batches[b]
+                i, layers, measures, secs, error = future.result()
                 if error:
-                    errors.append(error)
+                    errors.append((arch.name, error))
                     continue
-                out[i] = (runs, seconds)
-                done(keys[i], seconds)
+                runs[b][i][str(layers)] = measures
+                seconds[b][i] += secs
+                if len(runs[b][i]) == len(TRACE_LAYERS):
+                    done(arch, keys[i], seconds[b][i])
         except BrokenProcessPool:
-            errors.append("a trace worker process died (killed by the system: out of memory?)")
-    if errors or any(r is None for r in out):
-        raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a worker gave no result'])[0]}")
-    return [r for r in out if r is not None]
+            errors.append((batches[0][0].name, "a trace worker process died (killed by the system: out of memory?)"))
+    if errors:
+        raise TraceError(f"tracing {errors[0][0]!r} failed: {errors[0][1]}")
+    missing = [arch.name for b, (arch, _) in enumerate(batches) if any(len(r) != len(TRACE_LAYERS) for r in runs[b])]
+    if missing:
+        raise TraceError(f"tracing {missing[0]!r} failed: a worker gave no result")
+    return [
+        [({str(n): r[str(n)] for n in TRACE_LAYERS}, secs) for r, secs in zip(runs[b], seconds[b], strict=True)]
+        for b in range(len(batches))
+    ]
 
 
 _CONTEXT: list = []

@@ -249,7 +249,7 @@ def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -
             )
             requests[r] = None
     try:  # every kind of layer at once, on one pool of workers
-        batches = {card: list(requests) for _, card, _ in layer_groups(arch)}
+        batches = [(card, list(requests)) for _, card, _ in layer_groups(arch)]
         trace.layer_traces_of_kinds(batches, cache_dir=settings.trace_cache)
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None
