@@ -146,11 +146,13 @@ class FittedTraces:
         return at
 
     def __enter__(self) -> FittedTraces:
-        """Registers the fitted forms and opens the trace workers' pool that every `add` shares
-        (its fork server starts loading torch now, while the search prices its first length)."""
+        """Registers the fitted forms and opens the trace workers' pool that every `add` shares;
+        when the first lengths are not cached, its fork server starts loading torch now, while
+        the search prices its first length."""
         from memfit.estimate.trace import trace
 
-        self._workers = trace.shared_workers()
+        first = [(c, [dataclasses.replace(s, seq_len=self.schedule(c)[0]) for s in self.shapes]) for c in self.cards]
+        self._workers = trace.shared_workers(start=not trace.cached(first, self.settings.trace_cache))
         self._workers.__enter__()
         cache = str(self.settings.trace_cache)
         for card, shape in self.points:

@@ -334,6 +334,23 @@ def layer_traces_of_kinds(
     return [[t for t in out if t is not None] for _, out in found]
 
 
+def cached(batches: list[tuple[ModelArch, list[TraceRequest]]], cache_dir: str | Path | None = None) -> bool:
+    """Whether every shape of every batch is in the cache (a model that cannot be traced: False,
+    and `layer_traces` says why)."""
+    d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    try:
+        return all(
+            _load(d, _hash(k), k) is not None
+            for arch, requests in batches
+            for r in requests
+            for k in [
+                trace_key(arch, r.seq_len, r.attn, r.precision, r.grad_ckpt, r.finetune, r.lora_rank, r.lora_targets)
+            ]
+        )
+    except TraceError:
+        return False
+
+
 def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:
     memo_key = f"{d.resolve()}/{h}"
     if memo_key in _MEMO:

@@ -29,7 +29,7 @@ from typing import Any
 
 from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.trace.trace_step import TRACE_LAYERS, trace_keys
+from memfit.estimate.trace.trace_step import TRACE_LAYERS, trace_keys  # noqa: F401 - TRACE_LAYERS is API here
 
 ENV_IN_PROCESS = "MEMFIT_TRACE_IN_PROCESS"
 
@@ -110,11 +110,11 @@ def _trace_in_children(
     t0 = time.perf_counter()
     in_process = os.environ.get(ENV_IN_PROCESS) == "1"
     shared = bool(_SHARED) and not in_process
-    tasks = sum(len(keys) for _, keys in batches) * len(TRACE_LAYERS)  # a shape: its 1- and 2-layer runs
-    n = 1 if in_process else min(_SHARED[-1][1] if shared else (workers or trace_workers()), tasks)
+    total = sum(len(keys) for _, keys in batches)
+    n = 1 if in_process else min(_SHARED[-1][1] if shared else (workers or trace_workers()), total)
     for arch, keys in batches:
         shapes = ", ".join(_shape_text(k) for k in keys)
-        m = min(n, len(keys) * len(TRACE_LAYERS))
+        m = min(n, len(keys))
         on = f"{' of the shared' if shared else ''} process{'es' * (m > 1)}"
         report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {m}{on}")
 
@@ -131,47 +131,41 @@ def _trace_in_children(
                 raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
             out.append([(r["runs"], float(r["seconds"])) for r in res])
         return out
-    runs: list[list[Runs]] = [[{} for _ in keys] for _, keys in batches]
-    seconds = [[0.0] * len(keys) for _, keys in batches]
+    out: list[list[tuple[Runs, float] | None]] = [[None] * len(keys) for _, keys in batches]
     errors: list[tuple[str, str]] = []  # (architecture, error)
     # workers forked from a server that imported torch, transformers and peft once
-    # (memfit.estimate.trace.trace_worker); each takes the next task when it is free, a task
-    # being one shape's 1- or 2-layer model (independent runs: two workers share a shape, and
-    # none waits idle while another runs a batch's last shape alone), the 2-layer (longer)
-    # first. (A pool that notices a worker killed mid-task: multiprocessing.Pool would wait forever.)
-    todo = [
-        (b, (i, arch, key, layers))
-        for b, (arch, keys) in enumerate(batches)
-        for i, key in enumerate(keys)
-        for layers in sorted(TRACE_LAYERS, reverse=True)
-    ]
+    # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free, a shape
+    # whole: its 1- and 2-layer runs in one worker, where the second reuses the fake tensors'
+    # dispatch cache the first filled (split over two workers, qwen3.5-122b-a10b's linear-attention
+    # layers at 512 and 1,024 tokens took 55.6 s of worker time against 24.7 s whole, at the same
+    # load, 2026-11-28). (A pool that notices a worker killed mid-shape: multiprocessing.Pool would
+    # wait forever.)
     with contextlib.ExitStack() as stack:
         pool = _SHARED[-1][0] if shared else stack.enter_context(ProcessPoolExecutor(n, mp_context=_workers()))
         try:
             with _main_not_imported():  # a submit starts a worker while none is free
-                futures = {pool.submit(_worker_run, task): b for b, task in todo}
+                futures = {
+                    pool.submit(_worker_run, (i, arch, key)): b
+                    for b, (arch, keys) in enumerate(batches)
+                    for i, key in enumerate(keys)
+                }
             for future in as_completed(futures):
                 b = futures[future]
                 arch, keys = batches[b]
-                i, layers, measures, secs, error = future.result()
+                i, runs, seconds, error = future.result()
                 if error:
                     errors.append((arch.name, error))
                     continue
-                runs[b][i][str(layers)] = measures
-                seconds[b][i] += secs
-                if len(runs[b][i]) == len(TRACE_LAYERS):
-                    done(arch, keys[i], seconds[b][i])
+                out[b][i] = (runs, seconds)
+                done(arch, keys[i], seconds)
         except BrokenProcessPool:
             errors.append((batches[0][0].name, "a trace worker process died (killed by the system: out of memory?)"))
     if errors:
         raise TraceError(f"tracing {errors[0][0]!r} failed: {errors[0][1]}")
-    missing = [arch.name for b, (arch, _) in enumerate(batches) if any(len(r) != len(TRACE_LAYERS) for r in runs[b])]
+    missing = [arch.name for b, (arch, _) in enumerate(batches) if any(r is None for r in out[b])]
     if missing:
         raise TraceError(f"tracing {missing[0]!r} failed: a worker gave no result")
-    return [
-        [({str(n): r[str(n)] for n in TRACE_LAYERS}, secs) for r, secs in zip(runs[b], seconds[b], strict=True)]
-        for b in range(len(batches))
-    ]
+    return [[r for r in results if r is not None] for results in out]
 
 
 _CONTEXT: list = []
@@ -179,21 +173,23 @@ _SHARED: list[tuple[ProcessPoolExecutor, int]] = []  # the open shared_workers p
 
 
 @contextmanager
-def shared_workers(workers: int | None = None) -> Iterator[None]:
+def shared_workers(workers: int | None = None, start: bool = False) -> Iterator[None]:
     """While inside, every batch of traces (any architecture, any thread) runs on one pool of
-    `workers` (default trace_workers()) processes, each started when a shape waits and no
-    worker is free and kept until the block ends, instead of a pool per batch. Entering starts
-    the fork server (its imports, ~4 s) in the background, so it loads while this process
-    works towards its first trace. Nested: the outer pool serves. Not with
-    $MEMFIT_TRACE_IN_PROCESS=1 (traced in this process)."""
+    `workers` (default trace_workers()) processes, each started when a task waits and no
+    worker is free and kept until the block ends, instead of a pool per batch. `start`: start
+    the fork server now, in the background (its imports: 4.4 CPU s, `/usr/bin/time python -c
+    'import memfit.estimate.trace.trace_worker'` on the 2-core dev machine, 2026-11-28), so that it
+    loads while this process works towards its first trace; else at the first trace, if any.
+    Nested: the outer pool serves. Not with $MEMFIT_TRACE_IN_PROCESS=1 (traced in this process)."""
     if _SHARED or os.environ.get(ENV_IN_PROCESS) == "1":
         yield
         return
     from multiprocessing import forkserver
 
     ctx = _workers()
-    with _main_not_imported():  # the server is told the parent's main module: hidden, as for a worker
-        forkserver.ensure_running()
+    if start:
+        with _main_not_imported():  # the server is told the parent's main module: hidden, as for a worker
+            forkserver.ensure_running()
     n = workers or trace_workers()
     pool = ProcessPoolExecutor(n, mp_context=ctx)
     _SHARED.append((pool, n))

@@ -336,22 +336,6 @@ def _run(
 TRACE_LAYERS = (1, 2)  # per-layer = 2 layers - 1 layer (memfit.estimate.trace.trace.LayerTrace)
 
 
-def trace_layers(arch: ModelArch, key: dict[str, Any], layers: int) -> dict[str, int]:
-    """`key`'s measures per sequence in the `layers`-layer model (one of TRACE_LAYERS): half a
-    trace, which a worker process runs on its own (trace_children splits a shape in two)."""
-    return per_sequence(
-        arch,
-        num_layers=layers,
-        seq_len=key["seq_len"],
-        attn=key["attn"],
-        precision=key["precision"],
-        grad_ckpt=key["grad_ckpt"],
-        finetune=key["finetune"],
-        lora_rank=key["lora_rank"] or 16,
-        lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
-    )
-
-
 def trace_keys(
     arch: ModelArch, keys: list[dict[str, Any]], each: Callable[[int, dict[str, Any]], None] = lambda i, r: None
 ) -> list[dict[str, Any]]:
@@ -360,7 +344,20 @@ def trace_keys(
     res = []
     for key in keys:
         t0 = time.perf_counter()
-        runs = {str(n): trace_layers(arch, key, n) for n in TRACE_LAYERS}
+        runs = {
+            str(n): per_sequence(
+                arch,
+                num_layers=n,
+                seq_len=key["seq_len"],
+                attn=key["attn"],
+                precision=key["precision"],
+                grad_ckpt=key["grad_ckpt"],
+                finetune=key["finetune"],
+                lora_rank=key["lora_rank"] or 16,
+                lora_targets=tuple(key["lora_targets"]) if key["lora_targets"] else None,
+            )
+            for n in TRACE_LAYERS
+        }
         res.append({"runs": runs, "seconds": time.perf_counter() - t0})
         each(len(res) - 1, res[-1])
     return res

@@ -10,7 +10,6 @@ one thread (fake tensors do no arithmetic). A worker's error comes back as text 
 from __future__ import annotations
 
 import os
-import time
 import warnings
 
 os.environ["OMP_NUM_THREADS"] = "1"  # this process and the workers forked from it only
@@ -28,14 +27,11 @@ from memfit.estimate.trace import trace_step  # noqa: E402
 torch.set_num_threads(1)
 
 
-def run(task: tuple[int, ModelArch, dict, int]) -> tuple[int, int, dict | None, float, str]:
-    """One shape's `layers`-layer model (trace_step.trace_layers): (its index, the layers, the
-    measures, seconds, "" or the error)."""
-    index, arch, key, layers = task
-    t0 = time.perf_counter()
+def run(task: tuple[int, ModelArch, dict]) -> tuple[int, dict | None, float, str]:
+    """One shape: (its index, the 1- and 2-layer measures, seconds, "" or the error)."""
+    index, arch, key = task
     try:
-        r = trace_step.trace_layers(arch, key, layers)
+        r = trace_step.trace_keys(arch, [key])[0]
     except Exception as exc:  # noqa: BLE001 - reported by the estimating process as a TraceError
-        error = str(exc) if isinstance(exc, errors.TraceError) else f"{type(exc).__name__}: {exc}"
-        return index, layers, None, 0.0, error
-    return index, layers, r, time.perf_counter() - t0, ""
+        return index, None, 0.0, str(exc) if isinstance(exc, errors.TraceError) else f"{type(exc).__name__}: {exc}"
+    return index, r["runs"], float(r["seconds"]), ""
