@@ -15,8 +15,9 @@ of degree <= 2 in the length: activations are linear in the tokens, eager attent
 every attention's FLOPs quadratic (Korthikanti et al. 2022, sec. 4.1; Dao 2023, FlashAttention-2,
 sec. 3.2). So the model is traced at TRACE_LENGTHS (every kind of layer at once, on one pool of
 worker processes kept for the search) and a step reads the quadratic through the three traced
-lengths nearest its own, exact at a traced length (smollm3-3b: traced at 3,000 and 300,000 tokens, every measure as
-the quadratic through 4,096, 16,384 and 65,536 predicts it, to the byte). A chunked linear
+lengths nearest its own, exact at a traced length (smollm3-3b: traced at 3,000 and 300,000
+tokens, every measure as the quadratic through 4,096, 16,384 and 65,536 predicts it, to the
+byte). A chunked linear
 attention (Qwen3.5, Qwen3-Next) pads to whole 64-token chunks: between multiples of 64 the form is
 off by less than one chunk's share of that layer (0.13% of its peak at 1,531 tokens, measured).
 An answer below the traced lengths (where a sliding window or a chunk may change the shapes) is

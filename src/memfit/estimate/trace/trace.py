@@ -66,7 +66,7 @@ from typing import Any
 from memfit.atomic import write_json_atomic
 from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to, shared_workers and trace_workers are API here
+from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to, shared_workers, trace_workers: API
     ENV_IN_PROCESS,
     TRACE_LAYERS,
     _trace_in_children,

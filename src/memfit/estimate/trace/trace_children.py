@@ -111,12 +111,13 @@ def _trace_in_children(
     in_process = os.environ.get(ENV_IN_PROCESS) == "1"
     shared = bool(_SHARED) and not in_process
     total = sum(len(keys) for _, keys in batches)
-    n = 1 if in_process else min(_SHARED[-1][1] if shared else (workers or trace_workers()), total)
+    size = _SHARED[-1][1] if shared else (workers or trace_workers())
+    n = 1 if in_process else min(size, total)
     for arch, keys in batches:
         shapes = ", ".join(_shape_text(k) for k in keys)
         m = min(n, len(keys))
-        on = f"{' of the shared' if shared else ''} process{'es' * (m > 1)}"
-        report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {m}{on}")
+        on = f"{m} of the {size} shared process{'es' * (size > 1)}" if shared else f"{m} process{'es' * (m > 1)}"
+        report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {on}")
 
     def done(arch: ModelArch, key: dict[str, Any], seconds: float) -> None:
         report(f"traced {_label(arch)} at {_shape_text(key)} in {seconds:.1f} s "
