@@ -136,11 +136,9 @@ def _trace_in_children(
     errors: list[tuple[str, str]] = []  # (architecture, error)
     # workers forked from a server that imported torch, transformers and peft once
     # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free, a shape
-    # whole: its 1- and 2-layer runs in one worker, where the second reuses the fake tensors'
-    # dispatch cache the first filled (split over two workers, qwen3.5-122b-a10b's linear-attention
-    # layers at 512 and 1,024 tokens took 55.6 s of worker time against 24.7 s whole, at the same
-    # load, 2026-11-28). (A pool that notices a worker killed mid-shape: multiprocessing.Pool would
-    # wait forever.)
+    # whole (its 1- and 2-layer runs as two tasks gave no gain: qwen3.5-122b-a10b's cold fit took
+    # 63.3 s split against 54.4 s whole, back to back at load 5, 2026-11-28). (A pool that notices
+    # a worker killed mid-shape: multiprocessing.Pool would wait forever.)
     with contextlib.ExitStack() as stack:
         pool = _SHARED[-1][0] if shared else stack.enter_context(ProcessPoolExecutor(n, mp_context=_workers()))
         try:
