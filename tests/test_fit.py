@@ -184,3 +184,41 @@ def test_linear_attention_layers_are_traced_short_and_read_exactly_beyond(tmp_pa
     got = {t.key["seq_len"]: t for t in trace.layer_traces(linear, reqs, cache_dir=tmp_path, workers=2)}
     fitted = _quadratic({n: got[n] for n in LINEAR_TRACE_LENGTHS}, 1536)
     assert fitted.runs == got[1536].runs
+
+
+@pytest.mark.slow
+def test_kinds_of_layer_share_one_set_of_trace_workers_kept_for_the_search(tmp_path, monkeypatch):
+    """A model that mixes kinds of layer (the tiny Qwen3.5: linear and full attention) is traced
+    with one set of trace workers: both kinds' shapes at once on trace_workers() processes, the
+    same processes again for the next round of lengths (their imports and caches paid once, not
+    once per kind and round), none left once the search is over; and every trace is the one the
+    kind traced on its own gives, to the byte."""
+    import multiprocessing
+
+    from memfit.estimate.fit import FittedTraces
+    from memfit.estimate.models import catalog
+    from memfit.estimate.settings import Settings
+    from memfit.estimate.trace import trace
+
+    monkeypatch.delenv("MEMFIT_TRACE_IN_PROCESS", raising=False)
+    monkeypatch.setenv("MEMFIT_TRACE_WORKERS", "2")
+    arch = catalog.model(str(ROOT / "config" / "models" / "tiny-qwen3-5-text.json"), allow_moe=True)
+    shape = trace.TraceRequest(0, "sdpa", "bf16", True, "lora")
+    lines: list[str] = []
+    traces = FittedTraces(arch, [shape], Settings(trace_cache=str(tmp_path / "shared")), lines.append)
+    assert len(traces.cards) == 2
+    before = set(multiprocessing.active_children())
+    with trace.progress_to(lines.append), traces:
+        traces.add([64])
+        first = set(multiprocessing.active_children()) - before
+        traces.add([96, 128])
+        second = set(multiprocessing.active_children()) - before
+    assert len(first) == 2 and second == first  # one pair of workers, both kinds, both rounds
+    assert not set(multiprocessing.active_children()) - before  # closed with the search
+    assert sum(ln.startswith("tracing ") and " layers) at " in ln for ln in lines) == 4  # each kind, each round
+    assert sum(ln.startswith("traced ") and " layers) at " in ln for ln in lines) == 6  # each kind at 3 lengths
+    for card in traces.cards:  # each kind on its own, in a cache of its own
+        alone = trace.layer_traces(
+            card, [dataclasses.replace(shape, seq_len=n) for n in (64, 96, 128)], tmp_path / "alone"
+        )
+        assert [t.runs for t in alone] == [traces.points[(card, shape)][n].runs for n in (64, 96, 128)]

@@ -13,10 +13,11 @@ hand-written card, a config.json transformers builds, `--activations traced`) is
 every step of the search. Each measure of a trace (bytes and FLOPs per sequence) is a polynomial
 of degree <= 2 in the length: activations are linear in the tokens, eager attention's scores and
 every attention's FLOPs quadratic (Korthikanti et al. 2022, sec. 4.1; Dao 2023, FlashAttention-2,
-sec. 3.2). So the model is traced at TRACE_LENGTHS (one batch of child processes per kind of
-layer, all at once) and a step reads the quadratic through the three traced lengths nearest its
-own, exact at a traced length (smollm3-3b: traced at 3,000 and 300,000 tokens, every measure as
-the quadratic through 4,096, 16,384 and 65,536 predicts it, to the byte). A chunked linear
+sec. 3.2). So the model is traced at TRACE_LENGTHS (every kind of layer at once, on one pool of
+worker processes kept for the search) and a step reads the quadratic through the three traced
+lengths nearest its own, exact at a traced length (smollm3-3b: traced at 3,000 and 300,000
+tokens, every measure as the quadratic through 4,096, 16,384 and 65,536 predicts it, to the
+byte). A chunked linear
 attention (Qwen3.5, Qwen3-Next) pads to whole 64-token chunks: between multiples of 64 the form is
 off by less than one chunk's share of that layer (0.13% of its peak at 1,531 tokens, measured).
 An answer below the traced lengths (where a sliding window or a chunk may change the shapes) is
@@ -31,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -104,8 +104,9 @@ class FittedTraces:
 
     def add(self, lengths=None, first: bool = False) -> None:
         """Trace every (layer kind, shape) at `lengths` (None: each kind's schedule, or its first
-        length with `first`) not traced yet: one batch per layer kind, the kinds at once, each
-        with its share of the trace workers (a child process each pays its imports, ~7 s)."""
+        length with `first`) not traced yet: one batch per layer kind, the kinds at once on one
+        pool of trace workers (trace.layer_traces_of_kinds; inside `with`, the same pool for
+        every call: a worker keeps what its first trace imported and cached)."""
         from memfit.estimate.trace import trace
 
         todo = {}
@@ -121,18 +122,18 @@ class FittedTraces:
             for c, ns in todo.items()
         )
         self.say(f"tracing {self.name} {per_kind}")
-        workers = max(1, trace.trace_workers() // len(todo))
-
-        def one(card):  # each kind of layer in its own child processes, all at once
-            reqs = [dataclasses.replace(s, seq_len=n) for s in self.shapes for n in todo[card]]
-            return reqs, trace.layer_traces(card, reqs, cache_dir=self.settings.trace_cache, workers=workers)
-
+        # the longest traces first, so that no worker is left with one alone at the end: a linear
+        # attention's (its chunk loop: 7.6 s at 1,024 tokens against 2.3 s for the full-attention
+        # layer: qwen3.5-35b-a3b in one process, 2026-11-28) and of a kind the longest lengths
+        kinds = sorted(todo, key=lambda c: self.schedule(c) != LINEAR_TRACE_LENGTHS)
+        batches = [
+            (c, [dataclasses.replace(s, seq_len=n) for n in reversed(todo[c]) for s in self.shapes]) for c in kinds
+        ]
         try:
-            with ThreadPoolExecutor(len(todo)) as pool:
-                done = list(pool.map(one, todo))
+            done = trace.layer_traces_of_kinds(batches, cache_dir=self.settings.trace_cache)
         except trace.TraceError as exc:
             raise EstimateError(str(exc)) from None
-        for card, (reqs, got) in zip(todo, done, strict=True):
+        for (card, reqs), got in zip(batches, done, strict=True):
             for r, t in zip(reqs, got, strict=True):
                 self.points[(card, dataclasses.replace(r, seq_len=0))][r.seq_len] = t
 
@@ -146,6 +147,14 @@ class FittedTraces:
         return at
 
     def __enter__(self) -> FittedTraces:
+        """Registers the fitted forms and opens the trace workers' pool that every `add` shares;
+        when the first lengths are not cached, its fork server starts loading torch now, while
+        the search prices its first length."""
+        from memfit.estimate.trace import trace
+
+        first = [(c, [dataclasses.replace(s, seq_len=self.schedule(c)[0]) for s in self.shapes]) for c in self.cards]
+        self._workers = trace.shared_workers(start=not trace.cached(first, self.settings.trace_cache))
+        self._workers.__enter__()
         cache = str(self.settings.trace_cache)
         for card, shape in self.points:
             traced_mod.EXTRAPOLATED[(card, shape, cache)] = self.form(card, shape)
@@ -155,6 +164,7 @@ class FittedTraces:
         cache = str(self.settings.trace_cache)
         for card, shape in self.points:
             traced_mod.EXTRAPOLATED.pop((card, shape, cache), None)
+        self._workers.__exit__(*exc)
 
 
 def _quadratic(points: dict[int, object], seq_len: int):

@@ -66,12 +66,13 @@ from typing import Any
 from memfit.atomic import write_json_atomic
 from memfit.estimate.errors import TraceError
 from memfit.estimate.models.arch import ModelArch
-from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to and trace_workers are API here
+from memfit.estimate.trace.trace_children import (  # noqa: F401 - progress_to, shared_workers, trace_workers: API
     ENV_IN_PROCESS,
     TRACE_LAYERS,
     _trace_in_children,
     progress_to,
     reporter,
+    shared_workers,
     trace_workers,
 )
 from memfit.estimate.trace.trace_step import MEASURES  # defined with the step that measures them
@@ -280,41 +281,74 @@ def layer_traces(
     server that imported torch, transformers and peft once), which keep the estimating process
     clean of fake tensors. `progress`: where the progress lines go (default: the
     innermost `progress_to`); `workers`: at most this many children (default trace_workers())."""
+    return layer_traces_of_kinds([(arch, requests)], cache_dir, use_cache, progress, workers)[0]
+
+
+def layer_traces_of_kinds(
+    batches: list[tuple[ModelArch, list[TraceRequest]]],
+    cache_dir: str | Path | None = None,
+    use_cache: bool = True,
+    progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
+) -> list[list[LayerTrace]]:
+    """`layer_traces` of several architectures (a mixed model's kinds of layer:
+    generic.layer_groups) at once: every missing shape on one pool of workers, submitted in the
+    order given (the caller's longest first), so a worker free of one kind's shapes takes the
+    next kind's."""
     d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    keys = [
-        trace_key(
-            arch,
-            r.seq_len,
-            r.attn,
-            r.precision,
-            r.grad_ckpt,
-            r.finetune,
-            r.lora_rank,
-            r.lora_targets,
-        )
-        for r in requests
-    ]
-    out: list[LayerTrace | None] = [None] * len(requests)
-    todo: dict[str, int] = {}
-    for i, key in enumerate(keys):
-        h = _hash(key)
-        hit = _load(d, h, key) if use_cache else None
-        if hit is not None:
-            out[i] = hit
-        elif h not in todo:
-            todo[h] = i
-    if todo:
-        fresh = _trace_in_children(arch, [keys[i] for i in todo.values()], reporter(progress), workers)
-        for (h, i), (runs, secs) in zip(todo.items(), fresh, strict=True):
-            t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
-            if use_cache:
-                write_json_atomic(d / f"{h}.json", t.to_json())
-                _MEMO[f"{d.resolve()}/{h}"] = t
-            out[i] = t
+    found, missing = [], []  # per batch: the traces in order; {hash: index} of those to trace
+    for arch, requests in batches:
+        keys = [
+            trace_key(arch, r.seq_len, r.attn, r.precision, r.grad_ckpt, r.finetune, r.lora_rank, r.lora_targets)
+            for r in requests
+        ]
+        out: list[LayerTrace | None] = [None] * len(requests)
+        todo: dict[str, int] = {}
         for i, key in enumerate(keys):
-            if out[i] is None:  # a duplicate of a request traced just now
-                out[i] = out[todo[_hash(key)]]
-    return [t for t in out if t is not None]
+            h = _hash(key)
+            hit = _load(d, h, key) if use_cache else None
+            if hit is not None:
+                out[i] = hit
+            elif h not in todo:
+                todo[h] = i
+        found.append((keys, out))
+        missing.append(todo)
+    traced = [(b, todo) for b, todo in enumerate(missing) if todo]
+    if traced:
+        fresh = _trace_in_children(
+            [(batches[b][0], [found[b][0][i] for i in todo.values()]) for b, todo in traced],
+            reporter(progress),
+            workers,
+        )
+        for (b, todo), results in zip(traced, fresh, strict=True):
+            keys, out = found[b]
+            for (h, i), (runs, secs) in zip(todo.items(), results, strict=True):
+                t = LayerTrace(key=keys[i], runs=runs, seconds=secs)
+                if use_cache:
+                    write_json_atomic(d / f"{h}.json", t.to_json())
+                    _MEMO[f"{d.resolve()}/{h}"] = t
+                out[i] = t
+            for i, key in enumerate(keys):
+                if out[i] is None:  # a duplicate of a request traced just now
+                    out[i] = out[todo[_hash(key)]]
+    return [[t for t in out if t is not None] for _, out in found]
+
+
+def cached(batches: list[tuple[ModelArch, list[TraceRequest]]], cache_dir: str | Path | None = None) -> bool:
+    """Whether every shape of every batch is in the cache (a model that cannot be traced: False,
+    and `layer_traces` says why)."""
+    d = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    try:
+        return all(
+            _load(d, _hash(k), k) is not None
+            for arch, requests in batches
+            for r in requests
+            for k in [
+                trace_key(arch, r.seq_len, r.attn, r.precision, r.grad_ckpt, r.finetune, r.lora_rank, r.lora_targets)
+            ]
+        )
+    except TraceError:
+        return False
 
 
 def _load(d: Path, h: str, key: dict[str, Any]) -> LayerTrace | None:

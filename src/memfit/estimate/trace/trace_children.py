@@ -1,6 +1,10 @@
 """The traced runs' processes (memfit.estimate.trace.trace keys and caches them): a batch of shapes in
 worker processes forked from a server that imported torch, transformers and peft once
 (memfit.estimate.trace.trace_worker), and the progress lines a batch reports (`progress_to`).
+Inside `shared_workers` every batch (of any kind of layer, from any thread) runs on one set of
+workers, started once and kept: memfit.estimate.fit traces a model's kinds of layer at once and
+again a round later, and a worker keeps what its first trace imported and cached (the model's
+transformers module, the fake tensors' dispatch cache).
 
     from memfit.estimate.trace import trace
     with trace.progress_to(lambda line: print(line, file=sys.stderr)):
@@ -11,6 +15,7 @@ worker processes forked from a server that imported torch, transformers and peft
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -88,57 +93,110 @@ def trace_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+Runs = dict[str, dict[str, int]]  # TRACE_LAYERS ("1", "2") -> MEASURES per sequence
+
+
 def _trace_in_children(
-    arch: ModelArch,
-    keys: list[dict[str, Any]],
+    batches: list[tuple[ModelArch, list[dict[str, Any]]]],
     report: Callable[[str], None] = lambda line: None,
     workers: int | None = None,
-) -> list[tuple[dict[str, dict[str, int]], float]]:
-    """Trace `keys` in up to `workers` (default trace_workers()) child processes, results in order, a
-    progress line to `report` when they start and as each shape is done; in this process with
-    $MEMFIT_TRACE_IN_PROCESS=1 (benchmarks/bench_coverage.py: a tiny model's trace takes less
-    than a child's start-up)."""
+) -> list[list[tuple[Runs, float]]]:
+    """Trace each batch's `keys` (of its architecture: a mixed model's kinds of layer are one
+    batch each) in up to `workers` (default trace_workers()) child processes, all batches on one
+    pool (inside `shared_workers`: its pool, `workers` unused), in the order given: a caller
+    puts its longest first. Results in order, batch by batch; a progress line to `report` as a
+    batch starts and as each shape is done. In this process with $MEMFIT_TRACE_IN_PROCESS=1
+    (benchmarks/bench_coverage.py: a tiny model's trace takes less than a child's start-up)."""
     t0 = time.perf_counter()
     in_process = os.environ.get(ENV_IN_PROCESS) == "1"
-    n = 1 if in_process else min(workers or trace_workers(), len(keys))
-    shapes = ", ".join(_shape_text(k) for k in keys)
-    report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, "
-           f"{n} process{'es' * (n > 1)}")  # fmt: skip
+    shared = bool(_SHARED) and not in_process
+    total = sum(len(keys) for _, keys in batches)
+    size = _SHARED[-1][1] if shared else (workers or trace_workers())
+    n = 1 if in_process else min(size, total)
+    for arch, keys in batches:
+        shapes = ", ".join(_shape_text(k) for k in keys)
+        m = min(n, len(keys))
+        on = f"{m} of the {size} shared process{'es' * (size > 1)}" if shared else f"{m} process{'es' * (m > 1)}"
+        report(f"tracing {_label(arch)} at {shapes}: {len(keys)} shape{'s' * (len(keys) > 1)}, {on}")
 
-    def done(key: dict[str, Any], seconds: float) -> None:
+    def done(arch: ModelArch, key: dict[str, Any], seconds: float) -> None:
         report(f"traced {_label(arch)} at {_shape_text(key)} in {seconds:.1f} s "
                f"({time.perf_counter() - t0:.1f} s since the batch started)")  # fmt: skip
 
     if in_process:
-        try:
-            res = trace_keys(arch, keys, lambda i, r: done(keys[i], float(r["seconds"])))
-        except Exception as exc:  # noqa: BLE001 - as a child's failure reads
-            raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
-        return [(r["runs"], float(r["seconds"])) for r in res]
-    out: list[tuple[dict[str, dict[str, int]], float] | None] = [None] * len(keys)
-    errors: list[str] = []
+        out = []
+        for arch, keys in batches:
+            try:
+                res = trace_keys(arch, keys, lambda i, r, a=arch, k=keys: done(a, k[i], float(r["seconds"])))
+            except Exception as exc:  # noqa: BLE001 - as a child's failure reads
+                raise TraceError(f"tracing {arch.name!r} failed: {type(exc).__name__}: {exc}") from None
+            out.append([(r["runs"], float(r["seconds"])) for r in res])
+        return out
+    out: list[list[tuple[Runs, float] | None]] = [[None] * len(keys) for _, keys in batches]
+    errors: list[tuple[str, str]] = []  # (architecture, error)
     # workers forked from a server that imported torch, transformers and peft once
-    # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free
-    # (a pool that notices a worker killed mid-shape: multiprocessing.Pool would wait forever)
-    with ProcessPoolExecutor(n, mp_context=_workers()) as pool:
-        with _main_not_imported():  # the first submit starts the workers
-            futures = [pool.submit(_worker_run, (i, arch, k)) for i, k in enumerate(keys)]
+    # (memfit.estimate.trace.trace_worker); each takes the next shape when it is free, a shape
+    # whole (its 1- and 2-layer runs as two tasks gave no gain: qwen3.5-122b-a10b's cold fit took
+    # 63.3 s split against 54.4 s whole, back to back at load 5, 2026-11-28). (A pool that notices
+    # a worker killed mid-shape: multiprocessing.Pool would wait forever.)
+    with contextlib.ExitStack() as stack:
+        pool = _SHARED[-1][0] if shared else stack.enter_context(ProcessPoolExecutor(n, mp_context=_workers()))
         try:
+            with _main_not_imported():  # a submit starts a worker while none is free
+                futures = {
+                    pool.submit(_worker_run, (i, arch, key)): b
+                    for b, (arch, keys) in enumerate(batches)
+                    for i, key in enumerate(keys)
+                }
             for future in as_completed(futures):
+                b = futures[future]
+                arch, keys = batches[b]
                 i, runs, seconds, error = future.result()
                 if error:
-                    errors.append(error)
+                    errors.append((arch.name, error))
                     continue
-                out[i] = (runs, seconds)
-                done(keys[i], seconds)
+                out[b][i] = (runs, seconds)
+                done(arch, keys[i], seconds)
         except BrokenProcessPool:
-            errors.append("a trace worker process died (killed by the system: out of memory?)")
-    if errors or any(r is None for r in out):
-        raise TraceError(f"tracing {arch.name!r} failed: {(errors or ['a worker gave no result'])[0]}")
-    return [r for r in out if r is not None]
+            errors.append((batches[0][0].name, "a trace worker process died (killed by the system: out of memory?)"))
+    if errors:
+        raise TraceError(f"tracing {errors[0][0]!r} failed: {errors[0][1]}")
+    missing = [arch.name for b, (arch, _) in enumerate(batches) if any(r is None for r in out[b])]
+    if missing:
+        raise TraceError(f"tracing {missing[0]!r} failed: a worker gave no result")
+    return [[r for r in results if r is not None] for results in out]
 
 
 _CONTEXT: list = []
+_SHARED: list[tuple[ProcessPoolExecutor, int]] = []  # the open shared_workers pool and its size
+
+
+@contextmanager
+def shared_workers(workers: int | None = None, start: bool = False) -> Iterator[None]:
+    """While inside, every batch of traces (any architecture, any thread) runs on one pool of
+    `workers` (default trace_workers()) processes, each started when a task waits and no
+    worker is free and kept until the block ends, instead of a pool per batch. `start`: start
+    the fork server now, in the background (its imports: 4.4 CPU s, `/usr/bin/time python -c
+    'import memfit.estimate.trace.trace_worker'` on the 2-core dev machine, 2026-11-28), so that it
+    loads while this process works towards its first trace; else at the first trace, if any.
+    Nested: the outer pool serves. Not with $MEMFIT_TRACE_IN_PROCESS=1 (traced in this process)."""
+    if _SHARED or os.environ.get(ENV_IN_PROCESS) == "1":
+        yield
+        return
+    from multiprocessing import forkserver
+
+    ctx = _workers()
+    if start:
+        with _main_not_imported():  # the server is told the parent's main module: hidden, as for a worker
+            forkserver.ensure_running()
+    n = workers or trace_workers()
+    pool = ProcessPoolExecutor(n, mp_context=ctx)
+    _SHARED.append((pool, n))
+    try:
+        yield
+    finally:
+        _SHARED.remove((pool, n))
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _workers():

@@ -232,9 +232,9 @@ def _head_from_formulas(
 
 
 def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -> None:
-    """Trace every shape the candidates need that is not cached yet, in one batch of child
-    processes (memfit.estimate.trace.trace.layer_traces), so a new architecture's space pays one interpreter
-    start per worker."""
+    """Trace every shape the candidates need that is not cached yet, every kind of layer in one
+    batch on one pool of child processes (memfit.estimate.trace.trace.layer_traces_of_kinds), so a
+    new architecture's space pays one worker start per worker."""
     from memfit.estimate.trace import trace
 
     requests = {}
@@ -253,8 +253,8 @@ def prefetch_traces(arch: ModelArch, gpu: GPU, candidates, settings: Settings) -
                 settings.lora_targets,
             )
             requests[r] = None
-    try:
-        for _, card, _ in layer_groups(arch):
-            trace.layer_traces(card, list(requests), cache_dir=settings.trace_cache)
+    try:  # every kind of layer at once, on one pool of workers
+        batches = [(card, list(requests)) for _, card, _ in layer_groups(arch)]
+        trace.layer_traces_of_kinds(batches, cache_dir=settings.trace_cache)
     except trace.TraceError as exc:
         raise EstimateError(str(exc)) from None
