@@ -3,13 +3,16 @@
 Both sides train the embedded demo model (config/models/demo-tiny.json) from the same initial weights on
 the same demo DPO pairs (data/demo/dpo.jsonl, tokenized identically; tests/test_trl_parity.py asserts
 TRL's tokenization of the conversational pairs equals memfit.data.prepare's ids), with:
-sigmoid loss, beta, AdamW(lr, weight_decay=0, betas 0.9/0.999, eps 1e-8), constant LR, no grad clipping,
+sigmoid loss, beta, AdamW(lr, weight_decay=0, betas 0.9/0.999, eps 1e-8) as each trainer builds it by
+default (TRL: transformers' adamw_torch_fused; memfit: DeepSpeed's FusedAdam, `fused_adamw`), constant
+LR, no grad clipping,
 batch B pairs, fp32, sdpa attention, no gradient checkpointing, reference model as a second frozen copy
 (no precomputed reference log-probs), 1 process, torch's default CPU threads.
 
 (a) TRL: `trl.DPOTrainer(...).train()` with max_steps = warmup + steps; step times from a callback.
 (b) memfit: `memfit.train.steps.StepRunner.loss` (memfit's collate + sequence_logps + dpo_loss) on the plain
-    torch model, `loss.backward()`, `torch.optim.AdamW.step()`: the single-process path without DeepSpeed.
+    torch model, `loss.backward()`, DeepSpeed's `FusedAdam.step()`: the single-process path without the
+    DeepSpeed engine.
 
 steps/s is measured over the steps after the warm-up. Rounds alternate TRL, memfit, TRL, memfit, ... to
 spread noise from other load on the machine; the best round of each is reported along with all rounds.
@@ -48,20 +51,34 @@ def batches(rows: list[dict], batch: int, n_steps: int, seed: int) -> list[list[
 
 
 def timed_train(trainer_cls, a, **kwargs) -> dict:
-    """`trainer_cls(**kwargs).train()` (a TRL trainer whose args ran warmup + steps steps), timed by a
-    callback at each step's end: steps/s over the steps after the warm-up."""
+    """`trainer_cls(**kwargs).train()` (a TRL trainer whose args run at least warmup + steps steps),
+    timed by a callback at each step's end: steps/s over `a.steps` steps after the warm-up. Steps that
+    compiled a graph (TrainingArguments.torch_compile: the first, a new batch shape) are not measured
+    but summed as compile_s, as on memfit's side (`run_memfit`)."""
+    from torch._dynamo.utils import counters
     from transformers import TrainerCallback
 
-    stamps: list[float] = []
+    stamps: list[tuple[float, int]] = []
 
     class Stamp(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if not stamps:
+                stamps.append((time.perf_counter(), counters["stats"]["unique_graphs"]))
+
         def on_step_end(self, args, state, control, **kw):
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), counters["stats"]["unique_graphs"]))
 
     trainer_cls(callbacks=[Stamp()], **kwargs).train()
-    assert len(stamps) == a.warmup + a.steps, len(stamps)
-    dt = stamps[-1] - stamps[a.warmup - 1]
-    return {"steps_per_s": a.steps / dt, "seconds": dt}
+    measured: list[float] = []
+    compile_s = 0.0
+    for i in range(1, len(stamps)):
+        dt = stamps[i][0] - stamps[i - 1][0]
+        if stamps[i][1] != stamps[i - 1][1]:
+            compile_s += dt
+        elif i > a.warmup and len(measured) < a.steps:
+            measured.append(dt)
+    assert len(measured) == a.steps, f"{len(measured)} steps without compiling in {len(stamps) - 1}"
+    return {"steps_per_s": a.steps / sum(measured), "seconds": sum(measured), "compile_s": compile_s}
 
 
 def trl_args(config_cls, a, out: Path, **extra):
@@ -74,11 +91,11 @@ def trl_args(config_cls, a, out: Path, **extra):
         lr_scheduler_type="constant",
         warmup_steps=0,
         weight_decay=0.0,
-        optim="adamw_torch",
+        optim="adamw_torch_fused",  # transformers' default TrainingArguments.optim (transformers 5.24)
         max_grad_norm=0.0,  # no clipping (memfit side does not clip either)
         per_device_train_batch_size=a.batch,
         gradient_accumulation_steps=1,
-        max_steps=a.warmup + a.steps,
+        max_steps=extra.pop("max_steps", a.warmup + a.steps),
         gradient_checkpointing=False,
         use_cpu=True,
         bf16=False,
@@ -130,6 +147,15 @@ def run_trl(model_dir: Path, records: list[dict], a, out: Path, peft_config=None
     )
 
 
+def fused_adamw(params, lr: float):
+    """memfit's optimizer: DeepSpeed's FusedAdam in AdamW mode, what the trainer's DeepSpeed config
+    ("type": "AdamW", memfit.train.dsconfig) builds on the CPU and CUDA accelerators (a C++ op on the
+    CPU: `make ops`); the same update as torch's fused AdamW on TRL's side (adamw_torch_fused)."""
+    from deepspeed.ops.adam import FusedAdam
+
+    return FusedAdam(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True)
+
+
 def run_memfit(
     model_dir: Path, rows: list[dict], a, pad_id: int, method: str = "dpo", peft_config=None, **runner
 ) -> dict:
@@ -155,7 +181,7 @@ def run_memfit(
         compile_layers(policy)
     policy.train()
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    opt = fused_adamw(params, a.lr)
     dpo = {"beta": a.beta, "loss_type": "sigmoid", "label_smoothing": 0.0} if method == "dpo" else None
     step = StepRunner(method, policy, ref, pad_id, dpo=dpo, ref=ref_mode or "model", **runner)
     # steps that compiled a graph (compile: the first step, a new batch length, a batch without
@@ -170,7 +196,7 @@ def run_memfit(
         loss, _, _ = step.loss(b)
         loss.backward()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()  # FusedAdam: set_to_none by default (deepspeed/ops/adam/fused_adam.py)
         dt = time.perf_counter() - t0
         if counters["stats"]["unique_graphs"] != graphs:
             compile_s += dt

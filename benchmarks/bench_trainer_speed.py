@@ -6,7 +6,8 @@ memfit.workflow.demo) from the same initial weights on the demo data (data/demo/
 data/demo/dpo.jsonl) prepared by memfit.data.prepare at --max-len tokens. SFT: TRL gets memfit's
 tokenized rows (input_ids, completion_mask = memfit's response labels), so both train on the same
 tokens and score the same ones. DPO: the settings and pieces of benchmarks/bench_dpo_vs_trl.py
-(imported from it: its TRL config, timing callback, memfit step loop). fp32, sdpa attention, AdamW,
+(imported from it: its TRL config, timing callback, memfit step loop). fp32, sdpa attention, each side's
+default fused AdamW (TRL: adamw_torch_fused; memfit: DeepSpeed's FusedAdam),
 constant LR, no clipping, no gradient checkpointing, 1 process, --threads torch threads, batch --batch rows (SFT) or pairs (DPO).
 LoRA: peft r=8, alpha=16 on all linear layers, on both sides; DPO's reference then is the
 adapter-disabled policy on both sides (TRL's ref_model=None with peft, memfit's ref: adapter).
@@ -16,9 +17,11 @@ other load on the machine spreads over all of them:
 - trl: the trainer as configured above; trl+padding_free: TRL's padding_free=True (SFTConfig,
   DPOConfig: one row of concatenated sequences with position_ids; transformers masks it
   block-causally under sdpa);
+  trl+compile: TrainingArguments.torch_compile=True (the whole model through torch.compile; the steps
+  that compiled a graph are not measured, as for memfit+compile);
   TRL's use_liger_kernel is reported as skipped unless the liger-kernel package and a CUDA GPU exist
   (its Triton kernels need CUDA);
-- memfit: memfit.train.steps.StepRunner + backward + AdamW.step (no DeepSpeed: the step itself);
+- memfit: memfit.train.steps.StepRunner + backward + DeepSpeed's FusedAdam step (no DeepSpeed engine: the step itself);
   memfit+compile: regional torch.compile of the decoder layers (memfit.train.compile, RunConfig.compile);
   the steps that compiled a graph (the first, a new batch length, a batch without padding) are not
   measured but summed as compile_s, and the run goes on until --steps steps compiled nothing;
@@ -131,6 +134,7 @@ def variants(method: str) -> list[tuple[str, dict]]:
     return [
         ("trl", {}),
         ("trl+padding_free", {"padding_free": True}),
+        ("trl+compile", {"torch_compile": True}),
         ("memfit", {}),
         ("memfit+compile", {"compile": True}),
         ("memfit+padding_free", {"padding_free": True}),
@@ -159,6 +163,8 @@ def run_one(name: str, opts: dict, method: str, finetune: str, ctx: dict, a, out
     peft = lora_config() if finetune == "lora" else None
     rows, model_dir, pad_id = ctx["rows"][method], ctx["model_dir"], ctx["pad_id"]
     if name.startswith("trl"):
+        if opts.get("torch_compile"):  # room for the steps that compile (not measured: timed_train)
+            opts = opts | {"max_steps": a.warmup + 3 * a.steps}
         if method == "sft":
             return run_trl_sft(model_dir, rows, a, out, peft, **opts)
         return run_trl(model_dir, ctx["records"], a, out, peft, **opts)
