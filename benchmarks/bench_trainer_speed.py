@@ -160,6 +160,10 @@ def padding_share(rows: list[dict], method: str, batch: int, seed: int, draws: i
 
 
 def run_one(name: str, opts: dict, method: str, finetune: str, ctx: dict, a, out: Path) -> dict:
+    # each variant compiles from nothing, as a training process does: the variants before it in this
+    # process left compiled code for the same layer code and counted against its recompile limit
+    # (torch._dynamo.config.recompile_limit), past which dynamo runs the layer eagerly
+    torch._dynamo.reset()
     peft = lora_config() if finetune == "lora" else None
     rows, model_dir, pad_id = ctx["rows"][method], ctx["model_dir"], ctx["pad_id"]
     if name.startswith("trl"):
