@@ -301,3 +301,26 @@ def test_a_gpu_of_another_kind_stops_a_config_before_it_measures(monkeypatch):
 
     monkeypatch.setattr(detect, "smi_devices", no_smi)
     require_target_device("h100-80gb", plan_only=False, stage="calibrate")  # cannot tell: the selection checks
+
+
+def test_a_probed_lever_candidate_is_probed_beside_its_plain_twin():
+    """A compiled, padding-free or liger candidate the ranking probes brings its plain twin into the
+    probes (when it fits), so the selection decides by two measurements, not by the lever's
+    calibrated time: on the CPU demo compiled probes ran slower than their eager twins."""
+    from memfit.workflow.pipeline import lever_twins
+
+    def row(cid, fits=True, invalid=False, **levers):
+        cand = {"zero": 0, "micro_batch": 16, "compile": False, "padding_free": False, "kernels": "none"}
+        return {"id": cid, "fits": fits, "invalid": invalid, "candidate": cand | levers}
+
+    rows = [
+        row("z0-compiled", compile=True),
+        row("z0-pf-compiled", compile=True, padding_free=True),
+        row("z0-liger", kernels="liger"),
+        row("z0"),
+    ]
+    assert lever_twins(rows, ["z0-compiled", "z0-pf-compiled"]) == ["z0"]  # one twin for both
+    assert lever_twins(rows, ["z0-liger", "z0"]) == []  # the twin is probed already
+    assert lever_twins(rows, ["z0"]) == []  # no lever: nothing to add
+    assert lever_twins([*rows[:3], row("z0", fits=False)], ["z0-compiled"]) == []  # a twin that won't fit
+    assert lever_twins(rows[:3], ["z0-compiled"]) == []  # no plain twin in the space

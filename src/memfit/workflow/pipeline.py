@@ -123,6 +123,7 @@ def estimate_candidates(
         key=lambda r: -r["tokens_per_s"],  # fastest predicted first
     )
     probe = [] if cfg.plan_only else probe_choice(ranked, cfg.probe.top_k)
+    probe += [i for i in lever_twins(rows, probe) if i not in probe]
     compare = reference_twin(rows, probe) if method == "dpo" else None
     if compare and compare["model"] not in probe:
         probe.append(compare["model"])  # one probe more: the same candidate holding a reference model
@@ -181,6 +182,30 @@ def boundary_probe(rows: list[dict[str, Any]], probe: list[str], budget: Budget,
         and (r["tokens_per_s"] or 0.0) > fastest
     ]
     return [max(near, key=lambda r: r["tokens_per_s"])["id"]] if near else []
+
+
+# The speed levers (search keys) and their plain value: a candidate using one is probed beside its
+# plain twin, so the selection compares them measured. Their calibrated step times are not yet
+# validated against probes everywhere: on the CPU demo (2026-11-28) the calibration priced compiled
+# DeepSpeed steps 1.4-1.6x faster than their probes measured, and those probes ran slower than
+# their eager twins (docs/speed.md).
+SPEED_LEVERS = {"compile": False, "padding_free": False, "kernels": "none"}
+
+
+def lever_twins(rows: list[dict[str, Any]], probe: list[str]) -> list[str]:
+    """For each probed candidate that uses a speed lever, the candidate equal to it with every
+    lever at its plain value, where that twin is valid and predicted to fit (its id, in probe order)."""
+    by_id = {r["id"]: r for r in rows}
+    twins: list[str] = []
+    for cid in probe:
+        cand = by_id[cid]["candidate"]
+        plain = {**cand, **{k: v for k, v in SPEED_LEVERS.items() if k in cand}}
+        if plain == cand:
+            continue
+        twin = next((r for r in rows if r["candidate"] == plain), None)
+        if twin is not None and twin["fits"] and not twin["invalid"] and twin["id"] not in probe + twins:
+            twins.append(twin["id"])
+    return twins
 
 
 def reference_twin(rows: list[dict[str, Any]], probe: list[str]) -> dict[str, str] | None:
