@@ -161,7 +161,8 @@ def _connect(path: str) -> socket.socket:
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"{ENV}={path}: no rank server listens there after {CONNECT_WAIT_S:.0f} s "
-                    f"(start one with `python -m memfit.train.rank_server {path}`, or unset {ENV})"
+                    f"(start one with `python -m memfit.train.rank_server {path}`, or set {ENV}={OFF} to start "
+                    "each rank as its own interpreter)"
                 ) from None
             time.sleep(0.1)
 
