@@ -403,3 +403,16 @@ def test_a_bad_preference_config_names_the_key(preference, change, expected):
     change(bad)
     with pytest.raises(ConfigError, match=expected):
         validate_config(bad)
+
+
+def test_a_search_that_adds_an_engine_changes_what_the_calibration_measures(config):
+    """The calibrate rule's params (memfit.workflow.config.calibration_engines): Snakemake reruns
+    the calibration when they change, so a newly searched lever's engine is measured, not priced
+    by the uncalibrated model beside calibrated ones."""
+    plain = WorkflowConfig.load(copy.deepcopy(config)).calibration_engines()
+    config["search"]["compile"] = [False, True]
+    both = WorkflowConfig.load(config).calibration_engines()
+    assert not any("compile=True" in e for e in plain)
+    assert set(plain) < set(both) and any("compile=True" in e for e in both)
+    config["train"]["dpo"] = {**(config["train"].get("dpo") or {}), "lr": 2e-4}  # a training setting
+    assert WorkflowConfig.load(config).calibration_engines() == both  # measures nothing new

@@ -305,8 +305,7 @@ def test_a_gpu_of_another_kind_stops_a_config_before_it_measures(monkeypatch):
 
 def test_a_probed_lever_candidate_is_probed_beside_its_plain_twin():
     """A compiled, padding-free or liger candidate the ranking probes brings its plain twin into the
-    probes (when it fits), so the selection decides by two measurements, not by the lever's
-    calibrated time: on the CPU demo compiled probes ran slower than their eager twins."""
+    probes (when it fits), so the selection decides the lever by two measurements."""
     from memfit.workflow.pipeline import lever_twins
 
     def row(cid, fits=True, invalid=False, **levers):

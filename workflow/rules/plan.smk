@@ -15,6 +15,9 @@ rule calibrate:
     threads: rank_threads
     resources:
         **slurm_resources("calibrate"),
+    params:
+        # a search that adds an engine measures again (Snakemake reruns a job whose params changed)
+        engines=CFG.calibration_engines(),
     script:
         "../../scripts/calibrate.py"
 

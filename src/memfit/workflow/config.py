@@ -24,7 +24,7 @@ from memfit.estimate.models import catalog
 from memfit.estimate.rows import Budget, derived_budget
 from memfit.methods import kernels_problems, speed_problems
 from memfit.methods import shape as method_shape
-from memfit.space import Candidate, enumerate_space
+from memfit.space import Candidate, engine_key, enumerate_space
 from memfit.units import GIB, MIB
 from memfit.workflow.config_checks import (
     AUTO,  # headroom auto or absent: the derived margin (rows.derived_budget)
@@ -180,6 +180,12 @@ class WorkflowConfig:
         if self.plan_only or not self.probe.calibrate:
             return []
         return [f"{self.results_dir}/{model}/{gpu}/calibration.json"]
+
+    def calibration_engines(self) -> list[str]:
+        """The engines (memfit.space.engine_key) the calibrate rule measures: those of every candidate
+        of every method. The rule's params, so that a search that adds an engine (compile, kernels,
+        a ZeRO stage) measures again instead of leaving the new engine unmeasured."""
+        return sorted({engine_key(c) for m in self.methods for c in self.candidates(m)})
 
     @property
     def estimate(self) -> dict[str, Any]:
