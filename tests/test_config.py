@@ -73,6 +73,22 @@ def test_numbers_written_as_strings_are_read_as_numbers(config):
         validate_config(config)
 
 
+def test_booleans_from_snakemake_config_are_read_as_booleans(config):
+    # `snakemake --config plan_only=true 'search={...}'` passes `true` and nested values as strings
+    from snakemake.cli import parse_config
+
+    config.update(parse_config(["plan_only=true", 'search={"compile": [false, true], "finetune": ["full"]}']))
+    assert config["plan_only"] == "true" and config["search"]["compile"] == ["false", "true"]
+    validate_config(config)
+    assert config["plan_only"] is True and config["search"]["compile"] == [False, True]
+    config["plan_only"] = "False"
+    validate_config(config)
+    assert config["plan_only"] is False
+    config["plan_only"] = "yes"  # only true/false: anything else is still refused, naming the key
+    with pytest.raises(ConfigError, match=r"plan_only: 'yes' is not of type 'boolean'"):
+        validate_config(config)
+
+
 # --------------------------------------------------------------------------- WorkflowConfig
 def test_load_validates_once_and_of_wraps_without_checking_again(config):
     cfg = WorkflowConfig.load(config)

@@ -26,7 +26,10 @@ HEADER = """# Config reference
 Every key of the workflow config (`config/config.yaml`, or `--configfile`). *Embedded default*:
 the key's value in `config/config.yaml`, the CPU demo (—: the demo leaves it out); "Omitted:"
 says what applies when a config leaves the key out. The config is checked before any job
-starts; an error names every offending key ([errors](errors.md#the-workflow-config)).
+starts; an error names every offending key ([errors](errors.md#the-workflow-config)). Values
+given on the command line (`snakemake --config plan_only=true 'search={"compile": [false, true]}'`)
+reach memfit as strings: where a key wants a number or a boolean, `1e-5`, `32`, `true` and `false`
+are read as one.
 """
 
 # JSON-schema bounds, shown after the type: `integer >= 1`, `number in (0, 1]`

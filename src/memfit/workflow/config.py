@@ -472,8 +472,9 @@ def _detect_gpus(config: dict[str, Any]) -> list[str]:
 
 
 def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> Any:
-    """Numbers written as strings where the schema wants a number: YAML 1.1 reads `1e-5` (no dot)
-    as a string, and `snakemake --config 'train={...}'` passes nested values as strings."""
+    """Numbers and booleans written as strings where the schema wants one: YAML 1.1 reads `1e-5`
+    (no dot) as a string, and `snakemake --config` passes `true` and nested values as strings
+    (it reads `True` only: snakemake.cli.parse_config)."""
     if "$ref" in node:
         node = root["definitions"][node["$ref"].rsplit("/", 1)[-1]]
     types = node.get("type", [])
@@ -484,6 +485,8 @@ def _coerce_numbers(value: Any, node: dict[str, Any], root: dict[str, Any]) -> A
         except ValueError:
             return value
         return int(number) if "integer" in types and number.is_integer() else number
+    if isinstance(value, str) and types == ["boolean"] and value.lower() in ("true", "false"):
+        return value.lower() == "true"
     if isinstance(value, dict):
         extra = node.get("additionalProperties")
         for k, v in value.items():
