@@ -153,9 +153,11 @@ def test_liger_saves_what_the_estimate_says(kind, method, cand):
     by what the estimate says (within 10% of the saving). Measured (2026-11-28, Triton 3.9's
     interpreter): saved +0.1% to +0.4% (+5.4% with checkpointing, where the hook sees the
     checkpoint's inputs its own way), the saving within 0.7%, peaks +0.0% to +0.4% of the measured
-    (+4.0% with checkpointing; -4.2% for DPO with a frozen reference, whose forward becomes the
-    peak once Liger drops the logits: the reference forward's transient, the same term as without
-    Liger, is about 3 d t h short of the measured there)."""
+    (+4.0% with checkpointing; -1.9% for DPO with a frozen reference, whose forward's MLP becomes
+    the peak once Liger drops the logits: -4.2% before the estimate counted the embedding output
+    and the layer input that transformers' no-grad forward holds there, 2 d t h; the rest, 1.5 d t h,
+    is the last attention's q and k, which stay alive after Liger's RoPE under Triton's
+    interpreter, not after transformers' (measured 2026-11-28; not checked on a GPU))."""
     liger = dataclasses.replace(cand, kernels="liger")
     (s_hf, p_hf), (s_lg, p_lg) = measure(kind, method, cand), measure(kind, method, liger)
     (e_hf, q_hf), (e_lg, q_lg) = predict(kind, method, cand), predict(kind, method, liger)

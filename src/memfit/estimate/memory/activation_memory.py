@@ -361,10 +361,17 @@ def _nograd_forward(arch: ModelArch, cand: Candidate, method: str, step, setting
     # small next to the MLP width (measured: benchmarks/bench_qlora_memory.py, lora and qlora)
     # (tiled: the input, residual, tiles' outputs and their concatenation, one tile's intermediates)
     mlp = d * t * 4 * h + 3 * d * step.tile_rows * i if step.tile_rows else d * t * (2 * h + 3 * i)
+    # ... and, beside the MLP, what the model's forward holds without gradient from the second
+    # layer on (transformers' LlamaModel.forward and its kin): the embedding output (`inputs_embeds`,
+    # held through every layer) and the layer's input (the decoder loop's `hidden_states` while
+    # the layer runs; the MLP's residual is the attention's sum by then). Measured with Liger's
+    # loss, where this MLP is the step's peak: 2 d t h short without them.
+    mlp += 2 * d * t * h if arch.num_layers > 1 else 0
+    attn = attn_fwd + 3 * d * t * h
     if cand.kernels == "liger":  # the reference's log-probs through Liger's loss too (StepRunner's head)
-        return max(liger_terms.nograd_loss(arch, cand, t), attn_fwd + 3 * d * t * h, mlp)
+        return max(liger_terms.nograd_loss(arch, cand, t), attn, mlp)
     if cand.loss_impl == "chunked":  # the reference's logits per chunk only
         c = chunk_tokens(arch, t, settings)
-        return max(c * V * (d + 8 + (4 if d < 4 else 0)), attn_fwd + 3 * d * t * h, mlp)
+        return max(c * V * (d + 8 + (4 if d < 4 else 0)), attn, mlp)
     ref_logits = (d + (4 if d < 4 else 0) + 4) * t * V
-    return max(ref_logits, attn_fwd + 3 * d * t * h, mlp)
+    return max(ref_logits, attn, mlp)
