@@ -3,7 +3,7 @@ workers forked from it) go when the `memfit fit` that started them goes, however
 (a cancelled SLURM job, `timeout`, a user's kill), Ctrl-C (SIGINT to the terminal's process
 group), kill -9; and SIGTERM unwinds `memfit estimate`/`fit` as Ctrl-C does. Before, a worker outlived its parent forever, idle on its task queue, and the
 fork server and resource tracker with it. A real `memfit fit` (or estimate) of a catalog model, traced cold in
-child processes: its first trace takes seconds, so the workers are busy when the signal comes."""
+child processes."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-MODEL = ["--model", "llama-3.1-8b", "--gpu", "a100-80gb", "--activations", "traced"]
+# Qwen3.5-27B: its linear-attention layers trace for long (a cold fit keeps its workers busy about
+# 30 s, 6-21 s a shape; an estimate at 4,096 tokens longer), so the signal comes while they work
+MODEL = ["--model", "qwen3.5-27b", "--gpu", "a100-80gb", "--num-gpus", "8", "--zero", "3", "--activations", "traced"]
 COMMANDS = {"fit": ["fit", "--maximize", "seq_len", *MODEL], "estimate": ["estimate", "--seq-len", "4096", *MODEL]}
 
 

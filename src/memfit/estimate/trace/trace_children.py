@@ -204,7 +204,9 @@ def _pool(n: int) -> Iterator[ProcessPoolExecutor]:
     signal (trace_worker.exit_with_parent). Closed when the block ends: once its shapes are
     done; when an exception leaves the block (Ctrl-C, the SIGTERM that memfit's CLI raises:
     cli_setup.sigterm_unwinds) its workers are terminated first, so that no shape nobody will
-    read holds up the exit (an 8B model's first shape: 11 s on the 2-core dev machine)."""
+    read holds up the exit (qwen3.5-27b's linear-attention layers at 1,024 tokens: 21.2 s in a
+    cold `memfit fit --maximize seq_len --model qwen3.5-27b --gpu a100-80gb --num-gpus 8 --zero 3
+    --activations traced` on the 2-core dev machine, 2026-11-28)."""
     pool = ProcessPoolExecutor(n, mp_context=_workers(), initializer=_worker_start)
     try:
         yield pool
