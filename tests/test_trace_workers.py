@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-# Qwen3.5-27B: its linear-attention layers trace for long (a cold fit keeps its workers busy about
-# 30 s, 6-21 s a shape; an estimate at 4,096 tokens longer), so the signal comes while they work
+# Qwen3.5-27B: its linear-attention layers trace for long, so the signal comes while the workers
+# work (a cold fit: 6.0-21.2 s a shape, two rounds of 9.6 and 22.4 s; the estimate at 4,096 tokens:
+# 61.3 s; the progress lines of these commands without the signal on the 2-core dev machine, 2026-11-28)
 MODEL = ["--model", "qwen3.5-27b", "--gpu", "a100-80gb", "--num-gpus", "8", "--zero", "3", "--activations", "traced"]
 COMMANDS = {"fit": ["fit", "--maximize", "seq_len", *MODEL], "estimate": ["estimate", "--seq-len", "4096", *MODEL]}
 
