@@ -22,7 +22,7 @@ the reference on the rows and the KL batch) and memfit.train.preference, which f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,10 @@ def speed_problems(method: str, padding_free: bool, sequence_parallel: int) -> l
     return out
 
 
-KERNELS = ("none", "liger")
+# the kernels lever's values, spelled here only: Candidate.kernels' type (memfit.space), its check
+# (Candidate.problems), kernels_problems and `memfit estimate --kernels` read them from here
+Kernels = Literal["none", "liger"]
+KERNELS: tuple[str, ...] = get_args(Kernels)
 # the methods whose loss runs through memfit.train.liger.LigerHead (Liger's fused linear
 # cross-entropy for SFT's NLL and DPO's log-probabilities)
 LIGER_METHODS = ("sft", "dpo")
@@ -107,7 +110,7 @@ def kernels_problems(method: str, kernels: str) -> list[str]:
     and `memfit estimate` ask it. Whether a machine can run it (package, GPU, model type) is
     memfit.train.liger.problem."""
     if kernels not in KERNELS:
-        return [f"kernels: {kernels!r} is not allowed (allowed: 'none', 'liger')"]
+        return [f"kernels: {kernels!r} is not allowed (allowed: {', '.join(map(repr, KERNELS))})"]
     if kernels == "liger" and method not in LIGER_METHODS:
         return [f"kernels: liger applies to {' and '.join(LIGER_METHODS)} only, not {method}; set kernels: none"]
     return []

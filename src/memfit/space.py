@@ -13,8 +13,9 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
+from memfit.methods import KERNELS, Kernels
 from memfit.methods import shape as method_shape
 
 Method = Literal["sft", "dpo", "rm", "orpo", "simpo", "kto"]  # memfit.methods.SHAPES
@@ -22,8 +23,10 @@ Finetune = Literal["full", "lora", "qlora"]
 Precision = Literal["bf16", "fp16", "fp32"]
 Attn = Literal["flash", "sdpa", "eager"]
 RefMode = Literal["precomputed", "model", "adapter"]
+# the loss_impl lever's values, spelled here only (the check in Candidate.problems and
+# `memfit estimate --loss-impl` read LOSS_IMPLS); the kernels lever's: memfit.methods.KERNELS
 LossImpl = Literal["full", "chunked"]
-Kernels = Literal["none", "liger"]
+LOSS_IMPLS: tuple[str, ...] = get_args(LossImpl)
 
 
 @dataclass(frozen=True)
@@ -93,10 +96,10 @@ class Candidate:
             out.append(f"lora_rank must be >= 1, got {self.lora_rank}")
         if self.ref == "adapter" and self.finetune == "full":
             out.append("ref=adapter needs finetune=lora or qlora (the reference is the adapter-free model)")
-        if self.loss_impl not in ("full", "chunked"):
-            out.append(f"loss_impl must be full or chunked, got {self.loss_impl!r}")
-        if self.kernels not in ("none", "liger"):
-            out.append(f"kernels must be none or liger, got {self.kernels!r}")
+        if self.loss_impl not in LOSS_IMPLS:
+            out.append(f"loss_impl must be {' or '.join(LOSS_IMPLS)}, got {self.loss_impl!r}")
+        if self.kernels not in KERNELS:
+            out.append(f"kernels must be {' or '.join(KERNELS)}, got {self.kernels!r}")
         if self.sequence_parallel > 1 and self.attn == "eager":
             # ulysses_sp.py register_with_transformers: eager needs a 4D mask Ulysses cannot shard
             out.append("sequence_parallel > 1 needs attn sdpa or flash (DeepSpeed's Ulysses refuses eager)")

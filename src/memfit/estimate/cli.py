@@ -30,6 +30,7 @@ from memfit.estimate.cli_setup import (
     pricer_on,
     progress,
     say_to,
+    sigterm_unwinds,
 )
 from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
@@ -38,6 +39,7 @@ from memfit.estimate.settings import EstimateError, Settings
 __all__ = ["CPU_HEADROOM", "LEGEND", "fit_main", "main", "render"]
 
 
+@sigterm_unwinds
 def main(argv: list[str] | None = None) -> int:
     """`memfit estimate`: exit 0 when it fits, 1 when it does not, 2 on bad input or an
     invalid hardware combination."""

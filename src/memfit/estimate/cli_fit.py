@@ -20,6 +20,7 @@ from memfit.estimate.cli_setup import (
     host_memory_gb,
     prepare,
     say_to,
+    sigterm_unwinds,
 )
 from memfit.estimate.fit import maximize
 from memfit.estimate.settings import EstimateError
@@ -27,6 +28,7 @@ from memfit.methods import shape as method_shape
 from memfit.space import Candidate
 
 
+@sigterm_unwinds
 def fit_main(argv: list[str] | None = None) -> int:
     """`memfit fit --maximize seq_len|micro_batch`: the largest value that fits; a line per search
     step on stderr (stdout holds only the answer, or only the JSON with --json)."""

@@ -13,6 +13,8 @@ import argparse
 from memfit.estimate.cli_settings_flags import add_budget_args, add_trace_args
 from memfit.estimate.memory.method_terms import METHODS
 from memfit.estimate.settings import DEFAULT_SETTINGS
+from memfit.methods import KERNELS
+from memfit.space import LOSS_IMPLS
 
 _ON = {"on": True, "true": True, "yes": True, "1": True, "off": False, "false": False, "no": False, "0": False}
 
@@ -228,9 +230,9 @@ def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
     )
     p.add_argument(
         "--loss-impl",
-        type=_listed(str, ["full", "chunked"]),
+        type=_listed(str, list(LOSS_IMPLS)),
         default=None,
-        metavar="{full,chunked}",
+        metavar="{" + ",".join(LOSS_IMPLS) + "}",
         help=f"full: logits then fp32 log-softmax | chunked: per token chunk, recomputed in backward (default: full{one})",
     )
     p.add_argument(
@@ -254,9 +256,9 @@ def _add_compute_levers(p: argparse.ArgumentParser, one: str) -> None:
     )
     p.add_argument(
         "--kernels",
-        type=_listed(str, ["none", "liger"]),
+        type=_listed(str, list(KERNELS)),
         default=None,
-        metavar="{none,liger}",
+        metavar="{" + ",".join(KERNELS) + "}",
         help="liger: Liger-Kernel's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy (sft and dpo; a "
         f"CUDA GPU and the liger-kernel package where it trains; default: none{one}: none,liger)",
     )

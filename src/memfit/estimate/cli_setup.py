@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -264,3 +268,38 @@ def say_to(prog: str) -> Callable[[str], None]:
         print(f"{prog}: {line}", file=sys.stderr, flush=True)
 
     return say
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is (sigterm_unwinds)."""
+
+
+def sigterm_unwinds(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """A CLI entry on which SIGTERM (a cancelled SLURM job, `timeout`, kill) unwinds as Ctrl-C
+    does: raised as an exception, so that every `finally` on the way out runs (the trace
+    workers' pool terminates its workers: memfit.estimate.trace.trace_children._pool; an atomic
+    write removes its temporary file), then the process dies of SIGTERM as it would have, the
+    same status for a shell or a scheduler. A process whose SIGTERM is already handled or
+    ignored, or a call outside the main thread (where no handler can be set), keeps its own."""
+
+    @functools.wraps(main)
+    def entry(argv: list[str] | None = None) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            return main(argv)
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return main(argv)
+
+        def unwind(signum, frame):
+            raise _Terminated
+
+        signal.signal(signal.SIGTERM, unwind)
+        try:
+            return main(argv)
+        except _Terminated:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action: this process ends here
+            raise SystemExit(128 + signal.SIGTERM) from None  # in case it is delivered late
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    return entry

@@ -140,7 +140,7 @@ def _trace_in_children(
     # 63.3 s split against 54.4 s whole, back to back at load 5, 2026-11-28). (A pool that notices
     # a worker killed mid-shape: multiprocessing.Pool would wait forever.)
     with contextlib.ExitStack() as stack:
-        pool = _SHARED[-1][0] if shared else stack.enter_context(ProcessPoolExecutor(n, mp_context=_workers()))
+        pool = _SHARED[-1][0] if shared else stack.enter_context(_pool(n))
         try:
             with _main_not_imported():  # a submit starts a worker while none is free
                 futures = {
@@ -185,18 +185,49 @@ def shared_workers(workers: int | None = None, start: bool = False) -> Iterator[
         return
     from multiprocessing import forkserver
 
-    ctx = _workers()
+    _workers()  # the context, with its preload, before the server starts
     if start:
         with _main_not_imported():  # the server is told the parent's main module: hidden, as for a worker
             forkserver.ensure_running()
     n = workers or trace_workers()
-    pool = ProcessPoolExecutor(n, mp_context=ctx)
-    _SHARED.append((pool, n))
+    with _pool(n) as pool:
+        _SHARED.append((pool, n))
+        try:
+            yield
+        finally:
+            _SHARED.remove((pool, n))
+
+
+@contextmanager
+def _pool(n: int) -> Iterator[ProcessPoolExecutor]:
+    """A pool of up to `n` trace workers, each of which exits when this process dies, by any
+    signal (trace_worker.exit_with_parent). Closed when the block ends: once its shapes are
+    done; when an exception leaves the block (Ctrl-C, the SIGTERM that memfit's CLI raises:
+    cli_setup.sigterm_unwinds) its workers are terminated first, so that no shape nobody will
+    read holds up the exit (qwen3.5-27b's linear-attention layers at 1,024 tokens: 21.2 s in a
+    cold `memfit fit --maximize seq_len --model qwen3.5-27b --gpu a100-80gb --num-gpus 8 --zero 3
+    --activations traced` on the 2-core dev machine, 2026-11-28)."""
+    pool = ProcessPoolExecutor(n, mp_context=_workers(), initializer=_worker_start)
     try:
-        yield
+        yield pool
+    except BaseException:
+        _terminate(pool)
+        raise
     finally:
-        _SHARED.remove((pool, n))
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _terminate(pool: ProcessPoolExecutor) -> None:
+    """SIGTERM to every worker of `pool` (ProcessPoolExecutor.terminate_workers from Python 3.14;
+    before, its `_processes`, pid -> Process, as CPython 3.9-3.13's concurrent/futures/process.py
+    keeps them); the pool, broken, fails what is left."""
+    stop = getattr(pool, "terminate_workers", None)
+    if stop is not None:
+        stop()
+        return
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError, ValueError):  # exited meanwhile, or already closed
+            proc.terminate()
 
 
 def _workers():
@@ -236,6 +267,12 @@ def _main_not_imported() -> Iterator[None]:
                 main.__dict__.update(saved)
                 if "__spec__" not in saved:
                     main.__dict__.pop("__spec__", None)
+
+
+def _worker_start() -> None:
+    from memfit.estimate.trace.trace_worker import exit_with_parent
+
+    exit_with_parent()
 
 
 def _worker_run(task):

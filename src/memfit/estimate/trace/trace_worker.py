@@ -9,8 +9,11 @@ one thread (fake tensors do no arithmetic). A worker's error comes back as text 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import threading
 import warnings
+from multiprocessing.connection import wait
 
 os.environ["OMP_NUM_THREADS"] = "1"  # this process and the workers forked from it only
 os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
@@ -25,6 +28,26 @@ from memfit.estimate.models.arch import ModelArch  # noqa: E402
 from memfit.estimate.trace import trace_step  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def exit_with_parent() -> None:
+    """A worker's initializer (trace_children): ends this worker as soon as the estimating process
+    that started it is gone, however it went (SIGTERM, SIGKILL, a crash), busy or idle. Otherwise
+    it waits on its task queue forever: every worker holds that queue's write end, so none reads
+    EOF. (PR_SET_PDEATHSIG, prctl(2), cannot serve: a worker's parent is the fork server, which
+    lives until the last worker is gone, each holding its "alive" pipe: forkserver.main.)
+    multiprocessing gives a child a sentinel of the process that started it: the read end of a
+    pipe whose write end only that process holds (popen_forkserver.Popen._launch keeps a dup of
+    it; BaseProcess._bootstrap hands the read end to parent_process()), at EOF once it died."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)  # nothing to save: its result would have nowhere to go
+
+    threading.Thread(target=watch, name="memfit-exit-with-parent", daemon=True).start()
 
 
 def run(task: tuple[int, ModelArch, dict]) -> tuple[int, dict | None, float, str]:
