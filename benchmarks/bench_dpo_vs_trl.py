@@ -133,9 +133,7 @@ def dpo_dataset(records: list[dict]):
     )
 
 
-def run_trl(
-    model_dir: Path, records: list[dict], a, out: Path, peft_config=None, load=load_model, **extra
-) -> dict:
+def run_trl(model_dir: Path, records: list[dict], a, out: Path, peft_config=None, load=load_model, **extra) -> dict:
     """TRL's DPOTrainer; with `peft_config` the policy trains LoRA adapters and the reference is the
     adapter-disabled policy (TRL's ref_model=None with peft); `load(model_dir)` builds each model."""
     from transformers import AutoTokenizer

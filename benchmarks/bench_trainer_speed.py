@@ -1,7 +1,7 @@
 """Trainer speed side by side: memfit's SFT and DPO step against TRL's SFTTrainer and DPOTrainer, same
 model, data, sequence length, precision and machine, full fine-tuning and LoRA, in one run (issue #45).
 
-Both sides train the embedded demo model (config/models/demo-tiny.json, built by
+On the CPU (the default) both sides train the embedded demo model (config/models/demo-tiny.json, built by
 memfit.workflow.demo) from the same initial weights on the demo data (data/demo/sft.jsonl,
 data/demo/dpo.jsonl) prepared by memfit.data.prepare at --max-len tokens. SFT: TRL gets memfit's
 tokenized rows (input_ids, completion_mask = memfit's response labels), so both train on the same
@@ -19,13 +19,13 @@ other load on the machine spreads over all of them:
   block-causally under sdpa);
   trl+compile: TrainingArguments.torch_compile=True (the whole model through torch.compile; the steps
   that compiled a graph are not measured, as for memfit+compile);
-  TRL's use_liger_kernel is reported as skipped unless the liger-kernel package and a CUDA GPU exist
+  trl+liger: use_liger_kernel=True, skipped with the reason unless liger-kernel and a CUDA GPU exist
   (its Triton kernels need CUDA);
 - memfit: memfit.train.steps.StepRunner + backward + DeepSpeed's FusedAdam step (no DeepSpeed engine: the step itself);
   memfit+compile: regional torch.compile of the decoder layers (memfit.train.compile, RunConfig.compile);
   the steps that compiled a graph (the first, a new batch length, a batch without padding) are not
   measured but summed as compile_s, and the run goes on until --steps steps compiled nothing;
-  memfit+padding_free: RunConfig.padding_free (SFT and DPO).
+  memfit+padding_free: RunConfig.padding_free (SFT and DPO); memfit+liger: kernels liger (as trl+liger).
 
 The padding share per method (of the tokens a padded batch of --batch rows or pairs computes, the
 share that is padding: mean over 1,000 batches drawn from the same rows) is printed beside the table:
@@ -42,9 +42,32 @@ weights: forward 2, backward to the activations 2; the adapters' FLOPs are below
 DPO adds the reference's forward 2N + 4 L d T per token. N: every matmul weight incl. the (tied) head.
 The machine's load average (os.getloadavg) is recorded before and after each round.
 
-Output: a table on stdout and benchmarks/results/trainer_speed_cpu.json (--out).
+A CUDA GPU (--device cuda; the default stays cpu, also on a GPU machine, so the committed CPU result
+and its command keep their meaning): by default the Llama-3.1-8B shape (--model llama-3.1-8b: memfit's
+catalog architecture, config/models.yaml, random weights, no download; benchmarks/trainer_speed_setup.py
+builds it and the rows) with --layers of its 32 decoder layers (--full-layers for full fine-tuning, whose
+weights, gradients and AdamW states take 8 bytes a weight), synthetic SFT rows of --min-len to --seq-len
+(default 4,096) tokens, batch 1, bf16 (both sides: the model loaded in bf16, AdamW's states in bf16,
+the forward under bf16 autocast as TRL's bf16=True runs it; memfit's DeepSpeed engine would keep fp32
+master weights, not measured here), flash_attention_2 where flash-attn imports else sdpa, --grad-ckpt
+on both sides (non-reentrant). Variants on CUDA add trl+liger (use_liger_kernel=True: Liger's RMSNorm,
+RoPE, SwiGLU; TRL 1.16 keeps its own chunked LM-head loss) and memfit+liger (RunConfig.kernels liger:
+memfit.train.liger's patch and fused linear cross-entropy), each skipped with the reason where Liger
+cannot run (memfit.train.liger's checks: no package, no GPU). MFU there is against the GPU's measured
+bf16 8192^3 GEMM rate (as gpu_evidence.py's context stage measures it) and, in `mfu_vendor`, against the
+datasheet's dense bf16 peak from memfit's GPU catalog (config/gpus.yaml: H100 SXM and H200 989.5
+TFLOP/s dense, NVIDIA's datasheets). The attention term counts full T x T products, as PaLM's formula does
+(a causal kernel computes about half). N leaves out an untied input embedding (a lookup, no FLOPs).
+--scale K divides a catalog model's widths and vocabulary by K: a CPU-sized run of the same code, to
+check the wiring only (its output file says _scaleK). benchmarks/gpu_trainer_speed.py runs this as
+gpu_evidence.py's trainer_speed stage.
+
+Output: a table on stdout and benchmarks/results/trainer_speed_cpu.json (the demo on the CPU), or
+trainer_speed_<gpu>.json (llama-3.1-8b on a GPU; <gpu> memfit's catalog name) (--out).
 
 Usage: .venv/bin/python benchmarks/bench_trainer_speed.py [--steps 20 --warmup 5 --rounds 2 --batch 8]
+       python benchmarks/bench_trainer_speed.py --device cuda --layers 32 --full-layers 8 --methods sft \
+           --variants trl,trl+liger,memfit,memfit+liger --warmup 3 --steps 10 --rounds 1
 """
 
 from __future__ import annotations
@@ -216,12 +239,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "weights and synthetic rows; default: demo on the CPU, llama-3.1-8b on cuda",
     )
     p.add_argument("--layers", type=int, help="catalog model: decoder layers built (default: all)")
-    p.add_argument("--full-layers", type=int, help="catalog model, full fine-tuning: decoder layers (default: --layers)")
+    p.add_argument(
+        "--full-layers", type=int, help="catalog model, full fine-tuning: decoder layers (default: --layers)"
+    )
     p.add_argument("--scale", type=int, default=1, help="catalog model: sizes divided by it (a CPU wiring check)")
     p.add_argument("--seq-len", type=int, default=4096, help="catalog model: the longest synthetic row")
     p.add_argument("--min-len", type=int, help="catalog model: the shortest synthetic row (default: --seq-len)")
     p.add_argument("--precision", choices=("fp32", "bf16"), help="default fp32 on the CPU, bf16 on cuda")
-    p.add_argument("--attn", default="auto", help="auto (flash_attention_2 if importable on cuda, else sdpa), sdpa, ...")
+    p.add_argument(
+        "--attn", default="auto", help="auto (flash_attention_2 if importable on cuda, else sdpa), sdpa, ..."
+    )
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing on both sides")
     p.add_argument("--out", type=Path, help="default benchmarks/results/trainer_speed_<cpu|gpu>[_<model>].json")
     a = p.parse_args(argv)
@@ -289,11 +316,11 @@ def prepare(a, tmp: Path) -> dict:
         ctx["model_dir"] = {"full": model_dir, "lora": model_dir}
     else:
         lora = setup.catalog_model_dir(a.model, a.layers, a.scale, a.seq_len, tmp / "model-lora")
-        full = a.full_layers or a.layers
-        ctx["model_dir"] = {
-            "lora": lora,
-            "full": lora if full == a.layers else setup.catalog_model_dir(a.model, full, a.scale, a.seq_len, tmp / "full"),
-        }
+        full_layers = a.full_layers or a.layers
+        full = lora  # the same model unless --full-layers names another layer count
+        if full_layers != a.layers:
+            full = setup.catalog_model_dir(a.model, full_layers, a.scale, a.seq_len, tmp / "model-full")
+        ctx["model_dir"] = {"lora": lora, "full": full}
         model_dir = lora
     tok = AutoTokenizer.from_pretrained(model_dir)
     ctx["pad_id"] = tok.pad_token_id

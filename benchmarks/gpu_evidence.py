@@ -814,7 +814,8 @@ def header(profile: Profile, cuda: bool) -> dict[str, Any]:
         "scaling": f"{arch.num_layers} of {full.num_layers} layers ({arch.num_params():,} of "
         f"{full.num_params():,} params), random init; estimates use the same reduced model",
         "packages": {
-            m: _version(m) for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel", "trl")
+            m: _version(m)
+            for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel", "trl")
         },
     }
 

@@ -67,7 +67,9 @@ def stage_trainer_speed(
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
         except subprocess.TimeoutExpired as e:
             tail = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout or ""
-            rows.append(row | {"status": f"error: not finished in {left:.0f} s", "output": tail[-3000:]})
+            # cut by the deadline: the stage stays partial and runs this again next time
+            why = "skipped: deadline (--deadline)" if left < limit else f"error: not finished in {left:.0f} s"
+            rows.append(row | {"status": why, "output": tail[-3000:]})
             continue
         row |= {"command": " ".join(cmd[1:]), "wall_s": round(time.time() - t0, 1)}
         if p.returncode != 0 or not out.exists():

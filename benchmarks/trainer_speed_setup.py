@@ -145,7 +145,8 @@ def vendor_peak() -> dict:
     try:
         name = detect_gpu()
         g = catalog.gpu(name)
-    except ValueError as e:  # detect_gpu's DetectError, catalog.gpu's unknown name: an unlisted GPU: MFU against the measured peak only
+    # detect_gpu's DetectError, catalog.gpu's unknown name: an unlisted GPU, MFU against the measured peak only
+    except ValueError as e:
         return {"gpu": torch.cuda.get_device_name(), "flops": None, "why": f"not in memfit's GPU catalog: {e}"}
     return {"gpu": name, "flops": g.tflops_bf16 * 1e12, "source": g.source}
 
