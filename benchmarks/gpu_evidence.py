@@ -1117,7 +1117,7 @@ def main(argv: list[str] | None = None) -> int:
         # dry run, stages side by side: the model and data built once first (each stage reuses
         # them), the two-probe long_context stage started first; each finished stage is written
         # (from this thread only) as it finishes
-        if any(s != "context" for s in pending):
+        if any(s not in ("context", "trainer_speed") for s in pending):  # trainer_speed builds its own
             build(profile, a.work)
         side_by_side = sorted((s for s in pending if s != "step_time"), key=lambda s: s != "long_context")
         with ThreadPoolExecutor(max_workers=jobs) as pool:
