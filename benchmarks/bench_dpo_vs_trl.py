@@ -44,6 +44,12 @@ def load_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
 
 
+def sync() -> None:
+    """Wait for the GPU's queued work (a step's clock reads after it); nothing on the CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def batches(rows: list[dict], batch: int, n_steps: int, seed: int) -> list[list[dict]]:
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(len(rows), generator=g).tolist()
@@ -63,9 +69,11 @@ def timed_train(trainer_cls, a, **kwargs) -> dict:
     class Stamp(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             if not stamps:
+                sync()
                 stamps.append((time.perf_counter(), counters["stats"]["unique_graphs"]))
 
         def on_step_end(self, args, state, control, **kw):
+            sync()
             stamps.append((time.perf_counter(), counters["stats"]["unique_graphs"]))
 
     trainer_cls(callbacks=[Stamp()], **kwargs).train()
@@ -83,8 +91,9 @@ def timed_train(trainer_cls, a, **kwargs) -> dict:
 
 def trl_args(config_cls, a, out: Path, **extra):
     """The TRL config both benchmarks train with: constant LR, AdamW without weight decay, no
-    clipping, fp32 on the CPU, no logging or saving, warmup + steps steps of `a.batch` rows."""
-    return config_cls(
+    clipping, fp32 on the CPU, no logging or saving, warmup + steps steps of `a.batch` rows; `extra`
+    adds or replaces fields (benchmarks/bench_trainer_speed.py: bf16 on a GPU)."""
+    fields = dict(
         output_dir=str(out),
         report_to=[],
         learning_rate=a.lr,
@@ -104,8 +113,8 @@ def trl_args(config_cls, a, out: Path, **extra):
         logging_strategy="no",
         save_strategy="no",
         seed=a.seed,
-        **extra,
     )
+    return config_cls(**(fields | extra))
 
 
 def dpo_dataset(records: list[dict]):
@@ -124,15 +133,15 @@ def dpo_dataset(records: list[dict]):
     )
 
 
-def run_trl(model_dir: Path, records: list[dict], a, out: Path, peft_config=None, **extra) -> dict:
+def run_trl(model_dir: Path, records: list[dict], a, out: Path, peft_config=None, load=load_model, **extra) -> dict:
     """TRL's DPOTrainer; with `peft_config` the policy trains LoRA adapters and the reference is the
-    adapter-disabled policy (TRL's ref_model=None with peft)."""
+    adapter-disabled policy (TRL's ref_model=None with peft); `load(model_dir)` builds each model."""
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     torch.manual_seed(a.seed)
-    policy = load_model(model_dir)
-    ref = None if peft_config is not None else load_model(model_dir)
+    policy = load(model_dir)
+    ref = None if peft_config is not None else load(model_dir)
     args = trl_args(DPOConfig, a, out, beta=a.beta, loss_type=["sigmoid"], max_length=None, **extra)
     tok = AutoTokenizer.from_pretrained(model_dir)
     return timed_train(
@@ -157,24 +166,42 @@ def fused_adamw(params, lr: float):
 
 
 def run_memfit(
-    model_dir: Path, rows: list[dict], a, pad_id: int, method: str = "dpo", peft_config=None, **runner
+    model_dir: Path,
+    rows: list[dict],
+    a,
+    pad_id: int,
+    method: str = "dpo",
+    peft_config=None,
+    load=load_model,
+    autocast: torch.dtype | None = None,
+    **runner,
 ) -> dict:
     """memfit's step (`StepRunner.loss`, backward, AdamW) on the plain torch model; `peft_config`:
     LoRA adapters (DPO's reference the adapter-disabled policy, memfit's ref: adapter); `runner`:
-    StepRunner options (padding_free); `compile` in it: memfit.train.compile.compile_layers."""
+    StepRunner options (padding_free); `compile` in it: memfit.train.compile.compile_layers;
+    `kernels` "liger" in it: memfit.train.liger's patch and fused loss (RunConfig.kernels); `load(model_dir)`
+    builds each model; `autocast`: the forward under torch.autocast to that dtype (what TRL's bf16=True
+    does through accelerate: bench_trainer_speed.py on a GPU)."""
+    import contextlib
+
     from memfit.train.steps import StepRunner
 
     torch.manual_seed(a.seed)
-    policy = load_model(model_dir)
+    policy = load(model_dir)
     ref, ref_mode = None, None
     if method == "dpo":
         ref_mode = "adapter" if peft_config is not None else "model"
         if peft_config is None:
-            ref = load_model(model_dir).eval().requires_grad_(False)
+            ref = load(model_dir).eval().requires_grad_(False)
     if peft_config is not None:
         from peft import get_peft_model
 
         policy = get_peft_model(policy, peft_config)
+    if runner.pop("kernels", "none") == "liger":  # as memfit.train.run_parts.step_runner: after peft
+        from memfit.train import liger
+
+        print(liger.apply(policy), flush=True)
+        runner["loss_impl"] = "liger"
     if runner.pop("compile", False):
         from memfit.train.compile import compile_layers
 
@@ -191,12 +218,16 @@ def run_memfit(
 
     measured: list[float] = []
     compile_s, loss = 0.0, torch.tensor(0.0)
+    device = policy.device.type
     for i, b in enumerate(batches(rows, a.batch, a.warmup + a.steps + 200, a.seed)):
+        sync()
         graphs, t0 = counters["stats"]["unique_graphs"], time.perf_counter()
-        loss, _, _ = step.loss(b)
+        with torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            loss, _, _ = step.loss(b)
         loss.backward()
         opt.step()
         opt.zero_grad()  # FusedAdam: set_to_none by default (deepspeed/ops/adam/fused_adam.py)
+        sync()
         dt = time.perf_counter() - t0
         if counters["stats"]["unique_graphs"] != graphs:
             compile_s += dt

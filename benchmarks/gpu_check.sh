@@ -11,7 +11,7 @@
 #                       probe_logs.tgz
 #   logs.tgz            the workflow's logs/, .snakemake/log/ and the run JSONs; report.html
 #
-#   benchmarks/fetch_gpu_wheels.sh                          # here, once: wheelhouse/ (about 47 MiB)
+#   benchmarks/fetch_gpu_wheels.sh                          # here, once: wheelhouse/ (about 50 MiB)
 #   benchmarks/gpu_check.sh wheelhouse DEST [BUDGET_S] [STAGE|--force ...]   # there
 #
 # BUDGET_S (default 590) is the wall time it may take in all: the workflow is stopped at

@@ -37,6 +37,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # gpu_trainer_speed beside this file
 
 from memfit.atomic import write_json_atomic  # noqa: E402
 from memfit.estimate import Settings, estimate, fit  # noqa: E402
@@ -50,7 +51,8 @@ from memfit.units import GIB, MIB, fmt_bytes  # noqa: E402
 WHEELS = ["deepspeed", "peft", "transformers", "accelerate", "safetensors", "tokenizers", "pyarrow", "pyyaml", "tqdm"]
 OPTIONAL_WHEELS = {
     "bitsandbytes": "QLoRA rows",
-    "liger-kernel": "not used by rows yet",
+    "liger-kernel": "stage trainer_speed: its trl+liger and memfit+liger variants",
+    "trl": "stage trainer_speed: TRL's SFTTrainer beside memfit (with datasets)",
     "flash-attn": "attn=flash rows (only if a wheel exists for this torch/CUDA)",
 }
 
@@ -101,6 +103,10 @@ def dry_profile() -> Profile:
 # process start, model load, DeepSpeed init, 3 steps), the whole matrix < 20 minutes.
 STAGES: dict[str, list[Row]] = {
     "context": [],  # CUDA context, cuBLAS workspace, GEMM and SDPA TFLOP/s (no probe; ~20 s)
+    # no probe: benchmarks/bench_trainer_speed.py at the Llama-3.1-8B shape, memfit vs TRL (~4 min;
+    # benchmarks/gpu_trainer_speed.py), before the probe stages: on a GPU whose evidence is committed
+    # it is the stage gpu_check.sh runs
+    "trainer_speed": [],
     # no probe: SDPA alone at long sequences, per backend, and what transformers passes it (~1 min)
     "sdpa_long": [],
     "sft_zero": [
@@ -141,6 +147,8 @@ STAGES: dict[str, list[Row]] = {
 # rows per stage made at run time (no fixed Row list)
 RUNTIME_STAGES = {
     "context": "no probe: CUDA context, cuBLAS workspace, GEMM/SDPA TFLOP/s, GEMM shapes, copies (~30 s)",
+    "trainer_speed": "no probe: bench_trainer_speed.py, Llama-3.1-8B SFT LoRA (32 layers) and full (8 layers) "
+    "at 4,096 tokens, memfit vs TRL, each +Liger (~4 min)",
     "sdpa_long": "no probe: causal SDPA forward+backward at 8K-75K tokens per backend, GQA and MHA; transformers' call (~1 min)",
     "long_context": "fit's seq_len limit and +10% (2 probes, ~3 min)",
     "step_time": "memfit's step-time calibration of the probed candidates vs their measured step times (~2 min)",
@@ -652,6 +660,10 @@ def run_stage(
         rows = stage_context(cuda)
     elif name == "sdpa_long":
         rows = stage_sdpa_long(cuda)
+    elif name == "trainer_speed":
+        from gpu_trainer_speed import stage_trainer_speed
+
+        rows = stage_trainer_speed(cuda, work, deadline, done)
     else:
         model_dir, data = build(profile, work)
         if name == "long_context":
@@ -802,7 +814,8 @@ def header(profile: Profile, cuda: bool) -> dict[str, Any]:
         "scaling": f"{arch.num_layers} of {full.num_layers} layers ({arch.num_params():,} of "
         f"{full.num_params():,} params), random init; estimates use the same reduced model",
         "packages": {
-            m: _version(m) for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel")
+            m: _version(m)
+            for m in ("deepspeed", "peft", "transformers", "bitsandbytes", "flash_attn", "liger_kernel", "trl")
         },
     }
 
@@ -853,6 +866,9 @@ def table(doc: dict[str, Any]) -> str:
                     f"{r['id']:34} {'ok':8} forward {m['forward_s']:.3f} s, backward {m['backward_s']:.3f} s, "
                     f"peak beyond inputs {fmt_bytes(m['extra_bytes'])} ({m['extra_per_s2']:.3f} x s^2 bytes)"
                 )
+                continue
+            if r.get("status") == "ok" and "table" in r:  # stage trainer_speed
+                lines += [f"{r['id']:34} {line}" for line in r["table"]]
                 continue
             if r.get("status") != "ok" or "estimate" not in r:
                 measured = f" {json.dumps(r['measured'])[:200]}" if "measured" in r else ""
@@ -1101,7 +1117,7 @@ def main(argv: list[str] | None = None) -> int:
         # dry run, stages side by side: the model and data built once first (each stage reuses
         # them), the two-probe long_context stage started first; each finished stage is written
         # (from this thread only) as it finishes
-        if any(s != "context" for s in pending):
+        if any(s not in ("context", "trainer_speed") for s in pending):  # trainer_speed builds its own
             build(profile, a.work)
         side_by_side = sorted((s for s in pending if s != "step_time"), key=lambda s: s != "long_context")
         with ThreadPoolExecutor(max_workers=jobs) as pool:

@@ -9,7 +9,11 @@ minus what the image already holds (benchmarks/gpu_image_packages.txt), plus the
 version decides what memfit does (CARRY_ALWAYS: the image's transformers 5.17 is not the 5.24
 memfit is tested with), minus what must not travel (NEVER: torch and its CUDA libraries are the
 machine's own; bitsandbytes' 60 MB wheel would not fit the 64 MiB a call carries, and the QLoRA
-stages of gpu_evidence.py skip without it).
+stages of gpu_evidence.py skip without it). gpu_evidence.py's trainer_speed stage
+(benchmarks/bench_trainer_speed.py) adds TRL, the trainer memfit is measured against, with its own
+closure beyond memfit's (BENCHMARK_ROOTS), and liger-kernel (PINNED): together 2.7 MiB of wheels
+(`pip download --no-deps trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+liger-kernel==0.8.5`, 2026-11-28).
 
     .venv/bin/python benchmarks/gpu_wheels.py [--python 3.12]
 """
@@ -27,6 +31,11 @@ from packaging.requirements import Requirement
 IMAGE = Path(__file__).with_name("gpu_image_packages.txt")
 CARRY_ALWAYS = frozenset({"deepspeed", "transformers", "peft", "tokenizers", "huggingface-hub"})
 NEVER = frozenset({"torch", "triton", "bitsandbytes", "setuptools"})
+# benchmarks/bench_trainer_speed.py's other side: TRL (pyproject's dev extra) at this venv's version
+BENCHMARK_ROOTS = ("trl",)
+# not installed in the CPU venv (Liger's Triton kernels need CUDA): the floor of pyproject's `liger`
+# extra, the release memfit.train.liger calls; a pure-Python wheel (triton is the image's, with torch)
+PINNED = {"liger-kernel": "0.8.5"}
 
 
 def norm(name: str) -> str:
@@ -71,11 +80,11 @@ def runtime_closure(root: str = "memfit", python: str = "3.12") -> dict[str, str
 
 def to_carry(python: str = "3.12") -> dict[str, str]:
     have = image_packages()
-    return {
-        n: v
-        for n, v in sorted(runtime_closure(python=python).items())
-        if n not in NEVER and (n in CARRY_ALWAYS or n not in have)
-    }
+    closure = runtime_closure(python=python)
+    for root in BENCHMARK_ROOTS:
+        closure |= runtime_closure(root, python) | {norm(root): distribution(root).version}
+    closure |= PINNED
+    return {n: v for n, v in sorted(closure.items()) if n not in NEVER and (n in CARRY_ALWAYS or n not in have)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,6 +6,7 @@ probe per stage; CUDA-only rows must say why they were skipped."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -82,14 +83,15 @@ def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
         calibration.for_gpu("h100-80gb", "9.0", directory=tmp_path)
 
 
-# The dry run's 10 stages in three parts, one test each (together about 3 min on 2 cores, a part
+# The dry run's 11 stages in four parts, one test each (together about 4 min on 2 cores, a part
 # with the long-context fit's two probes took 113 s; one test may take at most 60 s): the CUDA-only
 # skips and three probe stages; a probe stage and the step-time calibration that prices its probe;
-# the attention and allocator stages and the long-context fit.
+# the attention and allocator stages and the long-context fit; the trainer-speed benchmark (86 s).
 HALVES = {
     "a": ["context", "sdpa_long", "sft_zero", "dpo_ref", "qlora"],
     "b": ["sft_gc_lora", "step_time"],
     "c": ["attention", "allocator", "long_context"],
+    "d": ["trainer_speed"],
 }
 CUDA_ONLY = {"sft-full-z2-flash": "c", "sft-full-z2-expandable-on": "c"}
 
@@ -99,7 +101,7 @@ def test_the_halves_cover_every_stage_once(repo):
         [sys.executable, str(repo / "benchmarks/gpu_evidence.py"), "--list-stages"], capture_output=True, text=True
     ).stdout
     stages = [line.split()[0] for line in listed.splitlines()]
-    assert len(stages) == 10 and sorted(stages) == sorted(sum(HALVES.values(), []))
+    assert len(stages) == 11 and sorted(stages) == sorted(sum(HALVES.values(), []))
 
 
 @pytest.mark.slow
@@ -117,7 +119,9 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
         assert doc["stages"]["context"]["rows"][0]["status"].startswith("skipped: needs CUDA")
     if "sdpa_long" in doc["stages"]:
         assert doc["stages"]["sdpa_long"]["rows"][0]["status"].startswith("skipped: needs CUDA")
-    for name in set(HALVES[half]) - {"context", "sdpa_long", "step_time"}:
+    if "trainer_speed" in doc["stages"]:
+        _trainer_speed_compares_memfit_with_trl(doc["stages"]["trainer_speed"])
+    for name in set(HALVES[half]) - {"context", "sdpa_long", "step_time", "trainer_speed"}:
         ok = [r for r in doc["stages"][name]["rows"] if r["status"] == "ok"]
         assert ok, (name, doc["stages"][name])
         for r in ok:
@@ -128,7 +132,7 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
             assert err["step_time_s"] == round(m["step_time_s"] / e["step_time_s"] - 1, 4)
             assert m["device_total_bytes"] is None and m["device_total_source"].startswith("skipped: needs CUDA")
             assert e["calibration"] == "uncalibrated (stated heuristics)"
-    probes = [r for name, st in doc["stages"].items() if name != "step_time" for r in st["rows"]]
+    probes = [r for name, st in doc["stages"].items() if name not in ("step_time", "trainer_speed") for r in st["rows"]]
     assert doc["summary"]["n"] == sum(1 for r in probes if r["status"] == "ok")
     skipped = {r["id"]: r["status"] for st in doc["stages"].values() for r in st["rows"]}
     for cuda_only in (row for row, h in CUDA_ONLY.items() if h == half):
@@ -140,6 +144,30 @@ def test_dry_run_writes_every_stage_with_estimates_measurements_and_errors(repo,
         assert fit_row["verdict"] == "ok: fits" and over["candidate"]["seq_len"] == int(fit_row["fit_seq_len"] * 1.1)
     if "step_time" in doc["stages"]:
         _step_time_prices_every_probe(doc, probes)
+
+
+def _trainer_speed_compares_memfit_with_trl(stage):
+    # both runs (LoRA, full) trained memfit's step and TRL's SFTTrainer at the scaled-down Llama-3.1-8B
+    # shape, and report each side's tokens/s, MFU and ratio to TRL; Liger's variants say why they did not run
+    rows = {r["id"]: r for r in stage["rows"]}
+    assert set(rows) == {"trainer-speed-lora", "trainer-speed-full"}
+    for finetune, layers in (("lora", 2), ("full", 1)):
+        r = rows[f"trainer-speed-{finetune}"]
+        assert r["status"] == "ok", r
+        report = r["measured"]
+        assert report["model_config"][finetune] == {
+            "num_hidden_layers": layers,
+            "hidden_size": 256,
+            "intermediate_size": 896,
+            "vocab_size": 8016,
+        }
+        best = {b["variant"]: b for b in report["best"]}
+        assert {"trl", "memfit"} <= set(best) and best["trl"]["vs_trl"] == 1.0
+        assert all(b["finetune"] == finetune and b["tokens_per_s"] > 0 and 0 < b["mfu"] for b in best.values())
+        ran_liger = {"trl+liger", "memfit+liger"} & set(best)
+        assert ran_liger | set(report["skipped"]) == {"trl+liger", "memfit+liger"}
+        if importlib.util.find_spec("liger_kernel") is None:
+            assert all("liger-kernel" in why for why in report["skipped"].values()), report["skipped"]
 
 
 def _calibration_refused_and_stages_resumable(repo, script, cmd, out, doc):

@@ -22,3 +22,6 @@ def test_the_wheels_carried_are_memfits_closure_less_the_image_plus_the_pinned()
         assert f"{name}=={carried[name]}" in lock
     # what the image has, or must not travel: torch and its CUDA stack, bitsandbytes' 60 MB wheel
     assert not {"torch", "triton", "bitsandbytes", "numpy", "pandas", "pyarrow", "jinja2"} & set(carried)
+    # gpu_evidence.py's trainer_speed stage: TRL and what it needs beyond memfit, and Liger's kernels
+    assert {"trl", "datasets", "dill", "multiprocess", "liger-kernel"} <= set(carried)
+    assert f"trl=={carried['trl']}" in lock
