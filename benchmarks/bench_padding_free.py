@@ -30,8 +30,8 @@ The demo model has max_position_embeddings 128; RoPE computes its angles from th
 Per case: --batches fixed batches drawn from the rows; padded and padding-free steps alternate on
 the same batch, the order flipping every step (ABBA), so load from other jobs on the machine
 falls on both; the same model and optimizer run both (only the StepRunner differs). One warm-up
-step of each first; then steps until each side ran --min-steps and the case used --case-seconds,
-or --max-steps. Per side: non-padding tokens/s = the sequences' own tokens over the summed step
+step of each first; then whole passes over the batches until each side ran --min-steps and the
+case used --case-seconds, or --max-steps (so p is that of the same batches in every run). Per side: non-padding tokens/s = the sequences' own tokens over the summed step
 seconds. p = the padding share of the measured padded batches (padding tokens over all tokens
 they computed), ideal = 1/(1-p), gain = padding-free tokens/s over padded tokens/s, and
 gain/ideal. The machine's load average (os.getloadavg) is recorded before and after each case.
@@ -144,8 +144,8 @@ def run_case(trainer: Trainer, method: str, rows: list[dict], a, rng: random.Ran
     pad = total = steps = 0
     t_case = time.perf_counter()
     while steps < a.max_steps and (
-        steps < a.min_steps or steps % 2 or time.perf_counter() - t_case < a.case_seconds
-    ):  # an even number of steps: as many padded-first as padding-free-first
+        steps < a.min_steps or steps % len(batches) or time.perf_counter() - t_case < a.case_seconds
+    ):  # whole passes over the batches (an even number): every batch as often, as many of each order
         b = batches[steps % len(batches)]
         for pf in (False, True) if steps % 2 == 0 else (True, False):  # ABBA
             dt, tokens = trainer.step(b, pf)
@@ -180,10 +180,10 @@ def main() -> None:
     p.add_argument("--lengths", default="32,128,512", help="L of the uniform cases uL/4 and uL/2")
     p.add_argument("--cases", default=None, help="a subset of the cases, comma-separated (default: all)")
     p.add_argument("--batch", type=int, default=8, help="rows (SFT) or pairs (DPO) per step")
-    p.add_argument("--batches", type=int, default=8, help="distinct batches drawn per case (cycled)")
+    p.add_argument("--batches", type=int, default=4, help="distinct batches drawn per case (cycled; even)")
     p.add_argument("--rows", type=int, default=256, help="rows drawn from per case")
-    p.add_argument("--min-steps", type=int, default=2, help="steps of each side per case, at least")
-    p.add_argument("--max-steps", type=int, default=30, help="steps of each side per case, at most")
+    p.add_argument("--min-steps", type=int, default=4, help="steps of each side per case, at least")
+    p.add_argument("--max-steps", type=int, default=32, help="steps of each side per case, at most")
     p.add_argument("--case-seconds", type=float, default=5.0, help="time per case past which no step starts")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0)
@@ -197,8 +197,8 @@ def main() -> None:
     bad += [c for c in cases if c not in all_cases]
     if bad:
         p.error(f"unknown --methods/--finetunes/--cases value(s) {bad} (cases: {', '.join(all_cases)})")
-    if a.batch < 2 or a.min_steps < 1 or a.max_steps < a.min_steps:
-        p.error("--batch must be >= 2, --min-steps >= 1 and --max-steps >= --min-steps")
+    if a.batch < 2 or a.batches < 2 or a.batches % 2 or a.min_steps < 1 or a.max_steps % a.batches:
+        p.error("--batch must be >= 2, --batches even, --min-steps >= 1 and --max-steps a multiple of --batches")
     if a.threads > 0:
         torch.set_num_threads(a.threads)
 
