@@ -33,7 +33,7 @@ DRY_RUNS = {"lora": ("--finetunes", "lora", "--layers", "2"), "full": ("--finetu
 DRY_ARGS = ("--device", "cpu", "--scale", "16", "--seq-len", "128", "--min-len", "64", "--rows", "8")
 DRY_ARGS += ("--warmup", "1", "--steps", "2", "--precision", "bf16")
 RUN_S = 240  # one run's limit on a GPU (model builds, FusedAdam's JIT build if not done yet, 4 variants)
-DRY_RUN_S = 1200  # on the CPU: a small shared machine runs the 4 variants in 2-5 minutes
+DRY_RUN_S = 1200  # on the CPU: 13 s a run at load 4, minutes when other jobs take the 2 cores
 MIN_S = 60  # no run starts with less left before the deadline
 
 

@@ -86,7 +86,8 @@ def test_bad_calibration_files_name_the_key(tmp_path, bad, key):
 # The dry run's 11 stages in four parts, one test each (together about 4 min on 2 cores, a part
 # with the long-context fit's two probes took 113 s; one test may take at most 60 s): the CUDA-only
 # skips and three probe stages; a probe stage and the step-time calibration that prices its probe;
-# the attention and allocator stages and the long-context fit; the trainer-speed benchmark (86 s).
+# the attention and allocator stages and the long-context fit; the trainer-speed benchmark (32 s at
+# load 3-4, 2026-11-28).
 HALVES = {
     "a": ["context", "sdpa_long", "sft_zero", "dpo_ref", "qlora"],
     "b": ["sft_gc_lora", "step_time"],
