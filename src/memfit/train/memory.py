@@ -110,6 +110,12 @@ class AllocationTracker(TorchDispatchMode):
             self.peak_bytes = self.current_bytes
 
     # -- torch.compile ---------------------------------------------------------
+    # A higher-order operator (compiled code with gradient checkpointing calls
+    # run_and_save_rng_state) reaches __torch_dispatch__ with this mode popped
+    # (torch/_ops.py HigherOrderOperator.dispatch), which runs it and counts its outputs; with
+    # the default False it raised NotImplementedError in every compiled checkpointed step.
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         """Let dynamo compile while the tracker is on (torch/utils/_python_dispatch.py): with the
