@@ -61,7 +61,14 @@ def main() -> None:
     if a.tracker == "old":  # the tracker as it was: dynamo skips every frame while it is on
         AllocationTracker.ignore_compile_internals = classmethod(lambda cls: False)
     cand = Candidate.from_dict(
-        {"zero": a.zero, "precision": "fp32", "seq_len": a.seq, "micro_batch": a.mb, "grad_accum": 1, "compile": a.compile}
+        {
+            "zero": a.zero,
+            "precision": "fp32",
+            "seq_len": a.seq,
+            "micro_batch": a.mb,
+            "grad_accum": 1,
+            "compile": a.compile,
+        }
     )
     cfg = dsconfig.build(cand, tdist.get_world_size(), lr=1e-5, total_steps=1000, hidden_size=hidden_size(a.model))
     hf = None
