@@ -34,11 +34,13 @@ def test_compiled_steps_train_like_eager(shared_runs, tmp_path, zero):
     assert len(la) == len(lb) == 3
     assert la == pytest.approx(lb, abs=1e-3)
     assert la[-1] < la[0]  # it trains
-    # the layers compiled at the first step (under the CPU's AllocationTracker too) and no training
-    # step compiled again: a recompile per step (a changing attribute, the accumulation boundary)
-    # would make every step pay inductor's compile
+    # the layers compiled at the first step (under the CPU's AllocationTracker too: it used to
+    # make dynamo skip them) and the steps after it compiled at most once more, for a batch of a
+    # new length (then with dynamic shapes; measured: ZeRO-0 2,2,2,2,3,3 graphs, the evaluation's
+    # no-grad graph counted from step 1): a recompile per step (a changing attribute, the
+    # accumulation boundary) would make every step pay inductor's compile
     graphs = [r["compiled_graphs"] for r in b if r["split"] == "train"]
-    assert graphs[0] >= 1 and graphs == [graphs[0]] * len(graphs), graphs
+    assert graphs[0] >= 1 and graphs == sorted(graphs) and graphs[-1] <= graphs[1] + 1, graphs
     log = (tmp_path / "compiled" / "log.txt").read_text()
     assert (
         f"compile: 4 decoder layers (LlamaDecoderLayer) compiled one by one, inductor (CPU, C++: {cpp_compiler()})"
