@@ -85,6 +85,17 @@ def drop_truncated_kernels() -> int:
     return dropped
 
 
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process (torch._dynamo.utils.counters["stats"]
+    ["unique_graphs"], counted in torch/_dynamo/output_graph.py at each graph it compiles). A run's
+    count stops growing after its first step when nothing recompiles; 0 after a compiled layer ran
+    means dynamo ran it eagerly (a TorchDispatchMode without `ignore_compile_internals` on the
+    stack, as memfit's AllocationTracker was: torch/_dynamo/convert_frame.py skips every frame)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def compile_layers(model: torch.nn.Module) -> str:
     """Compile every decoder layer of `model` in place (`nn.Module.compile`); one log line saying
     how many and what class. Raises RuntimeError when the model has no layer to compile."""

@@ -34,6 +34,7 @@ from memfit.train import checkpoint, dsconfig, liger, long_context, sequence_par
 from memfit.train import dist as dist_env
 from memfit.train import resume as train_resume
 from memfit.train.batches import Schedule, probe_rows, rank_batches
+from memfit.train.compile import compiled_graphs
 from memfit.train.device_info import device_identity
 from memfit.train.memory import AllocationTracker, device_peaks, reset_device_peaks
 from memfit.train.modeling import check_hardware, export_model, hidden_size, load_model, model_dir
@@ -309,6 +310,8 @@ class Run:
             "peak_allocated_bytes": int(alloc),
             "peak_reserved_bytes": int(reserved) if pk.reserved is not None else None,
             "host_rss_bytes": int(rss),
+            # compile: graphs dynamo compiled so far (the same from the second step on: no recompile)
+            **({"compiled_graphs": compiled_graphs()} if self.cfg.compile else {}),
         }
 
     def probe(self) -> dict[str, Any]:
@@ -440,6 +443,7 @@ class Run:
             "resume_peak_reserved_bytes": (self.resume_peak["reserved"] or None) if self.resume_peak else None,
             "resume_host_rss_bytes": self.resume_peak["host_rss"] if self.resume_peak else None,
             "packing": self.packing,  # SFT packing: rows, packs, capacity, rows_per_pack, fill; else None
+            **({"compiled_graphs": compiled_graphs()} if self.cfg.compile else {}),
         }
 
     def _worst_case_units(self) -> list[Any]:
