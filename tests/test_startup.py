@@ -2,8 +2,10 @@
 torch.compile of import-time decorated functions set up at their first call."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import cpuinfo
 import pytest
@@ -88,3 +90,20 @@ def test_a_rank_start_imports_no_compiler():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp_path, capsys):
+    # torch waits forever on <TORCH_EXTENSIONS_DIR>/<op>/lock: a killed build of FusedAdam left one
+    # and every later rank hung silently; a lock younger than a build can take is another's build
+    stale, fresh = tmp_path / "fused_adam" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    now = time.time()
+    os.utime(stale, (now - 20 * 60, now - 20 * 60))
+    os.utime(fresh, (now - 60, now - 60))
+    assert startup.clear_stale_build_locks(tmp_path, now=now) == [stale]
+    assert not stale.exists() and fresh.exists()
+    err = capsys.readouterr().err
+    assert str(stale) in err and "20 minutes old" in err and "killed midway" in err
+    assert startup.clear_stale_build_locks(tmp_path / "missing") == []  # no extensions built yet

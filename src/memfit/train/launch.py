@@ -307,7 +307,12 @@ def launch(
         from memfit.train.rank_output import RankOutput
 
         console = RankOutput(sys.stdout, sys.stderr)
-    proc = _start(cmd, nproc, launch_env(threads), port, out, console, srun is not None)
+    env = launch_env(threads)
+    if srun is None:  # on each node (a per-node launcher runs this again), before any rank loads an op
+        from memfit.train.startup import clear_stale_build_locks
+
+        clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])
+    proc = _start(cmd, nproc, env, port, out, console, srun is not None)
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):

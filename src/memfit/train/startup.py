@@ -5,6 +5,9 @@ demo-model rank on 2 cores: 12.3 s, of which 2.3 s py-cpuinfo and 1.6 s torch.co
 - `memoize_cpu_info`: py-cpuinfo's answer kept per machine in a file;
 - `defer_torch_compile`: functions decorated with `torch.compile` at import time (DeepSpeed's
   Muon optimizer, bitsandbytes' default kernels) set up their compiler at their first call.
+
+And one the launcher does before it starts any rank: `clear_stale_build_locks`, so that a build of
+DeepSpeed's JIT ops killed midway does not make every later rank wait forever.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,3 +117,36 @@ def defer_torch_compile() -> None:
 
     compile.memfit_deferred = True  # type: ignore[attr-defined]
     torch.compile = compile
+
+
+# A build of a DeepSpeed JIT op (FusedAdam, CPU-Adam) takes 0.5-2 minutes: about a minute with nvcc on
+# the H200 check (benchmarks/results/gpu_check_h200), 30-60 s with g++ on 2 CPU cores. A lock 15
+# minutes old has no build behind it.
+STALE_BUILD_LOCK_S = 15 * 60
+
+
+def clear_stale_build_locks(root: str | os.PathLike | None = None, now: float | None = None) -> list[Path]:
+    """Remove the build locks of DeepSpeed's JIT-built ops older than STALE_BUILD_LOCK_S, saying so
+    on stderr; returns them. torch builds an op under a lock file in its build folder
+    (torch/utils/cpp_extension.py `_jit_compile`: `FileBaton(<TORCH_EXTENSIONS_DIR>/<op>/lock)`)
+    and removes it when done; a build killed midway (Ctrl-C, a killed rank) leaves it, and every
+    later load of that op waits on it forever without a word (torch/utils/file_baton.py `wait`).
+    `root`: the extensions folder the ranks use (TORCH_EXTENSIONS_DIR, `launch.launch_env`)."""
+    folder = Path(root or os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "torch_extensions"))
+    now = time.time() if now is None else now
+    removed = []
+    for lock in sorted(folder.glob("*/lock")):
+        try:
+            age = now - lock.stat().st_mtime
+            if age < STALE_BUILD_LOCK_S:
+                continue
+            lock.unlink()
+        except OSError:  # gone meanwhile (its build finished), or not ours to remove
+            continue
+        removed.append(lock)
+        print(
+            f"memfit: removed {lock}, a build lock {age / 60:.0f} minutes old: a build of that op was "
+            "killed midway, and torch would wait on its lock forever; the op is built again",
+            file=sys.stderr,
+        )
+    return removed
