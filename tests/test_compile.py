@@ -166,3 +166,19 @@ def test_compiled_layers_compile_and_their_saved_tensors_count_under_the_allocat
             del loss
             assert saved and forward_bytes >= sum(saved.values())
     assert graphs == [1, 1, 1]
+
+
+def test_a_step_that_compiled_is_left_out_of_the_steady_step_time():
+    # the demo's compiled SFT probe (3 steps, 2 ranks, ZeRO-0, 2026-11-28): step 1 compiled, step 2
+    # recompiled (torch.compile's dynamic shapes), step 3 ran the compiled layers; counted with step 2
+    # its figure was 0.296 s (spread 64%), above the eager twin's 0.199 s, and the selection called
+    # them tied and took the compiled one by the tie rule
+    from memfit.train.run_parts import StepTime, steady_step_times
+
+    probe = [StepTime(8.18, 1), StepTime(0.434, 2), StepTime(0.157, 2)]
+    assert steady_step_times(probe) == [0.157]
+    eager = [StepTime(0.24), StepTime(0.208), StepTime(0.191)]
+    assert steady_step_times(eager) == [0.208, 0.191]  # no compile: the steps after the warm-up
+    every = [StepTime(8.0, 1), StepTime(0.5, 2), StepTime(0.4, 3)]
+    assert steady_step_times(every) == [0.5, 0.4]  # every step compiled: still a figure
+    assert steady_step_times([1.0, 0.2, 0.3, 0.25]) == [0.3, 0.25]  # plain floats: 4+ steps drop two

@@ -41,7 +41,7 @@ from memfit.train.modeling import check_hardware, export_model, hidden_size, loa
 from memfit.train.preference import finish_metrics
 from memfit.train.reference import precompute_reference
 from memfit.train.run_config import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, REFERENCE_METHODS, RunConfig
-from memfit.train.run_parts import check_data, frozen_reference, step_runner, warmup_steps
+from memfit.train.run_parts import StepTime, check_data, frozen_reference, steady_step_times, step_runner
 from memfit.units import MIB
 
 _STOP_REQUESTED = threading.Event()
@@ -299,7 +299,7 @@ class Run:
         m = self.train_step(step, probe_rows)
         pk = device_peaks(tracker)
         peaks.append((pk.allocated, pk.reserved))
-        step_times.append(m["step_time_s"])
+        step_times.append(StepTime(m["step_time_s"], compiled_graphs() if self.cfg.compile else 0))
         alloc, reserved, rss = dist_env.all_reduce_max([pk.allocated, pk.reserved or 0, pk.host_rss])
         return {
             "step": step + 1,
@@ -418,7 +418,7 @@ class Run:
         rss = device_peaks(None).host_rss
         mx = dist_env.all_reduce_max([alloc, reserved, rss])
         host_sum = dist_env.all_reduce_sum([rss])[0]
-        steady = step_times[warmup_steps(len(step_times)) :] or step_times
+        steady = steady_step_times(step_times)
         return {
             "world_size": self.world,
             "steps": len(step_times),

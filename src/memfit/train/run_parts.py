@@ -81,3 +81,26 @@ def warmup_steps(steps: int) -> int:
     parameter-fetch trace, and on one H200 it took 2.33 and 4.17 s where the third took 0.57 and
     0.56 s (benchmarks/results/gpu_check_h200/replay, docs/gpus.md). A 3-step probe keeps two steps."""
     return 2 if steps >= 4 else 1
+
+
+class StepTime(float):
+    """A step's seconds, with the graphs dynamo had compiled by its end (`compile: true`; else 0)."""
+
+    graphs: int
+
+    def __new__(cls, seconds: float, graphs: int = 0) -> StepTime:
+        t = super().__new__(cls, seconds)
+        t.graphs = graphs
+        return t
+
+
+def steady_step_times(step_times: list[float]) -> list[float]:
+    """The steps a run's steady step time is the median of: those after `warmup_steps`, less each
+    step that compiled a graph (a `StepTime` whose graph count grew): under `compile`, a batch of a
+    new length, or the first without padding, recompiles once (torch.compile's dynamic shapes), and a
+    3-step probe of the demo counted such a step at 0.43 s beside the next one's 0.16 s. All the
+    steps after the warm-up where every one of them compiled."""
+    start = warmup_steps(len(step_times))
+    graphs = [getattr(t, "graphs", 0) for t in step_times]
+    steady = [t for i, t in enumerate(step_times) if i >= start and not (i and graphs[i] > graphs[i - 1])]
+    return steady or step_times[start:] or step_times
