@@ -107,3 +107,17 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_fresh_one_kept(tmp
     err = capsys.readouterr().err
     assert str(stale) in err and "20 minutes old" in err and "killed midway" in err
     assert startup.clear_stale_build_locks(tmp_path / "missing") == []  # no extensions built yet
+
+
+def test_the_launcher_clears_a_stale_build_lock_before_it_starts_the_ranks(tmp_path, capsys):
+    from memfit.train import launch
+
+    lock = tmp_path / "fused_adam" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = time.time() - 60 * 60
+    os.utime(lock, (old, old))
+    env = launch.launch_env() | {"TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    proc = launch._start([sys.executable, "-c", "pass"], 1, env, None, None, None, srun=False)
+    assert proc.wait(timeout=60) == 0
+    assert not lock.exists() and str(lock) in capsys.readouterr().err

@@ -307,12 +307,7 @@ def launch(
         from memfit.train.rank_output import RankOutput
 
         console = RankOutput(sys.stdout, sys.stderr)
-    env = launch_env(threads)
-    if srun is None:  # on each node (a per-node launcher runs this again), before any rank loads an op
-        from memfit.train.startup import clear_stale_build_locks
-
-        clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])
-    proc = _start(cmd, nproc, env, port, out, console, srun is not None)
+    proc = _start(cmd, nproc, launch_env(threads), port, out, console, srun is not None)
     forwarded = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -345,7 +340,13 @@ def _exit_code(rc: int, config: Path, console) -> int:
 
 def _start(cmd: list[str], nproc: int, env: dict[str, str], port: int | None, out, console, srun: bool):
     """The ranks (one node: LocalRanks, their output through `console` when given) or the one
-    process that starts them (torchrun; srun, whose per-node launchers take the resolved config)."""
+    process that starts them (torchrun; srun, whose per-node launchers take the resolved config).
+    On each node (a per-node launcher comes here again), before any rank loads a JIT-built op, a
+    build lock a killed build left is removed (startup.clear_stale_build_locks)."""
+    if not srun:
+        from memfit.train.startup import clear_stale_build_locks
+
+        clear_stale_build_locks(env["TORCH_EXTENSIONS_DIR"])
     if port is not None:
         stdout = subprocess.PIPE if console is not None else out
         ranks = LocalRanks(cmd, nproc, env, port, stdout=stdout, ignore_sigusr1=True)
