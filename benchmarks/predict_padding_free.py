@@ -60,7 +60,24 @@ def predicted_gain(method: str, rows: list[dict], seq_len: int, micro_batch: int
     arch, gpu = catalog.model(str(REPO / "config/models/demo-tiny.json")), catalog.gpu("cpu")
     ref = "model" if method == "dpo" else None
     step = {
-        pf: estimate(arch, gpu, 1, 1, method, Candidate(zero=0, attn="sdpa", precision="fp32", finetune="full", micro_batch=micro_batch, seq_len=seq_len, padding_free=pf, ref=ref), settings=settings).step_time_s  # fmt: skip
+        pf: estimate(
+            arch,
+            gpu,
+            1,
+            1,
+            method,
+            Candidate(
+                zero=0,
+                attn="sdpa",
+                precision="fp32",
+                finetune="full",
+                micro_batch=micro_batch,
+                seq_len=seq_len,
+                padding_free=pf,
+                ref=ref,
+            ),
+            settings=settings,
+        ).step_time_s  # fmt: skip
         for pf in (False, True)
     }
     return step[False] / step[True]
@@ -93,7 +110,9 @@ def main() -> None:
 
             build_demo_model(REPO / "config/models/demo-tiny.json", REPO / "data/demo", tmp / "demo-tiny")
             for m in {r["method"] for r in results}:  # as bench_padding_free.py prepares them
-                data.prepare(m, REPO / f"data/demo/{m}.jsonl", tmp / "demo-tiny", tmp / m, max_len=64, eval_fraction=0.05)
+                data.prepare(
+                    m, REPO / f"data/demo/{m}.jsonl", tmp / "demo-tiny", tmp / m, max_len=64, eval_fraction=0.05
+                )
         for r in results:
             m, c, mb = r["method"], r["case"], s["batch"]
             rows = case_rows(m, c, s["rows"], s["seed"], tmp)
@@ -107,14 +126,18 @@ def main() -> None:
                 "seq_len": L,
                 "row_mean": stats["mean"],
                 "expected_longest": round(min(expected_longest(stats["quantiles"], mb), L), 1),
-                "measured_batches_longest": round(float(np.mean([max(row_length(m, x) for x in b) for b in batches])), 1),
+                "measured_batches_longest": round(
+                    float(np.mean([max(row_length(m, x) for x in b) for b in batches])), 1
+                ),
                 "predicted_gain_mean_only": round(predicted_gain(m, rows, L, mb, quantiles=False), 3),
                 "predicted_gain": round(predicted_gain(m, rows, L, mb), 3),
                 "measured_gain": r["gain"],
             }
             row["agrees"] = (row["predicted_gain"] > 1) == (row["measured_gain"] > 1)
             out.append(row)
-    print(f"{'method':6} {'case':7} {'L':>4} {'mean':>6} {'E[max]':>7} {'batches':>7} {'before':>6} {'now':>6} {'measured':>8} agrees")
+    print(
+        f"{'method':6} {'case':7} {'L':>4} {'mean':>6} {'E[max]':>7} {'batches':>7} {'before':>6} {'now':>6} {'measured':>8} agrees"
+    )
     for x in out:
         print(
             f"{x['method']:6} {x['case']:7} {x['seq_len']:>4} {x['row_mean']:>6.1f} {x['expected_longest']:>7.1f} "

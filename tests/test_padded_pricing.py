@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from memfit.data.preparation import _length_stats
-from memfit.estimate import Settings, estimate
+from memfit.estimate import estimate
 from memfit.estimate.models import catalog
 from memfit.estimate.time.costs import step_flops
 from memfit.estimate.time.data_scale import expected_longest
@@ -80,14 +80,20 @@ def test_the_demo_padded_candidate_is_priced_on_its_longest_row(config, tmp_path
 def test_old_stats_without_quantiles_price_the_padded_candidate_as_before(config, tmp_path):
     cfg = WorkflowConfig.load(config)
     old = tmp_path / "stats.json"
-    stats = {"method": "sft", "length": {k: v for k, v in _length_stats(np.array(DEMO_LENGTHS)).items() if k != "quantiles"}}
+    stats = {
+        "method": "sft",
+        "length": {k: v for k, v in _length_stats(np.array(DEMO_LENGTHS)).items() if k != "quantiles"},
+    }
     old.write_text(json.dumps(stats))
     settings = _estimate_settings(cfg, None, old)
     assert settings.row_tokens == 17.25 and settings.row_length_quantiles is None
     arch, gpu = catalog.model("config/models/demo-tiny.json"), catalog.gpu("cpu")
     cand = Candidate(zero=0, precision="fp32", finetune="full", micro_batch=4, seq_len=24, ref=None)
     before = dataclasses.replace(settings, row_tokens=None)  # the same settings, no data statistics
-    assert estimate(arch, gpu, 1, 1, "sft", cand, settings=settings).to_dict() == estimate(arch, gpu, 1, 1, "sft", cand, settings=before).to_dict()
+    assert (
+        estimate(arch, gpu, 1, 1, "sft", cand, settings=settings).to_dict()
+        == estimate(arch, gpu, 1, 1, "sft", cand, settings=before).to_dict()
+    )
     # a malformed list names the key and the file
     stats["length"]["quantiles"] = [18, 14, 16]
     old.write_text(json.dumps(stats))

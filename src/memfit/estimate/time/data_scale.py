@@ -56,7 +56,9 @@ def data_tokens(cand: Candidate, settings: Settings) -> tuple[float, str] | None
     if cand.padding_free:
         if not settings.row_tokens:
             return None
-        return min(float(settings.row_tokens), float(cand.seq_len)), f"the data's {settings.row_tokens:g} tokens a sequence"
+        return min(
+            float(settings.row_tokens), float(cand.seq_len)
+        ), f"the data's {settings.row_tokens:g} tokens a sequence"
     if not settings.row_length_quantiles:
         return None
     # the rows one padded forward pads together: the micro batch's rows. A row's `length` is the
