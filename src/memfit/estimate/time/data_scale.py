@@ -68,6 +68,8 @@ def data_tokens(cand: Candidate, settings: Settings) -> tuple[float, str] | None
     # sequence is the longest row of micro_batch draws
     longest = expected_longest(settings.row_length_quantiles, cand.micro_batch)
     how = f"the expected longest row of {cand.micro_batch} from the data's lengths, {longest:.1f} tokens"
+    if cand.sequence_parallel > 1:  # a rank computes its share of each sequence (core.per_rank)
+        how += f" ({longest / cand.sequence_parallel:.1f} a rank of {cand.sequence_parallel})"
     return min(longest / cand.sequence_parallel, float(cand.seq_len)), how
 
 
