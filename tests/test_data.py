@@ -77,6 +77,11 @@ def test_sft_stats(sft_out):
     assert len(worst) == min(len(train), data.WORST_CASE_ROWS) >= 64
     assert [lengths[i] for i in worst] == sorted(lengths, reverse=True)[: len(worst)]
     assert s["length"]["max"] == max(lengths) and s["length"]["min"] <= s["length"]["p50"]
+    # p0..p100 of every kept row's length, each a real row length: what prices a padded micro batch
+    both = sorted(lengths + [r["length"] for r in data.load_split(sft_out, "eval")])
+    q = s["length"]["quantiles"]
+    assert len(q) == 101 and (q[0], q[50], q[99], q[100]) == (both[0], s["length"]["p50"], s["length"]["p99"], both[-1])
+    assert q == sorted(q) and set(q) <= set(both)
     assert s["tokens"] == s["tokens_by_split"]["train"] + s["tokens_by_split"]["eval"]
     assert s["tokens_by_split"]["train"] == sum(lengths)
 

@@ -81,8 +81,9 @@ there are two prompts or more, never all. Rows keep their source order within a 
 
 stats.json: method, source, max_len, rows_read (source lines or rows, blank lines included:
 rows_read == kept + dropped), rows_kept {train, eval}, dropped {reason: n},
-truncated {reason: n}, length {min, mean, p50, p90, p99, max} over kept rows of both splits
-(percentiles by nearest rank, so each is a real row length), worst_case_rows (positions in
+truncated {reason: n}, length {min, mean, p50, p90, p99, max, quantiles} over kept rows of both
+splits (percentiles by nearest rank, so each is a real row length; quantiles: p0..p100, 101 of
+them), worst_case_rows (positions in
 train.parquet of the longest rows, longest first, ties by position; up to 256), tokens (token
 ids stored, both splits; DPO counts the prompt once per pair), plus tokens_by_split,
 eval_fraction, seed and tokenizer; SFT adds assistant_loss and loss_tokens (label positions with

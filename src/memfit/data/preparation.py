@@ -229,6 +229,9 @@ def _length_stats(lengths: np.ndarray) -> dict[str, float | int]:
         "p90": rank(90),
         "p99": rank(99),
         "max": int(s[-1]),
+        # p0..p100 by the same nearest rank: the distribution the estimator draws a padded micro
+        # batch's longest row from (memfit.estimate.time.data_scale.expected_longest)
+        "quantiles": [rank(p) for p in range(101)],
     }
 
 

@@ -33,7 +33,7 @@ from memfit.estimate.models.validity import (
 from memfit.estimate.settings import DEFAULT_SETTINGS, EstimateError, Settings
 from memfit.estimate.time import timing
 from memfit.estimate.time.costs import compute_source, modelled_step, step_flops
-from memfit.estimate.time.padding_free import padding_free_time
+from memfit.estimate.time.data_scale import data_time
 from memfit.estimate.trace.traced import prefetch_traces, trace_attn, traced_activations, traced_fallback_reason
 from memfit.space import Candidate
 from memfit.units import GIB
@@ -81,7 +81,7 @@ class Estimate:
     headroom_source: str = "given"
     usable_device_bytes: int = 0
     fits_with_headroom: bool = False
-    step_time_worst_case_s: float | None = None  # padding_free: its probe's worst-case step (time.padding_free)
+    step_time_worst_case_s: float | None = None  # priced on the data: its probe's worst-case step (time.data_scale)
 
     @property
     def training_peak_bytes(self) -> int:
@@ -91,7 +91,7 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d["step_time_worst_case_s"] is None:  # a padded candidate's JSON stays what it was
+        if d["step_time_worst_case_s"] is None:  # no data statistics: a padded candidate's JSON as it was
             del d["step_time_worst_case_s"]
         return d
 
@@ -289,8 +289,7 @@ def _estimate(job: Job, cand: Candidate) -> Estimate:
     # verdict: fits or not, and how fast
     _verdict(job, est)
     est.time_breakdown, est.time_source, terms = _step_time(job, arch, cand, gpu, states, settings)
-    if cand.padding_free:  # the rows' own tokens, not the probes' worst case
-        padding_free_time(arch, cand, job.method, settings, est, terms)
+    data_time(arch, cand, job.method, settings, est, terms)  # the data's rows, not the probes' worst case
     est.compute_terms = {k: round(v, 6) for k, v in terms.items()}
     est.step_time_s = round(sum(est.time_breakdown.values()), 6)
     # the sequences a row trains on (a pair's two; not KTO's KL batch), as the trainer counts tokens/s

@@ -147,8 +147,9 @@ def judge(
                 step = probe["step_time_s"]
                 worst = raw.get("step_time_worst_case_s")
                 if step and worst and raw.get("step_time_s"):
-                    # padding_free: the probe ran the worst case (every sequence seq_len tokens); the
-                    # data's rows are priced by the estimate's ratio (memfit.estimate.core._padding_free_time)
+                    # priced on the data (padding_free, or padded with the data's lengths): the probe ran
+                    # the worst case (every sequence seq_len tokens); the data's rows are priced by the
+                    # estimate's ratio (memfit.estimate.time.data_scale)
                     step = step * float(raw["step_time_s"]) / float(worst)
                 _verdict(row, dev, host, step, budget, world, method, "measured")
         else:

@@ -88,9 +88,14 @@ class Settings:
     mlp_tile_tokens: int | None = None  # tiled_mlp: tokens per sequence in a tile (None: the hidden size)
     # the prepared data's mean tokens per sequence (prepare_data's stats.json `length.mean`; for pairs
     # the prompt and the longer response): a padding_free candidate's step computes the rows' own
-    # tokens, so its compute is priced on these (memfit.estimate.time.costs.padding_free_scale);
+    # tokens, so its compute is priced on these (memfit.estimate.time.data_scale.data_scale);
     # None: on seq_len, the probes' worst case
     row_tokens: float | None = None
+    # the prepared data's row lengths at p0..p100 (stats.json `length.quantiles`, nondecreasing; a
+    # row's length is its longest sequence): a padded candidate's micro batch is padded to its
+    # longest row, so its compute is priced on the expected longest of micro_batch rows
+    # (memfit.estimate.time.data_scale.expected_longest); None: on seq_len, the probes' worst case
+    row_length_quantiles: tuple[float, ...] | None = None
 
 
 LOGITS_HANDLING = ("memfit", "hf-model-fp32", "hf-loss-function", "torchtune-held")

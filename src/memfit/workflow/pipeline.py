@@ -53,7 +53,9 @@ def _estimate_settings(
 ) -> Any:
     """The config's `estimate:` (the CPU-Adam rate and cores per rank among it), with this machine's
     step-time calibration (the calibrate stage) if any, and the prepared data's mean tokens per
-    sequence (prepare_data's `stats` file, `length.mean`) that prices padding_free candidates."""
+    sequence and row length quantiles (prepare_data's `stats` file, `length.mean` and
+    `length.quantiles`) that price padding_free and padded candidates on the data's rows
+    (memfit.estimate.time.data_scale). Neither under SFT packing: packs fill to seq_len."""
     from memfit.estimate import Settings
     from memfit.estimate.time import runtime_costs
 
@@ -62,7 +64,8 @@ def _estimate_settings(
     kw["trace_cache"] = est.get("trace_cache")
     cal = str(calibration) if calibration else None
     kw |= runtime_costs.cpu_adam_settings(est)
-    kw["row_tokens"] = _row_tokens(stats)
+    if stats and not _packing(cfg, stats):
+        kw["row_tokens"], kw["row_length_quantiles"] = _row_tokens(stats), _row_length_quantiles(stats)
     return Settings(activations=est.get("activations", "analytic"), step_time_calibration=cal, **kw)
 
 
@@ -73,6 +76,30 @@ def _row_tokens(stats: Path | str | None) -> float | None:
     length = json.loads(Path(stats).read_text()).get("length") or {}
     mean = length.get("mean") if isinstance(length, dict) else None
     return float(mean) if isinstance(mean, int | float) and mean > 0 else None
+
+
+def _packing(cfg: WorkflowConfig, stats: Path | str) -> bool:
+    """The stats file's method trains packed rows (`train.<method>.packing`, SFT only)."""
+    method = json.loads(Path(stats).read_text()).get("method")
+    return bool(((cfg.raw.get("train") or {}).get(method) or {}).get("packing", False))
+
+
+def _row_length_quantiles(stats: Path | str | None) -> tuple[float, ...] | None:
+    """stats.json's `length.quantiles` (row lengths at p0..p100), or None for a file from before
+    they were written; a ValueError naming the key and the file if they are not such a list."""
+    if not stats:
+        return None
+    length = json.loads(Path(stats).read_text()).get("length") or {}
+    q = length.get("quantiles") if isinstance(length, dict) else None
+    if q is None:
+        return None
+    ok = isinstance(q, list) and len(q) >= 2 and all(isinstance(x, int | float) and x > 0 for x in q)
+    if not ok or any(b < a for a, b in zip(q, q[1:], strict=False)):
+        raise ValueError(
+            f"{stats}: length.quantiles must be 2 or more positive row lengths in nondecreasing order "
+            "(prepare_data writes p0..p100); prepare the data again"
+        )
+    return tuple(float(x) for x in q)
 
 
 def _estimate_rows(

@@ -69,8 +69,9 @@ def run_probe(
                 for k in ("peak_allocated_bytes", "peak_reserved_bytes", "host_bytes", "step_time_s")
             }
             if prediction.get("step_time_worst_case_s") is not None:
-                # padding_free: the probe runs the worst case (every sequence seq_len tokens), which the
-                # estimate priced before scaling it to the data's rows (memfit.estimate.core._padding_free_time)
+                # priced on the data (padding_free, or padded with the data's lengths): the probe runs the
+                # worst case (every sequence seq_len tokens), which the estimate priced before scaling
+                # it to the data's rows (memfit.estimate.time.data_scale)
                 result["predicted"]["step_time_s"] = prediction["step_time_worst_case_s"]
         write_json_atomic(out_json, result)
         return result

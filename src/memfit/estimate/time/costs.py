@@ -31,7 +31,7 @@ def step_flops(
     when tied to the embedding); LoRA skips weight gradients (4 instead of 6); DPO's reference
     adds a forward (2). tests/test_inventory.py checks this against FlopCounterMode on the traced
     step of the same model. `seq_len`: tokens per sequence other than the candidate's (the data's
-    mean, `padding_free_scale`). padding_free under sdpa or eager: the one row's block-causal mask
+    mean or a padded micro batch's expected longest row, `data_scale.data_scale`). padding_free under sdpa or eager: the one row's block-causal mask
     is a dense [T, T] mask to SDPA's math kernel and to eager's matmul, so a token attends over the
     whole row of the micro step's T tokens, masked (transformers masking_utils.py `sdpa_mask`;
     flash-attention's varlen kernel over its own sequence only, cu_seqlens). Mixture-of-experts: a token runs through its top-k routed

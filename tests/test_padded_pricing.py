@@ -1,0 +1,141 @@
+"""A padded candidate's step priced on the rows training pads to (issue #45): training pads each
+micro batch to its longest row, not to seq_len, so with the prepared data's length quantiles the
+estimate prices the expected longest row of a micro batch (memfit.estimate.time.data_scale), keeps
+the worst case its probe runs, and padded and padding-free candidates compare on the same data.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from memfit.data.preparation import _length_stats
+from memfit.estimate import estimate
+from memfit.estimate.models import catalog
+from memfit.estimate.time.costs import step_flops
+from memfit.estimate.time.data_scale import expected_longest
+from memfit.space import Candidate
+from memfit.workflow.config import WorkflowConfig
+from memfit.workflow.pipeline import _estimate_settings, _row_length_quantiles
+
+
+@pytest.fixture()
+def config(repo, monkeypatch):
+    monkeypatch.chdir(repo)
+    return yaml.safe_load((repo / "config/config.yaml").read_text())
+
+
+def _stats(tmp_path, method, lengths):
+    """A stats.json as prepare_data writes it, for rows of these lengths (its `length` block)."""
+    path = tmp_path / f"{method}-stats.json"
+    path.write_text(json.dumps({"method": method, "max_len": 24, "length": _length_stats(np.array(lengths))}))
+    return path
+
+
+# the demo's rows (results/demo-tiny/data/*/stats.json: max_len 24, rows of 14 to 18 tokens, mean 17.25)
+DEMO_LENGTHS = [14] * 2 + [15] * 2 + [16] * 4 + [17] * 8 + [18] * 24
+
+
+def test_expected_longest_row_of_a_micro_batch():
+    uniform = np.linspace(0.0, 1.0, 101)  # U(0, 1): E[max of n] = n / (n + 1), F^-1 linear
+    for n in (1, 2, 8, 64):
+        assert expected_longest(uniform, n) == pytest.approx(n / (n + 1), abs=1e-9)
+    q = _length_stats(np.array(DEMO_LENGTHS))["quantiles"]
+    assert expected_longest(q, 1) == pytest.approx(np.mean(DEMO_LENGTHS), abs=0.1)
+    assert 17.9 < expected_longest(q, 4) < 18.0 <= max(q)  # 4 rows: nearly always one of 18
+    with pytest.raises(ValueError, match="2 or more quantiles"):
+        expected_longest([18.0], 4)
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_the_demo_padded_candidate_is_priced_on_its_longest_row(config, tmp_path, method):
+    """With the demo's stats.json, the padded step's compute shrinks to the model FLOPs at the
+    expected longest row of the micro batch (about 18 of 24 tokens); the worst case its probe runs
+    is kept, and what a step adds beyond its computation stays."""
+    cfg = WorkflowConfig.load(config)
+    settings = _estimate_settings(cfg, None, _stats(tmp_path, method, DEMO_LENGTHS))
+    assert settings.row_tokens == 17.25 and len(settings.row_length_quantiles) == 101
+    arch, gpu = catalog.model("config/models/demo-tiny.json"), catalog.gpu("cpu")
+    ref = "model" if method == "dpo" else None
+    cand = Candidate(zero=0, precision="fp32", finetune="full", micro_batch=4, seq_len=24, ref=ref)
+    worst = estimate(arch, gpu, 1, 1, method, cand, settings=_estimate_settings(cfg))  # no statistics
+    real = estimate(arch, gpu, 1, 1, method, cand, settings=settings)
+    longest = expected_longest(settings.row_length_quantiles, cand.micro_batch)  # DPO: 4 pairs, padded together
+    flops = step_flops(arch, cand, method, seq_len=longest) / step_flops(arch, cand, method)
+    assert 0.7 < flops < 0.8  # about 18 of 24 tokens
+    assert real.time_breakdown["compute"] == pytest.approx(worst.time_breakdown["compute"] * flops, rel=1e-6)
+    assert {k: v for k, v in real.time_breakdown.items() if k != "compute"} == {
+        k: v for k, v in worst.time_breakdown.items() if k != "compute"
+    }
+    assert real.step_time_worst_case_s == worst.step_time_s > real.step_time_s
+    assert any(n.startswith("padded: compute priced on the expected longest row of 4") for n in real.notes)
+    assert real.peak_reserved_bytes == worst.peak_reserved_bytes  # memory: the longest batch, seq_len
+
+
+def test_old_stats_without_quantiles_price_the_padded_candidate_as_before(config, tmp_path):
+    cfg = WorkflowConfig.load(config)
+    old = tmp_path / "stats.json"
+    stats = {
+        "method": "sft",
+        "length": {k: v for k, v in _length_stats(np.array(DEMO_LENGTHS)).items() if k != "quantiles"},
+    }
+    old.write_text(json.dumps(stats))
+    settings = _estimate_settings(cfg, None, old)
+    assert settings.row_tokens == 17.25 and settings.row_length_quantiles is None
+    arch, gpu = catalog.model("config/models/demo-tiny.json"), catalog.gpu("cpu")
+    cand = Candidate(zero=0, precision="fp32", finetune="full", micro_batch=4, seq_len=24, ref=None)
+    before = dataclasses.replace(settings, row_tokens=None)  # the same settings, no data statistics
+    assert (
+        estimate(arch, gpu, 1, 1, "sft", cand, settings=settings).to_dict()
+        == estimate(arch, gpu, 1, 1, "sft", cand, settings=before).to_dict()
+    )
+    # a malformed list names the key and the file
+    stats["length"]["quantiles"] = [18, 14, 16]
+    old.write_text(json.dumps(stats))
+    with pytest.raises(ValueError, match=r"stats.json: length.quantiles must be"):
+        _row_length_quantiles(old)
+
+
+def test_sft_packing_prices_the_packs_full(config, tmp_path):
+    """Packs fill to seq_len: under train.sft.packing the workflow passes no length statistics, so
+    neither lever is scaled to the rows (a padding-free row of packs is packs, not rows)."""
+    packed = copy.deepcopy(config)
+    packed["train"].setdefault("sft", {})["packing"] = True
+    stats = _stats(tmp_path, "sft", DEMO_LENGTHS)
+    settings = _estimate_settings(WorkflowConfig.load(packed), None, stats)
+    assert settings.row_tokens is None and settings.row_length_quantiles is None
+    dpo = _estimate_settings(WorkflowConfig.load(packed), None, _stats(tmp_path, "dpo", DEMO_LENGTHS))
+    assert dpo.row_length_quantiles is not None  # packing is SFT's
+
+
+@pytest.mark.parametrize(("method", "case"), [("sft", "u512/4"), ("dpo", "u128/4")])
+def test_padding_free_is_no_longer_predicted_faster_where_it_measured_slower(method, case):
+    """benchmarks/bench_padding_free.py measured padding-free slower than padded on these rows
+    (benchmarks/results/padding_free_cpu.json); priced on the mean tokens only against rows of
+    seq_len, SFT u512/4 was predicted faster. With the expected longest row, neither is."""
+    from predict_padding_free import REPO, case_rows, case_seq_len, predicted_gain
+
+    measured = json.loads((REPO / "benchmarks/results/padding_free_cpu.json").read_text())
+    (run,) = [r for r in measured["results"] if (r["method"], r["finetune"], r["case"]) == (method, "full", case)]
+    s = measured["settings"]
+    rows = case_rows(method, case, s["rows"], s["seed"], None)
+    before = predicted_gain(method, rows, case_seq_len(case), s["batch"], quantiles=False)
+    now = predicted_gain(method, rows, case_seq_len(case), s["batch"])
+    assert run["gain"] < 1 and now < 1 and now < before
+
+
+def test_the_heavy_tailed_gain_is_no_longer_inflated():
+    """SFT on heavy-tailed rows measured 2.38x; rows of seq_len priced it at 6.7x, the expected
+    longest row within 25% of the measurement."""
+    from predict_padding_free import REPO, case_rows, predicted_gain
+
+    measured = json.loads((REPO / "benchmarks/results/padding_free_cpu.json").read_text())
+    (run,) = [r for r in measured["results"] if (r["method"], r["finetune"], r["case"]) == ("sft", "full", "heavy")]
+    rows = case_rows("sft", "heavy", measured["settings"]["rows"], measured["settings"]["seed"], None)
+    assert predicted_gain("sft", rows, 512, 8, quantiles=False) > 2 * run["gain"]
+    assert predicted_gain("sft", rows, 512, 8) == pytest.approx(run["gain"], rel=0.25)
