@@ -96,6 +96,15 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+_COMPILED: list[int] = []  # one entry per model compile_layers compiled in this process
+
+
+def layers_compiled() -> bool:
+    """Whether compile_layers compiled a model in this process (memory.AllocationTracker then counts
+    the tensors compiled layers save, which inductor's kernels fill out of a dispatch mode's sight)."""
+    return bool(_COMPILED)
+
+
 def compile_layers(model: torch.nn.Module) -> str:
     """Compile every decoder layer of `model` in place (`nn.Module.compile`); one log line saying
     how many and what class. Raises RuntimeError when the model has no layer to compile."""
@@ -107,6 +116,7 @@ def compile_layers(model: torch.nn.Module) -> str:
     dropped = drop_truncated_kernels()
     for layer in layers:
         layer.compile()
+    _COMPILED.append(len(layers))
     kinds = sorted({type(m).__name__ for m in layers})
     backend = "inductor (CUDA, Triton)" if torch.cuda.is_available() else f"inductor (CPU, C++: {cpp_compiler()})"
     said = f"compile: {len(layers)} decoder layers ({', '.join(kinds)}) compiled one by one, {backend}"
