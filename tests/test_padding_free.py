@@ -16,7 +16,7 @@ import torch
 from memfit import cli, data
 from memfit.space import Candidate
 from memfit.train.batches import dpo_padding_free_batch, padding_free_batch
-from memfit.train.modeling import load_model
+from memfit.train.modeling import attn_implementation, load_model
 from memfit.train.steps import StepRunner
 
 
@@ -38,7 +38,8 @@ def mixed_rows(rows, n=8):
 
 def loss_and_grads(demo_model, rows, attn, loss_on, padding_free):
     torch.manual_seed(0)
-    model = load_model(str(demo_model), Candidate.from_dict({"attn": attn, "precision": "fp32"}), trainable=True)
+    cand = Candidate.from_dict({"attn": attn, "precision": "fp32", "padding_free": padding_free})
+    model = load_model(str(demo_model), cand, trainable=True)  # padding_free sdpa: memfit's per-sequence sdpa
     model.train()
     runner = StepRunner("sft", model, None, 0, loss_on=loss_on, padding_free=padding_free)
     loss, metrics, tokens = runner.loss(rows)
@@ -74,7 +75,8 @@ def test_padding_free_rows_do_not_see_each_other(demo_model, sft_rows):
     """The equality above is not vacuous: the same concatenated row run as one causal sequence
     (no position ids, so no per-row mask) gives another loss."""
     rows = mixed_rows(sft_rows)
-    model = load_model(str(demo_model), Candidate.from_dict({"attn": "sdpa", "precision": "fp32"}), trainable=False)
+    cand = Candidate.from_dict({"attn": "sdpa", "precision": "fp32", "padding_free": True})
+    model = load_model(str(demo_model), cand, trainable=False)
     runner = StepRunner("sft", model, None, 0, padding_free=True)
     with torch.no_grad():
         free = float(runner.loss(rows)[0])
@@ -94,7 +96,7 @@ def test_probe_pads_the_padding_free_row_to_the_padded_worst_case(demo_model, sf
 
 def dpo_loss_and_grads(demo_model, rows, ref, padding_free, loss_impl="full"):
     torch.manual_seed(0)
-    cand = Candidate.from_dict({"attn": "sdpa", "precision": "fp32"})
+    cand = Candidate.from_dict({"attn": "sdpa", "precision": "fp32", "padding_free": padding_free})
     model = load_model(str(demo_model), cand, trainable=True)
     model.train()
     ref_model = load_model(str(demo_model), cand, trainable=False) if ref == "model" else None
@@ -140,10 +142,11 @@ def pref_loss_and_grads(demo_model, rows, method, pad_id, padding_free):
     from memfit.train.preference.rm import build_reward_model
 
     torch.manual_seed(0)
+    cand = Candidate.from_dict({"attn": "sdpa", "precision": "fp32", "padding_free": padding_free})
     if method == "rm":  # the score head newly initialised from the seed, as TRL's RewardTrainer makes it
-        model = build_reward_model(str(demo_model), pad_id, attn_implementation="sdpa")
+        model = build_reward_model(str(demo_model), pad_id, attn_implementation=attn_implementation(cand))
     else:
-        model = load_model(str(demo_model), Candidate.from_dict({"attn": "sdpa", "precision": "fp32"}), trainable=True)
+        model = load_model(str(demo_model), cand, trainable=True)
     model.train()
     pref = {"simpo": {"cpo_alpha": 0.5}}.get(method)  # SimPO with the chosen NLL term too
     runner = StepRunner(method, model, None, pad_id, pref=pref, padding_free=padding_free)

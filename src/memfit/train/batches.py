@@ -82,6 +82,17 @@ def probe_rows(method: str, rows: list[dict[str, Any]], seq_len: int) -> list[di
     return rows
 
 
+def _padding_positions(positions: list[int], n: int) -> list[int]:
+    """Position ids of `n` padding tokens after a pack whose tokens have `positions`: sequences of
+    their own, restarting at 0, none longer than the pack's longest sequence (all of seq_len where
+    the pack is empty). A probe pads a padding-free row of short rows to the padded batch's worst
+    case (`padding_free_batch` pad_to); one long padding sequence would make per-sequence attention
+    (flash-attention varlen, memfit.train.varlen_attention) pad every sequence to it, where
+    sequences as long as the rows keep its attention block at the row's tokens."""
+    longest = max(positions) + 1 if positions else n
+    return [i % max(longest, 1) for i in range(n)]
+
+
 def collate_packed(
     packs: list[list[dict[str, Any]]],
     pad_id: int,
@@ -98,7 +109,7 @@ def collate_packed(
     eager, so no token attends across a row boundary; flash_attention_2 derives cu_seqlens from
     them (modeling_flash_attention_utils._is_packed_sequence / prepare_fa_kwargs_from_position_ids)
     but only for batch size 1, hence `flatten` ([1, B*L]) for flash. Padding at the end of a
-    pack is a sequence of its own (positions from 0) and never a target. The first token of
+    pack is never a target; it forms sequences of its own (`_padding_positions`). The first token of
     each row is never a target: unpacked nothing predicts it, packed the previous row's last
     token would. RoPE sees the same positions as unpacked, so the loss equals the unpacked one.
     """
@@ -122,7 +133,7 @@ def collate_packed(
     out = {
         "input_ids": _pad(ids, pad_id, n),
         "labels": _pad(labels, IGNORE_INDEX, n),
-        "position_ids": _pad([q + list(range(n - len(q))) for q in pos], 0, n),
+        "position_ids": _pad([q + _padding_positions(q, n - len(q)) for q in pos], 0, n),
     }
     if flatten:
         out = {k: v.reshape(1, -1) for k, v in out.items()}

@@ -19,6 +19,17 @@ ATTN_IMPL = {"flash": "flash_attention_2", "sdpa": "sdpa", "eager": "eager"}
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def attn_implementation(cand: Candidate) -> str:
+    """transformers' `attn_implementation` for the candidate: ATTN_IMPL, except padding_free under
+    sdpa, which runs memfit's per-sequence sdpa (memfit.train.varlen_attention: each sequence attends
+    over itself, not over the row's T x T block-causal mask)."""
+    if cand.padding_free and cand.attn == "sdpa":
+        from memfit.train import varlen_attention
+
+        return varlen_attention.register()
+    return ATTN_IMPL[cand.attn]
+
+
 def check_hardware(cand: Candidate) -> None:
     """Refuse what this machine cannot run, before loading anything."""
     if cand.attn == "flash":
@@ -194,7 +205,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPL[cand.attn], "dtype": DTYPE[cand.precision]}
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation(cand), "dtype": DTYPE[cand.precision]}
     if cand.finetune == "qlora":
         # the DPO reference too (ref=model, precomputed): the same quantized base the policy's
         # adapter-disabled forward sees

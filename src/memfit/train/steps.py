@@ -12,6 +12,7 @@ from memfit.train.batches import collate, collate_packed, dpo_padding_free_batch
 from memfit.train.dist import device as _device
 from memfit.train.losses import DPOConfig, dpo_loss, token_logps
 from memfit.train.sequence_parallel import SequenceShard, shard_batch
+from memfit.train.varlen_attention import seq_lens_kwargs
 from memfit.train.vocab_loss import ChunkedHead
 
 
@@ -102,20 +103,26 @@ class StepRunner:
             batch = shard_batch(batch, self.shard, self.pad_id)
         return {k: v.to(self.device) for k, v in batch.items()}
 
+    @staticmethod
+    def row_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The model's inputs for a padding-free row (on its device): input and position ids, and the
+        sequences the position ids start (`varlen_attention.seq_lens_kwargs`: flash-attention's
+        varlen arguments, which memfit's per-sequence sdpa reads too; eager ignores them)."""
+        positions = batch["position_ids"]
+        return {"input_ids": batch["input_ids"], "position_ids": positions, **seq_lens_kwargs(positions)}
+
     def _padding_free(
         self, rows: list[Any], pad_to: int | None, packed: bool
     ) -> tuple[torch.Tensor, dict[str, float], int]:
         """SFT on the micro batch as one row: its rows (with packing: every row of its packs)
-        concatenated, position ids restarting at 0 at each row, no attention mask, so transformers
-        masks block-causally per row (sdpa, eager) or passes cu_seqlens to flash-attention varlen
-        (`collate_packed`). The loss is the per-token mean over the same tokens as the padded batch.
+        concatenated, position ids restarting at 0 at each row, no attention mask, and the rows'
+        cu_seq_lens (`row_inputs`): each row attends over itself (flash-attention varlen, memfit's
+        per-sequence sdpa; eager masks block-causally, `collate_packed`). The loss is the per-token mean over the same tokens as the padded batch.
         `pad_to` (probes): the row is padded to pad_to x rows, the padded batch's worst case."""
         flat = [r for p in rows for r in p] if packed else list(rows)
         batch = padding_free_batch(flat, self.pad_id, self.loss_on, pad_to * len(rows) if pad_to else None)
         batch = self._batch(batch)
-        loss, value = self._sft(
-            batch["labels"], input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        )
+        loss, value = self._sft(batch["labels"], **self.row_inputs(batch), use_cache=False)
         return loss, {"loss": value * len(rows)}, sum(len(r["input_ids"]) for r in flat)
 
     def loss(
@@ -131,7 +138,7 @@ class StepRunner:
             flat, segments = dpo_padding_free_batch(rows, self.pad_id, pad_to)
             tokens = int(segments.lt(2 * len(rows)).sum())
             batch = self._batch(flat)
-            inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+            inputs = self.row_inputs(batch)
             return self._dpo(rows, batch["labels"], inputs, tokens, segments.to(self.device))
         if packed:  # under sequence parallelism: the pack's shard (flash attention only: sequence_parallel.check)
             batch = self._batch(collate_packed(rows, self.pad_id, pad_to, self.loss_on, self.flatten_packs))

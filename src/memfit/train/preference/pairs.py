@@ -64,9 +64,7 @@ def _forward_padding_free(runner, rows: list[dict[str, Any]], pad_to: int | None
     if nll_on == "all":  # every token of its own sequence but the first; padding (segment 2n) never
         first = batch["position_ids"] == 0
         labels = batch["input_ids"].masked_fill(first | (segments == 2 * n).unsqueeze(0), IGNORE_INDEX)
-    token_lp, scored = runner.token_logps(
-        runner.engine, labels, input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-    )
+    token_lp, scored = runner.token_logps(runner.engine, labels, **runner.row_inputs(batch), use_cache=False)
     seg = segments[1:]  # position t scores token t + 1: the sequence of the token scored
     in_response = response[0, 1:] != IGNORE_INDEX
     sums = token_lp.new_zeros(2 * n + 1).index_add(0, seg, token_lp[0] * in_response)

@@ -101,7 +101,7 @@ def _padding_free_rewards(runner, rows: list[dict[str, Any]], pad_to: int | None
     seen: list[torch.Tensor] = []
     hook = score_module(model).register_forward_hook(lambda _m, _i, out: seen.append(out))
     try:
-        runner.engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        runner.engine(**runner.row_inputs(batch), use_cache=False)
     finally:
         hook.remove()
     per_token = seen[-1][0, :, 0]  # [T]: the head on every token of the one row
