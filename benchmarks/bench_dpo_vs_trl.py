@@ -38,10 +38,10 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 
 
-def load_model(model_dir: Path):
+def load_model(model_dir: Path, attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
 
 
 def sync() -> None:

@@ -8,7 +8,7 @@ padded step's non-padding tokens/s: the ideal gain. This script measures the rea
 
 The step: memfit.train.steps.StepRunner.loss (padded: memfit.train.batches.collate, right
 padding with an attention mask; padding-free: padding_free_batch / dpo_padding_free_batch, one
-row, position ids restarting per sequence, transformers' block-causal mask under sdpa), then
+row, position ids restarting per sequence, memfit's per-sequence sdpa: memfit.train.varlen_attention), then
 backward and DeepSpeed's FusedAdam step (benchmarks/bench_dpo_vs_trl.py `fused_adamw`, the
 optimizer memfit's DeepSpeed config builds), on the plain torch model, as
 benchmarks/bench_trainer_speed.py drives it. The demo model (config/models/demo-tiny.json, built by
@@ -106,12 +106,18 @@ class Trainer:
     """The demo model, its optimizer and a padded and a padding-free StepRunner over the same weights."""
 
     def __init__(self, model_dir: Path, pad_id: int, method: str, finetune: str, a) -> None:
+        from memfit.train import varlen_attention
         from memfit.train.steps import StepRunner
 
+        # memfit's per-sequence sdpa, as the trainer loads a padding_free sdpa candidate
+        # (memfit.train.modeling.attn_implementation); a padded batch, carrying its 2-D mask, runs
+        # transformers' own sdpa on it (tests/test_varlen_attention.py), so both sides share weights
+        attn = varlen_attention.register()
+
         torch.manual_seed(a.seed)
-        self.policy, ref, ref_mode = load_model(model_dir), None, "model"
+        self.policy, ref, ref_mode = load_model(model_dir, attn), None, "model"
         if method == "dpo" and finetune == "full":
-            ref = load_model(model_dir).eval().requires_grad_(False)
+            ref = load_model(model_dir, attn).eval().requires_grad_(False)
         if finetune == "lora":
             from bench_trainer_speed import lora_config
             from peft import get_peft_model

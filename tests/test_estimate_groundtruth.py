@@ -31,6 +31,7 @@ from memfit.estimate.models.arch import ModelArch
 from memfit.estimate.models.catalog import GPU
 from memfit.space import Candidate
 from memfit.train.memory import AllocationTracker
+from memfit.train.modeling import attn_implementation
 from memfit.train.steps import StepRunner
 
 CPU = GPU(
@@ -133,9 +134,10 @@ class _Engine:
 
 def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int | None = None, pad: int = 0) -> int:
     """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
-    model = build_model(kind, cand.attn)
+    attn = attn_implementation(cand)  # the trainer's: padding_free sdpa runs memfit's per-sequence sdpa
+    model = build_model(kind, attn)
     ref = (
-        build_model(kind, cand.attn).eval().requires_grad_(False) if (method == "dpo" and cand.ref == "model") else None
+        build_model(kind, attn).eval().requires_grad_(False) if (method == "dpo" and cand.ref == "model") else None
     )
     if cand.finetune == "lora":
         model = get_peft_model(

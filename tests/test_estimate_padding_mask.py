@@ -23,6 +23,7 @@ from memfit.data import worst_case_batch
 from memfit.estimate import Settings, estimate
 from memfit.space import Candidate
 from memfit.train.loop import Run
+from memfit.train.modeling import attn_implementation
 from memfit.train.steps import StepRunner
 
 SEQ = 96  # the demo model's context is 128; its prepared rows are at most 32 tokens
@@ -48,10 +49,11 @@ def _probe_step(demo_model, data_dir, micro_batch: int, monkeypatch, padding_fre
     trainer = SimpleNamespace(
         _probe_units=None,
         cfg=SimpleNamespace(packing=False, data_dir=str(data_dir), method="sft"),
-        cand=Candidate(micro_batch=micro_batch, seq_len=SEQ, attn="sdpa"),
+        cand=Candidate(micro_batch=micro_batch, seq_len=SEQ, attn="sdpa", padding_free=padding_free),
     )
     rows = Run._worst_case_units(trainer)
-    model = AutoModelForCausalLM.from_pretrained(demo_model, attn_implementation="sdpa").train()
+    attn = attn_implementation(trainer.cand)  # the trainer's (memfit.train.modeling)
+    model = AutoModelForCausalLM.from_pretrained(demo_model, attn_implementation=attn).train()
     runner = StepRunner("sft", _Engine(model), None, pad_id=model.config.pad_token_id, padding_free=padding_free)
     calls = []
     real = sdpa_attention.torch.nn.functional.scaled_dot_product_attention

@@ -113,29 +113,35 @@ def test_sft_packing_prices_the_packs_full(config, tmp_path):
     assert dpo.row_length_quantiles is not None  # packing is SFT's
 
 
-@pytest.mark.parametrize(("method", "case"), [("sft", "u512/4"), ("dpo", "u128/4")])
-def test_padding_free_is_no_longer_predicted_faster_where_it_measured_slower(method, case):
-    """benchmarks/bench_padding_free.py measured padding-free slower than padded on these rows
-    (benchmarks/results/padding_free_cpu.json); priced on the mean tokens only against rows of
-    seq_len, SFT u512/4 was predicted faster. With the expected longest row, neither is."""
-    from predict_padding_free import REPO, case_rows, case_seq_len, predicted_gain
+def _measured():
+    from predict_padding_free import REPO
 
-    measured = json.loads((REPO / "benchmarks/results/padding_free_cpu.json").read_text())
-    (run,) = [r for r in measured["results"] if (r["method"], r["finetune"], r["case"]) == (method, "full", case)]
+    return json.loads((REPO / "benchmarks/results/padding_free_cpu.json").read_text())
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_the_predicted_padding_free_gain_follows_the_measured_one(method, demo_model, repo, tmp_path):
+    """benchmarks/bench_padding_free.py measured padding-free faster than padded on every case
+    (memfit's per-sequence sdpa); with the expected longest row of a micro batch the estimate
+    predicts every case's gain within 20% of the measurement, heavy-tailed rows within 40% (their
+    per-sequence block pads every sequence to the longest: the estimate prices the rows' own
+    tokens), where the mean tokens alone against rows of seq_len predicted up to 3.6x the measured
+    gain (benchmarks/results/padding_free_predicted.json)."""
+    from predict_padding_free import case_rows, case_seq_len, predicted_gain
+
+    from memfit import data
+
+    # the demo's rows as the benchmark prepares them
+    data.prepare(method, repo / f"data/demo/{method}.jsonl", demo_model, tmp_path / method, max_len=64, eval_fraction=0.05)  # fmt: skip
+    measured = _measured()
     s = measured["settings"]
-    rows = case_rows(method, case, s["rows"], s["seed"], None)
-    before = predicted_gain(method, rows, case_seq_len(case), s["batch"], quantiles=False)
-    now = predicted_gain(method, rows, case_seq_len(case), s["batch"])
-    assert run["gain"] < 1 and now < 1 and now < before
-
-
-def test_the_heavy_tailed_gain_is_no_longer_inflated():
-    """SFT on heavy-tailed rows measured 2.38x; rows of seq_len priced it at 6.7x, the expected
-    longest row within 25% of the measurement."""
-    from predict_padding_free import REPO, case_rows, predicted_gain
-
-    measured = json.loads((REPO / "benchmarks/results/padding_free_cpu.json").read_text())
-    (run,) = [r for r in measured["results"] if (r["method"], r["finetune"], r["case"]) == ("sft", "full", "heavy")]
-    rows = case_rows("sft", "heavy", measured["settings"]["rows"], measured["settings"]["seed"], None)
-    assert predicted_gain("sft", rows, 512, 8, quantiles=False) > 2 * run["gain"]
-    assert predicted_gain("sft", rows, 512, 8) == pytest.approx(run["gain"], rel=0.25)
+    worst_before = 0.0
+    for run in (r for r in measured["results"] if (r["method"], r["finetune"]) == (method, "full")):
+        rows = case_rows(method, run["case"], s["rows"], s["seed"], tmp_path)
+        now = predicted_gain(method, rows, case_seq_len(run["case"]), s["batch"])
+        before = predicted_gain(method, rows, case_seq_len(run["case"]), s["batch"], quantiles=False)
+        assert run["gain"] > 1 and now > 1, run
+        tolerance = 0.40 if run["case"] == "heavy" else 0.20
+        assert now == pytest.approx(run["gain"], rel=tolerance), (run["case"], now, run["gain"])
+        worst_before = max(worst_before, before / run["gain"])
+    assert worst_before > 2  # the heavy-tailed rows, priced on rows of seq_len

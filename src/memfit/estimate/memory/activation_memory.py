@@ -156,6 +156,14 @@ def _layer_saved(cand: Candidate, settings: Settings, step: MicroStep, moe: bool
             # output (ulysses_sp.py _partition_global_sequence; measured: +d t qd per layer, demo model)
             layer += d * t * qd
         layer += _padding_mask_extra(cand, settings, step)
+        if step.packed_seqs and cand.attn == "sdpa":
+            # padding_free: memfit's per-sequence sdpa (memfit.train.varlen_attention) gathers the
+            # kernel's [sequences, heads, longest, d] output back into the row's order, a tensor of
+            # its own that o_proj saves where it trains; and the two gathers keep their int64
+            # indices (the block's reads and the tokens' slots: t each in the probes' worst case).
+            # Measured with saved-tensor hooks on the groundtruth Llama: +d t qd + 16 t a layer
+            # (tests/test_padding_free_search.py)
+            layer += (d * t * qd if step.trainable(names["o"]) else 0) + 16 * t
     if moe:  # residual + second norm (its output saved by the trained router/experts/shared)
         trained = step.full or step.expert_adapters
         layer += step.rmsnorm(trained or any(step.trainable(n) for n in names["up"]))

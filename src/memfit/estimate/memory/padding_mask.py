@@ -21,15 +21,12 @@ def _padded(cand: Candidate, settings: Settings, step: MicroStep) -> bool:
     sequence parallelism memfit passes positions, no mask (Ulysses masks causally from them:
     memfit.train.sequence_parallel.shard_batch).
 
-    padding_free (`MicroStep.packed_seqs`): the one row of 2+ sequences carries no attention mask
-    but position ids restarting per sequence; transformers 5.24 finds the sequences in them
-    (masking_utils.py `_preprocess_mask_arguments` -> `find_packed_sequence_indices`, only when
-    no mask is given) and builds the block-causal [1, 1, T, T] bool mask of the row
-    (`sdpa_mask` with `packed_sequence_mask_function`; `allow_is_causal_skip` is off for packed
-    sequences), so the terms are the padded ones with b = 1 and s = T, whatever
-    `Settings.padding_mask` says (a row of one sequence: none)."""
+    padding_free (`MicroStep.packed_seqs`): the one row carries no mask under sdpa either: memfit
+    runs it through its per-sequence sdpa (memfit.train.varlen_attention, no mask built, SDPA's
+    causal kernel and own GQA on each sequence's block; `varlen_attention.mask_function`), whatever
+    `Settings.padding_mask` says. (Eager's [1, 1, T, T] mask is `_attention_forward`'s.)"""
     if step.packed_seqs:
-        return cand.attn == "sdpa" and step.packed_seqs >= 2
+        return False
     return cand.attn == "sdpa" and settings.padding_mask and step.seqs >= 2 and cand.sequence_parallel <= 1
 
 

@@ -31,10 +31,11 @@ def step_flops(
     when tied to the embedding); LoRA skips weight gradients (4 instead of 6); DPO's reference
     adds a forward (2). tests/test_inventory.py checks this against FlopCounterMode on the traced
     step of the same model. `seq_len`: tokens per sequence other than the candidate's (the data's
-    mean or a padded micro batch's expected longest row, `data_scale.data_scale`). padding_free under sdpa or eager: the one row's block-causal mask
-    is a dense [T, T] mask to SDPA's math kernel and to eager's matmul, so a token attends over the
-    whole row of the micro step's T tokens, masked (transformers masking_utils.py `sdpa_mask`;
-    flash-attention's varlen kernel over its own sequence only, cu_seqlens). Mixture-of-experts: a token runs through its top-k routed
+    mean or a padded micro batch's expected longest row, `data_scale.data_scale`). padding_free
+    under eager: the one row's block-causal mask is a dense [T, T] mask to eager's matmul, so a
+    token attends over the whole row of the micro step's T tokens, masked (transformers
+    masking_utils.py `eager_mask`); flash-attention's varlen kernel (cu_seqlens) and memfit's
+    per-sequence sdpa (memfit.train.varlen_attention) over its own sequence only. Mixture-of-experts: a token runs through its top-k routed
     experts only, so the parameters are the ACTIVE ones (`ModelArch.num_active_params()`; Fedus
     et al. 2022, Switch Transformer, sec. 2: FLOPs per token follow the active parameters);
     routing's own FLOPs (softmax, top-k) are negligible. `recompute=False` leaves out what
@@ -60,7 +61,7 @@ def step_flops(
     # (core.per_rank) and attends for heads / SP over all seq_len: per rank the same as its
     # tokens over seq_len x SP attended positions
     attended = s * cand.sequence_parallel
-    if cand.padding_free and cand.attn != "flash":  # over the whole row (above)
+    if cand.padding_free and cand.attn == "eager":  # over the whole row (above)
         attended = grad_seqs(cand, method) * s
     attention = 2 * arch.num_layers * attended * arch.num_attention_heads * arch.head_dim
     # the embedding is a lookup, not a matmul; the head is one (h x V) even when it shares the

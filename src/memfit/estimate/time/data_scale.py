@@ -10,9 +10,9 @@ calibration measures that shape (space.compute_key). Training computes less:
   `pad_to` None in training): its compute is scaled to the expected longest row of a micro batch
   (`expected_longest`, from `Settings.row_length_quantiles`, stats.json `length.quantiles`).
 
-Both by the model FLOPs at those lengths over those at seq_len (`costs.step_flops`: under sdpa and
-eager a padding_free row's attention covers the whole row, T x T, masked; flash-attention's varlen
-kernel each sequence's own square). The worst case is kept (`Estimate.step_time_worst_case_s`): a
+Both by the model FLOPs at those lengths over those at seq_len (`costs.step_flops`: under eager a
+padding_free row's attention covers the whole row, T x T, masked; flash-attention's varlen kernel
+and memfit's per-sequence sdpa each sequence's own square). The worst case is kept (`Estimate.step_time_worst_case_s`): a
 probe compares with it (memfit.workflow.probe), and the selection scales a measured probe by the
 same ratio (memfit.estimate.selection). Without the data's statistics, or for SFT packing (packs
 fill to seq_len: the workflow passes no statistics, memfit.workflow.pipeline), the worst case is
@@ -98,8 +98,8 @@ def data_time(
     without the data's lengths is left as it was (no worst case kept). The calibration and the
     CPU's modelled step price the padding_free row itself (its compute key; `costs.step_flops`);
     the GPU roofline (`terms`) prices the padded batch's operations, so a padding_free candidate's
-    compute is first scaled by the worst-case row's model FLOPs over the padded batch's (the row's
-    T x T attention)."""
+    compute is first scaled by the worst-case row's model FLOPs over the padded batch's (eager: the
+    row's T x T attention; 1 otherwise)."""
     lever = "padding_free" if cand.padding_free else "padded"
     real = data_tokens(cand, settings)
     if not cand.padding_free and real is None:
