@@ -73,6 +73,7 @@ Usage: .venv/bin/python benchmarks/bench_trainer_speed.py [--steps 20 --warmup 5
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -200,9 +201,13 @@ def run_one(name: str, opts: dict, method: str, finetune: str, ctx: dict, a, out
         if method == "sft":
             return run_trl_sft(model_dir, rows, a, out, peft, load=ctx["load"], **opts)
         return run_trl(model_dir, ctx["records"], a, out, peft, load=ctx["load"], **opts)
-    return run_memfit(
-        model_dir, rows, a, pad_id, method, peft, load=ctx["memfit_load"], autocast=ctx["autocast"], **opts
-    )
+    load = ctx["memfit_load"]
+    if opts.get("padding_free") and load.attn == "sdpa":
+        from memfit.train import varlen_attention
+
+        # as memfit.train.modeling.attn_implementation loads a padding_free sdpa candidate
+        load = dataclasses.replace(load, attn=varlen_attention.register())
+    return run_memfit(model_dir, rows, a, pad_id, method, peft, load=load, autocast=ctx["autocast"], **opts)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

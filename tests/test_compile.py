@@ -48,7 +48,7 @@ def test_compiled_steps_train_like_eager(shared_runs, tmp_path, zero):
     )
 
 
-def _lora_step(demo_model, rows, compiled: bool):
+def _lora_step(demo_model, rows, compiled: bool, padding_free: bool = False):
     """One SFT forward and backward of the demo model as the trainer builds it for a LoRA candidate
     with gradient checkpointing and the chunked loss (no DeepSpeed): loss, adapter gradients."""
     import torch
@@ -61,31 +61,34 @@ def _lora_step(demo_model, rows, compiled: bool):
     torch.manual_seed(0)  # the same LoRA initialisation both times
     cand = Candidate.from_dict(
         {"finetune": "lora", "lora_rank": 8, "grad_ckpt": True, "loss_impl": "chunked", "precision": "fp32"}
+        | {"padding_free": padding_free}
     )
     model = load_model(str(demo_model), cand, trainable=True)
     if compiled:
         compile_layers(model)
     model.train()
-    runner = StepRunner("sft", model, None, 0, loss_impl="chunked", loss_chunk_tokens=64)
+    runner = StepRunner("sft", model, None, 0, loss_impl="chunked", loss_chunk_tokens=64, padding_free=padding_free)
     loss, _, _ = runner.loss(rows)
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_compiled_lora_checkpointed_chunked_step_equals_eager(demo_model, demo_data):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_compiled_lora_checkpointed_chunked_step_equals_eager(demo_model, demo_data, padding_free):
     """LoRA adapters, gradient checkpointing (the compiled layer is recomputed in the backward) and
     the chunked loss (hooks on the eager head) under compile: the loss within 1e-5 and the adapters'
     gradients within 1e-4 relative of eager (fp32 rounding of inductor's fused elementwise ops, see
-    the module docstring), and one compiled graph serves all 4 layers."""
+    the module docstring), and one compiled graph serves all 4 layers; padding_free too (memfit's
+    per-sequence sdpa compiled inside the layer, its sequences' lengths an input of the graph)."""
     import torch
     from torch._dynamo.utils import counters
 
     from memfit.data import load_split
 
     rows = load_split(demo_data / "sft", "train")[:8]
-    eager_loss, eager_grads = _lora_step(demo_model, rows, False)
+    eager_loss, eager_grads = _lora_step(demo_model, rows, False, padding_free)
     counters.clear()
-    loss, grads = _lora_step(demo_model, rows, True)
+    loss, grads = _lora_step(demo_model, rows, True, padding_free)
     assert counters["stats"]["unique_graphs"] == 1  # regional: the layers share one compiled code object
     assert loss == pytest.approx(eager_loss, abs=1e-5)
     assert grads.keys() == eager_grads.keys() and any("lora_A" in n for n in grads)
