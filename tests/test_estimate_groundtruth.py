@@ -136,9 +136,7 @@ def measure(kind: str, method: str, cand: Candidate, steps: int = 2, chunk: int 
     """Peak live bytes of `steps` optimizer steps, as memfit's trainer runs them (train.py)."""
     attn = attn_implementation(cand)  # the trainer's: padding_free sdpa runs memfit's per-sequence sdpa
     model = build_model(kind, attn)
-    ref = (
-        build_model(kind, attn).eval().requires_grad_(False) if (method == "dpo" and cand.ref == "model") else None
-    )
+    ref = build_model(kind, attn).eval().requires_grad_(False) if (method == "dpo" and cand.ref == "model") else None
     if cand.finetune == "lora":
         model = get_peft_model(
             model,

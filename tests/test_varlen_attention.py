@@ -63,9 +63,11 @@ def test_each_sequence_of_the_row_computes_what_it_computes_alone(config):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_the_attention_runs_on_the_sequences_block_without_a_mask(monkeypatch):
+def test_the_attention_runs_on_the_sequences_blocks_without_a_mask(monkeypatch):
     """SDPA sees [sequences, heads, longest, head_dim] under its causal kernel with its own GQA and no
-    mask: the 4 sequences' block of 4 x 12 slots, not the row's 27 x 27 square."""
+    mask: the sequences of 7, 3, 12 and 5 tokens as a block of the 12 and one of the other three
+    padded to 7 (1 x 144 + 3 x 49 score positions, against 4 x 144 in one block), never the row's
+    27 x 27 square."""
     varlen_attention.register()
     model = _model(LlamaConfig(**SMALL), varlen_attention.NAME)
     calls = []
@@ -78,7 +80,16 @@ def test_the_attention_runs_on_the_sequences_block_without_a_mask(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     _, ids, positions = _row(LENGTHS)
     model(input_ids=ids, position_ids=positions, **varlen_attention.seq_lens_kwargs(positions))
-    assert calls == [((4, 4, 12, 16), (4, 2, 12, 16), None, True, True)] * 2
+    layer = [((1, 4, 12, 16), (1, 2, 12, 16), None, True, True), ((3, 4, 7, 16), (3, 2, 7, 16), None, True, True)]
+    assert calls == layer * 2
+
+
+def test_one_long_sequence_gets_a_block_of_its_own():
+    """Sequences of similar lengths share one block; one long sequence among short ones (heavy-tailed
+    lengths) gets its own, when that saves a quarter of the single block's S x M^2."""
+    assert varlen_attention.split_blocks([20, 18, 19, 17]) == [[0, 2, 1, 3]]
+    assert varlen_attention.split_blocks([30, 400, 25, 41, 28]) == [[1], [3, 0, 4, 2]]
+    assert varlen_attention.split_blocks([5]) == [[0]]
 
 
 def test_a_padded_batch_on_the_same_model_runs_transformers_masked_sdpa():
@@ -107,9 +118,14 @@ def test_a_row_of_sequences_without_their_lengths_is_refused():
 
 
 def test_sequence_lengths_from_the_position_ids():
-    kw = varlen_attention.seq_lens_kwargs(torch.tensor([[0, 1, 2, 0, 0, 1]]))
-    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 4, 6] and kw["max_length_q"] == 3
+    kw = varlen_attention.seq_lens_kwargs(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]]))
+    assert kw["cu_seq_lens_q"].tolist() == [0, 3, 5, 8] and kw["max_length_q"] == 3
     assert kw["cu_seq_lens_k"] is kw["cu_seq_lens_q"] and kw["max_length_k"] == 3
+    # lengths 3, 2, 3 in one block of 3 x 3 slots, longest first; the short one's last slot reads token 0
+    (block,), slot_of = kw["memfit_blocks"]
+    reads, seqs, longest = block
+    assert (seqs, longest) == (3, 3) and reads.tolist() == [0, 1, 2, 5, 6, 7, 3, 4, 0]
+    assert slot_of.tolist() == [0, 1, 2, 6, 7, 3, 4, 5]
     with pytest.raises(ValueError, match="start every sequence at 0"):
         varlen_attention.seq_lens_kwargs(torch.tensor([[1, 2, 0, 1]]))
 
