@@ -243,7 +243,7 @@ def levers(cand: dict[str, Any]) -> int:
         bool(cand.get("tiled_mlp")),
         bool(cand.get("activation_offload")),
         # the speed levers: when they win nothing measurable, the plain step (no compile time, no
-        # block mask) is the one to keep
+        # gathers into per-sequence blocks) is the one to keep
         bool(cand.get("padding_free")),
         bool(cand.get("compile")),
         cand.get("kernels", "none") != "none",

@@ -108,7 +108,9 @@ def collate_packed(
     position is not the previous one + 1) and builds a block-diagonal causal mask for sdpa and
     eager, so no token attends across a row boundary; flash_attention_2 derives cu_seqlens from
     them (modeling_flash_attention_utils._is_packed_sequence / prepare_fa_kwargs_from_position_ids)
-    but only for batch size 1, hence `flatten` ([1, B*L]) for flash. Padding at the end of a
+    but only for batch size 1, hence `flatten` ([1, B*L]) for flash. A padding-free row also
+    passes the sequences explicitly (memfit.train.steps.StepRunner.row_inputs), which memfit's
+    per-sequence sdpa needs (memfit.train.varlen_attention). Padding at the end of a
     pack is never a target; it forms sequences of its own (`_padding_positions`). The first token of
     each row is never a target: unpacked nothing predicts it, packed the previous row's last
     token would. RoPE sees the same positions as unpacked, so the loss equals the unpacked one.
