@@ -25,7 +25,8 @@ other load on the machine spreads over all of them:
   memfit+compile: regional torch.compile of the decoder layers (memfit.train.compile, RunConfig.compile);
   the steps that compiled a graph (the first, a new batch length, a batch without padding) are not
   measured but summed as compile_s, and the run goes on until --steps steps compiled nothing;
-  memfit+padding_free: RunConfig.padding_free (SFT and DPO); memfit+liger: kernels liger (as trl+liger).
+  memfit+padding_free: RunConfig.padding_free (SFT and DPO); memfit+compile+padding_free: both levers;
+  memfit+liger: kernels liger (as trl+liger).
 
 The padding share per method (of the tokens a padded batch of --batch rows or pairs computes, the
 share that is padding: mean over 1,000 batches drawn from the same rows) is printed beside the table:
@@ -164,6 +165,7 @@ def variants(method: str) -> list[tuple[str, dict]]:
         ("memfit", {}),
         ("memfit+compile", {"compile": True}),
         ("memfit+padding_free", {"padding_free": True}),
+        ("memfit+compile+padding_free", {"compile": True, "padding_free": True}),
         ("memfit+liger", {"kernels": "liger"}),
     ]
 
