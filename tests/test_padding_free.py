@@ -236,7 +236,7 @@ def _flash_missing() -> str | None:
 @pytest.mark.skipif(_flash_missing() is not None, reason=str(_flash_missing()))
 def test_padding_free_under_flash_attention_equals_the_padded_batch(demo_model, sft_rows):
     """On a GPU with flash-attn: the one concatenated row goes through flash-attention's varlen kernel
-    (transformers derives cu_seqlens from the restarting position ids for a batch of one row) and
+    (the row's cu_seq_lens and max_length, which memfit passes: StepRunner.row_inputs) and
     its bf16 loss equals the padded batch's within bf16 rounding (1e-2 relative)."""
     rows = mixed_rows(sft_rows)
     cand = Candidate.from_dict({"attn": "flash", "precision": "bf16"})
